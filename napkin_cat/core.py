@@ -1,0 +1,534 @@
+"""Axis-typed monoidal category: axes, dtypes, array types, boxes and diagrams.
+
+A :class:`Diagram` is a morphism ``dom -> cod`` between tuples of named-axis arrays.  It is
+stored as a small typed IR (as in JAX's jaxprs): variables ``0 .. len(dom)-1`` are the inputs,
+each :class:`Eqn` applies a :class:`Box` to earlier variables and defines the next variables in
+order, and ``outs`` says which variables form the codomain.  Copy, discard, swaps and
+identities are pure wiring (a variable used twice, never, or out of order), so ``>>`` and ``@``
+are two renumberings, defined once here.
+
+Laws (checked numerically in tests/test_laws.py)::
+
+    >>> import napkin_cat as nc
+    >>> a, b = nc.axes("a b")
+    >>> f = nc.library.matmul(a=a, b=b, c=a)
+    >>> (f >> nc.Diagram.id(f.cod)) == f == (nc.Diagram.id(f.dom) >> f)
+    True
+    >>> eval(repr(f)) == f
+    True
+
+This module imports neither NumPy nor sympy: sizes are ints or symbol *names* (str), turned
+into sympy symbols in :mod:`napkin_cat.symbols`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Iterator, Sequence
+
+from . import errors
+from .errors import RelabelError, TypingError
+
+Size = int | str
+
+
+# --------------------------------------------------------------------------- axes and dtypes
+
+@dataclass(frozen=True, slots=True)
+class Axis:
+    """A named axis.  ``size`` is a positive int, or a str naming a symbolic size."""
+
+    name: str
+    size: Size = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise TypingError(f"axis name must be an identifier, got {self.name!r}")
+        if self.size is None:
+            object.__setattr__(self, "size", self.name)
+        if isinstance(self.size, bool) or not isinstance(self.size, (int, str)):
+            raise TypingError(f"axis {self.name}: size must be an int or a symbol name, got {self.size!r}")
+        if isinstance(self.size, int) and self.size < 1:
+            raise TypingError(f"axis {self.name}: size must be >= 1, got {self.size}")
+
+    @property
+    def symbolic(self) -> bool:
+        return isinstance(self.size, str)
+
+    def describe(self) -> str:
+        return self.name if self.symbolic and self.size == self.name else f"{self.name}={self.size}"
+
+    def bind(self, sizes: dict) -> "Axis":
+        for key in (self, self.name):
+            if key in sizes:
+                return Axis(self.name, _int_size(self.name, sizes[key]))
+        if self.symbolic and self.size in sizes:
+            return Axis(self.name, _int_size(self.name, sizes[self.size]))
+        return self
+
+    def __repr__(self) -> str:
+        return f"Axis({self.name!r}, {self.size!r})"
+
+
+def _int_size(name: str, value) -> Size:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypingError(f"axis {name}: size must be a positive integer, got {value!r}")
+    value = int(value)
+    if value < 1:
+        raise TypingError(f"axis {name}: size must be >= 1, got {value}")
+    return value
+
+
+def axes(names: str, **sizes: int) -> tuple[Axis, ...]:
+    """``q, x, d = axes("q x d")``: symbolic axes; ``axes("q d", q=48)`` fixes some sizes."""
+    out = tuple(Axis(n, sizes.get(n, n)) for n in names.replace(",", " ").split())
+    if len(out) == 1:
+        return out  # still a tuple: ``q, = axes("q")``
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    name: str
+    bytes: int
+    kind: str = "float"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+f32 = DType("f32", 4)
+f16 = DType("f16", 2)
+bf16 = DType("bf16", 2)
+fp8_e4m3 = DType("fp8_e4m3", 1)
+fp8_e5m2 = DType("fp8_e5m2", 1)
+i8 = DType("i8", 1, "int")
+f64 = DType("f64", 8)
+DTYPES = {d.name: d for d in (f32, f16, bf16, fp8_e4m3, fp8_e5m2, i8, f64)}
+
+
+# --------------------------------------------------------------------------- array types
+
+@dataclass(frozen=True, slots=True)
+class Array:
+    """An array type: ordered named axes and a dtype.  ``name`` labels the wire only."""
+
+    axes: tuple[Axis, ...]
+    dtype: DType = f32
+    name: str = field(default="_", compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes", tuple(self.axes))
+        names = [a.name for a in self.axes]
+        if len(set(names)) != len(names):
+            raise TypingError(f"array {self.name}: repeated axis in {names}")
+        for a in self.axes:
+            if not isinstance(a, Axis):
+                raise TypingError(f"array {self.name}: axes must be Axis values, got {a!r}")
+
+    def __repr__(self) -> str:
+        return f"Array({self.axes!r}, {self.dtype!r}, {self.name!r})"
+
+    def __str__(self) -> str:
+        return errors.describe_array(self)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.axes)
+
+    def has(self, axis: Axis | str) -> bool:
+        name = axis if isinstance(axis, str) else axis.name
+        return name in self.axis_names
+
+    def named(self, name: str) -> "Array":
+        return Array(self.axes, self.dtype, name)
+
+    def with_axes(self, new_axes: Iterable[Axis]) -> "Array":
+        return Array(tuple(new_axes), self.dtype, self.name)
+
+    def with_dtype(self, dtype: DType) -> "Array":
+        return Array(self.axes, dtype, self.name)
+
+    def bind(self, sizes: dict) -> "Array":
+        return Array(tuple(a.bind(sizes) for a in self.axes), self.dtype, self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class Ty:
+    """A tuple of arrays: the objects of the category.  ``@`` concatenates."""
+
+    arrays: tuple[Array, ...] = ()
+
+    def __init__(self, *arrays: Array):
+        flat: list[Array] = []
+        for a in arrays:
+            flat.extend(a.arrays if isinstance(a, Ty) else (a,))
+        object.__setattr__(self, "arrays", tuple(flat))
+
+    def __iter__(self) -> Iterator[Array]:
+        return iter(self.arrays)
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def __getitem__(self, i):
+        return Ty(*self.arrays[i]) if isinstance(i, slice) else self.arrays[i]
+
+    def __matmul__(self, other: "Ty") -> "Ty":
+        return Ty(*self.arrays, *other.arrays)
+
+    def __repr__(self) -> str:
+        return f"Ty({', '.join(map(repr, self.arrays))})"
+
+    def __str__(self) -> str:
+        return errors.describe_ty(self)
+
+    def bind(self, sizes: dict) -> "Ty":
+        return Ty(*(a.bind(sizes) for a in self.arrays))
+
+
+def _as_ty(x) -> Ty:
+    if isinstance(x, Ty):
+        return x
+    if isinstance(x, Array):
+        return Ty(x)
+    return Ty(*x)
+
+
+# --------------------------------------------------------------------------- boxes
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A generator: ``kind`` selects the rule in every interpretation table (NumPy, torch,
+    cost, lowering); ``params`` is a sorted tuple of ``(key, value)`` pairs."""
+
+    kind: str
+    dom: Ty
+    cod: Ty
+    params: tuple[tuple[str, Any], ...] = ()
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "dom", _as_ty(self.dom))
+        object.__setattr__(self, "cod", _as_ty(self.cod))
+        object.__setattr__(self, "params", tuple(sorted(tuple(self.params))))
+        if not self.name:
+            object.__setattr__(self, "name", self.kind)
+
+    def param(self, key: str, default: Any = ...) -> Any:
+        for k, v in self.params:
+            if k == key:
+                return v
+        if default is ...:
+            raise KeyError(f"box {self.name} ({self.kind}) has no parameter {key!r}")
+        return default
+
+    def __repr__(self) -> str:
+        return f"Box({self.kind!r}, {self.dom!r}, {self.cod!r}, {self.params!r}, {self.name!r})"
+
+    def diagram(self) -> "Diagram":
+        n = len(self.dom)
+        return Diagram(self.dom, self.cod, (Eqn(self, tuple(range(n))),), tuple(range(n, n + len(self.cod))))
+
+    def bind(self, sizes: dict) -> "Box":
+        return Box(self.kind, self.dom.bind(sizes), self.cod.bind(sizes),
+                   tuple((k, _bind_param(v, sizes)) for k, v in self.params), self.name)
+
+
+def _bind_param(value, sizes):
+    if isinstance(value, Axis):
+        return value.bind(sizes)
+    if isinstance(value, tuple):
+        return tuple(_bind_param(v, sizes) for v in value)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Eqn:
+    """``box`` applied to variables ``ins``; its outputs are the next ``len(box.cod)`` ids."""
+
+    box: Box
+    ins: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return f"Eqn({self.box!r}, {self.ins!r})"
+
+
+# --------------------------------------------------------------------------- relabelings
+
+@dataclass(frozen=True, slots=True)
+class Relabel:
+    """One relabeling recorded on a diagram: ``tile``, ``stream``, ``place``, ``require``,
+    ``order``.  The meaning lives in :mod:`napkin_cat.relabel`; the core only stores them."""
+
+    op: str
+    axis: str = ""
+    size: Size | None = None
+    level: str = ""
+    extra: tuple = ()
+
+    def __repr__(self) -> str:
+        return f"Relabel({self.op!r}, {self.axis!r}, {self.size!r}, {self.level!r}, {self.extra!r})"
+
+
+# --------------------------------------------------------------------------- diagrams
+
+@dataclass(frozen=True, slots=True)
+class Diagram:
+    """A morphism ``dom -> cod``.  Build with the library, boxes, ``>>``, ``@`` and
+    ``weave``; relabel with ``tile``/``stream``/``place``/``require``/``order``."""
+
+    dom: Ty
+    cod: Ty
+    eqns: tuple[Eqn, ...] = ()
+    outs: tuple[int, ...] = ()
+    schedule: tuple[Relabel, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "dom", _as_ty(self.dom))
+        object.__setattr__(self, "cod", _as_ty(self.cod))
+        object.__setattr__(self, "eqns", tuple(self.eqns))
+        object.__setattr__(self, "outs", tuple(self.outs))
+        object.__setattr__(self, "schedule", tuple(self.schedule))
+        types = self.var_types()
+        if len(self.outs) != len(self.cod):
+            raise TypingError(f"diagram has {len(self.outs)} outputs but cod has {len(self.cod)} arrays")
+        for i, (v, a) in enumerate(zip(self.outs, self.cod)):
+            if not 0 <= v < len(types) or types[v] != a:
+                raise TypingError(f"output {i} of the diagram is {types[v] if 0 <= v < len(types) else v}"
+                                  f" but cod says {a}")
+
+    # ---- variables
+    def var_types(self) -> tuple[Array, ...]:
+        types = list(self.dom)
+        for k, e in enumerate(self.eqns):
+            for pos, v in enumerate(e.ins):
+                if not 0 <= v < len(types):
+                    raise TypingError(f"equation {k} ({e.box.name}) reads undefined variable {v}")
+                if types[v] != e.box.dom[pos]:
+                    raise TypingError(f"equation {k} ({e.box.name}) input {pos}: wire carries "
+                                      f"{types[v]}, box expects {e.box.dom[pos]}")
+            if len(e.ins) != len(e.box.dom):
+                raise TypingError(f"equation {k} ({e.box.name}) takes {len(e.box.dom)} inputs, got {len(e.ins)}")
+            types.extend(e.box.cod)
+        return tuple(types)
+
+    def var_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.var_types())
+
+    def eqn_outputs(self, k: int) -> tuple[int, ...]:
+        start = len(self.dom) + sum(len(e.box.cod) for e in self.eqns[:k])
+        return tuple(range(start, start + len(self.eqns[k].box.cod)))
+
+    def boxes(self) -> tuple[Box, ...]:
+        return tuple(e.box for e in self.eqns)
+
+    @property
+    def axes(self) -> tuple[Axis, ...]:
+        """Every axis on any wire, in order of first appearance."""
+        seen: dict[str, Axis] = {}
+        for a in self.var_types():
+            for ax in a.axes:
+                seen.setdefault(ax.name, ax)
+        return tuple(seen.values())
+
+    def axis(self, name: str | Axis) -> Axis:
+        key = name.name if isinstance(name, Axis) else name
+        for ax in self.axes:
+            if ax.name == key:
+                return ax
+        raise TypingError(f"no axis named {key!r} in {self.short()}; axes are {[a.name for a in self.axes]}")
+
+    # ---- constructors
+    @staticmethod
+    def id(ty) -> "Diagram":
+        ty = _as_ty(ty)
+        return Diagram(ty, ty, (), tuple(range(len(ty))))
+
+    @staticmethod
+    def permute(ty, perm: Sequence[int]) -> "Diagram":
+        """Output ``i`` is input ``perm[i]``; ``perm`` may repeat (copy) or omit (discard)."""
+        ty = _as_ty(ty)
+        for p in perm:
+            if not 0 <= p < len(ty):
+                raise TypingError(f"permutation index {p} out of range for {ty}")
+        return Diagram(ty, Ty(*(ty[p] for p in perm)), (), tuple(perm))
+
+    @staticmethod
+    def swap(left, right) -> "Diagram":
+        left, right = _as_ty(left), _as_ty(right)
+        n, m = len(left), len(right)
+        return Diagram.permute(left @ right, [*range(n, n + m), *range(n)])
+
+    @staticmethod
+    def copy(arr: Array, n: int = 2) -> "Diagram":
+        return Diagram.permute(Ty(arr), [0] * n)
+
+    @staticmethod
+    def discard(ty) -> "Diagram":
+        return Diagram.permute(ty, [])
+
+    # ---- composition, defined once
+    def then(self, other: "Diagram") -> "Diagram":
+        _check_unscheduled(self, other, ">>")
+        if self.cod != other.dom:
+            raise TypingError(errors.compose_mismatch(self, other))
+        var_map = list(self.outs)
+        nvars = len(self.var_types())
+        eqns = list(self.eqns)
+        for e in other.eqns:
+            eqns.append(Eqn(e.box, tuple(var_map[v] for v in e.ins)))
+            var_map.extend(range(nvars, nvars + len(e.box.cod)))
+            nvars += len(e.box.cod)
+        return Diagram(self.dom, other.cod, tuple(eqns), tuple(var_map[v] for v in other.outs))
+
+    def tensor(self, other: "Diagram") -> "Diagram":
+        _check_unscheduled(self, other, "@")
+        n, m = len(self.dom), len(other.dom)
+        total = n + m
+        eqns: list[Eqn] = []
+        # self's variables: inputs stay, its equation outputs move up by m
+        map_f = list(range(n))
+        for e in self.eqns:
+            eqns.append(Eqn(e.box, tuple(map_f[v] for v in e.ins)))
+            map_f.extend(range(total, total + len(e.box.cod)))
+            total += len(e.box.cod)
+        map_g = list(range(n, n + m))
+        for e in other.eqns:
+            eqns.append(Eqn(e.box, tuple(map_g[v] for v in e.ins)))
+            map_g.extend(range(total, total + len(e.box.cod)))
+            total += len(e.box.cod)
+        return Diagram(self.dom @ other.dom, self.cod @ other.cod, tuple(eqns),
+                       tuple(map_f[v] for v in self.outs) + tuple(map_g[v] for v in other.outs))
+
+    __rshift__ = then
+    __matmul__ = tensor
+
+    # ---- weaving
+    def weave(self, axis: Axis, inputs: Sequence[int] | None = None) -> "Diagram":
+        """Broadcast over ``axis``: ``out[j] = self(in[j])`` for every index ``j`` (= vmap).
+
+        ``inputs`` lists the inputs mapped over ``axis`` (default: all); the others are shared
+        by every ``j`` (inner broadcasting).  The new axis goes first on every array it
+        reaches; an axis already present is refused.
+        """
+        from .ops import weave_box  # box kinds own their weaving rule
+
+        if not isinstance(axis, Axis):
+            raise TypingError(f"weave needs an Axis, got {axis!r}")
+        if self.schedule:
+            raise RelabelError("weave before relabelling: this diagram already carries " + self._sched_str())
+        mapped = tuple(range(len(self.dom))) if inputs is None else tuple(inputs)
+        for i in mapped:
+            if not 0 <= i < len(self.dom):
+                raise TypingError(f"weave over {axis.name}: input index {i} out of range (dom has {len(self.dom)})")
+        for a in self.var_types():
+            if a.has(axis):
+                raise TypingError(f"cannot weave over {axis.describe()}: wire {a} already has an axis "
+                                  f"named {axis.name}")
+        types = [a.with_axes((axis, *a.axes)) if i in mapped else a for i, a in enumerate(self.dom)]
+        eqns = []
+        for e in self.eqns:
+            has = tuple(types[v].has(axis) for v in e.ins)
+            box = weave_box(e.box, axis, has) if any(has) else e.box
+            eqns.append(Eqn(box, e.ins))
+            types.extend(box.cod)
+        return Diagram(Ty(*types[: len(self.dom)]), Ty(*(types[v] for v in self.outs)), tuple(eqns), self.outs)
+
+    # ---- sizes
+    def bind(self, sizes: dict) -> "Diagram":
+        """Substitute sizes: keys are Axis values, axis names, or symbol names."""
+        return Diagram(self.dom.bind(sizes), self.cod.bind(sizes),
+                       tuple(Eqn(e.box.bind(sizes), e.ins) for e in self.eqns), self.outs,
+                       tuple(_bind_relabel(r, sizes) for r in self.schedule))
+
+    def rename(self, *names: str, inputs: bool = False) -> "Diagram":
+        """Relabel the output (or input) wires' names; types are unchanged."""
+        ty = self.dom if inputs else self.cod
+        if len(names) != len(ty):
+            raise TypingError(f"rename: {len(names)} names for {len(ty)} arrays")
+        new = Ty(*(a.named(n) for a, n in zip(ty, names)))
+        if inputs:
+            return Diagram(new, self.cod, self.eqns, self.outs, self.schedule)
+        return Diagram(self.dom, new, self.eqns, self.outs, self.schedule)
+
+    # ---- relabelings (implemented in relabel.py; kept as methods for the fluent API)
+    def tile(self, axis, size, level: str | None = None) -> "Diagram":
+        from .relabel import tile
+        return tile(self, axis, size, level)
+
+    def stream(self, axis, size, level: str | None = None) -> "Diagram":
+        from .relabel import stream
+        return stream(self, axis, size, level)
+
+    def place(self, array: str, level: str) -> "Diagram":
+        from .relabel import place
+        return place(self, array, level)
+
+    def require(self, axis, multiple_of: int) -> "Diagram":
+        from .relabel import require
+        return require(self, axis, multiple_of)
+
+    def order(self, *axes_) -> "Diagram":
+        from .relabel import order
+        return order(self, *axes_)
+
+    def loop_nest(self):
+        from .loopnest import final_form
+        return final_form(self)
+
+    def unrelabelled(self) -> "Diagram":
+        return Diagram(self.dom, self.cod, self.eqns, self.outs)
+
+    # ---- drawing
+    def draw(self, path: str | None = None, **kwargs):
+        from .drawing import draw
+        return draw(self, path, **kwargs)
+
+    def _repr_svg_(self) -> str:
+        from .drawing import to_svg
+        return to_svg(self)
+
+    # ---- printing
+    def short(self) -> str:
+        return f"[{errors.describe_ty(self.dom)} -> {errors.describe_ty(self.cod)}]"
+
+    def _sched_str(self) -> str:
+        return ", ".join(f"{r.op}({r.axis}{', ' + str(r.size) if r.size is not None else ''})" for r in self.schedule)
+
+    def __str__(self) -> str:
+        s = f"{errors.describe_ty(self.dom)} -> {errors.describe_ty(self.cod)}"
+        if self.schedule:
+            s += "  | " + self._sched_str()
+        return s
+
+    def __repr__(self) -> str:
+        return (f"Diagram({self.dom!r}, {self.cod!r}, {self.eqns!r}, {self.outs!r}"
+                + (f", {self.schedule!r})" if self.schedule else ")"))
+
+    def listing(self) -> str:
+        """One line per equation: ``S[q x] = contract(Q, K)``."""
+        names = [f"{a.name}#{i}" for i, a in enumerate(self.var_types())]
+        lines = [f"in  {', '.join(f'{names[i]}: {a}' for i, a in enumerate(self.dom))}"]
+        for k, e in enumerate(self.eqns):
+            outs = self.eqn_outputs(k)
+            lines.append(f"    {', '.join(names[o] for o in outs)} = {e.box.name}"
+                         f"({', '.join(names[v] for v in e.ins)})")
+        lines.append(f"out {', '.join(names[v] for v in self.outs)}")
+        return "\n".join(lines)
+
+
+def _bind_relabel(r: Relabel, sizes: dict) -> Relabel:
+    size = r.size
+    if isinstance(size, str) and size in sizes:
+        size = _int_size(size, sizes[size])
+    return replace(r, size=size)
+
+
+def _check_unscheduled(f: Diagram, g: Diagram, op: str) -> None:
+    for d in (f, g):
+        if d.schedule:
+            raise RelabelError(f"compose before relabelling: {d.short()} carries {d._sched_str()}; "
+                               f"'{op}' is defined on unrelabelled diagrams")

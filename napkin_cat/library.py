@@ -1,0 +1,173 @@
+"""Library diagrams: the computations the paper and its users care about, built from boxes.
+
+Every diagram here is plain vocabulary (contractions, maps, reductions, softmax, masks) put
+together with the :class:`~napkin_cat.ops.Builder` and :meth:`Diagram.weave`; nothing
+downstream (relabeling, cost, lowering) knows these names.
+
+>>> import napkin_cat as nc
+>>> q, x, d = nc.axes("q x d")
+>>> print(nc.library.attention(q=q, x=x, d=d))
+Q[q d] f32, K[x d] f32, V[x d] f32 -> O[q d] f32
+"""
+
+from __future__ import annotations
+
+from .core import Axis, Diagram, DType, axes, f32
+from .errors import TypingError
+from .ops import AxisPower, Builder, IndexBias, Predicate
+from .ops import causal as causal_predicate, window as window_predicate
+
+
+def _ax(value: Axis | None, name: str) -> Axis:
+    if value is None:
+        return Axis(name, name)
+    if isinstance(value, int):
+        return Axis(name, value)
+    if not isinstance(value, Axis):
+        raise TypingError(f"axis argument {name} must be an Axis or an int, got {value!r}")
+    return value
+
+
+def matmul(a: Axis | None = None, b: Axis | None = None, c: Axis | None = None,
+           dtype: DType = f32) -> Diagram:
+    """``C[a c] = sum_b A[a b] B[b c]``."""
+    a, b, c = _ax(a, "a"), _ax(b, "b"), _ax(c, "c")
+    g = Builder(dtype)
+    A, B = g.input("A", a, b), g.input("B", b, c)
+    return g.diagram(g.contract(A, B, out=(a, c), name="C"))
+
+
+def batched_matmul(batch: Axis | None = None, a: Axis | None = None, b: Axis | None = None,
+                   c: Axis | None = None, dtype: DType = f32) -> Diagram:
+    """``C[n a c] = sum_b A[n a b] B[n b c]``: matmul weaved over the batch axis."""
+    return matmul(a, b, c, dtype).weave(_ax(batch, "n"))
+
+
+def linear(t: Axis | None = None, i: Axis | None = None, o: Axis | None = None,
+           bias: bool = True, activation: str | None = "gelu", dtype: DType = f32) -> Diagram:
+    """``Y[t o] = act(X[t i] W[i o] + b[o])``; ``activation=None`` for none."""
+    t, i, o = _ax(t, "t"), _ax(i, "i"), _ax(o, "o")
+    g = Builder(dtype)
+    X, W = g.input("X", t, i), g.input("W", i, o)
+    Bv = g.input("bias", o) if bias else None
+    Y = g.contract(X, W, out=(t, o), name="Y")
+    if Bv is not None:
+        Y = g.map("add", Y, Bv, out=(t, o))
+    if activation:
+        Y = g.map(activation, Y)
+    return g.diagram(Y, names=["Y"])
+
+
+def mlp(t: Axis | None = None, d: Axis | None = None, h: Axis | None = None,
+        activation: str = "gelu", dtype: DType = f32) -> Diagram:
+    """Two linear layers: ``Y = act(X W1 + b1) W2 + b2``."""
+    t, d, h = _ax(t, "t"), _ax(d, "d"), _ax(h, "f")
+    g = Builder(dtype)
+    X, W1, b1 = g.input("X", t, d), g.input("W1", d, h), g.input("b1", h)
+    W2, b2 = g.input("W2", h, d), g.input("b2", d)
+    H = g.map(activation, g.map("add", g.contract(X, W1, out=(t, h), name="H"), b1, out=(t, h)))
+    Y = g.map("add", g.contract(H, W2, out=(t, d), name="Y"), b2, out=(t, d))
+    return g.diagram(Y, names=["Y"])
+
+
+def softmax(r: Axis | None = None, c: Axis | None = None, dtype: DType = f32) -> Diagram:
+    """Row softmax ``P[r c] = softmax_c(X[r c])``."""
+    r, c = _ax(r, "r"), _ax(c, "c")
+    g = Builder(dtype)
+    return g.diagram(g.softmax(g.input("X", r, c), c, name="P"))
+
+
+def layernorm(t: Axis | None = None, d: Axis | None = None, eps: float = 1e-5,
+              dtype: DType = f32) -> Diagram:
+    """``Y = (X - mean_d X) / sqrt(var_d X + eps) * gamma + beta``."""
+    t, d = _ax(t, "t"), _ax(d, "d")
+    g = Builder(dtype)
+    X, gamma, beta = g.input("X", t, d), g.input("gamma", d), g.input("beta", d)
+    mu = g.reduce("mean", X, d, name="mu")
+    xc = g.map("sub", X, mu, out=(t, d), name="xc")
+    var = g.reduce("mean", g.map("square", xc), d, name="var")
+    inv = g.map("rsqrt", g.map("shift", var, c=eps))
+    Y = g.map("add", g.map("mul", g.map("mul", xc, inv, out=(t, d)), gamma, out=(t, d)), beta, out=(t, d))
+    return g.diagram(Y, names=["Y"])
+
+
+def rmsnorm(t: Axis | None = None, d: Axis | None = None, eps: float = 1e-6,
+            dtype: DType = f32) -> Diagram:
+    """``Y = X / sqrt(mean_d X^2 + eps) * gamma``."""
+    t, d = _ax(t, "t"), _ax(d, "d")
+    g = Builder(dtype)
+    X, gamma = g.input("X", t, d), g.input("gamma", d)
+    inv = g.map("rsqrt", g.map("shift", g.reduce("mean", g.map("square", X), d, name="ms"), c=eps))
+    Y = g.map("mul", g.map("mul", X, inv, out=(t, d)), gamma, out=(t, d))
+    return g.diagram(Y, names=["Y"])
+
+
+def attention(q: Axis | None = None, x: Axis | None = None, d: Axis | None = None, *,
+              dv: Axis | None = None, heads: Axis | None = None, batch: Axis | None = None,
+              groups: Axis | None = None, causal: bool = False, window_size: int | None = None,
+              mask: Predicate | None = None, bias: str | IndexBias | None = None,
+              scale: float | None = None, dtype: DType = f32) -> Diagram:
+    """``O = softmax(Q K^T * scale + bias, masked) V``, one head, then weaved.
+
+    ``scale`` defaults to ``1/sqrt(d)``.  ``heads`` weaves every input over a head axis;
+    ``groups`` (GQA/MQA) weaves only Q over a group axis inside each key/value head, so K and V
+    are shared by the group (inner broadcasting); ``batch`` weaves everything.  ``causal`` /
+    ``window_size`` / ``mask`` add an index-predicate mask; ``bias="input"`` adds an input
+    ``B[q x]`` (shared by heads and batch), an :class:`IndexBias` (e.g. ``alibi(0.5)``) adds a
+    bias computed from indices.
+    """
+    q, x, d = _ax(q, "q"), _ax(x, "x"), _ax(d, "d")
+    dv = d if dv is None else _ax(dv, "e")
+    g = Builder(dtype)
+    Q, K, V = g.input("Q", q, d), g.input("K", x, d), g.input("V", x, dv)
+    B = g.input("B", q, x) if bias == "input" else None
+    S = g.contract(Q, K, out=(q, x), name="S")
+    S = g.map("scale", S, c=AxisPower(d) if scale is None else float(scale))
+    if B is not None:
+        S = g.map("add", S, B, out=(q, x))
+    elif isinstance(bias, IndexBias):
+        S = g.index_bias(S, q, x, bias)
+    elif bias is not None:
+        raise TypingError(f"attention bias must be 'input' or an IndexBias, got {bias!r}")
+    for pred in ([causal_predicate()] if causal else []) + ([window_predicate(window_size)] if window_size else []) + \
+            ([mask] if mask is not None else []):
+        S = g.mask(S, q, x, pred)
+    P = g.softmax(S, x, name="P")
+    O = g.contract(P, V, out=(q, dv), name="O")
+    out = g.diagram(O, names=["O"])
+    shared = (0, 1, 2)  # the bias input, if any, is shared by groups, heads and batch
+    if groups is not None:
+        out = out.weave(_ax(groups, "g"), inputs=(0,))
+    if heads is not None:
+        out = out.weave(_ax(heads, "h"), inputs=shared)
+    if batch is not None:
+        out = out.weave(_ax(batch, "b"), inputs=shared)
+    return out
+
+
+def normalized_attention(q: Axis | None = None, x: Axis | None = None, d: Axis | None = None, *,
+                         kind: str = "l2", heads: Axis | None = None, eps: float = 1e-6,
+                         dtype: DType = f32) -> Diagram:
+    """Attention with softmax replaced by a streamable normalisation ``a1(s)/b(sum a2(s))``.
+
+    ``kind="l2"`` is spherical attention (``s_i / sqrt(sum s_j^2)``); see
+    :data:`napkin_cat.ops.NORMALISATIONS` for the others."""
+    from .ops import NORMALISATIONS
+    if kind not in NORMALISATIONS:
+        raise TypingError(f"unknown normalisation {kind!r}; known: {sorted(NORMALISATIONS)}")
+    q, x, d = _ax(q, "q"), _ax(x, "x"), _ax(d, "d")
+    g = Builder(dtype)
+    Q, K, V = g.input("Q", q, d), g.input("K", x, d), g.input("V", x, d)
+    S = g.map("scale", g.contract(Q, K, out=(q, x), name="S"), c=AxisPower(d))
+    a1, a2, b = NORMALISATIONS[kind]
+    P = g.normalize(S, x, a1, a2, b, name="P", eps=eps)
+    out = g.diagram(g.contract(P, V, out=(q, d), name="O"), names=["O"])
+    return out.weave(_ax(heads, "h")) if heads is not None else out
+
+
+def multihead_attention(q=None, x=None, d=None, h=None, **kw) -> Diagram:
+    return attention(q, x, d, heads=_ax(h, "h"), **kw)
+
+
+__all__ = ["matmul", "batched_matmul", "linear", "mlp", "softmax", "layernorm", "rmsnorm",
+           "attention", "multihead_attention", "normalized_attention"]

@@ -1,0 +1,349 @@
+"""NumPy semantics: the oracle every relabeling, cost claim and kernel is checked against.
+
+``evaluate(d, *arrays, sizes=...)`` runs a diagram equation by equation.  Each box kind has one
+rule in :data:`NUMPY_RULES`; a rule receives the box, its input arrays (axes in the order of
+the box's ``dom``) and a :class:`Ctx` (bound sizes, global index offsets of the axes, dtype
+mode), and returns arrays in the order of the box's ``cod``.  Rules use array shapes, not the
+declared sizes, so the tiled executor can run them on chunks; masks and index biases add the
+chunk's global offset to their indices.
+
+Contractions go through ``opt_einsum`` (good contraction paths for any number of operands).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import opt_einsum
+
+from .core import Array, Axis, Box, Diagram, DType, Ty
+from .errors import ShapeError, TypingError, UnknownKindError
+from .ops import FUNCTIONS, NORMALISATIONS, constant_value
+
+NP_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.float32, "fp8_e4m3": np.float32,
+             "fp8_e5m2": np.float32, "i8": np.int8, "f64": np.float64}
+
+
+@dataclass
+class Ctx:
+    sizes: dict = field(default_factory=dict)     # axis name -> int (global sizes)
+    offsets: dict = field(default_factory=dict)   # axis name -> global index of position 0
+    reference: bool = True                        # float64 everywhere
+    params: dict = field(default_factory=dict)    # param name -> array
+
+    def dtype(self, dt: DType):
+        return np.float64 if self.reference and dt.kind == "float" else NP_DTYPES[dt.name]
+
+
+# --------------------------------------------------------------------------- elementwise table
+
+def _erf(x):
+    # erf through math.erf vectorised: exact to double precision, no scipy dependency
+    import math
+    return np.vectorize(math.erf, otypes=[x.dtype if x.dtype.kind == "f" else np.float64])(x)
+
+
+def _sigmoid(x):
+    with np.errstate(over="ignore"):
+        return np.where(x >= 0, 1 / (1 + np.exp(-np.abs(x))), np.exp(-np.abs(x)) / (1 + np.exp(-np.abs(x))))
+
+
+FUNCTION_IMPLS: dict[str, Callable] = {
+    "exp": np.exp, "log": np.log, "neg": np.negative, "abs": np.abs, "square": np.square,
+    "sqrt": np.sqrt, "rsqrt": lambda x: 1 / np.sqrt(x), "relu": lambda x: np.maximum(x, 0),
+    "gelu": lambda x: 0.5 * x * (1 + _erf(x / np.sqrt(2.0))),
+    "silu": lambda x: x * _sigmoid(x), "sigmoid": _sigmoid, "tanh": np.tanh,
+    "recip": lambda x: 1 / x, "identity": lambda x: x, "sign": np.sign,
+    "scale": lambda x, c: x * c, "shift": lambda x, c: x + c,
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "maximum": np.maximum,
+}
+assert set(FUNCTION_IMPLS) == set(FUNCTIONS)
+
+
+# --------------------------------------------------------------------------- helpers on named arrays
+
+def align(x: np.ndarray, src: tuple[str, ...], dst: tuple[str, ...]) -> np.ndarray:
+    """Transpose ``x`` (axes ``src``) and insert unit axes so it broadcasts against ``dst``."""
+    perm = [src.index(n) for n in dst if n in src]
+    x = np.transpose(x, perm)
+    shape, k = [], 0
+    present = [n for n in dst if n in src]
+    for n in dst:
+        if n in src:
+            shape.append(x.shape[k]); k += 1
+        else:
+            shape.append(1)
+    return x.reshape(shape) if present or shape else x
+
+
+def index_grid(box_arr: Array, shape, row: str, col: str, ctx: Ctx):
+    names = box_arr.axis_names
+    ri, ci = names.index(row), names.index(col)
+    i = np.arange(shape[ri]) + ctx.offsets.get(row, 0)
+    j = np.arange(shape[ci]) + ctx.offsets.get(col, 0)
+    ishape = [1] * len(shape); ishape[ri] = shape[ri]
+    jshape = [1] * len(shape); jshape[ci] = shape[ci]
+    return i.reshape(ishape), j.reshape(jshape)
+
+
+def safe_softmax(s: np.ndarray, ax: int) -> np.ndarray:
+    """Softmax along ``ax``; a row with no finite score (fully masked) gives zeros."""
+    m = np.max(s, axis=ax, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(s - m)
+    z = np.sum(e, axis=ax, keepdims=True)
+    return np.where(z > 0, e / np.where(z > 0, z, 1), 0.0)
+
+
+def normalise(x: np.ndarray, ax: int, a1: str, a2: str, b: str, eps: float) -> np.ndarray:
+    if (a1, a2, b) == NORMALISATIONS["softmax"]:
+        return safe_softmax(x, ax)
+    f1, f2, fb = FUNCTION_IMPLS[a1], FUNCTION_IMPLS[a2], FUNCTION_IMPLS[b]
+    z = fb(np.sum(f2(x), axis=ax, keepdims=True)) + eps
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(z != 0, f1(x) / np.where(z != 0, z, 1), 0.0)
+
+
+# --------------------------------------------------------------------------- rules
+
+def _einsum(ins: list[np.ndarray], dom: Ty, out_names: tuple[str, ...]) -> np.ndarray:
+    letters: dict[str, str] = {}
+    for a in dom:
+        for n in a.axis_names:
+            letters.setdefault(n, opt_einsum.get_symbol(len(letters)))
+    spec = ",".join("".join(letters[n] for n in a.axis_names) for a in dom)
+    spec += "->" + "".join(letters[n] for n in out_names)
+    return opt_einsum.contract(spec, *ins, optimize="auto") if len(ins) > 1 else np.einsum(spec, ins[0])
+
+
+def rule_contract(box: Box, ins, ctx):
+    return (_einsum(ins, box.dom, box.cod[0].axis_names),)
+
+
+def rule_map(box: Box, ins, ctx):
+    fn = box.param("fn")
+    out_names = box.cod[0].axis_names
+    args = [align(x, a.axis_names, out_names) for x, a in zip(ins, box.dom)]
+    if fn in ("scale", "shift"):
+        res = FUNCTION_IMPLS[fn](args[0], constant_value(box.param("c"), ctx.sizes))
+    else:
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            res = FUNCTION_IMPLS[fn](*args)
+    shape = np.broadcast_shapes(*(a.shape for a in args))
+    return (np.broadcast_to(res, shape).copy(),)
+
+
+def rule_reduce(box: Box, ins, ctx):
+    op, axis = box.param("op"), box.param("axis")
+    x = ins[0]
+    ax = box.dom[0].axis_names.index(axis)
+    if op == "sum":
+        return (np.sum(x, axis=ax),)
+    if op == "max":
+        return (np.max(x, axis=ax),)
+    if op == "min":
+        return (np.min(x, axis=ax),)
+    if op == "mean":
+        return (np.mean(x, axis=ax),)
+    if op == "logsumexp":
+        m = np.max(x, axis=ax, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        with np.errstate(divide="ignore"):
+            return (np.squeeze(m, ax) + np.log(np.sum(np.exp(x - m), axis=ax)),)
+    raise UnknownKindError(f"no NumPy rule for reduction {op!r}")
+
+
+def rule_softmax(box: Box, ins, ctx):
+    return (safe_softmax(ins[0], box.dom[0].axis_names.index(box.param("axis"))),)
+
+
+def rule_normalize(box: Box, ins, ctx):
+    ax = box.dom[0].axis_names.index(box.param("axis"))
+    return (normalise(ins[0], ax, box.param("a1"), box.param("a2"), box.param("b"), box.param("eps")),)
+
+
+def rule_mask(box: Box, ins, ctx):
+    x = ins[0]
+    i, j = index_grid(box.dom[0], x.shape, box.param("row"), box.param("col"), ctx)
+    keep = np.broadcast_to(box.param("pred")(i, j), x.shape)
+    return (np.where(keep, x, -np.inf).astype(x.dtype),)
+
+
+def rule_index_bias(box: Box, ins, ctx):
+    x = ins[0]
+    i, j = index_grid(box.dom[0], x.shape, box.param("row"), box.param("col"), ctx)
+    return ((x + box.param("bias")(i, j)).astype(x.dtype),)
+
+
+def rule_reindex(box: Box, ins, ctx):
+    x, src, dst = ins[0], box.dom[0], box.cod[0]
+    op = box.param("op")
+    names = src.axis_names
+    if op == "transpose":
+        return (np.transpose(x, [names.index(n) for n in dst.axis_names]),)
+    if op == "split":
+        k = names.index(box.param("axis"))
+        inner = dst.axes[k + 1]
+        n_in = ctx.sizes.get(inner.name, inner.size)
+        return (x.reshape(x.shape[:k] + (-1, int(n_in)) + x.shape[k + 1:]),)
+    if op == "merge":
+        k = names.index(box.param("outer"))
+        return (x.reshape(x.shape[:k] + (-1,) + x.shape[k + 2:]),)
+    if op == "slice":
+        k = names.index(box.param("axis"))
+        sl = [slice(None)] * x.ndim
+        sl[k] = slice(box.param("start"), box.param("stop"))
+        return (x[tuple(sl)],)
+    if op == "diagonal":
+        a, b = names.index(box.param("keep")), names.index(box.param("drop"))
+        d = np.diagonal(x, axis1=a, axis2=b)  # diagonal axis goes last
+        rest = [n for n in names if n not in (box.param("keep"), box.param("drop"))] + [box.param("keep")]
+        return (np.transpose(d, [rest.index(n) for n in dst.axis_names]),)
+    raise UnknownKindError(f"no NumPy rule for reindex op {op!r}")
+
+
+def rule_param(box: Box, ins, ctx):
+    name = box.param("pname")
+    if name not in ctx.params:
+        raise ShapeError(f"parameter {box.cod[0]} has no value: pass params={{'{name}': array}}")
+    arr = np.asarray(ctx.params[name])
+    shape = concrete_shape(box.cod[0], ctx.sizes)
+    if arr.shape != shape:
+        raise ShapeError(f"parameter {box.cod[0]}: expected shape {shape}, got {arr.shape}")
+    return (arr.astype(ctx.dtype(box.cod[0].dtype)),)
+
+
+def rule_const(box: Box, ins, ctx):
+    shape = concrete_shape(box.cod[0], ctx.sizes)
+    return (np.full(shape, box.param("value"), dtype=ctx.dtype(box.cod[0].dtype)),)
+
+
+def rule_cast(box: Box, ins, ctx):
+    return (ins[0].astype(ctx.dtype(box.cod[0].dtype)),)
+
+
+def rule_softmax_contract(box: Box, ins, ctx):
+    s, v = ins
+    ax = box.dom[0].axis_names.index(box.param("axis"))
+    p = safe_softmax(s, ax)
+    return (_einsum([p, v], box.dom, box.cod[0].axis_names),)
+
+
+def rule_norm_contract(box: Box, ins, ctx):
+    s, v = ins
+    ax = box.dom[0].axis_names.index(box.param("axis"))
+    p = normalise(s, ax, box.param("a1"), box.param("a2"), box.param("b"), box.param("eps"))
+    return (_einsum([p, v], box.dom, box.cod[0].axis_names),)
+
+
+NUMPY_RULES: dict[str, Callable] = {
+    "contract": rule_contract, "map": rule_map, "reduce": rule_reduce, "softmax": rule_softmax,
+    "normalize": rule_normalize, "mask": rule_mask, "index_bias": rule_index_bias,
+    "reindex": rule_reindex, "param": rule_param, "const": rule_const, "cast": rule_cast,
+    "softmax_contract": rule_softmax_contract, "norm_contract": rule_norm_contract,
+}
+
+
+def apply_box(box: Box, ins: list[np.ndarray], ctx: Ctx) -> tuple[np.ndarray, ...]:
+    try:
+        rule = NUMPY_RULES[box.kind]
+    except KeyError:
+        raise UnknownKindError(f"no NumPy rule for box kind {box.kind!r} (box {box.name})") from None
+    outs = rule(box, ins, ctx)
+    return tuple(np.asarray(o, dtype=ctx.dtype(a.dtype)) for o, a in zip(outs, box.cod))
+
+
+# --------------------------------------------------------------------------- evaluate
+
+def concrete_shape(arr: Array, sizes: dict) -> tuple[int, ...]:
+    shape = []
+    for ax in arr.axes:
+        n = sizes.get(ax.name, ax.size)
+        if isinstance(n, str):
+            raise ShapeError(f"size of axis {ax.name} (wire {arr}) is unknown: pass sizes={{{ax.name}: n}}")
+        shape.append(int(n))
+    return tuple(shape)
+
+
+def resolve_sizes(d: Diagram, arrays, sizes: dict | None) -> dict[str, int]:
+    """Axis name -> int, from ``sizes`` (keys Axis, names or symbol names) and the arrays."""
+    out: dict[str, int] = {}
+    sizes = dict(sizes or {})
+    for ax in d.axes:
+        for key in (ax, ax.name, ax.size if ax.symbolic else None):
+            if key is not None and key in sizes:
+                out[ax.name] = int(sizes[key])
+                break
+        else:
+            if not ax.symbolic:
+                out[ax.name] = ax.size
+    for arr, x in zip(d.dom, arrays):
+        shape = np.shape(x)
+        if len(shape) != len(arr.axes):
+            raise ShapeError(f"input {arr}: expected {len(arr.axes)} axes "
+                             f"({' '.join(arr.axis_names)}), got an array of shape {shape}")
+        for ax, n in zip(arr.axes, shape):
+            if ax.name in out and out[ax.name] != n:
+                raise ShapeError(f"input {arr}: axis {ax.name} should have size {out[ax.name]}, "
+                                 f"got {n} (array shape {shape})")
+            out[ax.name] = n
+    return out
+
+
+def check_inputs(d: Diagram, arrays) -> None:
+    if len(arrays) != len(d.dom):
+        raise ShapeError(f"{d.short()} takes {len(d.dom)} arrays "
+                         f"({', '.join(a.name for a in d.dom)}), got {len(arrays)}")
+    for arr, x in zip(d.dom, arrays):
+        kind = np.asarray(x).dtype.kind if not hasattr(x, "dtype") else np.dtype(str(x.dtype).replace("torch.", "")).kind
+        if arr.dtype.kind == "float" and kind not in "fiu":
+            raise ShapeError(f"input {arr}: expected a real array for dtype {arr.dtype.name}, got dtype {x.dtype}")
+        if arr.dtype.kind == "int" and kind not in "iu":
+            raise ShapeError(f"input {arr}: expected an integer array for dtype {arr.dtype.name}, got dtype {x.dtype}")
+
+
+def run_eqns(d: Diagram, env: list[np.ndarray], ctx: Ctx, eqn_ids=None) -> list:
+    """Evaluate the equations ``eqn_ids`` (default: all) in place on ``env`` (var id -> array)."""
+    ids = range(len(d.eqns)) if eqn_ids is None else eqn_ids
+    for k in ids:
+        e = d.eqns[k]
+        outs = apply_box(e.box, [env[v] for v in e.ins], ctx)
+        for v, o in zip(d.eqn_outputs(k), outs):
+            env[v] = o
+    return env
+
+
+def evaluate(d: Diagram, *arrays, sizes: dict | None = None, params: dict | None = None,
+             reference: bool = True):
+    """Run ``d`` on NumPy arrays.  Returns one array, or a tuple when ``cod`` has several.
+
+    ``reference=True`` (default) computes in float64; ``False`` computes in each wire's dtype
+    (bf16 and fp8 in float32).  A relabelled diagram runs its loop nest chunk by chunk.
+
+    >>> import numpy as np, napkin_cat as nc
+    >>> a, b, c = nc.axes("a b c")
+    >>> A, B = np.ones((2, 3)), np.ones((3, 4))
+    >>> nc.evaluate(nc.library.matmul(a=a, b=b, c=c), A, B).shape
+    (2, 4)
+    """
+    if not isinstance(d, Diagram):
+        raise TypingError(f"evaluate needs a Diagram, got {type(d).__name__}")
+    check_inputs(d, arrays)
+    arrays = tuple(np.asarray(x) for x in arrays)
+    bound = resolve_sizes(d, arrays, sizes)
+    ctx = Ctx(bound, {}, reference, dict(params or {}))
+    inputs = [x.astype(ctx.dtype(a.dtype), copy=True) for x, a in zip(arrays, d.dom)]
+    for arr, x in zip(d.dom, inputs):
+        concrete_shape(arr, bound)
+    if d.schedule:
+        from .loopnest import execute
+        outs = execute(d, inputs, ctx)
+    else:
+        env: list = inputs + [None] * (len(d.var_types()) - len(inputs))
+        run_eqns(d, env, ctx)
+        outs = [env[v] for v in d.outs]
+    outs = [np.array(o, copy=True) for o in outs]
+    return outs[0] if len(outs) == 1 else tuple(outs)
