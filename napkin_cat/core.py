@@ -226,7 +226,7 @@ class Box:
         return default
 
     def __repr__(self) -> str:
-        return f"Box({self.kind!r}, {self.dom!r}, {self.cod!r}, {self.params!r}, {self.name!r})"
+        return f"Box({self.kind!r}, {self.dom!r}, {self.cod!r}, {_repr_param(self.params)}, {self.name!r})"
 
     def diagram(self) -> "Diagram":
         n = len(self.dom)
@@ -237,11 +237,23 @@ class Box:
                    tuple((k, _bind_param(v, sizes)) for k, v in self.params), self.name)
 
 
+def _repr_param(value) -> str:
+    """``repr`` that ``eval`` reads back: ``repr(-inf)`` is ``-inf``, a name nobody defines
+    (a ``const`` of ``-inf`` is the initial state of a running max)."""
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return f"float({str(value)!r})"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(_repr_param, value)) + ("," if len(value) == 1 else "") + ")"
+    return repr(value)
+
+
 def _bind_param(value, sizes):
     if isinstance(value, Axis):
         return value.bind(sizes)
     if isinstance(value, tuple):
         return tuple(_bind_param(v, sizes) for v in value)
+    if hasattr(value, "bind"):  # parameter values that mention an axis (ops.AxisPower)
+        return value.bind(sizes)
     return value
 
 

@@ -272,6 +272,10 @@ def resolve_sizes(d: Diagram, arrays, sizes: dict | None) -> dict[str, int]:
     """Axis name -> int, from ``sizes`` (keys Axis, names or symbol names) and the arrays."""
     out: dict[str, int] = {}
     sizes = dict(sizes or {})
+    axis_names = {a.name for a in d.axes}
+    for key, n in sizes.items():  # block-size symbols (``g_q``, ``s_x``) pass through
+        if isinstance(key, str) and key not in axis_names:
+            out[key] = int(n)
     for ax in d.axes:
         for key in (ax, ax.name, ax.size if ax.symbolic else None):
             if key is not None and key in sizes:
@@ -298,11 +302,19 @@ def check_inputs(d: Diagram, arrays) -> None:
         raise ShapeError(f"{d.short()} takes {len(d.dom)} arrays "
                          f"({', '.join(a.name for a in d.dom)}), got {len(arrays)}")
     for arr, x in zip(d.dom, arrays):
-        kind = np.asarray(x).dtype.kind if not hasattr(x, "dtype") else np.dtype(str(x.dtype).replace("torch.", "")).kind
+        kind, dtype = _dtype_kind(x)
         if arr.dtype.kind == "float" and kind not in "fiu":
-            raise ShapeError(f"input {arr}: expected a real array for dtype {arr.dtype.name}, got dtype {x.dtype}")
+            raise ShapeError(f"input {arr}: expected a real array for dtype {arr.dtype.name}, got dtype {dtype}")
         if arr.dtype.kind == "int" and kind not in "iu":
-            raise ShapeError(f"input {arr}: expected an integer array for dtype {arr.dtype.name}, got dtype {x.dtype}")
+            raise ShapeError(f"input {arr}: expected an integer array for dtype {arr.dtype.name}, got dtype {dtype}")
+
+
+def _dtype_kind(x) -> tuple[str, object]:
+    """NumPy kind letter and dtype of an array-like (a list has no ``.dtype``: read NumPy's)."""
+    if not hasattr(x, "dtype"):
+        dtype = np.asarray(x).dtype
+        return dtype.kind, dtype
+    return np.dtype(str(x.dtype).replace("torch.", "")).kind, x.dtype
 
 
 def run_eqns(d: Diagram, env: list[np.ndarray], ctx: Ctx, eqn_ids=None) -> list:

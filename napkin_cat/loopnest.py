@@ -1,0 +1,550 @@
+"""The final form: a small loop-nest IR read off a relabelled diagram, its printer, and the
+tiled NumPy executor that gives it meaning.
+
+Nodes: :class:`Loop` (``grid`` over a tiled axis, ``stream`` over a streamed one),
+:class:`Load` / :class:`Store` (a colour change: data moves between levels),
+:class:`Compute` (one equation), :class:`Init` / :class:`Update` / :class:`Finalise` (an
+accumulator).  Grid loops are outermost (groups run on separate cores); stream loops nest in
+the order given by ``order(...)`` or, failing that, in the order they were applied.  A second
+stream of an axis already streamed is a sub-loop inside the first.
+
+Buffers: every variable the nest touches, and every accumulator state, lives at a level with
+an extent per axis (the tile or chunk size where a loop partitions that axis, else the full
+size).  :meth:`FinalForm.columns` walks the nest with liveness, giving per program point the
+live buffers and the memory per level: the paper's pseudocode diagram, and the numbers the
+cost model reads.
+
+>>> import napkin_cat as nc
+>>> q, x, d = nc.axes("q x d")
+>>> flash = nc.library.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q")
+>>> print(flash.loop_nest().pseudocode(memory=False))
+for q in tiles of g_q  (grid, SMEM)
+  load Q[g_q d] -> SMEM
+  init O: mu[g_q] @registers, z[g_q] @registers, o[g_q d] @SMEM
+  for x in chunks of s_x  (stream, SMEM)
+    load K[s_x d] -> SMEM
+    load V[s_x d] -> SMEM
+    S[g_q s_x] = contract(Q, K)  @registers
+    S[g_q s_x] = scale(S)  @registers
+    update O (online_softmax) with S, V
+  finalise O[g_q d] = online_softmax(mu, z, o)  @SMEM
+  store O[g_q d] -> HBM
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import sympy as sp
+
+from .accumulators import Accumulator
+from .core import Axis, Diagram, Size
+from .errors import RelabelError, ShapeError
+from .hierarchy import FULL, Hierarchy, hierarchy
+from .relabel import StreamPlan, check_blocks, stream_plan
+from .semantics import Ctx, apply_box
+from .symbols import size_expr
+
+
+# --------------------------------------------------------------------------- nodes
+
+@dataclass(frozen=True)
+class Loop:
+    axis: str
+    step: Size
+    kind: str            # "grid" or "stream"
+    level: str
+    body: tuple = ()
+
+
+@dataclass(frozen=True)
+class Load:
+    var: int
+    level: str
+
+
+@dataclass(frozen=True)
+class Store:
+    var: int
+    level: str
+
+
+@dataclass(frozen=True)
+class Compute:
+    eqn: int
+
+
+@dataclass(frozen=True)
+class Init:
+    acc: int
+
+
+@dataclass(frozen=True)
+class Update:
+    acc: int
+
+
+@dataclass(frozen=True)
+class Finalise:
+    acc: int
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A resident allocation: ``name[extents] @level``; ``key`` is ``("var", id)`` or
+    ``("state", acc, name)``."""
+
+    key: tuple
+    name: str
+    axes: tuple[str, ...]
+    extents: tuple[sp.Expr, ...]
+    level: str
+    dtype_bytes: int
+
+    @property
+    def size(self) -> sp.Expr:
+        return sp.Mul(*self.extents) if self.extents else sp.Integer(1)
+
+    def describe(self) -> str:
+        return f"{self.name}[{' '.join(str(e) for e in self.extents)}]"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One program point: the node, its enclosing loops, the buffers live there."""
+
+    node: object
+    loops: tuple[Loop, ...]
+    live: tuple[Buffer, ...]
+
+    def memory(self) -> dict[str, sp.Expr]:
+        out: dict[str, sp.Expr] = {}
+        for b in self.live:
+            out[b.level] = out.get(b.level, sp.Integer(0)) + b.size
+        return out
+
+
+# --------------------------------------------------------------------------- final form
+
+@dataclass(frozen=True)
+class FinalForm:
+    diagram: Diagram
+    body: tuple
+    accumulators: tuple[Accumulator, ...]
+    placements: tuple[tuple[str, str], ...] = ()
+
+    # ---- structure
+    def walk(self) -> Iterator[tuple[object, tuple[Loop, ...]]]:
+        """Every node in program order with its enclosing loops (outer first)."""
+        def go(nodes, loops):
+            for n in nodes:
+                yield n, loops
+                if isinstance(n, Loop):
+                    yield from go(n.body, loops + (n,))
+        yield from go(self.body, ())
+
+    @property
+    def loops(self) -> tuple[Loop, ...]:
+        return tuple(n for n, _ in self.walk() if isinstance(n, Loop))
+
+    def trip_count(self, loop: Loop, loops: tuple[Loop, ...]) -> sp.Expr:
+        """Iterations of ``loop`` (inside ``loops``): extent of its axis there over its step."""
+        return self.extent(loop.axis, loops) / size_expr(loop.step)
+
+    def extent(self, axis: str, loops: tuple[Loop, ...]) -> sp.Expr:
+        for lp in reversed(loops):
+            if lp.axis == axis:
+                return size_expr(lp.step)
+        return size_expr(self.diagram.axis(axis).size)
+
+    # ---- levels
+    def _placed(self, name: str) -> str | None:
+        for n, lv in self.placements:
+            if n == name:
+                return lv
+        return None
+
+    def _home(self, loops) -> str:
+        return loops[-1].level if loops else FULL.top
+
+    def var_level(self, var: int, loops: tuple[Loop, ...]) -> str:
+        """Inputs and outputs live at the level of the innermost loop around them; other
+        intermediates one level lower (registers), unless placed."""
+        arr = self.diagram.var_types()[var]
+        placed = self._placed(arr.name)
+        if placed:
+            return placed
+        home = self._home(loops)
+        if var < len(self.diagram.dom) or var in self.diagram.outs or home == FULL.top:
+            return home
+        return self.hierarchy.below(home)
+
+    def state_level(self, acc: Accumulator, role: str, loops) -> str:
+        home = self._home(loops)
+        placed = self._placed(acc.box.cod[0].name)
+        if role == "main":
+            return placed or home
+        return self.hierarchy.below(home) if home != FULL.top else home
+
+    def buffer(self, key: tuple, loops: tuple[Loop, ...]) -> Buffer:
+        d = self.diagram
+        if key[0] == "var":
+            arr = d.var_types()[key[1]]
+            return Buffer(key, arr.name, arr.axis_names, tuple(self.extent(a, loops) for a in arr.axis_names),
+                          self.var_level(key[1], loops), arr.dtype.bytes)
+        _, i, sname = key
+        acc = self.accumulators[i]
+        for name, axes_, role in acc.states():
+            if name == sname:
+                dt = acc.box.cod[0].dtype.bytes if role == "main" else 4
+                return Buffer(key, f"{sname}", tuple(axes_), tuple(self.extent(a, loops) for a in axes_),
+                              self.state_level(acc, role, loops), dt)
+        raise AssertionError(key)
+
+    # ---- liveness
+    def columns(self) -> list[Column]:
+        """Program points with their live buffers (the pseudocode diagram's columns).
+
+        A buffer is live from the node that defines it to its last use; a use inside a loop
+        that does not contain the definition keeps it live to the end of that loop.  A
+        finalised accumulator writes its output in place of its main state."""
+        points = list(self.walk())
+        index = {id(n): i for i, (n, _) in enumerate(points)}
+        loop_end: dict[int, int] = {}
+        for i, (n, _) in enumerate(points):
+            if isinstance(n, Loop):
+                j = i
+                def last(node):
+                    k = index[id(node)]
+                    if isinstance(node, Loop) and node.body:
+                        return max(last(c) for c in node.body)
+                    return k
+                loop_end[i] = last(n)
+        defs: dict[tuple, tuple[int, tuple]] = {}
+        last_use: dict[tuple, int] = {}
+
+        def use(key, i, loops):
+            end = i
+            if key in defs:
+                dloops = defs[key][1]
+                for lp in loops:
+                    if lp not in dloops:
+                        end = max(end, loop_end[index[id(lp)]])
+                        break
+            last_use[key] = max(last_use.get(key, -1), end)
+
+        d = self.diagram
+        alias: dict[tuple, tuple] = {}
+        for i, (n, loops) in enumerate(points):
+            if isinstance(n, Load):
+                defs[("var", n.var)] = (i, loops)
+            elif isinstance(n, Compute):
+                for v in d.eqns[n.eqn].ins:
+                    use(alias.get(("var", v), ("var", v)), i, loops)
+                for v in d.eqn_outputs(n.eqn):
+                    defs[("var", v)] = (i, loops)
+            elif isinstance(n, Init):
+                for sname, _, _ in self.accumulators[n.acc].states():
+                    defs[("state", n.acc, sname)] = (i, loops)
+            elif isinstance(n, Update):
+                acc = self.accumulators[n.acc]
+                for v in d.eqns[acc.eqn].ins:
+                    use(alias.get(("var", v), ("var", v)), i, loops)
+                for sname, _, _ in acc.states():
+                    use(("state", n.acc, sname), i, loops)
+            elif isinstance(n, Finalise):
+                acc = self.accumulators[n.acc]
+                for sname, _, role in acc.states():
+                    use(("state", n.acc, sname), i, loops)
+                    if role == "main":
+                        for v in d.eqn_outputs(acc.eqn):
+                            alias[("var", v)] = ("state", n.acc, sname)
+            elif isinstance(n, Store):
+                use(alias.get(("var", n.var), ("var", n.var)), i, loops)
+        cols = []
+        for i, (n, loops) in enumerate(points):
+            live = tuple(self.buffer(k, dl) for k, (di, dl) in defs.items()
+                         if di <= i <= last_use.get(k, di))
+            cols.append(Column(n, loops, live))
+        return cols
+
+    def peak_memory(self) -> dict[str, sp.Expr]:
+        """Largest total size resident at each level over all columns (values)."""
+        peaks: dict[str, list] = {}
+        for c in self.columns():
+            for lv, m in c.memory().items():
+                peaks.setdefault(lv, []).append(m)
+        return {lv: sp.Max(*ms) for lv, ms in peaks.items()}
+
+    # ---- printing
+    def pseudocode(self, memory: bool = True) -> str:
+        """The paper's pseudocode diagram: init / loop / finalise with every live variable."""
+        d = self.diagram
+        names = d.var_names()
+        lines = []
+        cols = self.columns() if memory else None
+        for i, (n, loops) in enumerate(self.walk()):
+            pad = "  " * len(loops)
+            if isinstance(n, Loop):
+                what = "tiles" if n.kind == "grid" else "chunks"
+                text = f"for {n.axis} in {what} of {n.step}  ({n.kind}, {n.level})"
+            elif isinstance(n, Load):
+                b = self.buffer(("var", n.var), loops)
+                text = f"load {b.describe()} -> {b.level}"
+            elif isinstance(n, Store):
+                b = self.buffer(("var", n.var), loops)
+                text = f"store {b.describe()} -> {self._above(b.level)}"
+            elif isinstance(n, Compute):
+                e = d.eqns[n.eqn]
+                outs = [self.buffer(("var", v), loops) for v in d.eqn_outputs(n.eqn)]
+                text = (f"{', '.join(b.describe() for b in outs)} = {e.box.name}"
+                        f"({', '.join(names[v] for v in e.ins)})  @{outs[0].level}")
+            elif isinstance(n, Init):
+                acc = self.accumulators[n.acc]
+                sts = [self.buffer(("state", n.acc, s), loops) for s, _, _ in acc.states()]
+                text = f"init {acc.box.cod[0].name}: " + ", ".join(f"{b.describe()} @{b.level}" for b in sts)
+            elif isinstance(n, Update):
+                acc = self.accumulators[n.acc]
+                text = (f"update {acc.box.cod[0].name} ({acc.rule}) with "
+                        f"{', '.join(names[v] for v in d.eqns[acc.eqn].ins)}")
+            elif isinstance(n, Finalise):
+                acc = self.accumulators[n.acc]
+                (v,) = d.eqn_outputs(acc.eqn)
+                b = self.buffer(("var", v), loops)
+                sts = ", ".join(s for s, _, _ in acc.states())
+                lvl = self.state_level(acc, "main", loops)
+                text = f"finalise {b.describe()} = {acc.rule}({sts})  @{lvl}"
+            else:  # pragma: no cover - every node type is listed above
+                raise AssertionError(n)
+            if memory:
+                mem = cols[i].memory()
+                text = f"{pad + text:<60} | " + ", ".join(f"{lv}: {m}" for lv, m in sorted(mem.items()))
+            else:
+                text = pad + text
+            lines.append(text)
+        return "\n".join(lines)
+
+    @property
+    def hierarchy(self) -> Hierarchy:
+        """The default hierarchy, extended by whatever optional levels the relabelings use."""
+        used = {lp.level for lp in self.loops} | {lv for _, lv in self.placements}
+        return hierarchy(l2="L2" in used, cluster="cluster" in used, tensor="tensor" in used)
+
+    def _above(self, level: str) -> str:
+        h = self.hierarchy
+        return h.above(level) if level != h.top else level
+
+    def __str__(self) -> str:
+        return self.pseudocode()
+
+
+# --------------------------------------------------------------------------- building
+
+def final_form(d: Diagram) -> FinalForm:
+    """Read the loop nest off ``d``'s relabelings."""
+    tiles = [r for r in d.schedule if r.op == "tile"]
+    streams = [r for r in d.schedule if r.op == "stream"]
+    order_r = [r for r in d.schedule if r.op == "order"]
+    if order_r:
+        rank = {n: i for i, n in enumerate(order_r[-1].extra)}
+        streams.sort(key=lambda r: rank.get(r.axis, len(rank)))
+    placements = tuple((r.extra[0], r.level) for r in d.schedule if r.op == "place")
+    plain = d.unrelabelled()
+    accs: list[Accumulator] = []
+    body = _build(plain, tuple(range(len(plain.eqns))), tuple(streams), accs)
+    for r in reversed(tiles):
+        body = (Loop(r.axis, r.size, "grid", r.level, body),)
+    ff = FinalForm(plain, body, tuple(accs), placements)
+    return FinalForm(plain, _insert_moves(ff), tuple(accs), placements)
+
+
+def _build(d: Diagram, eqns: tuple[int, ...], streams: tuple, accs: list) -> tuple:
+    if not streams:
+        return tuple(Compute(k) for k in eqns)
+    r, rest = streams[0], streams[1:]
+    plan = stream_plan(d, r.axis)
+    if isinstance(plan, str):
+        raise RelabelError(f"cannot stream {r.axis}: {plan}")
+    inside = set(eqns)
+    region = tuple(k for k in plan.region if k in inside)
+    my_accs = [a for a in plan.accumulators if a.eqn in inside]
+    outside = [k for k in eqns if k not in region and k not in {a.eqn for a in my_accs}]
+    for other in rest:
+        if other.axis != r.axis:
+            sub = stream_plan(d, other.axis)
+            if not isinstance(sub, str):
+                stray = [a.eqn for a in sub.accumulators if a.eqn in outside]
+                if stray:
+                    raise RelabelError(f"stream {other.axis} cannot nest inside stream {r.axis}: "
+                                       f"{d.eqns[stray[0]].box.name} removes {other.axis} outside the "
+                                       f"{r.axis} loop; use order({other.axis!r}, {r.axis!r})")
+    ids = []
+    for a in my_accs:
+        accs.append(a)
+        ids.append(len(accs) - 1)
+    if rest and rest[0].axis == r.axis:  # sub-stream: split each chunk further
+        inner = rest[0]
+        loop_body = (Loop(r.axis, inner.size, "stream", inner.level,
+                          _build(d, region, rest[1:], accs) + tuple(Update(i) for i in ids)),)
+    else:
+        loop_body = _build(d, region, rest, accs) + tuple(Update(i) for i in ids)
+    after = _downstream(d, set(a.eqn for a in my_accs), outside)
+    pre = tuple(Compute(k) for k in outside if k not in after)
+    post = tuple(Compute(k) for k in outside if k in after)
+    return (pre + tuple(Init(i) for i in ids) + (Loop(r.axis, r.size, "stream", r.level, loop_body),)
+            + tuple(Finalise(i) for i in ids) + post)
+
+
+def _downstream(d: Diagram, acc_eqns: set[int], candidates) -> set[int]:
+    tainted = {v for k in acc_eqns for v in d.eqn_outputs(k)}
+    after = set()
+    for k in sorted(candidates):
+        if any(v in tainted for v in d.eqns[k].ins):
+            after.add(k)
+            tainted.update(d.eqn_outputs(k))
+    return after
+
+
+def _uses(ff: FinalForm, node) -> tuple[int, ...]:
+    d = ff.diagram
+    if isinstance(node, Compute):
+        return d.eqns[node.eqn].ins
+    if isinstance(node, Update):
+        return d.eqns[ff.accumulators[node.acc].eqn].ins
+    return ()
+
+
+def _defines(ff: FinalForm, node) -> tuple[int, ...]:
+    if isinstance(node, Compute):
+        return ff.diagram.eqn_outputs(node.eqn)
+    if isinstance(node, Finalise):
+        return ff.diagram.eqn_outputs(ff.accumulators[node.acc].eqn)
+    return ()
+
+
+def _insert_moves(ff: FinalForm) -> tuple:
+    """Insert a Load for each input where its data enters (the innermost loop partitioning one
+    of its axes that encloses its uses) and a Store after each output's definition."""
+    d = ff.diagram
+    n_in = len(d.dom)
+    uses: dict[int, list[tuple[Loop, ...]]] = {}
+    for node, loops in ff.walk():
+        for v in _uses(ff, node):
+            if v < n_in:
+                uses.setdefault(v, []).append(loops)
+    load_at: dict[int, tuple[Loop, ...]] = {}
+    for v, all_loops in uses.items():
+        common = all_loops[0]
+        for lps in all_loops[1:]:
+            k = 0
+            while k < min(len(common), len(lps)) and common[k] is lps[k]:
+                k += 1
+            common = common[:k]
+        axes_ = d.dom[v].axis_names
+        # enter at the innermost common loop over one of the input's own axes (or the grid body)
+        depth = 0
+        for k, lp in enumerate(common):
+            if lp.kind == "grid" or lp.axis in axes_:
+                depth = k + 1
+        load_at[v] = common[:depth]
+    for v in d.outs:
+        if v < n_in and v not in load_at:
+            grid = tuple(lp for lp in ff.loops if lp.kind == "grid")
+            load_at[v] = _grid_chain(ff)
+
+    def level_for(v, loops):
+        return ff.var_level(v, loops)
+
+    def rebuild(nodes, loops):
+        out = [Load(v, level_for(v, loops)) for v in sorted(load_at) if load_at[v] == loops]
+        out += [Store(v, level_for(v, loops)) for v in d.outs if v < n_in and load_at.get(v) == loops]
+        for n in nodes:
+            if isinstance(n, Loop):
+                out.append(Loop(n.axis, n.step, n.kind, n.level, rebuild(n.body, loops + (n,))))
+            else:
+                out.append(n)
+                for v in _defines(ff, n):
+                    if v in d.outs:
+                        out.append(Store(v, level_for(v, loops)))
+        return tuple(out)
+
+    return rebuild(ff.body, ())
+
+
+def _grid_chain(ff: FinalForm) -> tuple[Loop, ...]:
+    chain = []
+    nodes = ff.body
+    while len(nodes) == 1 and isinstance(nodes[0], Loop) and nodes[0].kind == "grid":
+        chain.append(nodes[0])
+        nodes = nodes[0].body
+    return tuple(chain)
+
+
+# --------------------------------------------------------------------------- the tiled executor
+
+def _concrete(size, sizes: dict, what: str) -> int:
+    if isinstance(size, str):
+        if size not in sizes:
+            raise ShapeError(f"{what} size {size!r} is symbolic: pass sizes={{'{size}': n}}")
+        return int(sizes[size])
+    return int(size)
+
+
+def execute(d: Diagram, inputs: list[np.ndarray], ctx: Ctx) -> list[np.ndarray]:
+    """Run the loop nest literally, chunk by chunk (ragged last chunks included).  Each box
+    runs through its own NumPy rule; accumulators through their init/update/finalise."""
+    ff = final_form(d)
+    check_blocks(d, ctx.sizes)
+    dd = ff.diagram
+    n_in = len(dd.dom)
+    out_arrays = {}
+    for pos, v in enumerate(dd.outs):
+        arr = dd.var_types()[v]
+        shape = tuple(ctx.sizes[a] for a in arr.axis_names)
+        out_arrays.setdefault(v, np.full(shape, np.nan, dtype=ctx.dtype(arr.dtype)))
+    ranges = {a.name: (0, ctx.sizes[a.name]) for a in dd.axes}
+    env: dict[int, np.ndarray] = {}
+    states: dict[int, dict] = {}
+
+    def slices(names):
+        return tuple(slice(*ranges[n]) for n in names)
+
+    def run(nodes):
+        for n in nodes:
+            if isinstance(n, Loop):
+                step = _concrete(n.step, ctx.sizes, f"{n.kind} of {n.axis}")
+                if step < 1:
+                    raise ShapeError(f"{n.kind} size for {n.axis} must be >= 1, got {step}")
+                start, stop = ranges[n.axis]
+                for s in range(start, stop, step):
+                    ranges[n.axis] = (s, min(s + step, stop))
+                    run(n.body)
+                ranges[n.axis] = (start, stop)
+            elif isinstance(n, Load):
+                env[n.var] = inputs[n.var][slices(dd.dom[n.var].axis_names)]
+            elif isinstance(n, Compute):
+                e = dd.eqns[n.eqn]
+                ctx.offsets = {a: r[0] for a, r in ranges.items()}
+                outs = apply_box(e.box, [env[v] for v in e.ins], ctx)
+                for v, o in zip(dd.eqn_outputs(n.eqn), outs):
+                    env[v] = o
+            elif isinstance(n, Init):
+                acc = ff.accumulators[n.acc]
+                shapes = {s: tuple(ranges[a][1] - ranges[a][0] for a in axes_) for s, axes_, _ in acc.states()}
+                states[n.acc] = acc.init(shapes, ctx)
+            elif isinstance(n, Update):
+                acc = ff.accumulators[n.acc]
+                ctx.offsets = {a: r[0] for a, r in ranges.items()}
+                states[n.acc] = acc.update(states[n.acc], [env[v] for v in dd.eqns[acc.eqn].ins], ctx)
+            elif isinstance(n, Finalise):
+                acc = ff.accumulators[n.acc]
+                outs = acc.finalise(states.pop(n.acc), ctx)
+                for v, o in zip(dd.eqn_outputs(acc.eqn), outs):
+                    env[v] = np.asarray(o, dtype=ctx.dtype(dd.var_types()[v].dtype))
+            elif isinstance(n, Store):
+                out_arrays[n.var][slices(dd.var_types()[n.var].axis_names)] = env[n.var]
+
+    run(ff.body)
+    return [out_arrays[v] for v in dd.outs]
