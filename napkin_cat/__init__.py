@@ -8,8 +8,9 @@ from .core import (DTYPES, Array, Axis, Box, Diagram, DType, Eqn, Relabel, Ty, a
                    f64, fp8_e4m3, fp8_e5m2, i8)
 from .errors import (CostError, EquivalenceError, LoweringError, NapkinError, RelabelError, ShapeError,
                      TypingError, UnknownKindError)
-from .ops import AxisPower, Builder, alibi, causal, predicate, window
+from .ops import AxisPower, Builder, IndexBias, Predicate, alibi, causal, predicate, window
 from .semantics import evaluate
+from .derive import derive  # bound eagerly: the submodule napkin_cat.derive would shadow a lazy name
 
 __version__ = "0.1.0"
 

@@ -10,11 +10,11 @@ are two renumberings, defined once here.
 Laws (checked numerically in tests/test_laws.py)::
 
     >>> import napkin_cat as nc
-    >>> a, b = nc.axes("a b")
-    >>> f = nc.library.matmul(a=a, b=b, c=a)
+    >>> a, b, c = nc.axes("a b c")
+    >>> f = nc.library.matmul(a=a, b=b, c=c)
     >>> (f >> nc.Diagram.id(f.cod)) == f == (nc.Diagram.id(f.dom) >> f)
     True
-    >>> eval(repr(f)) == f
+    >>> eval(repr(f), vars(nc)) == f
     True
 
 This module imports neither NumPy nor sympy: sizes are ints or symbol *names* (str), turned

@@ -56,7 +56,7 @@ class AxisPower:
             raise TypingError(f"constant depends on the size of axis {self.axis.name}, which is not bound")
         return self.coeff * float(n) ** self.power
 
-    def bind(self, sizes):  # used by Box.bind through _bind_param on tuples only; keep explicit
+    def bind(self, sizes):  # Box.bind reaches it through core._bind_param
         return AxisPower(self.axis.bind(sizes), self.power, self.coeff)
 
     def __repr__(self) -> str:
