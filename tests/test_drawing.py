@@ -1,0 +1,163 @@
+"""Drawing: every library diagram draws, to SVG and PNG, with every axis labelled."""
+
+import dataclasses
+import re
+
+import pytest
+
+import napkin_cat as nc
+from napkin_cat import drawing, ops
+from napkin_cat.core import Array, Diagram, Ty
+
+L = nc.library
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _library():
+    h, g, b = nc.Axis("h"), nc.Axis("g"), nc.Axis("b")
+    return {
+        "matmul": L.matmul(),
+        "matmul_sized": L.matmul(a=64, b=32, c=16),
+        "batched_matmul": L.batched_matmul(),
+        "linear": L.linear(),
+        "linear_plain": L.linear(bias=False, activation=None),
+        "mlp": L.mlp(),
+        "softmax": L.softmax(),
+        "layernorm": L.layernorm(),
+        "rmsnorm": L.rmsnorm(),
+        "attention": L.attention(),
+        "attention_heads": L.attention(heads=h),
+        "attention_gqa": L.attention(heads=h, groups=g),
+        "attention_batch": L.attention(batch=b),
+        "attention_causal": L.attention(causal=True),
+        "attention_bias": L.attention(bias="input"),
+        "attention_everything": L.attention(heads=h, groups=g, batch=b, causal=True, bias="input"),
+        "attention_alibi_window": L.attention(bias=nc.alibi(0.5), window_size=4),
+        "multihead_attention": L.multihead_attention(),
+        "normalized_attention": L.normalized_attention(),
+        "normalized_attention_heads": L.normalized_attention(heads=h, kind="softmax"),
+    }
+
+
+LIBRARY = _library()
+
+
+def _svg_text(svg: str) -> str:
+    """The strings inside the SVG's <text> elements (labels are kept as text, not paths)."""
+    return " ".join(re.findall(r"<text[^>]*>([^<]*)</text>", svg))
+
+
+@pytest.mark.parametrize("name", sorted(LIBRARY))
+def test_library_diagram_draws_to_svg_and_png(name, tmp_path):
+    d = LIBRARY[name]
+    svg_path, png_path = tmp_path / f"{name}.svg", tmp_path / f"{name}.png"
+    drawing.draw(d, str(svg_path), title=name)
+    d.draw(str(png_path))
+    assert svg_path.stat().st_size > 0 and "<svg" in svg_path.read_text()
+    png = png_path.read_bytes()
+    assert png.startswith(PNG_MAGIC)
+
+
+@pytest.mark.parametrize("name", sorted(LIBRARY))
+def test_to_svg_labels_every_axis(name):
+    d = LIBRARY[name]
+    svg = drawing.to_svg(d)
+    assert "<svg" in svg
+    labels = _svg_text(svg).split()
+    for ax in d.axes:
+        assert any(lab == ax.name or lab.startswith(ax.name + "=") for lab in labels), ax.name
+    for arr in d.var_types():
+        assert arr.name in labels
+
+
+def test_repr_svg_is_to_svg():
+    d = L.softmax()
+    assert d._repr_svg_() == drawing.to_svg(d)
+
+
+def test_copy_and_discard_draw(tmp_path):
+    q, d_ = nc.axes("q d")
+    A = Array((q, d_), nc.f32, "A")
+    B = Array((q,), nc.f16, "B")
+    mm = L.matmul()
+    cases = [
+        Diagram.copy(A, 3),
+        Diagram.discard(Ty(A, B)),
+        Diagram.swap(A, B),
+        Diagram.id(Ty()),
+        mm >> Diagram.copy(mm.cod[0]),
+        (mm @ Diagram.id(A)) >> (Diagram.id(mm.cod) @ Diagram.discard(A)),
+        L.matmul() @ L.softmax(),
+    ]
+    for k, d in enumerate(cases):
+        path = tmp_path / f"wiring{k}.png"
+        drawing.draw(d, str(path))
+        assert path.read_bytes().startswith(PNG_MAGIC)
+        assert "<svg" in drawing.to_svg(d)
+
+
+def test_every_box_kind_draws():
+    q, x, d = nc.axes("q x d", d=8)
+    g = ops.Builder()
+    X = g.input("X", q, d)
+    W = g.param("W", d, x)
+    one = g.const(1.0, x, name="one")
+    Y = g.map("add", g.contract(X, W, out=(q, x), name="Y"), one)
+    Y = g.cast(g.transpose(g.mask(Y, q, x, nc.causal()), x, q), nc.f16)
+    S = g.box(ops.split_box(g.ty(X), d, nc.Axis("d1", 2), nc.Axis("d2", 4)), X)
+    R = g.reduce("max", g.map("mul", X, X), d)
+    diagram = g.diagram(Y, S, R)
+    text = _svg_text(drawing.to_svg(diagram)).split()
+    for label in ("W", "one", "d1=2", "d2=4", "transpose", "max[d]"):
+        assert label in text
+
+
+def test_schedule_marks_tiles_and_streams():
+    d = dataclasses.replace(L.attention(), schedule=(nc.Relabel("tile", "q", 32, "SMEM"),
+                                                     nc.Relabel("stream", "x", 16, "SMEM")))
+    svg = drawing.to_svg(d)
+    text = _svg_text(svg)
+    assert "stream" in text and "tile" in text
+    assert "q→g_q" in text and "x→s_x" in text
+    assert drawing.LEVEL_COLOURS["SMEM"] in svg
+
+
+def test_levels_colour_wires():
+    d = L.attention()
+    svg = drawing.to_svg(d, levels={"Q": "registers", 5: "L2", "K": "#123456"})
+    for colour in (drawing.LEVEL_COLOURS["registers"], drawing.LEVEL_COLOURS["L2"], "#123456"):
+        assert colour in svg
+
+
+def test_place_colours_one_array():
+    d = dataclasses.replace(L.matmul(), schedule=(nc.Relabel("place", "A", None, "registers"),))
+    svg = drawing.to_svg(d)
+    assert drawing.LEVEL_COLOURS["registers"] in svg
+
+
+def test_weaved_axes():
+    h = nc.Axis("h")
+    assert drawing.weaved_axes(L.attention(heads=h)) == ("h", "q")
+    assert drawing.weaved_axes(L.attention(heads=h, causal=True)) == ("h",)  # the mask reads q
+    assert drawing.weaved_axes(L.layernorm()) == ("t",)
+    assert drawing.weaved_axes(Diagram.copy(Array((h,)))) == ()
+    assert "weaved over h" in _svg_text(drawing.to_svg(L.attention(heads=h, causal=True)))
+    assert "weaved over" not in _svg_text(drawing.to_svg(L.attention(heads=h), weaved=()))
+
+
+def test_draw_into_given_axes():
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    ax = fig.add_subplot()
+    assert drawing.draw(L.softmax(), ax=ax) is fig
+
+
+def test_layout_keeps_items_apart():
+    """Items of a column never overlap, so wires and labels of different arrays cannot."""
+    for d in LIBRARY.values():
+        lay = drawing._layout(d)
+        for col in lay.columns:
+            spans = sorted((it.top, it.top + it.height) for it in col)
+            for (_, end), (start, _) in zip(spans, spans[1:]):
+                assert start >= end + drawing.GAP - 1e-9
