@@ -1,0 +1,1 @@
+"""Lowering to numba.cuda."""

@@ -1,0 +1,288 @@
+"""The numba.cuda runtime of generated kernels (napkin_cat.lower.runtime).
+
+Runs under numba's CUDA simulator on machines without a GPU.  The simulator is chosen when
+numba.cuda is first imported in the process, so it is requested here before anything imports
+numba; ``setdefault`` leaves an explicit ``NUMBA_ENABLE_CUDASIM=0`` alone, which is how the
+same tests run on a GPU (``NUMBA_ENABLE_CUDASIM=0 pytest tests/test_cuda_runtime.py``), the
+``gpu``-marked ones included.  If another module imported numba.cuda without the simulator
+first, the launch tests run on the GPU when there is one and skip, saying so, when not.
+Shapes are tiny: the simulator runs one Python thread per CUDA thread.
+"""
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import linecache  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from napkin_cat.errors import LoweringError  # noqa: E402
+from napkin_cat.lower import runtime as rt  # noqa: E402
+
+# What the code generator emits: two static shared arrays, each on its own line (on one line
+# the simulator would alias them), one dynamic buffer carved into two disjoint views (all
+# dynamic arrays alias), a loop with barriers, and math.  dtypes are numba types: the
+# simulator cannot size a *dynamic* array from the class np.float32.
+BLOCK = 8
+SMOKE_SOURCE = f'''from numba import cuda
+from numba import float32
+import math
+
+
+@cuda.jit
+def smoke(x, y, out, n_steps):
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    g = cuda.blockIdx.x * nt + tid
+    sa = cuda.shared.array({BLOCK}, dtype=float32)
+    sb = cuda.shared.array({BLOCK}, dtype=float32)
+    dyn = cuda.shared.array(0, dtype=float32)
+    acc = dyn[0:nt]
+    root = dyn[nt:2 * nt]
+    sa[tid] = x[g]
+    sb[tid] = y[g]
+    acc[tid] = 0.0
+    root[tid] = math.sqrt(abs(x[g]))
+    cuda.syncthreads()
+    for step in range(n_steps):
+        v = sa[(tid + 1) % nt]
+        cuda.syncthreads()
+        sa[tid] = v
+        acc[tid] += v * sb[tid]
+        cuda.syncthreads()
+    out[g] = acc[tid] + root[(tid + 1) % nt]
+'''
+SMOKE_SIGNATURE = "void(float32[::1], float32[::1], float32[::1], int64)"
+SMOKE_DYN_BYTES = 2 * BLOCK * 4
+
+
+def smoke_reference(x, y, n_steps):
+    xb, yb = x.reshape(-1, BLOCK), y.reshape(-1, BLOCK)
+    rotated = sum(np.roll(xb, -s, axis=1) for s in range(1, n_steps + 1))
+    return (rotated * yb + np.roll(np.sqrt(np.abs(xb)), -1, axis=1)).ravel()
+
+
+def smoke_inputs(blocks=2):
+    n = blocks * BLOCK
+    x = (np.arange(n, dtype=np.float32) - 5) * 0.5
+    y = np.linspace(1, 2, n).astype(np.float32)
+    return x, y
+
+
+@pytest.fixture
+def cuda_mode():
+    """'simulator' or 'gpu'; skips when numba.cuda is the hardware one and there is no GPU."""
+    if rt.simulator_active():
+        return "simulator"
+    if rt.gpu_available():
+        return "gpu"
+    pytest.skip("numba.cuda was first imported without NUMBA_ENABLE_CUDASIM=1 in this process "
+                "and no GPU is visible, so kernels can run neither simulated nor on hardware")
+
+
+@pytest.fixture
+def gpu():
+    if not rt.gpu_available():
+        pytest.skip("needs a real CUDA GPU with the simulator off (NUMBA_ENABLE_CUDASIM=0)")
+
+
+def test_ensure_numpy_compat_restores_row_stack_idempotently(monkeypatch):
+    monkeypatch.delattr(np, "row_stack", raising=False)  # what numpy >= 2.5 looks like
+    rt.ensure_numpy_compat()
+    rt.ensure_numpy_compat()
+    assert np.row_stack is np.vstack
+
+
+def test_simulator_choice_is_fixed_once_numba_cuda_is_imported(monkeypatch):
+    rt.import_cuda()
+    before = rt.simulator_active()
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "0" if before else "1")
+    assert rt.simulator_active() == before
+    assert not (before and rt.gpu_available())
+
+
+def test_smoke_kernel_shared_dynamic_and_barriers_match_numpy(cuda_mode):
+    kernel = rt.compile_kernel(SMOKE_SOURCE, "smoke", SMOKE_DYN_BYTES)
+    x, y = smoke_inputs()
+    out = np.zeros_like(x)
+    launch = rt.Launcher(kernel, 2, BLOCK)
+    assert launch.dynamic_smem_bytes == SMOKE_DYN_BYTES  # taken from compile_kernel
+    launch(rt.as_device_array(x), rt.as_device_array(y), rt.as_device_array(out), 3)
+    np.testing.assert_allclose(out, smoke_reference(x, y, 3), rtol=1e-5)
+
+
+def test_torch_cpu_tensors_go_through_as_device_array(cuda_mode):
+    torch = pytest.importorskip("torch")
+    kernel = rt.compile_kernel(SMOKE_SOURCE, "smoke", SMOKE_DYN_BYTES)
+    x, y = smoke_inputs(blocks=1)
+    xt, yt, out = torch.from_numpy(x.copy()), torch.from_numpy(y.copy()), torch.zeros(BLOCK)
+    rt.Launcher(kernel, 1, BLOCK)(*(rt.as_device_array(t) for t in (xt, yt, out)), 2)
+    np.testing.assert_allclose(out.numpy(), smoke_reference(x, y, 2), rtol=1e-5)
+
+
+def test_launchers_of_one_kernel_keep_their_own_configuration(cuda_mode):
+    source = ("from numba import cuda\n\n\n@cuda.jit\ndef count(out):\n"
+              "    out[cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x] += 1\n")
+    kernel = rt.compile_kernel(source, "count")
+    one, two = rt.Launcher(kernel, 1, 2), rt.Launcher(kernel, 2, 2)
+    out = np.zeros(4, np.int64)
+    two(rt.as_device_array(out))
+    one(rt.as_device_array(out))
+    assert out.tolist() == [2, 2, 1, 1]
+
+
+def test_generated_source_lines_show_in_tracebacks(cuda_mode):
+    kernel = rt.compile_kernel(SMOKE_SOURCE, "smoke", SMOKE_DYN_BYTES)
+    lines = SMOKE_SOURCE.splitlines()
+    assert linecache.getline(kernel.napkin_filename, 11).rstrip() == lines[10]
+    if cuda_mode != "simulator":
+        return  # an out-of-bounds index is undefined behaviour on hardware, not an exception
+    source = ("from numba import cuda\n\n\n@cuda.jit\ndef oob(out):\n"
+              "    out[cuda.threadIdx.x + 100] = 1.0\n")
+    with pytest.raises(IndexError) as info:
+        rt.Launcher(rt.compile_kernel(source, "oob"), 1, 1)(np.zeros(1))
+    text = "".join(traceback.format_exception(info.value))
+    assert "out[cuda.threadIdx.x + 100] = 1.0" in text and "<napkin-kernel oob" in text
+
+
+def test_compile_kernel_reports_bad_source_by_name():
+    with pytest.raises(LoweringError, match=r"no cuda.jit kernel 'missing'.*\['smoke'\]"):
+        rt.compile_kernel(SMOKE_SOURCE, "missing")
+    with pytest.raises(LoweringError, match="does not parse: line 2"):
+        rt.compile_kernel("from numba import cuda\ndef broken(:\n", "broken")
+
+
+def test_compile_kernel_memoises_by_source_name_and_shared_bytes():
+    first = rt.compile_kernel(SMOKE_SOURCE, "smoke", SMOKE_DYN_BYTES)
+    assert rt.compile_kernel(SMOKE_SOURCE, "smoke", SMOKE_DYN_BYTES) is first
+    assert rt.compile_kernel(SMOKE_SOURCE, "smoke", SMOKE_DYN_BYTES, cache=False) is not first
+
+
+def test_launcher_and_opt_in_refuse_what_no_block_can_have():
+    kernel = rt.compile_kernel(SMOKE_SOURCE, "smoke", SMOKE_DYN_BYTES)
+    limit = rt.device_limits().max_shared_per_block_optin
+    with pytest.raises(LoweringError, match="dynamic shared memory"):
+        rt.Launcher(kernel, 1, BLOCK, dynamic_smem_bytes=limit + 1)
+    with pytest.raises(LoweringError, match="threads"):
+        rt.Launcher(kernel, 1, (64, 32))
+    with pytest.raises(LoweringError, match="grid"):
+        rt.Launcher(kernel, 0, BLOCK)
+    if not rt.gpu_available():
+        assert rt.set_max_dynamic_shared(kernel, SMOKE_SIGNATURE, 100_000) == 100_000
+        with pytest.raises(LoweringError):
+            rt.set_max_dynamic_shared(kernel, SMOKE_SIGNATURE, limit + 1)
+
+
+def test_device_limits_without_gpu_are_h100_defaults():
+    if rt.gpu_available():
+        limits = rt.device_limits()
+        assert limits.from_device and limits.sm_count > 0
+        assert limits.max_shared_per_block_optin >= limits.max_shared_per_block
+    else:
+        assert rt.device_limits() == rt.H100_DEFAULTS
+
+
+def _skip_without_nvvm(err: LoweringError):
+    text = str(err)
+    if "TypingError" not in text and ("NVVM" in text or "nvvm" in text or "libdevice" in text):
+        pytest.skip(f"numba-cuda cannot find libNVVM here: {text.splitlines()[0]}")
+
+
+def test_typecheck_kernel_catches_what_the_simulator_would_not():
+    # the simulator would run this (Python ints go anywhere); numba's typing refuses it
+    wrong = "void(float32[::1], float32[::1], int32, int64)"
+    with pytest.raises(LoweringError) as info:
+        rt.typecheck_kernel(SMOKE_SOURCE, "smoke", wrong)
+    _skip_without_nvvm(info.value)
+    assert "TypingError" in str(info.value) and "setitem" in str(info.value)
+
+
+def test_numpy_shim_lets_numba_compile_without_row_stack():
+    # numpy 2.5 has no row_stack; numba-cuda 0.30.4 then fails at its first compilation
+    script = ("import numpy\n"
+              "if hasattr(numpy, 'row_stack'):\n    del numpy.row_stack\n"
+              "from napkin_cat.lower import runtime as rt\n"
+              "from tests_source import SOURCE, SIGNATURE\n"
+              "ir = rt.typecheck_kernel(SOURCE, 'smoke', SIGNATURE)\n"
+              "print('compiled', numpy.row_stack is numpy.vstack, len(ir) > 0)\n")
+    root = Path(rt.__file__).resolve().parents[2]
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c",
+                           f"import sys, types\nm = types.ModuleType('tests_source')\n"
+                           f"m.SOURCE = {SMOKE_SOURCE!r}\nm.SIGNATURE = {SMOKE_SIGNATURE!r}\n"
+                           f"sys.modules['tests_source'] = m\n" + script],
+                          capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode and ("NVVM" in proc.stderr or "libdevice" in proc.stderr):
+        pytest.skip("numba-cuda cannot find libNVVM here")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("compiled True True")
+
+
+# ---- real GPU only -------------------------------------------------------------------------
+
+LARGE_SMEM_SOURCE = '''from numba import cuda
+from numba import float32
+
+
+@cuda.jit
+def fill_and_sum(out, n):
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    buf = cuda.shared.array(0, dtype=float32)
+    for i in range(tid, n, nt):
+        buf[i] = float32(i % 7)
+    cuda.syncthreads()
+    s = float32(0.0)
+    for i in range(tid, n, nt):
+        s += buf[(i + 1) % n]
+    out[tid] = s
+'''
+
+
+@pytest.mark.gpu
+def test_dynamic_shared_memory_above_48kb_runs_after_opt_in(gpu):
+    nbytes = 200 * 1024
+    n, threads = nbytes // 4, 128
+    expected = np.array([sum(((i + 1) % n) % 7 for i in range(t, n, threads))
+                         for t in range(threads)], np.float32)
+    plain = rt.compile_kernel(LARGE_SMEM_SOURCE, "fill_and_sum", cache=False)
+    with pytest.raises(Exception):  # without the attribute the driver refuses the launch
+        plain[1, threads, 0, nbytes](np.zeros(threads, np.float32), n)
+        rt.import_cuda().synchronize()
+    kernel = rt.compile_kernel(LARGE_SMEM_SOURCE, "fill_and_sum", nbytes, cache=False)
+    out = np.zeros(threads, np.float32)
+    rt.Launcher(kernel, 1, threads)(rt.as_device_array(out), n)
+    np.testing.assert_array_equal(out, expected)
+    assert rt.set_max_dynamic_shared(kernel, "void(float32[::1], int64)", nbytes) == nbytes
+
+
+@pytest.mark.gpu
+def test_torch_cuda_tensors_are_zero_copy_and_cached(gpu):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    rt.clear_array_cache()
+    x, y = smoke_inputs()
+    xt, yt = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
+    out = torch.zeros(x.size, device="cuda")
+    assert rt.as_device_array(out) is rt.as_device_array(out)
+    kernel = rt.compile_kernel(SMOKE_SOURCE, "smoke", SMOKE_DYN_BYTES)
+    rt.Launcher(kernel, 2, BLOCK)(*(rt.as_device_array(t) for t in (xt, yt, out)), 3)
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(out.cpu().numpy(), smoke_reference(x, y, 3), rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_noncontiguous_numpy_results_are_copied_back(gpu):
+    source = ("from numba import cuda\n\n\n@cuda.jit\ndef twice(a):\n"
+              "    i = cuda.threadIdx.x\n    a[i] = 2 * a[i]\n")
+    base = np.arange(8, dtype=np.float32)
+    view = base[::2]
+    rt.Launcher(rt.compile_kernel(source, "twice"), 1, 4)(rt.as_device_array(view))
+    assert base.tolist() == [0, 1, 4, 3, 8, 5, 12, 7]
