@@ -1,3 +1,5 @@
+"""Hypothesis profiles for tests/ and proofs/: a derandomised `ci` profile (default) and `dev`."""
+
 import os
 
 from hypothesis import HealthCheck, settings

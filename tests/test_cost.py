@@ -1,0 +1,331 @@
+"""The cost model on diagrams the paper does not name, against hand counts."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from functools import lru_cache
+
+import pytest
+import sympy as sp
+
+import napkin_cat as nc
+from napkin_cat.core import Box, Ty
+from napkin_cat.cost import COST_RULES, box_work
+from napkin_cat.hardware import A100_SXM4, H100, H200
+from napkin_cat.hierarchy import hierarchy
+from napkin_cat.semantics import NUMPY_RULES
+from napkin_cat.symbols import size_symbol
+
+q, x, d, h, G = (size_symbol(n) for n in ("q", "x", "d", "h", "G"))
+a, b, c, e = (size_symbol(n) for n in "abce")
+t, i, o = (size_symbol(n) for n in "tio")
+g_q, s_x, g_h, t_G = (size_symbol(n) for n in ("g_q", "s_x", "g_h", "t_G"))
+g_a, s_b, g_t, g_o, s_i = (size_symbol(n) for n in ("g_a", "s_b", "g_t", "g_o", "s_i"))
+Q, X, D, H, GR = nc.axes("q x d h G")
+
+
+@lru_cache(maxsize=None)
+def flash():
+    return nc.cost(nc.library.attention(q=Q, x=X, d=D).stream(X, "s_x").tile(Q, "g_q"))
+
+
+@lru_cache(maxsize=None)
+def matmul_cost():
+    A, B, C = nc.axes("a b c")
+    return nc.cost(nc.library.matmul(a=A, b=B, c=C).tile(A, "g_a").tile(C, "g_c").stream(B, "s_b"))
+
+
+def chain():
+    """D[a e] = (A[a b] B[b c]) C[c e], contracted in two steps."""
+    A_, B_, C_, E_ = nc.axes("a b c e")
+    g = nc.Builder()
+    Am, Bm, Cm = g.input("A", A_, B_), g.input("B", B_, C_), g.input("C", C_, E_)
+    AB = g.contract(Am, Bm, out=(A_, C_), name="AB")
+    return g.diagram(g.contract(AB, Cm, out=(A_, E_), name="D")), (A_, B_, C_, E_)
+
+
+# --------------------------------------------------------------------------- tables
+
+def test_cost_rules_keys_match_numpy_rules():
+    assert set(COST_RULES) == set(NUMPY_RULES)
+
+
+def test_unknown_kind_is_named():
+    box = Box("bogus", Ty(), Ty())
+    with pytest.raises(nc.UnknownKindError, match="bogus"):
+        box_work(box, lambda names: 1)
+
+
+def test_cost_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        flash().transfers = {}
+
+
+# --------------------------------------------------------------------------- hand counts
+
+def test_linear_epilogue_tiled_and_streamed_hand_count():
+    T, I, O = nc.axes("t i o")
+    cost = nc.cost(nc.library.linear(t=T, i=I, o=O).tile(T, "g_t").tile(O, "g_o").stream(I, "s_i"))
+    # X once per column tile of W, W once per row tile of X, bias per group, Y written once
+    assert cost.transfers["HBM"] == t * i * o / g_o + t * i * o / g_t + t * o / g_t + t * o
+    assert cost.memory["SMEM"] == g_t * g_o + g_t * s_i + s_i * g_o + g_o
+    assert cost.flops["tensor"] == 2 * t * i * o
+    assert cost.flops["fma"] == t * o          # the bias add
+    assert cost.flops["exp"] == t * o          # gelu on the special-function unit
+    # the same diagram with integer sizes
+    T, I, O = nc.axes("t i o", t=256, i=512, o=1024)
+    fixed = nc.cost(nc.library.linear(t=T, i=I, o=O).tile(T, 64).tile(O, 128).stream(I, 32))
+    assert fixed.transfers["HBM"] == 1_048_576 + 2_097_152 + 4_096 + 262_144
+    assert fixed.transfers["HBM"] == cost.transfers["HBM"].subs({t: 256, i: 512, o: 1024, g_t: 64, g_o: 128})
+
+
+def test_unrelabelled_linear_materialises_every_box():
+    T, I, O = nc.axes("t i o")
+    cost = nc.cost(nc.library.linear(t=T, i=I, o=O))
+    # contract reads X, W and writes Y; add reads Y, bias and writes; gelu reads and writes
+    assert cost.transfers == {"HBM": t * i + i * o + t * o + (t * o + o + t * o) + 2 * t * o}
+
+
+def test_naive_attention_materialises_scores_at_hbm():
+    naive = nc.cost(nc.library.attention(q=Q, x=X, d=D))
+    assert naive.transfers["HBM"] == 2 * q * d + 2 * x * d + 6 * q * x
+    # the streamed and tiled form moves no q*x array
+    assert flash().transfers["HBM"] == 2 * q * d + 2 * q * x * d / g_q
+    assert not any(m.array in ("S", "P") for m in flash().moves if m.upper == "HBM")
+
+
+def test_gqa_hand_count():
+    gqa = nc.library.attention(q=Q, x=X, d=D, groups=GR, heads=H).stream(X, "s_x").tile(Q, "g_q")
+    cost = nc.cost(gqa)
+    # every query group of a head shares its K, V: loaded once per query tile
+    assert cost.transfers["HBM"] == 2 * G * h * q * d + 2 * h * x * d * q / g_q
+    assert cost.memory["SMEM"] == 2 * G * h * d * g_q + 2 * h * d * s_x
+    split = nc.cost(gqa.tile(GR, "t_G"))
+    assert split.transfers["HBM"] == 2 * G * h * q * d + 2 * h * x * d * q * G / (g_q * t_G)
+
+
+def test_multihead_hand_count():
+    mha = nc.cost(nc.library.attention(q=Q, x=X, d=D, heads=H).stream(X, "s_x").tile(Q, "g_q").tile(H, "g_h"))
+    # K, V have the head axis: a head tile partitions them, so g_h does not cut the reloads
+    assert mha.transfers["HBM"] == 2 * q * h * d + 2 * x * q * h * d / g_q
+    assert mha.memory["SMEM"] == 2 * d * g_h * g_q + 2 * d * g_h * s_x
+    # multi-query (K, V shared by the heads): the NAPKIN multi-head formula
+    mqa = nc.cost(nc.library.attention(q=Q, x=X, d=D, groups=H).stream(X, "s_x").tile(Q, "g_q").tile(H, "g_h"))
+    assert mqa.transfers["HBM"] == 2 * q * h * d + 2 * x * q * h * d / (g_q * g_h)
+    # both have the bound 2hqd + 4hxqd^2/M
+    for cost in (mha, mqa):
+        assert cost.closed_form("SMEM").expr == 2 * h * q * d + 4 * h * x * q * d ** 2 / size_symbol("M_SMEM")
+
+
+def test_three_matrix_chain_hand_count():
+    dg, (A_, B_, C_, E_) = chain()
+    cost = nc.cost(dg.tile(A_, "g_a").stream(B_, "s_b"))
+    # A streamed once; B and the resident C reloaded per row tile of A; D written once
+    assert cost.transfers["HBM"] == a * b + b * c * a / g_a + c * e * a / g_a + a * e
+    assert cost.flops == {"tensor": 2 * a * b * c + 2 * a * c * e, "fma": 0, "exp": 0}
+    # C (c*e), the AB state (g_a*c), then either the chunks of A and B or the D tile
+    assert cost.memory["SMEM"] == sp.Max(c * e + c * g_a + e * g_a, c * e + c * g_a + c * s_b + g_a * s_b)
+    at = cost.subs({"a": 256, "b": 128, "c": 64, "e": 32, "g_a": 32, "s_b": 16})
+    assert at.transfers["HBM"] == 32768 + 65536 + 16384 + 8192
+    assert at.memory["SMEM"] == 5632
+    # the resident C is a lower-order memory term: the closed form keeps (c + e) g_a
+    cf = cost.closed_form("SMEM")
+    assert cf.betas == (0, 1)
+    assert sp.simplify(cf.alphas[1] - a * c * (b + e) * (c + e)) == 0
+
+
+def test_symbolic_and_integer_sizes_agree():
+    q_, x_, d_ = nc.axes("q x d", q=256, x=512, d=64)
+    fixed = nc.cost(nc.library.attention(q=q_, x=x_, d=d_).stream(x_, 32).tile(q_, 64))
+    sym = flash().subs({"q": 256, "x": 512, "d": 64, "g_q": 64, "s_x": 32})
+    assert fixed.transfers == sym.transfers
+    assert fixed.memory == sym.memory
+    assert fixed.flops == sym.flops
+    assert fixed.transfers["HBM"] == 2 * 256 * 64 + 2 * 256 * 512 * 64 // 64
+
+
+def test_online_softmax_flops():
+    f = flash().flops
+    assert f["tensor"] == 4 * q * x * d
+    assert f["exp"] == q * x + q * x / s_x             # p = exp(s - mu) and one rescale per chunk
+    assert flash().intensity.free_symbols <= {q, x, d, g_q, s_x}
+
+
+def test_mixed_precision_bytes():
+    mixed = {"K": nc.fp8_e4m3, "V": nc.f16}
+    hbm = flash().bytes("HBM", mixed)
+    assert sp.expand(hbm - (4 * q * d + 4 * q * d + (1 + 2) * x * d * q / g_q)) == 0
+    assert flash().bytes("HBM", nc.f16) == 2 * flash().transfers["HBM"]
+    assert flash().memory_bytes("SMEM", mixed) == 4 * d * g_q * 2 + (1 + 2) * d * s_x
+
+
+# --------------------------------------------------------------------------- optimisation
+
+def test_sizes_that_do_not_fit_raise():
+    with pytest.raises(nc.CostError) as err:
+        flash().optimize({Q: 8192, X: 8192, D: 100_000}, hw=H100, dtype=nc.f16)
+    msg = str(err.value)
+    for part in ("SMEM", "232448", "'d': 100000", "f16"):
+        assert part in msg
+    # streaming alone keeps all of Q resident
+    streamed = nc.cost(nc.library.attention(q=Q, x=X, d=D).stream(X, "s_x"))
+    with pytest.raises(nc.CostError, match="nothing fits SMEM"):
+        streamed.optimize({Q: 8192, X: 8192, D: 128}, hw=H100, dtype=nc.f16)
+
+
+def test_missing_sizes_raise():
+    with pytest.raises(nc.CostError, match="sizes missing"):
+        flash().optimize({Q: 8192}, memory=65536)
+
+
+def _brute(cost, sizes, memory):
+    syms = sorted(cost.blocks)
+    bounds = []
+    for n in syms:
+        (op, axis), = cost.blocks[n]
+        bounds.append(range(1, sizes[axis] + 1))
+    sub = {size_symbol(k): v for k, v in sizes.items()}
+    obj = sp.lambdify([size_symbol(n) for n in syms], cost.objective("SMEM").subs(sub))
+    mem = sp.lambdify([size_symbol(n) for n in syms], cost.memory["SMEM"].subs(sub))
+    return min(obj(*v) for v in itertools.product(*bounds) if mem(*v) <= memory)
+
+
+@pytest.mark.parametrize("sizes,memory", [({"a": 24, "b": 16, "c": 40}, 200), ({"a": 30, "b": 7, "c": 9}, 57)])
+def test_exact_search_matches_brute_force(sizes, memory):
+    best = matmul_cost().optimize(sizes, memory=memory)
+    assert best.exhaustive
+    assert float(best.objective) == pytest.approx(_brute(matmul_cost(), sizes, memory), rel=1e-12)
+    assert best.memory["SMEM"] <= memory
+
+
+def test_optimize_respects_require():
+    A, B, C = nc.axes("a b c")
+    dg = nc.library.matmul(a=A, b=B, c=C).require(A, 64).require(C, 32)
+    cost = nc.cost(dg.tile(A, "g_a").tile(C, "g_c").stream(B, "s_b"))
+    best = cost.optimize({A: 4096, B: 4096, C: 4096}, memory=65536)
+    assert best.tiles["g_a"] % 64 == 0 and best.tiles["g_c"] % 32 == 0
+    # the best over multiples: brute force on the multiples with s_b = 1
+    brute = min((4096 ** 3 * (sp.Rational(1, ga) + sp.Rational(1, gc)), ga, gc)
+                for ga in range(64, 4097, 64) for gc in range(32, 4097, 32) if ga * gc + ga + gc <= 65536)
+    assert (best.tiles["g_a"], best.tiles["g_c"]) == brute[1:]
+    with pytest.raises(nc.CostError, match="multiple of 64"):
+        cost.optimize({A: 4096, B: 4096, C: 4096}, memory=65536, fixed={"g_a": 100})
+
+
+def test_optimize_divides_and_ragged_transfers():
+    best = flash().optimize({Q: 8192, X: 8192, D: 128}, memory=65536, fixed={"s_x": 64}, divides=True)
+    assert best.tiles["g_q"] == 128 and 8192 % best.tiles["g_q"] == 0
+    assert best.transfers_ragged["HBM"] == best.transfers["HBM"]
+    loose = flash().optimize({Q: 8192, X: 8192, D: 128}, memory=65536, fixed={"s_x": 64})
+    # 8192 / 192 groups: the model counts 42.67 reloads of K and V, a kernel runs 43
+    assert loose.transfers_ragged["HBM"] == 2 * 8192 * 128 + 43 * 2 * 8192 * 128
+    assert loose.transfers_ragged["HBM"] > loose.transfers["HBM"]
+
+
+def test_optimize_with_hardware_capacity_in_bytes():
+    best = flash().optimize({Q: 8192, X: 8192, D: 128}, hw=H100, dtype=nc.f16, fixed={"s_x": 64})
+    assert best.memory_bytes["SMEM"] <= H100.smem_per_block_optin
+    assert best.tiles["g_q"] == (227 * 1024 // 2 - 2 * 128 * 64) // (2 * 128)
+    assert best.unit == "bytes" and best.gap >= 1
+
+
+def test_closed_form_exponents_and_bound_is_below_every_optimum():
+    assert matmul_cost().closed_form("SMEM").betas == (0, sp.Rational(1, 2))
+    assert flash().closed_form("SMEM").betas == (0, 1)
+    for M in (4096, 20000, 65536):
+        for cost, sizes in ((matmul_cost(), {"a": 1024, "b": 1024, "c": 1024}),
+                            (flash(), {"q": 2048, "x": 2048, "d": 64})):
+            best = cost.optimize(sizes, memory=M)
+            assert best.bound <= best.objective
+            assert best.gap == pytest.approx(float(best.objective) / float(best.bound))
+
+
+# --------------------------------------------------------------------------- quantization
+
+def _tiling(cost, sizes, dtype):
+    best = cost.optimize(sizes, hw=H100, dtype=dtype)
+    alphas, betas = cost.closed_form("SMEM")
+    fixed = float(alphas[0].subs({size_symbol(k): v for k, v in sizes.items()}))
+    return (float(best.objective) - fixed * dtype.bytes)
+
+
+def test_quantization_factors():
+    q_ = size_symbol("nbytes")
+    att_terms = sp.Add.make_args(flash().optimum_bytes())
+    assert sorted(sp.simplify(term.subs(q_, 4) / term.subs(q_, 2)) for term in att_terms) == [2, 4]
+    mm_terms = sp.Add.make_args(matmul_cost().optimum_bytes())
+    assert sorted((sp.simplify(term.subs(q_, 4) / term.subs(q_, 2)) for term in mm_terms), key=float) == \
+        [2, 2 * sp.sqrt(2)]
+    # the exact integer optimum follows: f32 -> f16 divides the tiling terms by ~4 and ~2^1.5
+    att = {"q": 8192, "x": 8192, "d": 128}
+    assert _tiling(flash(), att, nc.f32) / _tiling(flash(), att, nc.f16) == pytest.approx(4, rel=0.01)
+    mm = {"a": 4096, "b": 4096, "c": 4096}
+    assert _tiling(matmul_cost(), mm, nc.f32) / _tiling(matmul_cost(), mm, nc.f16) == \
+        pytest.approx(2 ** 1.5, rel=0.01)
+
+
+# --------------------------------------------------------------------------- hardware, time, levels
+
+def test_hardware_profiles():
+    assert H100.tensor_rate("f16") == pytest.approx(989.4e12, rel=1e-4)
+    assert H100.tensor_rate("fp8_e4m3") == pytest.approx(1978.9e12, rel=1e-4)
+    assert H100.vector_rate("f32") == pytest.approx(66.9e12, rel=1e-3)
+    assert A100_SXM4.tensor_rate("f16") == pytest.approx(312e12, rel=1e-2)
+    assert (H100.smem_per_sm, H100.smem_per_block_static, H100.smem_per_block_optin) == (228 * 1024, 48 * 1024, 227 * 1024)
+    assert (A100_SXM4.smem_per_sm, A100_SXM4.smem_per_block_optin) == (164 * 1024, 163 * 1024)
+    assert H200.hbm_bandwidth == 4.8e12 and A100_SXM4.hbm_bandwidth == 2.039e12
+    assert nc.hardware.H100 is nc.hardware.H100_SXM5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        H100.sms = 1
+
+
+def test_roofline_time():
+    sizes = {Q: 8192, X: 8192, D: 128}
+    t100 = flash().time(H100, sizes, dtype=nc.f16)
+    t200 = flash().time(H200, sizes, dtype=nc.f16)
+    assert t200.seconds <= t100.seconds
+    for tm in (t100, t200):
+        assert tm.seconds == max([*tm.compute.values(), *tm.memory.values()])
+        assert tm.flops == 4 * 8192 * 8192 * 128 + int(flash().flops["fma"].subs(
+            {q: 8192, x: 8192, d: 128, s_x: tm.tiles["s_x"], g_q: tm.tiles["g_q"]})) + int(
+            flash().flops["exp"].subs({q: 8192, x: 8192, s_x: tm.tiles["s_x"]}))
+        assert tm.occupancy >= 1
+
+
+def test_occupancy_split():
+    occ = flash().occupancy(H100, {Q: 8192, X: 8192, D: 128, "g_q": 128, "s_x": 64}, dtype=nc.f16)
+    assert (occ.group, occ.block) == (2 * 128 * 128 * 2, 2 * 64 * 128 * 2)
+    assert occ.ratio == sp.Rational(228 * 1024 - occ.block, occ.group)
+
+
+def test_multilevel_weighted_sum():
+    sizes = {"q": 8192, "x": 8192, "d": 128}
+    ml = flash().multilevel(sizes, H100, nc.f16, hierarchy(l2=True))
+    assert set(ml.levels) == {"L2", "SMEM", "registers"}
+    for lv, row in ml.levels.items():
+        assert row["M"] == H100.capacity(lv) // 2
+        assert row["seconds"] == pytest.approx(2 * float(row["H"]) / row["bandwidth"])
+        assert row["H"] >= row["H_closed"]
+    assert ml.seconds == pytest.approx(sum(r["seconds"] for r in ml.levels.values()))
+    # a cluster of 1 changes nothing: (1/bw - 1/bw_1) H(M) + H(M)/bw_1 = H(M)/bw
+    one = flash().multilevel(sizes, H100, nc.f16, hierarchy(l2=True, cluster=True), cluster=1)
+    row = one.levels["SMEM"]
+    assert row["seconds"] == pytest.approx(2 * float(row["H"]) / row["bandwidth"])
+
+
+def test_cross_transfer_theorem():
+    cost = flash()
+    sizes = {"q": 8192, "x": 8192, "d": 128}
+    Mc, slow, fast = 65536, sp.Rational(1, 2), sp.Rational(1, 3)
+    alphas, betas = cost.closed_form()
+    plain = slow * cost.closed_form().at(Mc, cost._subs(sizes))
+    for N in (1, 2, 4):
+        saving = plain - cost.cross_transfer(Mc, N, slow, fast, sizes=sizes)
+        expect = (slow - fast) * sum(al.subs(cost._subs(sizes)) * sp.Integer(Mc) ** (-be) * (1 - sp.Integer(N) ** (-be))
+                                     for al, be in zip(alphas, betas))
+        assert sp.simplify(saving - expect) == 0
+    # N = 2 moves half of the beta = 1 term to the cheaper cluster price
+    half = (slow - fast) * alphas[1].subs(cost._subs(sizes)) / Mc / 2
+    assert sp.simplify(plain - cost.cross_transfer(Mc, 2, slow, fast, sizes=sizes) - half) == 0
