@@ -167,7 +167,12 @@ class FinalForm:
         return None
 
     def _home(self, loops) -> str:
-        return loops[-1].level if loops else FULL.top
+        if loops:
+            return loops[-1].level
+        # A relabelled nest runs as one group on the core of its outermost loop, so what lives
+        # outside every loop (a stream-only nest's resident operands and state) lives there
+        # too; only an unrelabelled diagram computes at the top level.
+        return next((n.level for n in self.body if isinstance(n, Loop)), FULL.top)
 
     def var_level(self, var: int, loops: tuple[Loop, ...]) -> str:
         """Inputs and outputs live at the level of the innermost loop around them; other
@@ -360,9 +365,11 @@ def final_form(d: Diagram) -> FinalForm:
     return FinalForm(plain, _insert_moves(ff), tuple(accs), placements)
 
 
-def _build(d: Diagram, eqns: tuple[int, ...], streams: tuple, accs: list) -> tuple:
+def _build(d: Diagram, eqns: tuple[int, ...], streams: tuple, accs: list, pending: tuple = ()) -> tuple:
+    """The nest for ``eqns`` under ``streams`` (outer first).  ``pending`` are accumulators of
+    enclosing stream loops: their updates follow the computations of ``eqns``."""
     if not streams:
-        return tuple(Compute(k) for k in eqns)
+        return tuple(Compute(k) for k in eqns) + tuple(Update(i) for i in pending)
     r, rest = streams[0], streams[1:]
     plan = stream_plan(d, r.axis)
     if isinstance(plan, str):
@@ -384,17 +391,38 @@ def _build(d: Diagram, eqns: tuple[int, ...], streams: tuple, accs: list) -> tup
     for a in my_accs:
         accs.append(a)
         ids.append(len(accs) - 1)
-    if rest and rest[0].axis == r.axis:  # sub-stream: split each chunk further
-        inner = rest[0]
-        loop_body = (Loop(r.axis, inner.size, "stream", inner.level,
-                          _build(d, region, rest[1:], accs) + tuple(Update(i) for i in ids)),)
-    else:
-        loop_body = _build(d, region, rest, accs) + tuple(Update(i) for i in ids)
+    # An enclosing accumulator updates once per chunk of this loop when the loop streams its own
+    # axis (a sub-stream) or every state of it carries the axis (it is weaved over the axis: each
+    # chunk updates its own slice).  Otherwise it updates after the loop, which is only right
+    # when it reads nothing computed chunk by chunk inside the loop.
+    down = tuple(i for i in pending if _updates_per_chunk(accs[i], r.axis))
+    after_loop = tuple(i for i in pending if i not in down)
+    in_loop = {v for k in region for v in d.eqn_outputs(k)}
+    for i in after_loop:
+        acc = accs[i]
+        if in_loop & set(d.eqns[acc.eqn].ins):
+            lacking = [n for n, axes_, _ in acc.states() if r.axis not in axes_]
+            raise RelabelError(f"stream {r.axis} cannot nest inside the stream of {acc.axis}: the "
+                               f"accumulator of {acc.box.name} reads values computed a chunk of "
+                               f"{r.axis} at a time, but its state {', '.join(lacking)} does not "
+                               f"carry {r.axis}; put the {r.axis} loop outside: "
+                               f"order({r.axis!r}, {acc.axis!r})")
     after = _downstream(d, set(a.eqn for a in my_accs), outside)
+    post_vars = {v for k in outside if k in after for v in d.eqn_outputs(k)}
+    for i in down:
+        if post_vars & set(d.eqns[accs[i].eqn].ins):
+            raise RelabelError(f"stream {r.axis} cannot nest inside the stream of {accs[i].axis}: "
+                               f"{accs[i].box.name} reads a value finished only after the {r.axis} "
+                               f"loop; use order({r.axis!r}, {accs[i].axis!r})")
+    loop_body = _build(d, region, rest, accs, tuple(ids) + down)
     pre = tuple(Compute(k) for k in outside if k not in after)
     post = tuple(Compute(k) for k in outside if k in after)
     return (pre + tuple(Init(i) for i in ids) + (Loop(r.axis, r.size, "stream", r.level, loop_body),)
-            + tuple(Finalise(i) for i in ids) + post)
+            + tuple(Finalise(i) for i in ids) + post + tuple(Update(i) for i in after_loop))
+
+
+def _updates_per_chunk(acc: Accumulator, axis: str) -> bool:
+    return acc.axis == axis or all(axis in axes_ for _, axes_, _ in acc.states())
 
 
 def _downstream(d: Diagram, acc_eqns: set[int], candidates) -> set[int]:
@@ -492,24 +520,55 @@ def _concrete(size, sizes: dict, what: str) -> int:
     return int(size)
 
 
+def chunk_starts(start: int, stop: int, step: int) -> range:
+    """Where the chunks of ``[start, stop)`` begin; the last one may be ragged (shorter)."""
+    return range(start, stop, step)
+
+
 def execute(d: Diagram, inputs: list[np.ndarray], ctx: Ctx) -> list[np.ndarray]:
     """Run the loop nest literally, chunk by chunk (ragged last chunks included).  Each box
-    runs through its own NumPy rule; accumulators through their init/update/finalise."""
+    runs through its own NumPy rule; accumulators through their init/update/finalise.
+
+    A value is read at the chunk of the loops around the reader: one computed outside an inner
+    loop is sliced to that loop's chunk, and an accumulator updated inside a loop over an axis
+    its state carries updates the slice of that chunk."""
     ff = final_form(d)
     check_blocks(d, ctx.sizes)
     dd = ff.diagram
-    n_in = len(dd.dom)
+    types = dd.var_types()
     out_arrays = {}
     for pos, v in enumerate(dd.outs):
-        arr = dd.var_types()[v]
+        arr = types[v]
         shape = tuple(ctx.sizes[a] for a in arr.axis_names)
         out_arrays.setdefault(v, np.full(shape, np.nan, dtype=ctx.dtype(arr.dtype)))
     ranges = {a.name: (0, ctx.sizes[a.name]) for a in dd.axes}
     env: dict[int, np.ndarray] = {}
+    env_start: dict[int, tuple[int, ...]] = {}   # var -> global index of its position 0, per axis
     states: dict[int, dict] = {}
+    state_ranges: dict[int, dict] = {}
 
     def slices(names):
         return tuple(slice(*ranges[n]) for n in names)
+
+    def define(v, value):
+        names = types[v].axis_names
+        env[v] = value
+        # a box without inputs (param, const) makes the whole axis whatever the loop
+        env_start[v] = tuple(ranges[n][0] if value.shape[i] == ranges[n][1] - ranges[n][0] else 0
+                             for i, n in enumerate(names))
+
+    def read(v):
+        x, names = env[v], types[v].axis_names
+        sl = []
+        for i, n in enumerate(names):
+            s0, (lo, hi) = env_start[v][i], ranges[n]
+            if (lo, hi) == (s0, s0 + x.shape[i]):
+                sl.append(slice(None))
+            elif s0 <= lo and hi <= s0 + x.shape[i]:
+                sl.append(slice(lo - s0, hi - s0))
+            else:  # a loop nest reading a chunk outside the loop that made it: a bug in the nest
+                raise AssertionError(f"{types[v]} holds {n}[{s0}:{s0 + x.shape[i]}], read at {n}[{lo}:{hi}]")
+        return x[tuple(sl)] if any(s != slice(None) for s in sl) else x
 
     def run(nodes):
         for n in nodes:
@@ -518,33 +577,51 @@ def execute(d: Diagram, inputs: list[np.ndarray], ctx: Ctx) -> list[np.ndarray]:
                 if step < 1:
                     raise ShapeError(f"{n.kind} size for {n.axis} must be >= 1, got {step}")
                 start, stop = ranges[n.axis]
-                for s in range(start, stop, step):
+                for s in chunk_starts(start, stop, step):
                     ranges[n.axis] = (s, min(s + step, stop))
                     run(n.body)
                 ranges[n.axis] = (start, stop)
             elif isinstance(n, Load):
-                env[n.var] = inputs[n.var][slices(dd.dom[n.var].axis_names)]
+                define(n.var, inputs[n.var][slices(dd.dom[n.var].axis_names)])
             elif isinstance(n, Compute):
                 e = dd.eqns[n.eqn]
                 ctx.offsets = {a: r[0] for a, r in ranges.items()}
-                outs = apply_box(e.box, [env[v] for v in e.ins], ctx)
+                outs = apply_box(e.box, [read(v) for v in e.ins], ctx)
                 for v, o in zip(dd.eqn_outputs(n.eqn), outs):
-                    env[v] = o
+                    define(v, o)
             elif isinstance(n, Init):
                 acc = ff.accumulators[n.acc]
                 shapes = {s: tuple(ranges[a][1] - ranges[a][0] for a in axes_) for s, axes_, _ in acc.states()}
                 states[n.acc] = acc.init(shapes, ctx)
+                state_ranges[n.acc] = dict(ranges)
             elif isinstance(n, Update):
                 acc = ff.accumulators[n.acc]
                 ctx.offsets = {a: r[0] for a, r in ranges.items()}
-                states[n.acc] = acc.update(states[n.acc], [env[v] for v in dd.eqns[acc.eqn].ins], ctx)
+                _update(acc, states[n.acc], state_ranges[n.acc], ranges,
+                        [read(v) for v in dd.eqns[acc.eqn].ins], ctx)
             elif isinstance(n, Finalise):
                 acc = ff.accumulators[n.acc]
                 outs = acc.finalise(states.pop(n.acc), ctx)
                 for v, o in zip(dd.eqn_outputs(acc.eqn), outs):
-                    env[v] = np.asarray(o, dtype=ctx.dtype(dd.var_types()[v].dtype))
+                    define(v, np.asarray(o, dtype=ctx.dtype(types[v].dtype)))
             elif isinstance(n, Store):
-                out_arrays[n.var][slices(dd.var_types()[n.var].axis_names)] = env[n.var]
+                out_arrays[n.var][slices(types[n.var].axis_names)] = read(n.var)
 
     run(ff.body)
     return [out_arrays[v] for v in dd.outs]
+
+
+def _update(acc: Accumulator, state: dict, at_init: dict, ranges: dict, ins, ctx) -> None:
+    """Update ``state`` in place with one chunk; where a loop inside the accumulator's own
+    partitions an axis of a state, only that chunk's slice of the state changes."""
+    cuts = {}
+    for name, axes_, _ in acc.states():
+        if any(ranges[a] != at_init[a] for a in axes_):
+            cuts[name] = tuple(slice(ranges[a][0] - at_init[a][0], ranges[a][1] - at_init[a][0]) for a in axes_)
+    view = {k: (v[cuts[k]] if k in cuts else v) for k, v in state.items()}
+    new = acc.update(view, ins, ctx)
+    for k, v in new.items():
+        if k in cuts:
+            state[k][cuts[k]] = v
+        else:
+            state[k] = v

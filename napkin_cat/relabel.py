@@ -377,3 +377,5 @@ _relabel_rule("stream", stream, "every box removing the axis has an accumulator 
               "reads the axis again (fusion theorem)", "proofs/test_fusion.py")
 _relabel_rule("place", place, "the wire exists and the level is in the hierarchy", "colouring only")
 _relabel_rule("require", require, "positive multiple; existing blocks divide", "labels only")
+_relabel_rule("order", lambda d, axes: order(d, *axes), "every named axis is streamed",
+              "loop order only: the accumulators are independent of the nesting")

@@ -1,0 +1,548 @@
+"""``check_equivalent``: two diagrams compute the same function, checked against NumPy.
+
+Hypothesis draws every symbolic axis size (``1 .. max_size``, and up to twice a concrete
+block plus one so that ragged and multi-chunk cases occur), every symbolic block size of a
+relabelled diagram (``tile(q, "g_q")``: ``1 .. max_size``, multiples of ``require``), a data
+regime and a seed.  The inputs come from ``np.random.default_rng(seed)`` in that regime:
+
+``normal``    standard normal
+``huge``      standard normal times ``1e4`` (scores near +-1e8: ``exp`` under- and overflows)
+``repeated``  integers in ``{-1, 0, 1}`` (many equal values: repeated maxima)
+``huge_one_sign``  ``|normal| * 1e4`` with one random sign per array: every score of a
+              product of two such arrays has the same sign, e.g. all far below zero
+``masked``    only for inputs that reach a softmax-like box through elementwise boxes (a score
+              or bias input): ``-inf`` entries and fully ``-inf`` rows
+
+Diagrams with masks also get sizes with more rows than columns, where window masks leave
+rows fully masked.  Both diagrams run through :func:`napkin_cat.evaluate` in float64 and are
+compared with the float64 tolerances (``|a - b| <= atol * scale + rtol * |a|`` with ``scale``
+the largest finite magnitude of the output, at least 1); NaN and infinite entries must agree
+exactly.  A failure is shrunk by Hypothesis to a minimal counterexample (smallest sizes,
+plainest regime, smallest seed) and raised as :class:`~napkin_cat.errors.EquivalenceError`
+whose message ends with Python code that reproduces it.
+
+>>> import napkin_cat as nc
+>>> q, x, d = nc.axes("q x d")
+>>> attn = nc.library.attention(q=q, x=x, d=d)
+>>> report = nc.check_equivalent(attn, attn.stream(x, 4).tile(q, "g_q"), examples=5, seed=0)
+>>> report.examples
+5
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .core import Axis, Diagram
+from .errors import EquivalenceError, NapkinError, TypingError
+from .relabel import requirements
+
+# (rtol, atol) per dtype the comparison runs in; evaluation is float64 (the reference)
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "f64": (1e-9, 1e-9), "f32": (1e-5, 1e-6), "f16": (1e-2, 1e-3), "bf16": (2e-2, 1e-2),
+    "fp8_e4m3": (1.5e-1, 5e-2), "fp8_e5m2": (2.5e-1, 1e-1), "i8": (0.0, 0.0),
+}
+REFERENCE_DTYPE = "f64"
+
+# boxes through which a -inf score stays a masked score (the "masked" regime's reach)
+_PASS_KINDS = ("mask", "index_bias", "cast")
+_PASS_FNS = ("add", "sub", "scale", "shift", "identity", "maximum")
+
+
+# --------------------------------------------------------------------------- data regimes
+
+def masked_normal(rng: np.random.Generator, shape) -> np.ndarray:
+    """Standard normal scores with about half the entries ``-inf`` and about a quarter of the
+    rows (all but the last axis) entirely ``-inf``: partially and fully masked rows."""
+    x = rng.standard_normal(shape)
+    x[rng.random(shape) < 0.5] = -np.inf
+    if len(shape) > 0:
+        x[rng.random(shape[:-1]) < 0.25] = -np.inf
+    return x
+
+
+# regime -> (generator, code template); the template is what the reproducer prints
+REGIMES = {
+    "normal": (lambda rng, s: rng.standard_normal(s), "rng.standard_normal({s})"),
+    "huge": (lambda rng, s: rng.standard_normal(s) * 1e4, "rng.standard_normal({s}) * 1e4"),
+    "repeated": (lambda rng, s: rng.integers(-1, 2, s).astype(float), "rng.integers(-1, 2, {s}).astype(float)"),
+    "huge_one_sign": (lambda rng, s: rng.choice([-1.0, 1.0]) * np.abs(rng.standard_normal(s)) * 1e4,
+                      "rng.choice([-1.0, 1.0]) * np.abs(rng.standard_normal({s})) * 1e4"),
+    "masked": (masked_normal, "masked_normal(rng, {s})"),
+}
+_INT_DATA = (lambda rng, s: rng.integers(-4, 5, s).astype(np.int8), "rng.integers(-4, 5, {s}).astype(np.int8)")
+
+
+# --------------------------------------------------------------------------- results
+
+@dataclass(frozen=True)
+class EquivalenceReport:
+    """What a passing check ran: examples, largest errors seen, time, sizes and regimes."""
+
+    examples: int
+    max_abs_error: float
+    max_rel_error: float
+    seconds: float
+    sizes_tried: tuple[tuple[str, int, int], ...]   # (symbol, smallest, largest)
+    regimes_tried: tuple[tuple[str, int], ...]      # (regime, examples)
+    stopped_by_time: bool = False
+
+    def __str__(self) -> str:
+        sizes = ", ".join(f"{s} in {lo}..{hi}" for s, lo, hi in self.sizes_tried) or "fixed sizes"
+        regimes = ", ".join(f"{r} x{n}" for r, n in self.regimes_tried)
+        budget = " (stopped by the time budget)" if self.stopped_by_time else ""
+        return (f"equivalent on {self.examples} examples{budget} in {self.seconds:.2f} s: "
+                f"max abs error {self.max_abs_error:.3g}, max rel error {self.max_rel_error:.3g}; "
+                f"{sizes}; data {regimes}")
+
+
+@dataclass(frozen=True)
+class _Example:
+    sizes: dict          # axis-size symbol -> int
+    blocks: dict         # block-size symbol -> int
+    regime: str
+    seed: int
+
+
+@dataclass
+class _Outcome:
+    abs_error: float = 0.0
+    rel_error: float = 0.0
+    failure: dict | None = None
+
+
+class _Mismatch(AssertionError):
+    """Raised inside the Hypothesis test so that it shrinks; never leaves this module."""
+
+
+class _OutOfTime(BaseException):
+    """Stops Hypothesis when the time budget is spent (not an ``Exception``: not a failure)."""
+
+
+# --------------------------------------------------------------------------- the problem
+
+@dataclass
+class _Problem:
+    a: Diagram
+    b: Diagram
+    fixed: dict                      # user-fixed sizes, str keys
+    symbols: dict                    # axis-size symbol -> upper bound
+    blocks: dict                     # block symbol -> required multiple
+    masks: list                      # (row symbol, col symbol)
+    regimes: tuple
+    score_inputs: frozenset          # dom positions that reach a softmax-like box elementwise
+    score_params: frozenset
+    params: dict                     # param name -> Array
+    max_size: int
+    axis_symbol: dict = field(default_factory=dict)  # axis name -> size symbol or int
+
+    @staticmethod
+    def build(a: Diagram, b: Diagram, sizes: dict, max_size: int) -> "_Problem":
+        fixed = {}
+        for key, n in (sizes or {}).items():
+            name = key.size if isinstance(key, Axis) and key.symbolic else getattr(key, "name", key)
+            fixed[str(name)] = int(n)
+        axis_symbol: dict[str, object] = {}
+        for d in (a, b):
+            for ax in d.axes:
+                axis_symbol.setdefault(ax.name, ax.size)
+        # an axis fixed by name fixes its symbol too
+        for name, sym in list(axis_symbol.items()):
+            if name in fixed and isinstance(sym, str):
+                fixed.setdefault(sym, fixed[name])
+        block_for: dict[str, int] = {}   # size symbol -> largest concrete block on its axes
+        blocks: dict[str, int] = {}
+        for d in (a, b):
+            req = requirements(d)
+            for r in d.schedule:
+                if r.op not in ("tile", "stream"):
+                    continue
+                sym = axis_symbol.get(r.axis)
+                if isinstance(r.size, int):
+                    if isinstance(sym, str):
+                        block_for[sym] = max(block_for.get(sym, 0), r.size)
+                elif r.size not in fixed and r.size not in axis_symbol.values():
+                    k = req.get(r.axis, 1)
+                    blocks[r.size] = math.lcm(blocks.get(r.size, 1), k)
+        masks = []
+        for d in (a, b):
+            for e in d.eqns:
+                if e.box.kind in ("mask", "index_bias"):
+                    rs, cs = axis_symbol[e.box.param("row")], axis_symbol[e.box.param("col")]
+                    if isinstance(rs, str) and isinstance(cs, str) and rs != cs and (rs, cs) not in masks:
+                        masks.append((rs, cs))
+        # a mask compares global row and column indices: blocks on one matter to the other
+        for rs, cs in masks:
+            if rs in block_for or cs in block_for:
+                block_for[rs] = block_for[cs] = max(block_for.get(rs, 0), block_for.get(cs, 0))
+        symbols = {}   # symbol -> (upper bound, smallest size with two chunks, or 0)
+        for sym in axis_symbol.values():
+            if isinstance(sym, str) and sym not in fixed and sym not in symbols:
+                blk = block_for.get(sym, 0)
+                upper = max(max_size, 2 * blk + 1)
+                symbols[sym] = (upper, blk + 1 if blk and blk < upper else 0)
+        masks = [(rs, cs) for rs, cs in masks if rs in symbols and cs in symbols]
+        score_inputs, score_params = set(), set()
+        params = {}
+        for d in (a, b):
+            ins, ps = _score_like(d)
+            score_inputs |= ins
+            score_params |= ps
+            for e in d.eqns:
+                if e.box.kind == "param":
+                    params.setdefault(e.box.param("pname"), e.box.cod[0])
+        regimes = ("normal", "repeated", "huge", "huge_one_sign") + (("masked",) if score_inputs or score_params else ())
+        return _Problem(a, b, fixed, symbols, blocks, masks, regimes, frozenset(score_inputs),
+                        frozenset(score_params), params, max_size, axis_symbol)
+
+    # ---- drawing
+    def draw(self, data, st) -> _Example:
+        sizes: dict[str, int] = {}
+        tall = {}
+        for rs, cs in self.masks:  # rows beyond the columns: fully masked rows under a window
+            if rs not in tall:
+                tall[rs] = cs
+        for sym, (upper, multi) in self.symbols.items():
+            if sym in tall and tall[sym] in sizes and data.draw(st.booleans(), label=f"{sym} > {tall[sym]}"):
+                lo = min(sizes[tall[sym]] + 1, upper)
+                sizes[sym] = data.draw(st.integers(lo, upper), label=sym)
+            elif multi:  # half the draws cross a concrete block: several chunks, a ragged tail
+                sizes[sym] = data.draw(st.one_of(st.integers(1, upper), st.integers(multi, upper)), label=sym)
+            else:
+                sizes[sym] = data.draw(st.integers(1, upper), label=sym)
+        blocks = {}
+        for sym, k in self.blocks.items():
+            top = max(1, self.max_size // k)
+            blocks[sym] = k * data.draw(st.integers(1, top), label=f"{sym} / {k}" if k > 1 else sym)
+        regime = data.draw(st.sampled_from(self.regimes), label="regime")
+        seed = data.draw(st.integers(0, 2 ** 32 - 1), label="seed")
+        return _Example(sizes, blocks, regime, seed)
+
+    def axis_sizes(self, ex: _Example) -> dict[str, int]:
+        out = {}
+        for name, sym in self.axis_symbol.items():
+            if isinstance(sym, int):
+                out[name] = sym
+            else:
+                out[name] = ex.sizes.get(sym, self.fixed.get(sym, self.fixed.get(name)))
+        return out
+
+    def eval_sizes(self, ex: _Example) -> dict:
+        return {**self.fixed, **ex.sizes, **ex.blocks}
+
+    def input_specs(self, ex: _Example):
+        """(label, shape, (generator, template)) for every input then every param, in rng order."""
+        ax = self.axis_sizes(ex)
+        specs = []
+        for i, arr in enumerate(self.a.dom):
+            shape = tuple(int(ax[n]) for n in arr.axis_names)
+            specs.append(("in", i, arr, shape, self._regime_for(arr, ex.regime, i in self.score_inputs)))
+        for name in sorted(self.params):
+            arr = self.params[name]
+            shape = tuple(int(ax[n]) for n in arr.axis_names)
+            specs.append(("param", name, arr, shape, self._regime_for(arr, ex.regime, name in self.score_params)))
+        return specs
+
+    @staticmethod
+    def _regime_for(arr, regime, score_like):
+        if arr.dtype.kind == "int":
+            return _INT_DATA
+        if regime == "masked" and not score_like:
+            return REGIMES["normal"]
+        return REGIMES[regime]
+
+    def data(self, ex: _Example):
+        rng = np.random.default_rng(ex.seed)
+        inputs, params = [], {}
+        for kind, key, arr, shape, (gen, _) in self.input_specs(ex):
+            x = gen(rng, shape)
+            if kind == "in":
+                inputs.append(x)
+            else:
+                params[key] = x
+        return inputs, params
+
+
+def _score_like(d: Diagram) -> tuple[set, set]:
+    """Inputs (dom positions) and params (names) whose values reach the score operand of a
+    softmax-like box through elementwise boxes only: where ``-inf`` means "masked"."""
+    score: set[int] = set()
+    for e in d.eqns:
+        box = e.box
+        soft = box.kind in ("softmax", "softmax_contract") or \
+            (box.kind == "reduce" and box.param("op") in ("max", "logsumexp")) or \
+            (box.kind in ("normalize", "norm_contract") and box.param("a1") == "exp")
+        if soft:
+            score.add(e.ins[0])
+    for k in reversed(range(len(d.eqns))):
+        e = d.eqns[k]
+        if not any(v in score for v in d.eqn_outputs(k)):
+            continue
+        box = e.box
+        passes = box.kind in _PASS_KINDS or (box.kind == "map" and box.param("fn") in _PASS_FNS) or \
+            (box.kind == "reindex" and box.param("op") == "transpose")
+        if passes:
+            score.update(e.ins)
+    n = len(d.dom)
+    ins = {v for v in score if v < n}
+    params = set()
+    for k, e in enumerate(d.eqns):
+        if e.box.kind == "param" and d.eqn_outputs(k)[0] in score:
+            params.add(e.box.param("pname"))
+    return ins, params
+
+
+# --------------------------------------------------------------------------- comparing
+
+def _tolerance(dtype_tolerance) -> tuple[float, float]:
+    if dtype_tolerance is None:
+        return TOLERANCES[REFERENCE_DTYPE]
+    if isinstance(dtype_tolerance, dict):
+        return dtype_tolerance.get(REFERENCE_DTYPE, TOLERANCES[REFERENCE_DTYPE])
+    if isinstance(dtype_tolerance, (int, float)):
+        return float(dtype_tolerance), float(dtype_tolerance)
+    rtol, atol = dtype_tolerance
+    return float(rtol), float(atol)
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _compare(problem: _Problem, ex: _Example, rtol: float, atol: float) -> _Outcome:
+    inputs, params = problem.data(ex)
+    sizes = problem.eval_sizes(ex)
+    results, errors = [], []
+    from .semantics import evaluate
+    for d in (problem.a, problem.b):
+        try:
+            with np.errstate(all="ignore"):   # adversarial data overflows on purpose
+                results.append(_as_tuple(evaluate(d, *inputs, sizes=sizes, params=params)))
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - a crash on one side is a difference
+            results.append(None)
+            errors.append(e)
+    if errors[0] is not None and errors[1] is not None:
+        raise errors[0]
+    if any(e is not None for e in errors):
+        side = "a" if errors[0] is not None else "b"
+        err = errors[0] or errors[1]
+        return _Outcome(math.inf, math.inf, {"kind": "error", "side": side,
+                                             "error": f"{type(err).__name__}: {err}"})
+    out = _Outcome()
+    for i, (ra, rb) in enumerate(zip(*results)):
+        ra, rb = np.asarray(ra, dtype=np.float64), np.asarray(rb, dtype=np.float64)
+        fa, fb = np.isfinite(ra), np.isfinite(rb)
+        both = fa & fb
+        scale = max(1.0, float(np.max(np.abs(ra[fa]), initial=0.0)), float(np.max(np.abs(rb[fb]), initial=0.0)))
+        diff = np.where(both, np.abs(ra - np.where(both, rb, 0.0)), 0.0)
+        allowed = atol * scale + rtol * np.abs(np.where(both, ra, 0.0))
+        nonfinite_bad = (fa != fb) | (~fa & ~fb & ~((ra == rb) | (np.isnan(ra) & np.isnan(rb))))
+        bad = (both & (diff > allowed)) | nonfinite_bad
+        if diff.size:
+            out.abs_error = max(out.abs_error, float(diff.max()))
+            floor = np.maximum(np.abs(np.where(both, ra, 0.0)), atol * scale)
+            out.rel_error = max(out.rel_error, float((diff / floor).max()))
+        if bad.any() and out.failure is None:
+            idx = tuple(int(j) for j in np.argwhere(bad)[0])
+            arr = problem.a.cod[i]
+            out.failure = {"kind": "values", "output": i, "output_name": arr.name,
+                           "index": idx, "coordinates": dict(zip(arr.axis_names, idx)),
+                           "a_value": float(ra[idx]), "b_value": float(rb[idx]),
+                           "allowed": float(allowed[idx]), "differing": int(bad.sum()),
+                           "total": int(bad.size)}
+    return out
+
+
+# --------------------------------------------------------------------------- the check
+
+def check_equivalent(a: Diagram, b: Diagram, *, examples: int = 60, time_budget: float | None = None,
+                     sizes: dict | None = None, max_size: int = 12, dtype_tolerance=None,
+                     progress: bool | None = None, seed: int | None = None) -> EquivalenceReport:
+    """Check that ``a`` and ``b`` compute the same function; a report, or an
+    :class:`EquivalenceError` carrying the shrunk counterexample (with reproducing code).
+
+    ``examples``: Hypothesis examples (before shrinking); ``time_budget``: seconds, after which
+    the check stops (a failure found so far is still reported, shrunk as far as time allowed);
+    ``sizes``: fixed sizes (axis names, Axis values or symbol names); ``max_size``: largest
+    drawn size (axes with a concrete block go up to twice the block plus one);
+    ``dtype_tolerance``: ``(rtol, atol)``, one number, or ``{dtype name: (rtol, atol)}``
+    (default :data:`TOLERANCES` for float64); ``progress``: a tqdm bar on stderr (``None``:
+    only on a terminal, after a second); ``seed``: a fixed Hypothesis seed (reproducible).
+    """
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+    from hypothesis import seed as hyp_seed
+    from hypothesis import strategies as st
+
+    for d, side in ((a, "a"), (b, "b")):
+        if not isinstance(d, Diagram):
+            raise TypingError(f"check_equivalent: {side} must be a Diagram, got {type(d).__name__}")
+    if a.dom != b.dom or a.cod != b.cod:
+        which = "dom" if a.dom != b.dom else "cod"
+        raise TypingError(f"check_equivalent: the diagrams have different types ({which} differs), "
+                          f"so they cannot be equivalent\n  a: {a.short()}\n  b: {b.short()}")
+    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
+        raise NapkinError(f"check_equivalent: examples must be a positive int, got {examples!r}")
+    from .loopnest import final_form
+    for d in (a, b):
+        if d.schedule:
+            final_form(d)   # a schedule with no loop nest is refused here, with its reason
+    problem = _Problem.build(a, b, sizes or {}, max_size)
+    rtol, atol = _tolerance(dtype_tolerance)
+    from tqdm.auto import tqdm
+    bar = tqdm(total=examples, desc="check_equivalent", unit="ex", file=sys.stderr, leave=False,
+               disable=(None if progress is None else not progress), delay=1.0 if progress is None else 0.0)
+    run = {"n": 0, "abs": 0.0, "rel": 0.0, "failures": set(), "failure": None, "sizes": {}, "regimes": {},
+           "timed_out": False}
+    t0 = time.perf_counter()
+
+    @given(st.data())
+    def prop(data):
+        ex = problem.draw(data, st)
+        if time_budget is not None and time.perf_counter() - t0 > time_budget:
+            # after the draws: Hypothesis requires every run to draw consistently
+            run["timed_out"] = True
+            raise _OutOfTime()
+        outcome = _compare(problem, ex, rtol, atol)
+        run["n"] += 1
+        if run["failure"] is None:
+            bar.update(1)
+            run["abs"] = max(run["abs"], outcome.abs_error)
+            run["rel"] = max(run["rel"], outcome.rel_error)
+            for sym, n in ex.sizes.items():
+                lo, hi = run["sizes"].get(sym, (n, n))
+                run["sizes"][sym] = (min(lo, n), max(hi, n))
+            run["regimes"][ex.regime] = run["regimes"].get(ex.regime, 0) + 1
+        if outcome.failure is not None:
+            if run["failure"] is None:
+                run["examples_before"] = run["n"]
+                bar.set_description("check_equivalent: shrinking a counterexample")
+            run["failures"].add((tuple(ex.sizes.items()), tuple(ex.blocks.items()), ex.regime, ex.seed))
+            run["failure"] = (ex, outcome.failure)
+            bar.set_postfix_str(_size_str(ex))
+            raise _Mismatch("the diagrams differ")
+
+    settings_ = settings(settings.default, max_examples=examples, deadline=None, database=None,
+                         derandomize=settings.default.derandomize if seed is None else False,
+                         phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
+                         verbosity=Verbosity.quiet, print_blob=False,
+                         suppress_health_check=list(HealthCheck))
+    test = settings_(prop)
+    if seed is not None:
+        test = hyp_seed(seed)(test)
+    try:
+        test()
+    except (_OutOfTime, _Mismatch):
+        pass
+    except BaseExceptionGroup:  # several distinct failures (or a flaky one): report ours
+        if run["failure"] is None:
+            raise
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    if run["failure"] is not None:
+        ex, failure = run["failure"]
+        raise EquivalenceError(*_counterexample(problem, ex, failure, run, seconds, rtol, atol))
+    return EquivalenceReport(run["n"], run["abs"], run["rel"], seconds,
+                             tuple((s, lo, hi) for s, (lo, hi) in run["sizes"].items()),
+                             tuple(sorted(run["regimes"].items())), run["timed_out"])
+
+
+# --------------------------------------------------------------------------- the counterexample
+
+def _size_str(ex: _Example) -> str:
+    return " ".join(f"{k}={v}" for k, v in {**ex.sizes, **ex.blocks}.items())
+
+
+_NAMESPACE_CODE = ("from napkin_cat.core import *  # Diagram, Ty, Array, Axis, Box, Eqn, Relabel, dtypes\n"
+                   "from napkin_cat.ops import AxisPower, IndexBias, Predicate")
+
+
+def _diagram_code(d: Diagram, label: str) -> str:
+    text = repr(d)
+    ns: dict = {}
+    try:
+        exec(_NAMESPACE_CODE, ns)
+        if eval(text, ns) == d:
+            return f"{label} = {text}"
+    except Exception:  # noqa: BLE001 - a custom predicate's repr does not evaluate back
+        pass
+    return f"{label} = ...  # the diagram passed as '{label}' (its repr does not evaluate back)"
+
+
+def _var_names(problem: _Problem) -> list[str]:
+    taken = {"np", "nc", "a", "b", "rng", "sizes", "params", "out_a", "out_b", "masked_normal"}
+    names = []
+    for i, arr in enumerate(problem.a.dom):
+        n = arr.name if arr.name.isidentifier() and arr.name != "_" else f"x{i}"
+        while n in taken:
+            n = f"{n}_{i}"
+        taken.add(n)
+        names.append(n)
+    return names
+
+
+def reproducer(problem: _Problem, ex: _Example, failure: dict) -> str:
+    """Python code that rebuilds the inputs of ``ex`` and shows the difference."""
+    names = _var_names(problem)
+    lines = ["import numpy as np", "import napkin_cat as nc", _NAMESPACE_CODE]
+    if ex.regime == "masked":
+        lines.append("from napkin_cat.check import masked_normal")
+    lines += [_diagram_code(problem.a, "a"), _diagram_code(problem.b, "b")]
+    lines.append(f"sizes = {problem.eval_sizes(ex)!r}")
+    lines.append(f"rng = np.random.default_rng({ex.seed})")
+    pnames = []
+    for kind, key, arr, shape, (_, template) in problem.input_specs(ex):
+        code = template.format(s=repr(shape))
+        if kind == "in":
+            lines.append(f"{names[key]} = {code}")
+        else:
+            pnames.append(key)
+            lines.append(f"param_{key} = {code}")
+    args = ", ".join(names)
+    kw = ", sizes=sizes" + (", params=params" if pnames else "")
+    if pnames:
+        lines.append("params = {" + ", ".join(f"{k!r}: param_{k}" for k in pnames) + "}")
+    if failure["kind"] == "error":
+        lines.append(f"out_a = nc.evaluate(a, {args}{kw})")
+        lines.append(f"out_b = nc.evaluate(b, {args}{kw})  # side {failure['side']} raises")
+        return "\n".join(lines)
+    lines.append(f"out_a = nc.evaluate(a, {args}{kw})")
+    lines.append(f"out_b = nc.evaluate(b, {args}{kw})")
+    sel = "" if len(problem.a.cod) == 1 else f"[{failure['output']}]"
+    idx = failure["index"]
+    lines.append(f"print(out_a{sel}[{idx!r}], out_b{sel}[{idx!r}])  "
+                 f"# {failure['a_value']!r} vs {failure['b_value']!r}")
+    return "\n".join(lines)
+
+
+def _counterexample(problem, ex, failure, run, seconds, rtol, atol):
+    code = reproducer(problem, ex, failure)
+    before = run.get("examples_before", run["n"])
+    head = (f"check_equivalent: the diagrams differ (found after {before} example(s), "
+            f"shrunk through {len(run['failures']) - 1} smaller failing example(s), {seconds:.2f} s)")
+    lines = [head, f"  a: {problem.a}", f"  b: {problem.b}",
+             f"  sizes : {dict(ex.sizes)}" + (f"  fixed: {problem.fixed}" if problem.fixed else ""),
+             f"  blocks: {dict(ex.blocks)}", f"  data  : regime {ex.regime!r}, seed {ex.seed}"]
+    if failure["kind"] == "error":
+        lines.append(f"  {failure['side']} raises {failure['error']}")
+    else:
+        coords = ", ".join(f"{k}={v}" for k, v in failure["coordinates"].items())
+        lines.append(f"  first difference: output {failure['output_name']} at ({coords}): "
+                     f"a = {failure['a_value']!r}, b = {failure['b_value']!r} "
+                     f"(allowed |a-b| <= {failure['allowed']:.3g}; rtol {rtol:g}, atol {atol:g} x scale)")
+        lines.append(f"  {failure['differing']} of {failure['total']} entries differ")
+    lines.append("reproduce with:")
+    lines += ["    " + ln for ln in code.splitlines()]
+    info = {"sizes": dict(ex.sizes), "blocks": dict(ex.blocks), "seed": ex.seed, "regime": ex.regime,
+            "axis_sizes": problem.axis_sizes(ex), "code": code, "examples": before,
+            "shrink_steps": len(run["failures"]) - 1, **failure}
+    return "\n".join(lines), info
+
+
+__all__ = ["check_equivalent", "EquivalenceReport", "TOLERANCES", "REGIMES", "masked_normal", "reproducer"]
