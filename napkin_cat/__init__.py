@@ -10,7 +10,13 @@ from .errors import (CostError, EquivalenceError, LoweringError, NapkinError, Re
                      TypingError, UnknownKindError)
 from .ops import AxisPower, Builder, IndexBias, Predicate, alibi, causal, predicate, window
 from .semantics import evaluate
-from .derive import derive  # bound eagerly: the submodule napkin_cat.derive would shadow a lazy name
+from . import hardware, hierarchy
+from .relabel import RULES
+from .check import check_equivalent
+from .derive import derive
+# functions bound after their submodules are imported: a later ``import napkin_cat.cost`` does
+# not rebind the package attribute, so ``nc.cost`` stays the function
+from .cost import cost
 
 __version__ = "0.1.0"
 
@@ -23,9 +29,7 @@ def to_torch(d):
 
 def __getattr__(name):  # heavy stages import lazily: ``import napkin_cat`` stays fast
     import importlib
-    lazy = {"check_equivalent": ("check", "check_equivalent"), "derive": ("derive", "derive"),
-            "cost": ("cost", "cost"), "lower": ("lower", "lower"), "hardware": ("hardware", None),
-            "hierarchy": ("hierarchy", None), "draw": ("drawing", "draw")}
+    lazy = {"lower": ("lower", "lower"), "draw": ("drawing", "draw")}
     if name in lazy:
         mod, attr = lazy[name]
         m = importlib.import_module(f".{mod}", __name__)

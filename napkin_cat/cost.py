@@ -39,8 +39,6 @@ FLOPs by unit
 from __future__ import annotations
 
 import math
-import sys
-import types
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Callable, Mapping
@@ -1116,14 +1114,3 @@ def concurrent_groups(capacity: int, block: int, group: int) -> Fraction:
 
 __all__ = ["COST_RULES", "ClosedForm", "Cost", "FrozenDict", "MultiLevel", "Move", "Occupancy", "Op", "Optimum",
            "Timing", "Work", "box_work", "concurrent_groups", "cost"]
-
-
-class _CallableModule(types.ModuleType):
-    """``nc.cost(d)`` must work even once ``import napkin_cat.cost`` has bound the package
-    attribute ``cost`` to this module (the import system does that after the lazy getattr)."""
-
-    def __call__(self, d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
-        return cost(d, hierarchy)
-
-
-sys.modules[__name__].__class__ = _CallableModule
