@@ -50,6 +50,7 @@ from matplotlib.path import Path
 from matplotlib.textpath import TextPath
 
 from .core import Array, Diagram
+from .errors import NapkinError
 
 # --------------------------------------------------------------------------- palette and styles
 
@@ -519,6 +520,28 @@ def _place_columns(lay: _Layout, label_width) -> None:
 
 # --------------------------------------------------------------------------- colours
 
+def _final_form_levels(d: Diagram) -> dict[int, str]:
+    """Levels of the intermediates computed inside the loop nest (e.g. score chunks in
+    registers), so the picture shows what the final form allocates.  Inputs and outputs keep
+    the colour of their partitioned axes."""
+    if not any(r.op in ("tile", "stream") for r in d.schedule):
+        return {}
+    from .loopnest import Compute, final_form
+    try:
+        ff = final_form(d)
+    except NapkinError:  # an unfinished schedule (e.g. needing order()) still draws
+        return {}
+    if len(ff.diagram.var_types()) != len(d.var_types()):
+        return {}
+    out = {}
+    for node, loops in ff.walk():
+        if isinstance(node, Compute):
+            for v in ff.diagram.eqn_outputs(node.eqn):
+                if v not in d.outs:
+                    out[v] = ff.var_level(v, loops)
+    return out
+
+
 class _Colours:
     """Wire colour of (variable, axis): the memory level it lives at.
 
@@ -550,6 +573,7 @@ class _Colours:
                 what = " ".join(map(str, r.extra)) if r.extra else r.axis
                 self.notes.append(f"{r.op} {what}".strip())
         self.used: dict[str, str] = {}
+        self.derived = _final_form_levels(d)
 
     def level(self, var: int, axis: str | None) -> str:
         name = self.types[var].name
@@ -559,6 +583,8 @@ class _Colours:
             return self.levels[name]
         if name in self.placed:
             return self.placed[name]
+        if var in self.derived:
+            return self.derived[var]
         if axis in self.axis_level:
             return self.axis_level[axis]
         return "HBM"
