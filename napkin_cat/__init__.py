@@ -17,6 +17,7 @@ from .derive import derive
 # functions bound after their submodules are imported: a later ``import napkin_cat.cost`` does
 # not rebind the package attribute, so ``nc.cost`` stays the function
 from .cost import cost
+from .lower import lower  # numba.cuda itself is imported on the first lowering, not here
 
 __version__ = "0.1.0"
 
@@ -29,7 +30,7 @@ def to_torch(d):
 
 def __getattr__(name):  # heavy stages import lazily: ``import napkin_cat`` stays fast
     import importlib
-    lazy = {"lower": ("lower", "lower"), "draw": ("drawing", "draw")}
+    lazy = {"draw": ("drawing", "draw")}
     if name in lazy:
         mod, attr = lazy[name]
         m = importlib.import_module(f".{mod}", __name__)

@@ -76,8 +76,7 @@ def demo(out: Path, quick: bool = False) -> int:
     print("HBM transfers (values):", c.transfers["HBM"])
     print("SMEM memory   (values):", c.memory["SMEM"])
     best = c.optimize(sizes={q: 8192, x: 8192, d: 128}, hw=nc.hardware.H100, dtype=nc.f16)
-    print(f"H100 fp16, q=x=8192, d=128: tiles {best.tiles}, transfers {best.transfers:,}, "
-          f"bound {best.bound:,.0f}, gap {best.gap:.3f}")
+    print("H100, fp16, q = x = 8192, d = 128:", best)
 
     _section("5. lower to numba.cuda and run")
     from .lower.runtime import gpu_available

@@ -1,1 +1,263 @@
-"""Lowering to numba.cuda."""
+"""Lowering to numba.cuda: ``nc.lower(d)`` -> a :class:`Kernel` generated from ``d``'s loop nest.
+
+>>> import numpy as np, napkin_cat as nc
+>>> q, x, d = nc.axes("q x d")
+>>> flash = nc.library.attention(q=q, x=x, d=d).stream(x, 3).tile(q, 4)
+>>> kernel = nc.lower(flash.bind({q: 5, x: 7, d: 4}), threads=16)
+>>> kernel.launch
+Launch(grid=(2, 1, 1), block=(16, 1, 1), dynamic_smem_bytes=...)
+>>> "cuda.syncthreads()" in kernel.source
+True
+
+``kernel(Q, K, V)`` runs it on numpy arrays (copied to and from the device), torch CUDA tensors
+or numba device arrays (zero copy, through ``__cuda_array_interface__``); outputs are
+allocated like the inputs unless ``out=`` is given.  Under ``NUMBA_ENABLE_CUDASIM=1`` the same
+source runs in numba's CUDA simulator on numpy arrays.
+
+What is generic and what is chosen is described in :mod:`napkin_cat.lower.codegen` (the code
+generator: one rule per box kind and per accumulator kind) and
+:mod:`napkin_cat.lower.schedule` (tile, chunk and thread choices: given, cost model, or
+heuristic).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from ..core import Diagram
+from ..errors import LoweringError, ShapeError
+
+__all__ = ["lower", "Kernel", "Launch"]
+
+TARGETS = ("numba.cuda",)
+
+
+@dataclass(frozen=True)
+class Launch:
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    dynamic_smem_bytes: int
+
+
+def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, threads: int | None = None,
+          *, name: str | None = None, micro: tuple[int, int] | None = None, fastmath: bool = True,
+          prefetch: bool = False, hw=None) -> "Kernel":
+    """Generate a numba.cuda kernel for ``d`` (every axis size bound).
+
+    ``tiles``: ``{axis or symbol: size}`` for tiled axes (tile size) and streamed axes (chunk);
+    sizes not given (and symbolic block sizes of a relabelled ``d``) come from the cost model
+    or a heuristic (:mod:`napkin_cat.lower.schedule`).  ``threads``: threads per block (256 on a
+    GPU, 16 under the simulator).  ``micro``: force the register micro-tile ``(rows, cols)``.
+    ``fastmath``: compile with fast (approximate) exp / division.  ``prefetch``: fetch each
+    chunk's inputs into registers one chunk ahead (global loads overlap the compute, at the
+    price of registers).
+
+    Raises :class:`~napkin_cat.errors.LoweringError` naming what cannot lower and why.
+    """
+    from . import runtime
+    from .codegen import KernelGen
+    from .schedule import choose
+
+    if target not in TARGETS:
+        raise LoweringError(f"unknown lowering target {target!r}; known: {list(TARGETS)}")
+    if not isinstance(d, Diagram):
+        raise LoweringError(f"lower needs a Diagram, got {type(d).__name__}")
+    simulate = not _gpu_present(runtime)
+    sched = choose(d, tiles, threads, simulate=simulate, hw=hw)
+    kname = name or _default_name(sched.diagram)
+    gen = KernelGen(sched.diagram, kname, sched.threads, sched.batch_axes, fastmath=fastmath, micro=micro,
+                    prefetch=prefetch)
+    gen.notes.append(f"Block sizes: {sched.how}.")
+    source = gen.emit()
+    limits = runtime.device_limits() if "numba.cuda" in sys.modules else runtime.H100_DEFAULTS
+    limit = limits.max_shared_per_block_optin
+    if gen.smem_bytes > limit:
+        bufs = ", ".join(f"{b.name} {4 * b.size} B" for b in gen.bufs.values())
+        raise LoweringError(f"{d.short()} with {sched.diagram._sched_str()} needs {gen.smem_bytes} bytes "
+                            f"of shared memory per block ({bufs}); the limit is {limit}: use smaller "
+                            f"tiles or chunks")
+    launch = Launch(tuple(gen.grid), (sched.threads, 1, 1), gen.smem_bytes)
+    return Kernel(sched.diagram, source, kname, launch, sched, gen)
+
+
+def _gpu_present(runtime) -> bool:
+    """Whether kernels will run on a GPU, without importing numba.cuda (that import fixes the
+    process's choice of simulator or hardware): generating source must not make it."""
+    if runtime.simulator_active():
+        return False
+    if "numba.cuda" in sys.modules:
+        return runtime.gpu_available()
+    import ctypes.util
+    import glob
+    return bool(ctypes.util.find_library("cuda")) and bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _default_name(d: Diagram) -> str:
+    return "kernel_" + "_".join(a.name for a in d.cod[0].axes)[:40] if len(d.cod) else "kernel"
+
+
+class Kernel:
+    """A generated kernel: ``.source`` (numba.cuda Python), ``.launch`` (grid, block, dynamic
+    shared memory), ``.diagram`` (the relabelled diagram it computes) and ``__call__``."""
+
+    def __init__(self, diagram: Diagram, source: str, name: str, launch: Launch, schedule, gen):
+        self.diagram = diagram
+        self.source = source
+        self.name = name
+        self.launch = launch
+        self.schedule = schedule
+        self.in_shapes = tuple(tuple(a.size for a in arr.axes) for arr in diagram.dom)
+        self.out_shapes = tuple(tuple(a.size for a in arr.axes) for arr in diagram.cod)
+        self.mappings = {gen.types[t.var].name: t.mapping.describe() for t in gen.targets.values()}
+        self._dispatcher = None
+        self._launchers: dict = {}
+
+    def __repr__(self) -> str:
+        return (f"Kernel({self.name}: {self.diagram}, grid={self.launch.grid}, "
+                f"block={self.launch.block}, smem={self.launch.dynamic_smem_bytes} B)")
+
+    @property
+    def dispatcher(self):
+        """The ``cuda.jit`` dispatcher (compiled at the first call)."""
+        if self._dispatcher is None:
+            from .runtime import compile_kernel
+            self._dispatcher = compile_kernel(self.source, self.name, self.launch.dynamic_smem_bytes)
+        return self._dispatcher
+
+    def _launcher(self, stream):
+        key = id(stream) if stream is not None else 0
+        lc = self._launchers.get(key)
+        if lc is None:
+            from .runtime import Launcher
+            lc = Launcher(self.dispatcher, self.launch.grid, self.launch.block, stream or 0,
+                          self.launch.dynamic_smem_bytes)
+            self._launchers[key] = (lc, stream)
+            return lc
+        return lc[0]
+
+    def __call__(self, *arrays, out=None, stream=None):
+        from . import runtime
+
+        if len(arrays) != len(self.in_shapes):
+            names = ", ".join(a.name for a in self.diagram.dom)
+            raise ShapeError(f"kernel {self.name} takes {len(self.in_shapes)} arrays ({names}), "
+                             f"got {len(arrays)}")
+        sim = runtime.simulator_active()
+        kinds = [_kind(a) for a in arrays]
+        args = []
+        for arr, x, kind, shape in zip(self.diagram.dom, arrays, kinds, self.in_shapes):
+            if tuple(x.shape) != shape:
+                raise ShapeError(f"input {arr}: expected shape {shape}, got {tuple(x.shape)}")
+            args.append(_flat_input(x, kind, sim, stream))
+        outs = self._outputs(arrays, kinds, out, sim)
+        for o in outs:
+            args.append(_flat_output(o, _kind(o), sim))
+        if stream is None and "torch_cuda" in kinds and not sim:
+            stream = runtime.stream_from_torch()
+            stream = None if stream == 0 else stream
+        self._launcher(stream)(*args)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def prepare(self, *arrays, out=None, stream=None):
+        """A zero-argument callable that launches on these arrays (converted once): for timing
+        loops, where the per-call conversions would be host time in every measurement."""
+        from . import runtime
+        sim = runtime.simulator_active()
+        kinds = [_kind(a) for a in arrays]
+        args = [_flat_input(x, k, sim, stream) for x, k in zip(arrays, kinds)]
+        outs = self._outputs(arrays, kinds, out, sim)
+        args += [_flat_output(o, _kind(o), sim) for o in outs]
+        launcher = self._launcher(stream)
+        return lambda: launcher(*args)
+
+    def _outputs(self, arrays, kinds, out, sim):
+        if out is not None:
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            if len(outs) != len(self.out_shapes):
+                raise ShapeError(f"kernel {self.name} has {len(self.out_shapes)} outputs, out= gave {len(outs)}")
+            for o, shape, arr in zip(outs, self.out_shapes, self.diagram.cod):
+                if tuple(o.shape) != shape or "float32" not in str(o.dtype):
+                    raise ShapeError(f"out= for {arr}: expected float32 of shape {shape}, got "
+                                     f"{o.dtype} of shape {tuple(o.shape)}")
+            return outs
+        like = next((a for a, k in zip(arrays, kinds) if k in ("torch_cuda", "device")), None)
+        if like is None:
+            like = next((a for a, k in zip(arrays, kinds) if k == "torch_cpu"), None)
+        return [_empty_like(like, shape, sim) for shape in self.out_shapes]
+
+    def compiled_info(self) -> dict:
+        """Registers, local memory and shared memory of the compiled kernel (GPU only)."""
+        from .runtime import kernel_function
+        disp = self.dispatcher
+        if not disp.overloads:
+            return {}
+        sig = next(iter(disp.overloads))
+        attrs = kernel_function(disp, sig).attrs
+        return {"registers": attrs.regs, "local_bytes": attrs.local, "static_smem": attrs.shared}
+
+
+def _kind(x) -> str:
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch_cuda" if x.is_cuda else "torch_cpu"
+    if getattr(x, "__cuda_ndarray__", False):
+        return "device"
+    if hasattr(x, "__cuda_array_interface__"):
+        return "cai"
+    return "numpy"
+
+
+def _flat_input(x, kind, sim, stream):
+    import numpy as np
+    from .runtime import as_device_array, import_cuda
+    if kind in ("torch_cuda", "torch_cpu"):
+        import torch
+        if x.dtype != torch.float32:
+            x = x.float()
+        x = x.contiguous().reshape(-1)
+        if kind == "torch_cpu":
+            x = x.numpy()
+            kind = "numpy"
+        else:
+            return as_device_array(x)
+    if kind == "device":
+        if str(x.dtype) != "float32" or not x.is_c_contiguous():
+            raise LoweringError(f"numba device arrays must be C-contiguous float32, got {x.dtype}")
+        return x.reshape(x.size)
+    if kind == "cai":
+        return as_device_array(x).reshape(-1)
+    x = np.ascontiguousarray(np.asarray(x), dtype=np.float32).reshape(-1)
+    if sim:
+        return x
+    return import_cuda().to_device(x)   # an input: no copy back
+
+
+def _flat_output(o, kind, sim):
+    from .runtime import as_device_array
+    if kind == "torch_cuda":
+        return as_device_array(o.reshape(-1))
+    if kind == "torch_cpu":
+        return as_device_array(o.numpy().reshape(-1))
+    if kind == "device":
+        return o.reshape(o.size)
+    if kind == "cai":
+        return as_device_array(o).reshape(-1)
+    import numpy as np
+    if not (isinstance(o, np.ndarray) and o.flags.c_contiguous):
+        raise LoweringError("out= numpy arrays must be C-contiguous float32")
+    return as_device_array(o.reshape(-1))
+
+
+def _empty_like(like, shape, sim):
+    import numpy as np
+    if like is None or sim:
+        return np.empty(shape, np.float32)
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(like, torch.Tensor):
+        return torch.empty(shape, dtype=torch.float32, device=like.device)
+    from .runtime import import_cuda
+    return import_cuda().device_array(shape, np.float32)

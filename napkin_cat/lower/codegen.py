@@ -1,0 +1,2083 @@
+"""Generic numba.cuda code generation from a final form (fp32).
+
+Nothing here knows an algorithm by name: the kernel is read off the loop nest
+(:meth:`napkin_cat.core.Diagram.loop_nest`), box by box through :data:`CODEGEN_RULES` (one
+entry per box kind, keyed exactly like :data:`napkin_cat.semantics.NUMPY_RULES`) and
+accumulator by accumulator through :data:`ACC_CODEGEN` (keyed like
+:data:`napkin_cat.accumulators.ACC_RULES`).
+
+How the loop nest maps onto the GPU
+    * grid loops (tiled axes) -> ``blockIdx.x``, flattened; axes tiled by 1 that the lowering
+      added for untiled weaved axes (batch, heads, groups) -> ``blockIdx.y``;
+    * stream loops -> ``for`` loops inside the block; each chunk of every input that the loop
+      partitions is staged in shared memory by all threads (cooperative, coalesced loads) and
+      the block synchronises (``cuda.syncthreads``) before it is read;
+    * inside a block every equation is a *phase*: a parallel loop over the elements of its
+      output tile, distributed over the threads, with contractions and reductions as inner
+      loops over the contracted axes.
+
+Passes (in :class:`KernelGen`)
+    1. ``_axes``        role of every axis: grid, batch (grid of size 1), stream or full;
+    2. ``_classify``    each equation through its kind's rule: elementwise (inlined where it is
+       read), reduction (contract, reduce), normaliser (softmax, normalize: row statistics);
+    3. ``_targets``     what is materialised: a reduction's value is computed in registers,
+       and the chain of elementwise boxes after it (scale, mask, bias, activation) is fused
+       into its epilogue; the end of the chain is written once, to shared memory or straight
+       to the output (``materialisation targets``);
+    4. ``_mappings``    threads per phase: contractions with two output axes use per-thread
+       *register micro-tiles* (``MR x MC`` accumulators in ``cuda.local.array``, indexed
+       by constants in loops NVVM unrolls, operand fragments read from 16-byte aligned shared
+       memory); reductions with few outputs use groups of lanes per output (row reductions:
+       warp shuffles on a GPU, a shared-memory tree under the simulator); the rest is a flat
+       element loop;
+    5. ``_layouts`` / ``_buffers``  shared-memory layout (the axis a micro-tile reads along is
+       made contiguous) and offsets in one dynamic shared-memory array;
+    6. ``emit``         the source text.
+
+Accumulator states live where the final form's levels say: ``registers`` -> in the registers of
+the threads that own the elements (the update's thread mapping is fixed for the whole stream
+loop), ``SMEM`` (or above) -> shared memory.  Ragged tiles and chunks are handled by
+zero-filled loads, loop bounds on the valid part of a chunk, and bounds checks on stores.
+Masks and index biases read global indices (tile or chunk start plus local index).
+"""
+
+from __future__ import annotations
+
+import keyword
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..accumulators import ACC_RULES, Accumulator
+from ..core import Diagram
+from ..errors import LoweringError
+from ..loopnest import Compute, Finalise, FinalForm, Init, Load, Loop, Store, Update, final_form
+from ..ops import NORMALISATIONS, constant_value
+from .source import Constants, Names, Source
+
+# --------------------------------------------------------------------------- box kind rules
+
+
+@dataclass(frozen=True)
+class KindRule:
+    """How one box kind lowers.  ``cls``: ``elementwise`` (an expression evaluated wherever the
+    value is read), ``reduction`` (a phase with inner loops), ``normaliser`` (row statistics,
+    then an expression) or ``unsupported``; ``check(box)`` gives the reason a particular box
+    cannot lower (or None); ``expr(gen, box, args, env)`` renders an elementwise value."""
+
+    cls: str
+    check: Callable | None = None
+    expr: Callable | None = None
+
+
+def _fn_expr(gen: "KernelGen", fn: str, args: list[str], c=None) -> str:
+    k = gen.consts
+    a = args[0] if args else ""
+    if fn == "exp":
+        return f"math.exp({a})"
+    if fn == "log":
+        return f"math.log({a})"
+    if fn == "neg":
+        return f"-{a}"
+    if fn == "abs":
+        return f"abs({a})"
+    if fn == "square":
+        return f"{a} * {a}"
+    if fn == "sqrt":
+        return f"math.sqrt({a})"
+    if fn == "rsqrt":
+        return f"{k.f(1.0, 'ONE')} / math.sqrt({a})"
+    if fn == "relu":
+        return f"max({a}, {k.f(0.0, 'ZERO')})"
+    if fn == "gelu":
+        return (f"{k.f(0.5, 'HALF')} * {a} * ({k.f(1.0, 'ONE')} + "
+                f"math.erf({a} * {k.f(1 / math.sqrt(2.0), 'INV_SQRT2')}))")
+    if fn == "sigmoid":
+        return f"{k.f(1.0, 'ONE')} / ({k.f(1.0, 'ONE')} + math.exp(-{a}))"
+    if fn == "silu":
+        return f"{a} / ({k.f(1.0, 'ONE')} + math.exp(-{a}))"
+    if fn == "tanh":
+        return f"math.tanh({a})"
+    if fn == "recip":
+        return f"{k.f(1.0, 'ONE')} / {a}"
+    if fn == "identity":
+        return a
+    if fn == "sign":
+        one, zero = k.f(1.0, "ONE"), k.f(0.0, "ZERO")
+        return f"({one} if {a} > {zero} else (-{one} if {a} < {zero} else {zero}))"
+    if fn == "scale":
+        return f"{a} * {c}"
+    if fn == "shift":
+        return f"{a} + {c}"
+    b = args[1] if len(args) > 1 else ""
+    if fn == "add":
+        return f"{a} + {b}"
+    if fn == "sub":
+        return f"{a} - {b}"
+    if fn == "mul":
+        return f"{a} * {b}"
+    if fn == "div":
+        return f"{a} / {b}"
+    if fn == "maximum":
+        return f"max({a}, {b})"
+    raise LoweringError(f"no numba.cuda expression for elementwise function {fn!r}")
+
+
+def _expr_map(gen, box, args, env):
+    fn = box.param("fn")
+    c = None
+    if fn in ("scale", "shift"):
+        value = constant_value(box.param("c"), gen.sizes)
+        c = gen.consts.f(value, f"C_{fn.upper()}", comment=f"{box.name} constant")
+    return _fn_expr(gen, fn, [f"({x})" if _compound(x) else x for x in args], c)
+
+
+def _compound(x: str) -> bool:
+    return any(ch in x for ch in " +-*/") and not (x.startswith("(") and x.endswith(")"))
+
+
+def _check_mask(box):
+    if box.param("pred").kind not in ("causal", "window"):
+        return (f"{box.name}: a custom predicate is a Python function on index arrays; only "
+                f"causal(offset) and window(left, right) lower to numba.cuda")
+    return None
+
+
+def _expr_mask(gen, box, args, env):
+    i = gen.gidx(box.param("row"), env)
+    j = gen.gidx(box.param("col"), env)
+    pred = box.param("pred")
+    k = gen.consts
+    conds = []
+    if pred.kind == "causal":
+        off = pred.args[0]
+        if off >= 0:
+            conds.append(f"{j} <= {i} + {k.u(off)}" if off else f"{j} <= {i}")
+        else:
+            conds.append(f"{j} + {k.u(-off)} <= {i}")
+    else:  # window: i - left <= j <= i + right
+        left, right = pred.args
+        conds.append(f"{i} <= {j} + {k.u(left)}" if left else f"{i} <= {j}")
+        conds.append(f"{j} <= {i} + {k.u(right)}" if right else f"{j} <= {i}")
+    return f"{args[0]} if {' and '.join(conds)} else {k.f(-math.inf, 'NEG_INF')}"
+
+
+def _check_index_bias(box):
+    if box.param("bias").kind != "alibi":
+        return f"{box.name}: a custom index bias is a Python function; only alibi(slope) lowers"
+    return None
+
+
+def _expr_index_bias(gen, box, args, env):
+    i = gen.gidx(box.param("row"), env)
+    j = gen.gidx(box.param("col"), env)
+    slope = gen.consts.f(box.param("bias").args[0], "SLOPE", comment=f"{box.name} slope")
+    return f"{args[0]} + {slope} * (float32({j}) - float32({i}))"
+
+
+def _check_reindex(box):
+    if box.param("op") != "transpose":
+        return (f"{box.name}: reindexing ({box.param('op')}) changes the index space; only "
+                f"transposes (renamings of the same named axes) lower")
+    return None
+
+
+def _expr_identity(gen, box, args, env):
+    return args[0]
+
+
+def _check_cast(box):
+    if box.cod[0].dtype.name not in ("f32", "f64"):
+        return (f"{box.name}: cast to {box.cod[0].dtype.name}; the numba.cuda target computes "
+                f"and stores fp32 only")
+    return None
+
+
+def _expr_const(gen, box, args, env):
+    return gen.consts.f(box.param("value"), comment=f"{box.name}")
+
+
+def _check_reduce(box):
+    return None
+
+
+CODEGEN_RULES: dict[str, KindRule] = {
+    "contract": KindRule("reduction"),
+    "map": KindRule("elementwise", None, _expr_map),
+    "reduce": KindRule("reduction", _check_reduce),
+    "softmax": KindRule("normaliser"),
+    "normalize": KindRule("normaliser"),
+    "mask": KindRule("elementwise", _check_mask, _expr_mask),
+    "index_bias": KindRule("elementwise", _check_index_bias, _expr_index_bias),
+    "reindex": KindRule("elementwise", _check_reindex, _expr_identity),
+    "param": KindRule("unsupported", lambda box: (
+        f"parameter {box.param('pname')!r} is a value bound at evaluation time; pass it to the "
+        f"kernel as an input of the diagram instead")),
+    "const": KindRule("elementwise", None, _expr_const),
+    "cast": KindRule("elementwise", _check_cast, _expr_identity),
+    "softmax_contract": KindRule("unsupported", lambda box: (
+        f"{box.name} is only lowered as a streamed accumulator: stream axis "
+        f"{box.param('axis')} (or write softmax followed by contract)")),
+    "norm_contract": KindRule("unsupported", lambda box: (
+        f"{box.name} is only lowered as a streamed accumulator: stream axis "
+        f"{box.param('axis')} (or write normalize followed by contract)")),
+}
+
+# reductions: identity, binary combine, group (cross-thread) helper
+REDUCE_OPS = {
+    "sum": (0.0, "{a} + {b}", "_group_sum"),
+    "mean": (0.0, "{a} + {b}", "_group_sum"),
+    "max": (-math.inf, "max({a}, {b})", "_group_max"),
+    "min": (math.inf, "min({a}, {b})", "_group_min"),
+}
+
+
+# --------------------------------------------------------------------------- kernel structure
+
+
+@dataclass
+class KAxis:
+    """An axis as the kernel sees it.  ``role``: ``grid`` (tiled), ``batch`` (tiled by 1, on
+    ``blockIdx.y``), ``stream`` (a loop in the block) or ``full`` (whole axis in the block)."""
+
+    name: str
+    size: int
+    role: str
+    cap: int
+    size_c: str = ""      # constant: global size
+    cap_c: str = ""       # constant: tile / chunk extent
+    start: str | None = None   # variable: global index of local index 0
+    count: str = ""       # valid extent here: a constant, or a variable for ragged tiles
+    index: str = ""       # loop / decode variable for the local index
+
+    @property
+    def ragged(self) -> bool:
+        return self.role in ("grid", "stream") and self.size % self.cap != 0
+
+
+@dataclass
+class SBuf:
+    """A shared-memory buffer: a view ``smem[offset:offset+size]`` with a row-major layout over
+    ``axes`` (those with extent > 1)."""
+
+    key: tuple
+    name: str
+    axes: tuple[str, ...]
+    caps: tuple[int, ...]
+    what: str
+    offset: int = 0
+
+    @property
+    def size(self) -> int:
+        return max(1, math.prod(self.caps))
+
+
+@dataclass
+class Micro:
+    """Register micro-tiles over two axes: thread ``(ty, tx)`` owns rows
+    ``ty*VY + (i//VY)*TY*VY + i%VY`` for ``i < RY`` and likewise columns: groups of ``VY``
+    consecutive rows (vector loads), groups spread ``TY*VY`` apart (no bank conflicts)."""
+
+    row: str
+    col: str
+    cr: int
+    cc: int
+    RY: int
+    RX: int
+    TY: int
+    TX: int
+
+    @property
+    def VY(self) -> int:
+        return _vec(self.RY)
+
+    @property
+    def VX(self) -> int:
+        return _vec(self.RX)
+
+    @property
+    def active(self) -> int:
+        return self.TY * self.TX
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.RY, self.RX)
+
+    def describe(self) -> str:
+        return (f"register micro-tiles {self.RY}x{self.RX} over ({self.row}, {self.col}) "
+                f"on {self.TY}x{self.TX} threads")
+
+
+@dataclass
+class Flat:
+    """Element ``e = tid + NTHREADS * u`` for ``u < per_thread``, decoded over ``axes``
+    (last fastest)."""
+
+    axes: tuple[str, ...]
+    caps: tuple[int, ...]
+    threads: int
+
+    @property
+    def n(self) -> int:
+        return max(1, math.prod(self.caps))
+
+    @property
+    def per_thread(self) -> int:
+        return -(-self.n // self.threads)
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.per_thread,)
+
+    def describe(self) -> str:
+        return f"{self.n} elements, {self.per_thread} per thread"
+
+
+@dataclass
+class Coop:
+    """``R`` lanes per output element (a power of two): element ``tid // R + u * (NTHREADS // R)``
+    for ``u < per_thread``; the lanes split the reduction and combine their partials."""
+
+    axes: tuple[str, ...]
+    caps: tuple[int, ...]
+    threads: int
+    R: int
+
+    @property
+    def n(self) -> int:
+        return max(1, math.prod(self.caps))
+
+    @property
+    def per_thread(self) -> int:
+        return -(-self.n // (self.threads // self.R))
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.per_thread,)
+
+    def describe(self) -> str:
+        return f"{self.n} outputs, {self.R} lanes each"
+
+
+def _paren(expr: str) -> str:
+    """``expr`` parenthesised unless it is a name, a call or already parenthesised."""
+    depth = 0
+    for ch in expr:
+        depth += ch in "([" 
+        depth -= ch in ")]"
+        if depth == 0 and ch in "+-*/% ":
+            return f"({expr})"
+    return expr
+
+
+def _vec(r: int) -> int:
+    for v in (4, 2):
+        if r % v == 0:
+            return v
+    return 1
+
+
+@dataclass
+class Target:
+    """A value written once per program point: ``var`` (the end of an elementwise chain) computed
+    from ``source`` (a reduction or an accumulator's output, fused into the same phase) or from
+    shared-memory values alone (``source is None``)."""
+
+    var: int
+    source: int | None
+    to_smem: bool
+    to_global: bool
+    mapping: object = None
+
+
+@dataclass
+class AccPlan:
+    index: int
+    acc: Accumulator
+    main: object                       # Micro or Flat over the output axes
+    main_regs: bool
+    stat_regs: bool = True
+    stat: Coop | None = None           # row statistics (online softmax, normalised)
+    stat_axes: tuple[str, ...] = ()
+    p_buf: tuple | None = None         # key of the buffer holding a1(s) / exp(s - mu)
+    names: dict = field(default_factory=dict)
+
+
+@dataclass
+class Operand:
+    """A factor of a contraction: the axes it depends on and how to read it at an index."""
+
+    axes: frozenset
+    read: Callable  # (env, memo) -> expression
+
+
+# --------------------------------------------------------------------------- the generator
+
+RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lane", "e", "i", "j",
+            "u", "k", "ty", "tx", "acc", "val", "SIMULATOR", "SMEM_ALIGN", "WARP_SHUFFLE",
+            "FULL_MASK", "simulator_active", "red_s"}
+
+
+class KernelGen:
+    """Plan and emit one kernel for a relabelled diagram with every size bound."""
+
+    def __init__(self, d: Diagram, name: str, threads: int, batch_axes=(), fastmath: bool = True,
+                 micro: tuple[int, int] | None = None, prefetch: bool = False):
+        self.d = d
+        self.name = name
+        self.T = int(threads)
+        self.batch_axes = tuple(batch_axes)
+        self.fastmath = fastmath
+        self.micro_override = micro
+        self.prefetch = prefetch
+        self.ff: FinalForm = final_form(d)
+        self.dd = self.ff.diagram
+        self.types = self.dd.var_types()
+        self.n_in = len(self.dd.dom)
+        self.names = Names(RESERVED | set(keyword.kwlist))
+        self.consts = Constants(self.names)
+        self.sizes = {a.name: a.size for a in self.dd.axes}
+        self.notes: list[str] = []
+        self.consts.u(self.T, "NTHREADS", comment="threads per block")
+        self._axes()
+        self._structure()
+        self._classify()
+        self._targets()
+        self._accumulators()
+        self._mappings()
+        self._layouts()
+        self._buffers()
+
+    # ------------------------------------------------------------------ 1. axes
+    def _axes(self):
+        k = self.consts
+        self.ax: dict[str, KAxis] = {}
+        grid = []
+        nodes = self.ff.body
+        while len(nodes) == 1 and isinstance(nodes[0], Loop) and nodes[0].kind == "grid":
+            grid.append(nodes[0])
+            nodes = nodes[0].body
+        for n, _ in self.ff.walk():
+            if isinstance(n, Loop) and n.kind == "grid" and n not in grid:
+                raise LoweringError(f"grid loop over {n.axis} inside another loop: tiles must be "
+                                    f"outermost")
+        self.grid_loops = tuple(grid)
+        self.inner = nodes
+        for a in self.dd.axes:
+            if not isinstance(a.size, int):
+                raise LoweringError(f"axis {a.name} has no size")
+            self.ax[a.name] = KAxis(a.name, a.size, "full", a.size)
+        for lp in grid:
+            a = self.ax[lp.axis]
+            a.role = "batch" if lp.axis in self.batch_axes else "grid"
+            a.cap = int(lp.step)
+        streamed = {}
+        for n, loops in self.ff.walk():
+            if isinstance(n, Loop) and n.kind == "stream":
+                if n.axis in streamed or any(lp.axis == n.axis for lp in loops):
+                    raise LoweringError(f"axis {n.axis} is streamed twice (a sub-stream); the "
+                                        f"numba.cuda lowering streams each axis once")
+                if self.ax[n.axis].role != "full":
+                    raise LoweringError(f"axis {n.axis} is both tiled and streamed; the numba.cuda "
+                                        f"lowering needs one partition per axis")
+                streamed[n.axis] = n
+                self.ax[n.axis].role = "stream"
+                self.ax[n.axis].cap = int(n.step)
+        for a in self.ax.values():
+            a.size_c = k.u(a.size, f"N_{a.name}", comment=f"size of axis {a.name}")
+            if a.role == "grid":
+                a.cap_c = k.u(a.cap, f"TILE_{a.name}", comment=f"tile of {a.name}")
+            elif a.role == "stream":
+                a.cap_c = k.u(a.cap, f"CHUNK_{a.name}", comment=f"chunk of {a.name}")
+            elif a.role == "batch":
+                a.cap_c = k.u(1, "U1")
+            else:
+                a.cap_c = a.size_c
+            if a.role in ("grid", "batch", "stream"):
+                a.start = self.names.fresh(f"{a.name}0")
+            a.count = self.names.fresh(f"len_{a.name}") if a.ragged else a.cap_c
+            a.index = self.names.fresh(f"i_{a.name}")
+
+    # ------------------------------------------------------------------ structure
+    def _structure(self):
+        self.loops_of: dict[int, tuple] = {}
+        self.scope_of: dict[int, tuple] = {}
+        self.def_node: dict[int, object] = {}
+        self.load_of: dict[int, Load] = {}
+        for n, loops in self.ff.walk():
+            self.loops_of[id(n)] = loops
+            scope = tuple(lp for lp in loops if lp.kind == "stream")
+            self.scope_of[id(n)] = scope
+            if isinstance(n, Load):
+                if n.var in self.load_of:
+                    raise LoweringError(f"input {self.types[n.var]} is loaded twice")
+                self.load_of[n.var] = n
+                self.def_node[n.var] = n
+                for a in self.types[n.var].axis_names:
+                    if self.ax[a].role == "stream" and not any(lp.axis == a for lp in scope):
+                        raise LoweringError(f"input {self.types[n.var]} is read outside the "
+                                            f"stream loop over {a}; load it inside")
+            elif isinstance(n, Compute):
+                for v in self.dd.eqn_outputs(n.eqn):
+                    self.def_node[v] = n
+            elif isinstance(n, Finalise):
+                for v in self.dd.eqn_outputs(self.ff.accumulators[n.acc].eqn):
+                    self.def_node[v] = n
+        self.consumers: dict[int, list[tuple]] = {v: [] for v in range(len(self.types))}
+        for n, _ in self.ff.walk():
+            if isinstance(n, Compute):
+                for v in self.dd.eqns[n.eqn].ins:
+                    self.consumers[v].append(("eqn", n.eqn))
+            elif isinstance(n, Update):
+                for v in self.dd.eqns[self.ff.accumulators[n.acc].eqn].ins:
+                    self.consumers[v].append(("acc", n.acc))
+        for v in self.dd.outs:
+            self.consumers[v].append(("out",))
+        self.eqn_of: dict[int, int] = {}
+        for k in range(len(self.dd.eqns)):
+            for v in self.dd.eqn_outputs(k):
+                self.eqn_of[v] = k
+        self.acc_of_var: dict[int, int] = {}
+        for i, acc in enumerate(self.ff.accumulators):
+            for v in self.dd.eqn_outputs(acc.eqn):
+                self.acc_of_var[v] = i
+        for arr in list(self.dd.dom) + list(self.dd.cod):
+            if arr.dtype.name != "f32":
+                raise LoweringError(f"wire {arr} has dtype {arr.dtype.name}; the numba.cuda target "
+                                    f"takes and returns fp32 arrays")
+
+    # ------------------------------------------------------------------ 2. classify
+    def _classify(self):
+        self.cls: dict[int, str] = {}
+        acc_eqns = {a.eqn for a in self.ff.accumulators}
+        for k, e in enumerate(self.dd.eqns):
+            if k in acc_eqns:
+                if e.box.kind == "reduce" and e.box.param("op") not in (*REDUCE_OPS, "logsumexp"):
+                    raise LoweringError(f"{e.box.name}: no numba.cuda accumulator for {e.box.param('op')}")
+                self.cls[k] = "accumulator"
+                continue
+            rule = CODEGEN_RULES.get(e.box.kind)
+            if rule is None:
+                raise LoweringError(f"no numba.cuda rule for box kind {e.box.kind!r} (box {e.box.name})")
+            why = rule.check(e.box) if rule.check else None
+            if rule.cls == "unsupported" or why:
+                raise LoweringError(f"cannot lower {e.box.name}: {why}")
+            if len(e.box.cod) != 1:
+                raise LoweringError(f"{e.box.name} has {len(e.box.cod)} outputs; lowered boxes have one")
+            self.cls[k] = rule.cls
+
+    def var_cls(self, v: int) -> str:
+        if v < self.n_in:
+            return "input"
+        return self.cls[self.eqn_of[v]]
+
+    # ------------------------------------------------------------------ 3. materialisation
+    def _axes_set(self, v: int) -> frozenset:
+        return frozenset(a for a in self.types[v].axis_names if self.ax[a].cap > 1)
+
+    def _chain_top(self, c: int) -> int:
+        """Follow single-consumer elementwise boxes from ``c`` while they keep its axes."""
+        u = c
+        scope = self.scope_of[id(self.def_node[c])]
+        while u not in self.dd.outs:
+            cons = self.consumers[u]
+            if len(cons) != 1 or cons[0][0] != "eqn":
+                break
+            k = cons[0][1]
+            if self.cls[k] != "elementwise":
+                break
+            (out,) = self.dd.eqn_outputs(k)
+            if self._axes_set(out) != self._axes_set(c) or self.scope_of[id(self.def_node[out])] != scope:
+                break
+            u = out
+        return u
+
+    def _targets(self):
+        self.targets: dict[int, Target] = {}
+        self.absorbed: dict[int, int] = {}
+        sources = [v for v in sorted(self.eqn_of) if self.var_cls(v) == "reduction"]
+        sources += sorted(self.acc_of_var)
+        for c in sorted(sources):
+            u = self._chain_top(c)
+            if u != c and u in self.targets:
+                u = c
+            self.targets[u] = Target(u, c, False, False)
+            if u != c:
+                self.absorbed[c] = u
+        for v in self.dd.outs:
+            if v >= self.n_in and v not in self.targets:
+                self.targets[v] = Target(v, None, False, False)
+        for t in self.targets.values():
+            t.to_global = t.var in self.dd.outs
+            t.to_smem = any(c[0] != "out" for c in self.consumers[t.var])
+
+    def storage(self, v: int) -> str:
+        if v < self.n_in:
+            return "load"
+        if v in self.targets:
+            return "smem" if self.targets[v].to_smem else "global"
+        if v in self.absorbed:
+            return "regs"
+        return "inline"
+
+    # ------------------------------------------------------------------ 4. thread mappings
+    def _caps(self, axes) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        names = tuple(a for a in axes if self.ax[a].cap > 1)
+        return names, tuple(self.ax[a].cap for a in names)
+
+    def micro_for(self, axes: tuple[str, ...]) -> Micro | None:
+        names, caps = self._caps(axes)
+        if len(names) != 2:
+            return None
+        row, col = names
+        cr, cc = caps
+        if self.micro_override:
+            RY, RX = self.micro_override
+            if cr % RY == 0 and cc % RX == 0 and (cr // RY) * (cc // RX) <= self.T:
+                return Micro(row, col, cr, cc, RY, RX, cr // RY, cc // RX)
+        best, best_score = None, None
+        for RY in range(1, 9):
+            if cr % RY:
+                continue
+            for RX in range(1, 9):
+                if cc % RX:
+                    continue
+                TY, TX = cr // RY, cc // RX
+                n = TY * TX
+                if n > self.T:
+                    continue
+                score = (n, RX % 4 == 0, RY % 4 == 0, -abs(math.log(RY / RX)))
+                if best_score is None or score > best_score:
+                    best, best_score = Micro(row, col, cr, cc, RY, RX, TY, TX), score
+        if best is None or 2 * best.active < min(self.T, cr * cc):
+            return None
+        return best
+
+    def coop_for(self, axes: tuple[str, ...]) -> Coop:
+        names, caps = self._caps(axes)
+        n = max(1, math.prod(caps))
+        R = 1
+        while R * 2 * n <= self.T and R * 2 <= self.T:
+            R *= 2
+        if self.T % R:
+            R = 1
+        return Coop(names, caps, self.T, R)
+
+    def flat_for(self, axes: tuple[str, ...]) -> Flat:
+        names, caps = self._caps(axes)
+        return Flat(names, caps, self.T)
+
+    def _reduced_axes(self, k: int) -> tuple[str, ...]:
+        box = self.dd.eqns[k].box
+        if box.kind == "reduce":
+            return (box.param("axis"),)
+        out = set(box.cod[0].axis_names)
+        seen = []
+        for arr in box.dom:
+            for a in arr.axis_names:
+                if a not in out and a not in seen:
+                    seen.append(a)
+        return tuple(seen)
+
+    def _mappings(self):
+        for t in self.targets.values():
+            out_axes = self.types[t.var].axis_names
+            if t.source is None:
+                t.mapping = self.flat_for(out_axes)
+            elif t.source in self.acc_of_var:
+                t.mapping = self.plans[self.acc_of_var[t.source]].main
+            else:
+                k = self.eqn_of[t.source]
+                box = self.dd.eqns[k].box
+                red = self._reduced_axes(k)
+                red_n = math.prod(self.ax[a].cap for a in red)
+                n_out = math.prod(self.ax[a].cap for a in out_axes if self.ax[a].cap > 1)
+                m = self.micro_for(out_axes) if box.kind == "contract" and red else None
+                if m is None and (2 * n_out <= self.T and red_n > 1 or box.param("op", "") == "logsumexp"):
+                    m = self.coop_for(out_axes)
+                t.mapping = m or self.flat_for(out_axes)
+        self.norm_stats: dict[int, Coop] = {}
+        for k, c in self.cls.items():
+            if c == "normaliser":
+                box = self.dd.eqns[k].box
+                stat = tuple(a for a in box.dom[0].axis_names if a != box.param("axis"))
+                self.norm_stats[k] = self.coop_for(stat)
+
+    # ------------------------------------------------------------------ accumulators
+    def _accumulators(self):
+        self.plans: list[AccPlan] = []
+        init_loops = {}
+        for n, loops in self.ff.walk():
+            if isinstance(n, Init):
+                init_loops[n.acc] = loops
+        for i, acc in enumerate(self.ff.accumulators):
+            if acc.rule not in ACC_CODEGEN:
+                raise LoweringError(f"no numba.cuda code for accumulator {acc.rule!r} ({acc.box.name})")
+            loops = init_loops[i]
+            out_axes = acc.box.cod[0].axis_names
+            kind = ACC_CODEGEN[acc.rule]
+            main = (self.micro_for(out_axes) if kind.contraction else None) or self.flat_for(out_axes)
+            main_regs = self.ff.state_level(acc, "main", loops) == "registers"
+            stat_regs = self.ff.state_level(acc, "stat", loops) == "registers"
+            plan = AccPlan(i, acc, main, main_regs, stat_regs)
+            if kind.stats:
+                plan.stat_axes = tuple(a for a in acc.box.dom[0].axis_names if a != acc.axis)
+                plan.stat = self.coop_for(plan.stat_axes)
+            self.plans.append(plan)
+
+    # ------------------------------------------------------------------ 5. layouts and buffers
+    def _layouts(self):
+        """Shared buffers read by a micro-tile along one axis put that axis last (contiguous)."""
+        self.layout_pref: dict[tuple, str] = {}
+
+        def prefer(key, axes: frozenset, m: Micro):
+            if key in self.layout_pref:
+                return
+            has_r, has_c = m.row in axes, m.col in axes
+            if has_r != has_c:
+                self.layout_pref[key] = m.row if has_r else m.col
+
+        for t in self.targets.values():
+            if isinstance(t.mapping, Micro) and t.source is not None and t.source not in self.acc_of_var:
+                box = self.dd.eqns[self.eqn_of[t.source]].box
+                for v in self.dd.eqns[self.eqn_of[t.source]].ins:
+                    if self.storage(v) in ("load", "smem"):
+                        prefer(("var", v), self._axes_set(v), t.mapping)
+        for p in self.plans:
+            if isinstance(p.main, Micro) and ACC_CODEGEN[p.acc.rule].contraction:
+                ins = self.dd.eqns[p.acc.eqn].ins
+                if p.stat is not None:
+                    # the weights keep the scores' layout: the row statistics read them along the
+                    # streamed axis (contiguous), the micro-tile reads them as broadcasts
+                    s, v = ins
+                    if self.storage(v) in ("load", "smem"):
+                        prefer(("var", v), self._axes_set(v), p.main)
+                else:
+                    for v in ins:
+                        if self.storage(v) in ("load", "smem"):
+                            prefer(("var", v), self._axes_set(v), p.main)
+
+    def _buf(self, key, base: str, axes, what: str) -> SBuf:
+        names = [a for a in axes if self.ax[a].cap > 1]
+        last = self.layout_pref.get(key)
+        if last in names:
+            names = [a for a in names if a != last] + [last]
+        b = SBuf(key, self.names.fresh(base), tuple(names), tuple(self.ax[a].cap for a in names), what)
+        self.bufs[key] = b
+        return b
+
+    def _buffers(self):
+        self.bufs: dict[tuple, SBuf] = {}
+        for v in sorted(self.load_of):
+            arr = self.types[v]
+            self._buf(("var", v), f"{arr.name}_s", arr.axis_names, f"input {arr.name}")
+        for t in sorted(self.targets.values(), key=lambda t: t.var):
+            if t.to_smem:
+                arr = self.types[t.var]
+                self._buf(("var", t.var), f"{arr.name}_s", arr.axis_names, f"{arr.name} (materialised)")
+        for k, coop in self.norm_stats.items():
+            box = self.dd.eqns[k].box
+            stat = tuple(a for a in box.dom[0].axis_names if a != box.param("axis"))
+            self._buf(("norm_m", k), f"{box.cod[0].name}_max_s", stat, f"row max of {box.name}")
+            self._buf(("norm_z", k), f"{box.cod[0].name}_sum_s", stat, f"row normaliser of {box.name}")
+        for p in self.plans:
+            acc, kind = p.acc, ACC_CODEGEN[p.acc.rule]
+            oname = acc.box.cod[0].name
+            for sname, axes, role in acc.states():
+                regs = p.main_regs if role == "main" else p.stat_regs
+                if not regs:
+                    self._buf(("state", p.index, sname), f"{oname}_{sname}_s", axes,
+                              f"state {sname} of {oname}")
+            if p.stat is not None:
+                s, _ = self.dd.eqns[acc.eqn].ins
+                p_axes = (*p.stat_axes, acc.axis)
+                if (self.storage(s) == "smem" and len(self.consumers[s]) == 1
+                        and self._axes_set(s) == frozenset(a for a in p_axes if self.ax[a].cap > 1)):
+                    p.p_buf = ("var", s)   # overwrite the scores with the weights in place
+                else:
+                    self._buf(("p", p.index), f"{oname}_p_s", p_axes, f"weights of {oname}")
+                    p.p_buf = ("p", p.index)
+                if kind.rescales:
+                    self._buf(("delta", p.index), f"{oname}_delta_s", p.stat_axes,
+                              f"per-row rescale of {oname}")
+                if p.stat_regs:
+                    self._buf(("zpub", p.index), f"{oname}_z_s", p.stat_axes,
+                              f"normaliser of {oname} at the end")
+        if self._needs_scratch():
+            self.bufs[("red",)] = SBuf(("red",), "red_s", ("_lanes",), (self.T,), "reduction scratch")
+        off = 0
+        for b in self.bufs.values():
+            b.offset = off
+            off += -(-b.size // 4) * 4   # 16-byte aligned offsets
+        self.smem_floats = off
+
+    def red_offset(self) -> str:
+        b = self.bufs[("red",)]
+        return b.name if b.offset else self.consts.u(0, "U0")
+
+    def _needs_scratch(self) -> bool:
+        if self.norm_stats or any(p.stat is not None for p in self.plans):
+            return True
+        return any(isinstance(t.mapping, Coop) for t in self.targets.values())
+
+    @property
+    def smem_bytes(self) -> int:
+        return 4 * self.smem_floats
+
+    # ------------------------------------------------------------------ index helpers
+    def gidx(self, axis: str, env: dict) -> str:
+        """Global index of ``axis`` at the local index in ``env``."""
+        a = self.ax[axis]
+        local = env.get(axis) if a.cap > 1 else None
+        if a.start is None:
+            return local if local is not None else self.consts.u(0, "U0")
+        return f"({a.start} + {local})" if local is not None else a.start
+
+    def sidx(self, b: SBuf, env: dict) -> str:
+        if b.key == ("red",):
+            return env["_lanes"]
+        if not b.axes:
+            return self.consts.u(0, "U0")
+        expr = env[b.axes[0]]
+        for a in b.axes[1:]:
+            expr = f"{_paren(expr)} * {self.ax[a].cap_c} + {env[a]}"
+        return expr
+
+    def sread(self, key, env) -> str:
+        b = self.bufs[key]
+        idx = self.sidx(b, env)
+        return f"smem[{b.name} + {idx}]" if b.offset else f"smem[{idx}]"
+
+    def garg(self, v: int) -> str:
+        return self.arg_names[v]
+
+    def gindex(self, arr, env) -> str:
+        expr = None
+        for a in arr.axis_names:
+            g = self.gidx(a, env)
+            expr = g if expr is None else f"{_paren(expr)} * {self.ax[a].size_c} + {g}"
+        return expr if expr is not None else self.consts.u(0, "U0")
+
+    def valid(self, axes, env) -> str | None:
+        """Bounds checks for the ragged axes among ``axes``."""
+        conds = [f"{env[a]} < {self.ax[a].count}" for a in axes
+                 if self.ax[a].ragged and self.ax[a].cap > 1 and a in env]
+        return " and ".join(conds) if conds else None
+
+    # ------------------------------------------------------------------ values
+    def value(self, v: int, env: dict, src: Source, memo: dict, regs: dict | None = None,
+              define: int | None = None) -> str:
+        """An expression for variable ``v`` at ``env``; inline boxes become temporaries.
+        ``define``: the target being computed (read from its definition, not its buffer)."""
+        regs = regs or {}
+        if v in regs:
+            return regs[v]
+        if v in memo:
+            return memo[v]
+        st = "inline" if v == define else self.storage(v)
+        if st in ("load", "smem"):
+            expr = self.sread(("var", v), env)
+        elif st == "inline" and self.var_cls(v) == "elementwise":
+            k = self.eqn_of[v]
+            e = self.dd.eqns[k]
+            args = [self.value(a, env, src, memo, regs, define) for a in e.ins]
+            expr = CODEGEN_RULES[e.box.kind].expr(self, e.box, args, env)
+            tmp = self.names.fresh(f"{self.types[v].name}_{v}")
+            src(f"{tmp} = {expr}")
+            expr = tmp
+        elif st == "inline" and self.var_cls(v) == "normaliser":
+            expr = self._normalised_value(self.eqn_of[v], env, src, memo, regs, define)
+        else:
+            raise LoweringError(f"internal: {self.types[v]} (storage {st}) is not readable here")
+        memo[v] = expr
+        return expr
+
+    # ------------------------------------------------------------------ emission
+    def emit(self) -> str:
+        self.arg_names = {}
+        argn = Names(RESERVED | set(keyword.kwlist) | {a.start for a in self.ax.values() if a.start})
+        for i, arr in enumerate(self.dd.dom):
+            self.arg_names[i] = argn.fresh(arr.name)
+        self.out_args = []
+        for pos, v in enumerate(self.dd.outs):
+            name = argn.fresh(self.dd.cod[pos].name if v >= self.n_in else self.dd.cod[pos].name + "_out")
+            self.out_args.append(name)
+            self.arg_names.setdefault(v, name)
+            if v < self.n_in:
+                self.arg_names[("out", pos)] = name
+        self.names.used |= argn.used
+        body = Source(1)
+        self.pending_sync = False
+        self._emit_prologue(body)
+        self._emit_nodes(self.inner, body)
+        return self._assemble(body)
+
+    def _assemble(self, body: Source) -> str:
+        nt = self.consts.u(self.T, "NTHREADS", comment="threads per block")
+        head = [f'"""{self.name}: generated by napkin_cat.lower (numba.cuda, fp32); do not edit.', "",
+                f"Diagram: {self.d}", "", "Loop nest:"]
+        head += ["    " + ln for ln in self.ff.pseudocode(memory=False).splitlines()]
+        head += ["", f"Launch: grid {self.grid}, block ({self.T}, 1, 1), dynamic shared memory "
+                 f"{self.smem_bytes} bytes"]
+        head += [f"Shared memory: " + ", ".join(f"{b.name}[{' x '.join(map(str, b.caps)) or '1'}] ({b.what})"
+                                                for b in self.bufs.values())]
+        for note in self.notes:
+            head.append(note)
+        head.append('"""')
+        lines = head + ["", "import math", "", "from numba import cuda, float32, uint32", "",
+                        "from napkin_cat.lower.runtime import simulator_active", "",
+                        "SIMULATOR = simulator_active()",
+                        "SMEM_ALIGN = None if SIMULATOR else 16  # 16-byte aligned shared memory "
+                        "(128-bit loads); the simulator takes no alignment",
+                        "WARP_SHUFFLE = not SIMULATOR  # the simulator has no warp shuffles: it "
+                        "reduces through shared memory",
+                        "FULL_MASK = 0xFFFFFFFF", ""]
+        lines += self.consts.header()
+        lines += [""]
+        if self._needs_scratch():
+            lines += _GROUP_HELPERS.splitlines() + [""]
+        args = [self.arg_names[i] for i in range(self.n_in)] + self.out_args
+        lines += ["", f"@cuda.jit(fastmath={self.fastmath})", f"def {self.name}({', '.join(args)}):"]
+        lines += body.lines
+        return "\n".join(lines) + "\n"
+
+    def _emit_prologue(self, src: Source):
+        k = self.consts
+        src("tid = uint32(cuda.threadIdx.x)")
+        if self.bufs:
+            src("smem = cuda.shared.array(0, dtype=float32, alignment=SMEM_ALIGN)")
+            for b in self.bufs.values():   # views are offsets: NVVM then sees aligned addresses
+                if b.offset:
+                    self.consts.reserved(b.name, b.offset, comment=f"shared offset of {b.what}"
+                                  + (f", layout [{' '.join(b.axes)}]" if b.axes and b.key != ('red',) else "")
+                                  + f", {b.size} floats")
+        grid = [self.ax[lp.axis] for lp in self.grid_loops if self.ax[lp.axis].role == "grid"]
+        batch = [self.ax[lp.axis] for lp in self.grid_loops if self.ax[lp.axis].role == "batch"]
+        gx = math.prod(-(-a.size // a.cap) for a in grid)
+        gy = math.prod(a.size for a in batch)
+        if gy > 65535:
+            grid, batch = grid + batch, []
+            gx, gy = gx * gy, 1
+        self.grid = (gx, gy, 1)
+        if grid:
+            src("bx = uint32(cuda.blockIdx.x)")
+            self._decode_blocks(src, "bx", grid)
+        if batch:
+            src("by = uint32(cuda.blockIdx.y)")
+            self._decode_blocks(src, "by", batch)
+
+    def _decode_blocks(self, src, var, axes):
+        k = self.consts
+        rest = var
+        for pos, a in enumerate(reversed(axes)):
+            tiles = -(-a.size // a.cap)
+            tiles_c = k.u(tiles, f"TILES_{a.name}", comment=f"tiles along {a.name}") if a.role == "grid" else a.size_c
+            last = pos == len(axes) - 1
+            idx = rest if last else f"{rest} % {tiles_c}"
+            src(f"{a.start} = {idx} * {a.cap_c}" if a.role == "grid" else f"{a.start} = {idx}")
+            if a.ragged:
+                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
+            if not last:
+                nxt = self.names.fresh(f"{var}_rest")
+                src(f"{nxt} = {rest} // {tiles_c}")
+                rest = nxt
+
+    def sync(self, src: Source):
+        if self.pending_sync:
+            src("cuda.syncthreads()")
+            self.pending_sync = False
+
+    def _emit_nodes(self, nodes, src: Source):
+        for n in nodes:
+            if isinstance(n, Load):
+                self._emit_load(n.var, src)
+            elif isinstance(n, Compute):
+                self._emit_compute(n.eqn, src)
+            elif isinstance(n, Loop):
+                self._emit_stream_loop(n, src)
+            elif isinstance(n, Init):
+                ACC_CODEGEN[self.ff.accumulators[n.acc].rule].init(self, self.plans[n.acc], src)
+            elif isinstance(n, Update):
+                ACC_CODEGEN[self.ff.accumulators[n.acc].rule].update(self, self.plans[n.acc], src)
+            elif isinstance(n, Finalise):
+                p = self.plans[n.acc]
+                ACC_CODEGEN[p.acc.rule].publish(self, p, src)
+                (v,) = self.dd.eqn_outputs(p.acc.eqn)
+                if v in self.targets:
+                    self._emit_target(self.targets[v], src)
+            elif isinstance(n, Store):
+                if n.var < self.n_in:
+                    self._emit_input_store(n.var, src)
+            else:  # pragma: no cover
+                raise LoweringError(f"internal: unknown loop-nest node {n!r}")
+
+    # ---- stream loops
+    def _emit_stream_loop(self, lp: Loop, src: Source):
+        a = self.ax[lp.axis]
+        lo, hi = self._stream_bounds(lp, src)
+        loads = [n for n in lp.body if isinstance(n, Load)] if self.prefetch else []
+        if loads:
+            src.comment(f"stream {a.name} in chunks of {a.cap}; each chunk's inputs are fetched into "
+                        f"registers one chunk ahead, so the global loads overlap the compute")
+            regs = {n.var: self.names.fresh(f"{self.types[n.var].name}_next") for n in loads}
+            for n in loads:
+                src(f"{regs[n.var]} = cuda.local.array({self._load_plan(n.var)[1]}, float32)")
+            self._emit_fetch(loads, regs, lo, src, lp.axis)
+        else:
+            src.comment(f"stream {a.name} in chunks of {a.cap}")
+        with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
+            if a.ragged:
+                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
+            if loads:
+                for n in loads:
+                    self._emit_load(n.var, src, regs[n.var])
+                self.sync(src)
+                nxt = self.names.fresh(f"{a.name}_next")
+                src(f"{nxt} = {a.start} + {a.cap_c}")
+                with src.block(f"if {nxt} < {hi}:"):
+                    self._emit_fetch(loads, regs, nxt, src, lp.axis)
+            body = [n for n in lp.body if not (loads and isinstance(n, Load))]
+            self._emit_nodes(body, src)
+            self.pending_sync = True
+            self.sync(src)
+
+    def _load_plan(self, v: int):
+        arr = self.types[v]
+        names, caps = self._caps(arr.axis_names)
+        n = max(1, math.prod(caps))
+        return n, -(-n // self.T)
+
+    def _emit_fetch(self, loads, regs, start: str, src: Source, axis: str):
+        """Global -> registers for the chunk starting at ``start`` (a prefetch)."""
+        k = self.consts
+        for n in loads:
+            arr = self.types[n.var]
+            b = self.bufs[("var", n.var)]
+            names, _ = self._caps(arr.axis_names)
+            order = b.axes if (b.axes and names and b.axes[-1] != names[-1]) else names
+            total, per = self._load_plan(n.var)
+            ax = self.ax[axis]
+            saved = (ax.start, ax.count)
+            ax.start = start
+            if ax.ragged:
+                cnt = self.names.fresh(f"len_{ax.name}")
+                src(f"{cnt} = min({ax.cap_c}, {ax.size_c} - {start})")
+                ax.count = cnt
+            with src.block(f"for u in range({k.u(per)}):"):
+                src(f"e = tid + u * NTHREADS")
+                with src.maybe(f"e < {k.u(total)}" if total % self.T else None):
+                    env = {}
+                    self._decode(src, "e", order, env)
+                    g = f"{self.garg(n.var)}[{self.gindex(arr, env)}]"
+                    cond = self.valid(names, env)
+                    src(f"{regs[n.var]}[u] = {g} if {cond} else {k.f(0.0, 'ZERO')}" if cond
+                        else f"{regs[n.var]}[u] = {g}")
+            ax.start, ax.count = saved
+
+    def _stream_bounds(self, lp: Loop, src: Source) -> tuple[str, str]:
+        """Chunks every score of which a mask sends to -inf contribute nothing to an online
+        softmax (or max / logsumexp): skip them.  The bounds come from the mask predicates on
+        the streamed axis against a tiled axis."""
+        k = self.consts
+        lo, hi = k.u(0, "U0"), self.ax[lp.axis].size_c
+        preds = self._skippable_masks(lp)
+        if not preds:
+            return lo, hi
+        a = self.ax[lp.axis]
+        for row, pred in preds:
+            r = self.ax[row]
+            last_row = f"{r.start} + {r.count}"      # one past the block's last row
+            if pred.kind == "causal":
+                off = pred.args[0]
+                end = f"{last_row} + {k.u(off)}" if off > 0 else last_row
+                if off < 0:
+                    end = f"max({last_row}, {k.u(-off)}) - {k.u(-off)}"
+                name = self.names.fresh(f"{a.name}_end")
+                src(f"{name} = min({hi}, {end})  # later chunks are masked for every row of the tile")
+                hi = name
+            else:
+                left, right = pred.args
+                end = f"{last_row} + {k.u(right)}" if right else last_row
+                name = self.names.fresh(f"{a.name}_end")
+                src(f"{name} = min({hi}, {end})  # later chunks are outside every row's window")
+                hi = name
+                first = f"(max({r.start}, {k.u(left)}) - {k.u(left)})" if left else r.start
+                start = self.names.fresh(f"{a.name}_begin")
+                src(f"{start} = {first} // {a.cap_c} * {a.cap_c}  # earlier chunks are outside every window")
+                lo = start
+        return lo, hi
+
+    def _skippable_masks(self, lp: Loop):
+        found = []
+        for n, _ in self.ff.walk():
+            if not isinstance(n, Update):
+                continue
+            acc = self.ff.accumulators[n.acc]
+            if acc.axis != lp.axis or acc.rule not in ("online_softmax", "logsumexp") and not (
+                    acc.rule == "reduce" and acc.box.param("op") == "max"):
+                continue
+            v = self.dd.eqns[acc.eqn].ins[0]
+            # follow -inf preserving boxes back to a mask on (tiled row, streamed col)
+            while v >= self.n_in:
+                e = self.dd.eqns[self.eqn_of[v]]
+                if e.box.kind == "mask":
+                    pred = e.box.param("pred")
+                    row = e.box.param("row")
+                    if (e.box.param("col") == lp.axis and self.ax[row].role == "grid"
+                            and pred.kind in ("causal", "window")):
+                        found.append((row, pred))
+                    break
+                if e.box.kind == "map" and e.box.param("fn") in ("scale",) and \
+                        constant_value(e.box.param("c"), self.sizes) > 0:
+                    v = e.ins[0]
+                elif e.box.kind in ("index_bias",) or (e.box.kind == "map" and e.box.param("fn") in ("add", "shift")):
+                    v = e.ins[0]
+                else:
+                    break
+        return found
+
+    # ---- loads and stores
+    def _emit_load(self, v: int, src: Source, from_regs: str | None = None):
+        arr = self.types[v]
+        b = self.bufs[("var", v)]
+        k = self.consts
+        names, caps = self._caps(arr.axis_names)
+        order = names
+        if b.axes and names and b.axes[-1] != names[-1]:
+            order = b.axes   # write shared memory contiguously (the transpose is in the reads)
+        n = max(1, math.prod(caps))
+        env = {}
+        if from_regs:
+            src.comment(f"chunk of {arr}: registers -> shared {b.name} [{' '.join(b.axes)}]")
+            with src.block(f"for u in range({k.u(-(-n // self.T))}):"):
+                src(f"e = tid + u * NTHREADS")
+                with src.maybe(f"e < {k.u(n)}" if n % self.T else None):
+                    self._decode(src, "e", order, env)
+                    src(f"{self.sread(b.key, env)} = {from_regs}[u]")
+            self.pending_sync = True
+            return
+        src.comment(f"load {arr} -> shared {b.name} [{' '.join(b.axes)}]")
+        with src.block(f"for e in range(tid, {k.u(n)}, NTHREADS):"):
+            self._decode(src, "e", order, env)
+            g = f"{self.garg(v)}[{self.gindex(arr, env)}]"
+            cond = self.valid(names, env)
+            if cond:
+                src(f"{self.sread(b.key, env)} = {g} if {cond} else {k.f(0.0, 'ZERO')}")
+            else:
+                src(f"{self.sread(b.key, env)} = {g}")
+        self.pending_sync = True
+
+    def _emit_input_store(self, v: int, src: Source):
+        pos = self.dd.outs.index(v)
+        arr = self.types[v]
+        self.sync(src)
+        m = self.flat_for(arr.axis_names)
+        src.comment(f"store {arr} (an input passed through)")
+        with self._flat_elements(m, src) as env:
+            cond = self.valid(m.axes, env)
+            with src.maybe(cond):
+                src(f"{self.arg_names[('out', pos)]}[{self.gindex(arr, env)}] = {self.sread(('var', v), env)}")
+
+    def _decode(self, src, var, axes, env):
+        k = self.consts
+        rest = var
+        for pos, a in enumerate(reversed(axes)):
+            idx = self.names.fresh(self.ax[a].index) if a in env else self.ax[a].index
+            last = pos == len(axes) - 1
+            cap = self.ax[a].cap_c
+            src(f"{idx} = {rest}" if last else f"{idx} = {rest} % {cap}")
+            env[a] = idx
+            if not last:
+                nxt = self.names.fresh(f"{var}_{a}")
+                src(f"{nxt} = {rest} // {cap}")
+                rest = nxt
+
+    # ---- computes
+    def _emit_compute(self, k: int, src: Source):
+        c = self.cls[k]
+        (v,) = self.dd.eqn_outputs(k)
+        if c == "normaliser":
+            self._emit_norm_stats(k, src)
+        if v in self.targets:
+            self._emit_target(self.targets[v], src)
+
+    # ---- mappings as element loops
+    def _flat_elements(self, m: Flat, src: Source):
+        gen = self
+
+        class _C:
+            def __enter__(self_):
+                self_.env = {}
+                self_.u = gen.names.fresh("u")
+                self_.loop = src.block(f"for {self_.u} in range({gen.consts.u(m.per_thread)}):")
+                self_.loop.__enter__()
+                e = gen.names.fresh("e")
+                src(f"{e} = tid + {self_.u} * NTHREADS" if m.per_thread > 1 else f"{e} = tid")
+                self_.cond = src.maybe(f"{e} < {gen.consts.u(m.n)}" if m.n % gen.T or m.n < gen.T else None)
+                self_.cond.__enter__()
+                gen._decode(src, e, m.axes, self_.env)
+                self_.env["_slot"] = self_.u
+                return self_.env
+
+            def __exit__(self_, *exc):
+                self_.cond.__exit__(*exc)
+                self_.loop.__exit__(*exc)
+                return False
+
+        return _C()
+
+    def micro_rows(self, m: Micro, i: str) -> str:
+        k = self.consts
+        if m.RY == 1:
+            return "ty"
+        if m.VY == m.RY:
+            return f"ty * {k.u(m.RY)} + {i}"
+        return f"ty * {k.u(m.VY)} + {i} // {k.u(m.VY)} * {k.u(m.TY * m.VY)} + {i} % {k.u(m.VY)}"
+
+    def micro_cols(self, m: Micro, j: str) -> str:
+        k = self.consts
+        if m.RX == 1:
+            return "tx"
+        if m.VX == m.RX:
+            return f"tx * {k.u(m.RX)} + {j}"
+        return f"tx * {k.u(m.VX)} + {j} // {k.u(m.VX)} * {k.u(m.TX * m.VX)} + {j} % {k.u(m.VX)}"
+
+    def micro_begin(self, m: Micro, src: Source):
+        k = self.consts
+        src(f"ty = tid // {k.u(m.TX)}")
+        src(f"tx = tid % {k.u(m.TX)}")
+
+    def micro_guard(self, m: Micro) -> str | None:
+        return f"tid < {self.consts.u(m.active)}" if m.active < self.T else None
+
+    def micro_elements(self, m: Micro, src: Source):
+        """Context: ``for i, j`` over a thread's micro-tile; yields the env (``_slot`` = ``i, j``)."""
+        gen = self
+
+        class _C:
+            def __enter__(self_):
+                k = gen.consts
+                self_.b1 = src.block(f"for i in range({k.u(m.RY)}):")
+                self_.b1.__enter__()
+                r = gen.names.fresh(gen.ax[m.row].index)
+                src(f"{r} = {gen.micro_rows(m, 'i')}")
+                self_.b2 = src.block(f"for j in range({k.u(m.RX)}):")
+                self_.b2.__enter__()
+                c = gen.names.fresh(gen.ax[m.col].index)
+                src(f"{c} = {gen.micro_cols(m, 'j')}")
+                return {m.row: r, m.col: c, "_slot": "i, j"}
+
+            def __exit__(self_, *exc):
+                self_.b2.__exit__(*exc)
+                self_.b1.__exit__(*exc)
+                return False
+
+        return _C()
+
+    def elements(self, m, src):
+        return self.micro_elements(m, src) if isinstance(m, Micro) else self._flat_elements(m, src)
+
+    def mapping_begin(self, m, src):
+        if isinstance(m, Micro):
+            self.micro_begin(m, src)
+            return src.maybe(self.micro_guard(m))
+        return src.maybe(None)
+
+    # ---- contractions
+    def contraction_operands(self, ins) -> list[Operand]:
+        ops = []
+        for v in ins:
+            ops.append(Operand(self._axes_set(v),
+                               (lambda v: lambda env, memo, src: self.value(v, env, src, memo))(v)))
+        return ops
+
+    def emit_contraction(self, m, acc: str, operands: list[Operand], red: list[str], src: Source,
+                         init: bool = True, prescale: Operand | None = None):
+        """``acc[slot] (+)= sum over red of prod(operands)`` on mapping ``m`` (Micro or Flat).
+        For Flat the caller is inside the element loop (env given by ``self._env``)."""
+        k = self.consts
+        zero = k.f(0.0, "ZERO")
+        if isinstance(m, Micro):
+            rowset, colset = {m.row}, {m.col}
+            if init:
+                with src.block(f"for i in range({k.u(m.RY)}):"):
+                    with src.block(f"for j in range({k.u(m.RX)}):"):
+                        src(f"{acc}[i, j] = {zero}")
+            elif prescale is not None:
+                with src.block(f"for i in range({k.u(m.RY)}):"):
+                    env = {}
+                    if m.row in prescale.axes:
+                        env[m.row] = self.names.fresh(self.ax[m.row].index)
+                        src(f"{env[m.row]} = {self.micro_rows(m, 'i')}")
+                    sc = None
+                    if m.col not in prescale.axes:
+                        sc = self.names.fresh("scale")
+                        src(f"{sc} = {prescale.read(env, {}, src)}")
+                    with src.block(f"for j in range({k.u(m.RX)}):"):
+                        if sc is None:
+                            env[m.col] = self.names.fresh(self.ax[m.col].index)
+                            src(f"{env[m.col]} = {self.micro_cols(m, 'j')}")
+                            sc = self.names.fresh("scale")
+                            src(f"{sc} = {prescale.read(env, {}, src)}")
+                        src(f"{acc}[i, j] *= {sc}")
+            roww = [o for o in operands if m.row in o.axes and m.col not in o.axes]
+            colw = [o for o in operands if m.col in o.axes and m.row not in o.axes]
+            both = [o for o in operands if m.row in o.axes and m.col in o.axes]
+            none = [o for o in operands if m.row not in o.axes and m.col not in o.axes]
+            frag_a = [self.names.fresh("fa") for _ in roww]
+            frag_b = [self.names.fresh("fb") for _ in colw]
+            for f in frag_a:
+                src(f"{f} = cuda.local.array({m.RY}, float32)")
+            for f in frag_b:
+                src(f"{f} = cuda.local.array({m.RX}, float32)")
+            env = {}
+            opened = []
+            for a in red:
+                ax = self.ax[a]
+                bound = ax.count if ax.role == "stream" else ax.cap_c
+                idx = self.names.fresh(ax.index)
+                env[a] = idx
+                blk = src.block(f"for {idx} in range({bound}):")
+                blk.__enter__()
+                opened.append(blk)
+            scal = []
+            for o in none:
+                t = self.names.fresh("f")
+                src(f"{t} = {o.read(dict(env), {}, src)}")
+                scal.append(t)
+            if roww:
+                with src.block(f"for i in range({k.u(m.RY)}):"):
+                    e2 = dict(env)
+                    e2[m.row] = self.names.fresh(self.ax[m.row].index)
+                    src(f"{e2[m.row]} = {self.micro_rows(m, 'i')}")
+                    memo = {}
+                    for f, o in zip(frag_a, roww):
+                        src(f"{f}[i] = {o.read(e2, memo, src)}")
+            if colw:
+                with src.block(f"for j in range({k.u(m.RX)}):"):
+                    e2 = dict(env)
+                    e2[m.col] = self.names.fresh(self.ax[m.col].index)
+                    src(f"{e2[m.col]} = {self.micro_cols(m, 'j')}")
+                    memo = {}
+                    for f, o in zip(frag_b, colw):
+                        src(f"{f}[j] = {o.read(e2, memo, src)}")
+            with src.block(f"for i in range({k.u(m.RY)}):"):
+                e2 = dict(env)
+                if both:
+                    e2[m.row] = self.names.fresh(self.ax[m.row].index)
+                    src(f"{e2[m.row]} = {self.micro_rows(m, 'i')}")
+                with src.block(f"for j in range({k.u(m.RX)}):"):
+                    factors = [f"{f}[i]" for f in frag_a] + [f"{f}[j]" for f in frag_b] + scal
+                    if both:
+                        e2[m.col] = self.names.fresh(self.ax[m.col].index)
+                        src(f"{e2[m.col]} = {self.micro_cols(m, 'j')}")
+                        memo = {}
+                        factors += [o.read(e2, memo, src) for o in both]
+                    src(f"{acc}[i, j] += {' * '.join(factors) or k.f(1.0, 'ONE')}")
+            for blk in reversed(opened):
+                blk.__exit__(None, None, None)
+        else:
+            env = self._env
+            slot = f"{acc}[{env['_slot']}]"
+            if init:
+                src(f"{slot} = {zero}")
+            elif prescale is not None:
+                src(f"{slot} *= {prescale.read(env, {}, src)}")
+            opened = []
+            e2 = dict(env)
+            for a in red:
+                ax = self.ax[a]
+                bound = ax.count if ax.role == "stream" else ax.cap_c
+                idx = self.names.fresh(ax.index)
+                e2[a] = idx
+                blk = src.block(f"for {idx} in range({bound}):")
+                blk.__enter__()
+                opened.append(blk)
+            memo = {}
+            factors = [o.read(e2, memo, src) for o in operands]
+            src(f"{slot} += {' * '.join(factors) or k.f(1.0, 'ONE')}")
+            for blk in reversed(opened):
+                blk.__exit__(None, None, None)
+
+    # ---- writing a target's value
+    def write_target(self, t: Target, env, val: str, src: Source):
+        arr = self.types[t.var]
+        if t.to_smem:
+            src(f"{self.sread(('var', t.var), env)} = {val}")
+        if t.to_global:
+            cond = self.valid(self._caps(arr.axis_names)[0], env)
+            with src.maybe(cond):
+                for pos, ov in enumerate(self.dd.outs):
+                    if ov == t.var:
+                        src(f"{self.out_args[pos]}[{self.gindex(arr, env)}] = {val}")
+
+    def _emit_target(self, t: Target, src: Source):
+        self.sync(src)
+        arr = self.types[t.var]
+        m = t.mapping
+        if t.source is None:
+            src.comment(f"{arr} = {self._describe_chain(t.var)}  ({m.describe()})")
+            with self.elements(m, src) as env:
+                memo = {}
+                val = self.value(t.var, env, src, memo, define=t.var)
+                self.write_target(t, env, val, src)
+        elif t.source in self.acc_of_var:
+            p = self.plans[self.acc_of_var[t.source]]
+            src.comment(f"{arr} = {self._describe_chain(t.var)}: finalise {p.acc.rule}  ({m.describe()})")
+            with self.mapping_begin(m, src):
+                with self.elements(m, src) as env:
+                    self._env = env
+                    memo = {}
+                    fin = ACC_CODEGEN[p.acc.rule].final_value(self, p, env, src)
+                    val = self.value(t.var, env, src, memo, {t.source: fin}, define=t.var)
+                    self.write_target(t, env, val, src)
+        else:
+            self._emit_reduction_target(t, src)
+        if t.to_smem:
+            self.pending_sync = True
+
+    def _describe_chain(self, v: int) -> str:
+        if v < self.n_in or v in self.acc_of_var:
+            return self.types[v].name
+        e = self.dd.eqns[self.eqn_of[v]]
+        return f"{e.box.name}({', '.join(self._describe_chain(a) if self.storage(a) in ('inline', 'regs') else self.types[a].name for a in e.ins)})"
+
+    def _emit_reduction_target(self, t: Target, src: Source):
+        k = self.consts
+        kk = self.eqn_of[t.source]
+        e = self.dd.eqns[kk]
+        box = e.box
+        red = self._reduced_axes(kk)
+        m = t.mapping
+        arr = self.types[t.var]
+        src.comment(f"{arr} = {self._describe_chain(t.var)}  ({m.describe()})")
+        if isinstance(m, Micro):
+            acc = self.names.fresh("acc")
+            self.micro_begin(m, src)
+            with src.maybe(self.micro_guard(m)):
+                src(f"{acc} = cuda.local.array(({m.RY}, {m.RX}), float32)")
+                self.emit_contraction(m, acc, self.contraction_operands(e.ins), list(red), src)
+                with self.micro_elements(m, src) as env:
+                    val = self.value(t.var, env, src, {}, {t.source: f"{acc}[i, j]"}, define=t.var)
+                    self.write_target(t, env, val, src)
+        elif isinstance(m, Flat):
+            acc = self.names.fresh("acc")
+            src(f"{acc} = cuda.local.array({m.per_thread}, float32)")
+            with self._flat_elements(m, src) as env:
+                self._env = env
+                if box.kind == "contract":
+                    self.emit_contraction(m, acc, self.contraction_operands(e.ins), list(red), src)
+                    res = f"{acc}[{env['_slot']}]"
+                else:
+                    res = self._flat_reduce(box, e.ins[0], red[0], env, src)
+                val = self.value(t.var, env, src, {}, {t.source: res}, define=t.var)
+                self.write_target(t, env, val, src)
+        else:
+            self._coop_reduce_target(t, box, e.ins, red, src)
+
+    def _flat_reduce(self, box, x: int, axis: str, env, src) -> str:
+        k = self.consts
+        op = box.param("op")
+        ax = self.ax[axis]
+        idx = self.names.fresh(ax.index)
+        e2 = dict(env)
+        e2[axis] = idx
+        r = self.names.fresh("r")
+        if op == "logsumexp":
+            raise LoweringError("internal: logsumexp uses lanes")
+        ident, comb, _ = REDUCE_OPS[op]
+        src(f"{r} = {k.f(ident)}")
+        with src.block(f"for {idx} in range({ax.cap_c}):"):
+            val = self.value(x, e2, src, {})
+            src(f"{r} = {comb.format(a=r, b=val)}")
+        if op == "mean":
+            src(f"{r} = {r} / {k.f(float(ax.size), comment=f'size of {axis}')}")
+        return r
+
+    # ---- lanes (Coop): reductions with few outputs
+    def coop_elements(self, m: Coop, src: Source):
+        """Context over a thread's outputs in a Coop mapping: yields env with ``_lane``,
+        ``_slot`` and ``_active``; every thread runs every iteration (barriers inside)."""
+        gen = self
+
+        class _C:
+            def __enter__(self_):
+                k = gen.consts
+                u = gen.names.fresh("u")
+                self_.loop = src.block(f"for {u} in range({k.u(m.per_thread)}):")
+                self_.loop.__enter__()
+                groups = m.threads // m.R
+                o = gen.names.fresh("o")
+                src(f"{o} = tid // {k.u(m.R)} + {u} * {k.u(groups)}" if m.per_thread > 1
+                    else f"{o} = tid // {k.u(m.R)}")
+                lane = gen.names.fresh("lane")
+                src(f"{lane} = tid % {k.u(m.R)}")
+                oc = o
+                if m.per_thread * groups != m.n:
+                    oc = gen.names.fresh("oc")
+                    src(f"{oc} = min({o}, {k.u(m.n - 1)})  # idle groups compute on the last output")
+                env = {}
+                gen._decode(src, oc, m.axes, env)
+                env["_lane"] = lane
+                env["_slot"] = u
+                env["_active"] = f"{o} < {k.u(m.n)}" if m.per_thread * groups != m.n else None
+                return env
+
+            def __exit__(self_, *exc):
+                self_.loop.__exit__(*exc)
+                return False
+
+        return _C()
+
+    def lanes_reduce(self, m: Coop, env, axes: tuple[str, ...], op: str, term: Callable, src: Source,
+                     bounds: dict | None = None) -> str:
+        """All lanes of the group get ``op`` over ``axes`` of ``term(env2, memo)``."""
+        k = self.consts
+        ident, comb, helper = REDUCE_OPS[op]
+        r = self.names.fresh("part")
+        src(f"{r} = {k.f(ident)}")
+        names = [a for a in axes if self.ax[a].cap > 1]
+        bounds = bounds or {}
+        lane = env["_lane"]
+        if len(names) <= 1:
+            e2 = dict(env)
+            if names:
+                a = names[0]
+                bound = bounds.get(a, self.ax[a].count if self.ax[a].role == "stream" else self.ax[a].cap_c)
+                idx = self.names.fresh(self.ax[a].index)
+                e2[a] = idx
+                loop = src.block(f"for {idx} in range({lane}, {bound}, {k.u(m.R)}):")
+            else:
+                loop = src.maybe(f"{lane} == {k.u(0, 'U0')}")
+            with loop:
+                val = term(e2, {})
+                src(f"{r} = {comb.format(a=r, b=val)}")
+        else:
+            n = math.prod(self.ax[a].cap for a in names)
+            rr = self.names.fresh("rr")
+            with src.block(f"for {rr} in range({lane}, {k.u(n)}, {k.u(m.R)}):"):
+                e2 = dict(env)
+                sub = {}
+                self._decode(src, rr, tuple(names), sub)
+                e2.update(sub)
+                cond = " and ".join(f"{sub[a]} < {bounds[a]}" for a in names if a in bounds) or None
+                with src.maybe(cond):
+                    val = term(e2, {})
+                    src(f"{r} = {comb.format(a=r, b=val)}")
+        if m.R > 1:
+            src(f"{r} = {helper}({r}, {lane}, {k.u(m.R)}, smem, {self.red_offset()}, tid)")
+        return r
+
+    def _coop_reduce_target(self, t: Target, box, ins, red, src: Source):
+        k = self.consts
+        m = t.mapping
+        with self.coop_elements(m, src) as env:
+            if box.kind == "contract":
+                ops = self.contraction_operands(ins)
+                term = lambda e2, memo: " * ".join(o.read(e2, memo, src) for o in ops)
+                res = self.lanes_reduce(m, env, red, "sum", term, src)
+            else:
+                op = box.param("op")
+                x = ins[0]
+                term = lambda e2, memo: self.value(x, e2, src, memo)
+                if op == "logsumexp":
+                    mx = self.lanes_reduce(m, env, red, "max", term, src)
+                    safe = self.names.fresh("safe")
+                    src(f"{safe} = {mx} if {mx} > {k.f(-math.inf, 'NEG_INF')} else {k.f(0.0, 'ZERO')}")
+                    sm = self.lanes_reduce(m, env, red, "sum",
+                                           lambda e2, memo: f"math.exp({term(e2, memo)} - {safe})", src)
+                    res = self.names.fresh("lse")
+                    src(f"{res} = {safe} + math.log({sm}) if {sm} > {k.f(0.0, 'ZERO')} else "
+                        f"{k.f(-math.inf, 'NEG_INF')}")
+                else:
+                    res = self.lanes_reduce(m, env, red, op, term, src)
+                    if op == "mean":
+                        n = math.prod(self.ax[a].size for a in red)
+                        src(f"{res} = {res} / {k.f(float(n), comment='reduced size')}")
+            cond = f"{env['_lane']} == {k.u(0, 'U0')}"
+            if env["_active"]:
+                cond += f" and {env['_active']}"
+            with src.block(f"if {cond}:"):
+                val = self.value(t.var, env, src, {}, {t.source: res}, define=t.var)
+                self.write_target(t, env, val, src)
+
+    # ---- normalisers (softmax, normalize over a whole axis in the block)
+    def _norm_params(self, box):
+        if box.kind == "softmax":
+            return NORMALISATIONS["softmax"] + (0.0,)
+        return (box.param("a1"), box.param("a2"), box.param("b"), box.param("eps"))
+
+    def _emit_norm_stats(self, k: int, src: Source):
+        kc = self.consts
+        self.sync(src)
+        e = self.dd.eqns[k]
+        box = e.box
+        axis = box.param("axis")
+        a1, a2, b, eps = self._norm_params(box)
+        m = self.norm_stats[k]
+        x = e.ins[0]
+        mb, zb = self.bufs[("norm_m", k)], self.bufs[("norm_z", k)]
+        src.comment(f"row statistics of {box.name} over {axis}  ({m.describe()})")
+        term = lambda e2, memo: self.value(x, e2, src, memo)
+        zero = kc.f(0.0, "ZERO")
+        with self.coop_elements(m, src) as env:
+            if (a1, a2, b) == NORMALISATIONS["softmax"]:
+                mx = self.lanes_reduce(m, env, (axis,), "max", term, src)
+                safe = self.names.fresh("safe")
+                src(f"{safe} = {mx} if {mx} > {kc.f(-math.inf, 'NEG_INF')} else {zero}")
+                z = self.lanes_reduce(m, env, (axis,), "sum",
+                                      lambda e2, memo: f"math.exp({term(e2, memo)} - {safe})", src)
+                stat = safe
+            else:
+                z0 = self.lanes_reduce(m, env, (axis,), "sum",
+                                       lambda e2, memo: _fn_expr(self, a2, [f"({term(e2, memo)})"]), src)
+                z = self.names.fresh("z")
+                src(f"{z} = {_fn_expr(self, b, [z0])} + {kc.f(eps, comment='eps of ' + box.name)}")
+                stat = zero
+            cond = f"{env['_lane']} == {kc.u(0, 'U0')}"
+            if env["_active"]:
+                cond += f" and {env['_active']}"
+            with src.block(f"if {cond}:"):
+                src(f"{self.sread(mb.key, env)} = {stat}")
+                src(f"{self.sread(zb.key, env)} = {z}")
+        self.pending_sync = True
+
+    def _normalised_value(self, k: int, env, src, memo, regs, define=None) -> str:
+        kc = self.consts
+        e = self.dd.eqns[k]
+        box = e.box
+        a1, a2, b, eps = self._norm_params(box)
+        xv = self.value(e.ins[0], env, src, memo, regs, define)
+        mv = self.sread(("norm_m", k), env)
+        zv = self.sread(("norm_z", k), env)
+        zero = kc.f(0.0, "ZERO")
+        (v,) = self.dd.eqn_outputs(k)
+        tmp = self.names.fresh(f"{self.types[v].name}_{v}")
+        if (a1, a2, b) == NORMALISATIONS["softmax"]:
+            zt = self.names.fresh("z")
+            src(f"{zt} = {zv}")
+            src(f"{tmp} = math.exp({xv} - {mv}) / {zt} if {zt} > {zero} else {zero}")
+        else:
+            zt = self.names.fresh("z")
+            src(f"{zt} = {zv}")
+            src(f"{tmp} = {_fn_expr(self, a1, [xv])} / {zt} if {zt} != {zero} else {zero}")
+        return tmp
+
+
+# --------------------------------------------------------------------------- accumulators
+
+_GROUP_HELPERS = '''
+@cuda.jit(device=True, inline=True)
+def _group_sum(v, lane, width, smem, base, tid):
+    """Sum of ``v`` over the ``width`` lanes of a group (a power of two), in every lane."""
+    if WARP_SHUFFLE and width <= 32:
+        off = width // uint32(2)
+        while off > uint32(0):
+            v += cuda.shfl_xor_sync(FULL_MASK, v, off)
+            off //= uint32(2)
+        return v
+    smem[base + tid] = v
+    cuda.syncthreads()
+    off = width // uint32(2)
+    while off > uint32(0):
+        if lane < off:
+            smem[base + tid] = smem[base + tid] + smem[base + tid + off]
+        cuda.syncthreads()
+        off //= uint32(2)
+    v = smem[base + tid - lane]
+    cuda.syncthreads()
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def _group_max(v, lane, width, smem, base, tid):
+    """Maximum of ``v`` over the ``width`` lanes of a group, in every lane."""
+    if WARP_SHUFFLE and width <= 32:
+        off = width // uint32(2)
+        while off > uint32(0):
+            v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
+            off //= uint32(2)
+        return v
+    smem[base + tid] = v
+    cuda.syncthreads()
+    off = width // uint32(2)
+    while off > uint32(0):
+        if lane < off:
+            smem[base + tid] = max(smem[base + tid], smem[base + tid + off])
+        cuda.syncthreads()
+        off //= uint32(2)
+    v = smem[base + tid - lane]
+    cuda.syncthreads()
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def _group_min(v, lane, width, smem, base, tid):
+    """Minimum of ``v`` over the ``width`` lanes of a group, in every lane."""
+    if WARP_SHUFFLE and width <= 32:
+        off = width // uint32(2)
+        while off > uint32(0):
+            v = min(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
+            off //= uint32(2)
+        return v
+    smem[base + tid] = v
+    cuda.syncthreads()
+    off = width // uint32(2)
+    while off > uint32(0):
+        if lane < off:
+            smem[base + tid] = min(smem[base + tid], smem[base + tid + off])
+        cuda.syncthreads()
+        off //= uint32(2)
+    v = smem[base + tid - lane]
+    cuda.syncthreads()
+    return v'''.strip("\n")
+
+
+@dataclass(frozen=True)
+class AccCodegen:
+    """Code for one accumulator kind: ``init`` / ``update`` / ``publish`` (before the final
+    value is read) / ``final_value`` (expression at a main-state element).  ``contraction``:
+    the update is a contraction into the main state (register micro-tiles); ``stats``: it keeps
+    row statistics over the score axes; ``rescales``: earlier contributions are rescaled."""
+
+    init: Callable
+    update: Callable
+    publish: Callable
+    final_value: Callable
+    contraction: bool = False
+    stats: bool = False
+    rescales: bool = False
+
+
+def _shape(shape) -> str:
+    """A local array's shape: plain int literals (numba needs compile-time constants)."""
+    return str(shape[0]) if len(shape) == 1 else f"({', '.join(map(str, shape))})"
+
+
+def _state_names(gen: KernelGen, p: AccPlan):
+    if not p.names:
+        oname = p.acc.box.cod[0].name
+        for sname, _, _ in p.acc.states():
+            p.names[sname] = gen.names.fresh(f"{oname}_{sname}")
+    return p.names
+
+
+def _state_ref(gen, p: AccPlan, sname: str, env) -> str:
+    """Where state ``sname`` is at the element ``env`` of its mapping."""
+    role = {s: r for s, _, r in p.acc.states()}[sname]
+    regs = p.main_regs if role == "main" else p.stat_regs
+    if regs:
+        return f"{_state_names(gen, p)[sname]}[{env['_slot']}]"
+    return gen.sread(("state", p.index, sname), env)
+
+
+def _init_states(gen: KernelGen, p: AccPlan, src: Source, values: dict):
+    k = gen.consts
+    names = _state_names(gen, p)
+    src.comment(f"init {p.acc.box.cod[0].name} ({p.acc.rule}): "
+                + ", ".join(f"{s} @{'registers' if (p.main_regs if r == 'main' else p.stat_regs) else 'shared'}"
+                            for s, _, r in p.acc.states()))
+    for sname, axes, role in p.acc.states():
+        m = p.main if role == "main" else (p.stat or p.main)
+        regs = p.main_regs if role == "main" else p.stat_regs
+        if regs:
+            src(f"{names[sname]} = cuda.local.array({_shape(m.shape)}, float32)")
+        init = k.f(values[sname])
+        if isinstance(m, Micro):
+            with gen.mapping_begin(m, src):
+                with gen.micro_elements(m, src) as env:
+                    src(f"{_state_ref(gen, p, sname, env)} = {init}")
+        elif isinstance(m, Coop):
+            with gen.coop_elements(m, src) as env:
+                src(f"{_state_ref(gen, p, sname, env)} = {init}")
+        else:
+            with gen._flat_elements(m, src) as env:
+                src(f"{_state_ref(gen, p, sname, env)} = {init}")
+
+
+def _main_contraction(gen: KernelGen, p: AccPlan, operands, red, src: Source, prescale=None):
+    """``o (*= prescale) += contraction`` on the main mapping, state in registers or shared."""
+    k = gen.consts
+    m = p.main
+    acc = _state_names(gen, p)["o"]
+    with gen.mapping_begin(m, src):
+        if not p.main_regs:   # a shared state is read into registers, updated, written back
+            tmp = gen.names.fresh("o_regs")
+            src(f"{tmp} = cuda.local.array({_shape(m.shape)}, float32)")
+            with gen.elements(m, src) as env:
+                src(f"{tmp}[{env['_slot']}] = {_state_ref(gen, p, 'o', env)}")
+            acc = tmp
+        if isinstance(m, Micro):
+            gen.emit_contraction(m, acc, operands, red, src, init=False, prescale=prescale)
+        else:
+            with gen._flat_elements(m, src) as env:
+                gen._env = env
+                gen.emit_contraction(m, acc, operands, red, src, init=False, prescale=prescale)
+        if not p.main_regs:
+            with gen.elements(m, src) as env:
+                src(f"{_state_ref(gen, p, 'o', env)} = {acc}[{env['_slot']}]")
+
+
+def _red_of(gen: KernelGen, p: AccPlan) -> list[str]:
+    box = p.acc.box
+    out = set(box.cod[0].axis_names)
+    red = [p.acc.axis]
+    for arr in box.dom:
+        for a in arr.axis_names:
+            if a not in out and a not in red and a not in p.stat_axes:
+                red.append(a)
+    return red
+
+
+# sum_contract ---------------------------------------------------------------
+
+def _sc_init(gen, p, src):
+    _init_states(gen, p, src, {"o": 0.0})
+
+
+def _sc_update(gen, p, src):
+    gen.sync(src)
+    ins = gen.dd.eqns[p.acc.eqn].ins
+    src.comment(f"update {p.acc.box.cod[0].name} (sum_contract) with "
+                f"{', '.join(gen.types[v].name for v in ins)}  ({p.main.describe()})")
+    _main_contraction(gen, p, gen.contraction_operands(ins), _red_of(gen, p), src)
+
+
+def _no_publish(gen, p, src):
+    return None
+
+
+def _sc_final(gen, p, env, src):
+    return _state_ref(gen, p, "o", env)
+
+
+# reduce (sum, mean, max, min over a streamed axis) ----------------------------
+
+def _reduce_init(gen, p, src):
+    ident = REDUCE_OPS[p.acc.box.param("op")][0]
+    _init_states(gen, p, src, {"o": ident})
+
+
+def _reduce_update(gen, p, src):
+    gen.sync(src)
+    box = p.acc.box
+    op = box.param("op")
+    _, comb, _ = REDUCE_OPS[op]
+    (x,) = gen.dd.eqns[p.acc.eqn].ins
+    ax = gen.ax[p.acc.axis]
+    src.comment(f"update {box.cod[0].name} ({op} over chunks of {ax.name})")
+    with gen._flat_elements(p.main, src) as env:
+        ref = _state_ref(gen, p, "o", env)
+        idx = gen.names.fresh(ax.index)
+        e2 = dict(env)
+        e2[ax.name] = idx
+        r = gen.names.fresh("r")
+        src(f"{r} = {ref}")
+        with src.block(f"for {idx} in range({ax.count}):"):
+            src(f"{r} = {comb.format(a=r, b=gen.value(x, e2, src, {}))}")
+        src(f"{ref} = {r}")
+
+
+def _reduce_final(gen, p, env, src):
+    ref = _state_ref(gen, p, "o", env)
+    if p.acc.box.param("op") == "mean":
+        n = gen.sizes[p.acc.axis]
+        return f"{ref} / {gen.consts.f(float(n), comment=f'size of {p.acc.axis}')}"
+    return ref
+
+
+# logsumexp -------------------------------------------------------------------
+
+def _lse_init(gen, p, src):
+    _init_states(gen, p, src, {"m": -math.inf, "z": 0.0})
+
+
+def _lse_update(gen, p, src):
+    gen.sync(src)
+    k = gen.consts
+    (x,) = gen.dd.eqns[p.acc.eqn].ins
+    ax = gen.ax[p.acc.axis]
+    src.comment(f"update {p.acc.box.cod[0].name} (logsumexp over chunks of {ax.name})")
+    with gen._flat_elements(p.main, src) as env:
+        m_ref, z_ref = _state_ref(gen, p, "m", env), _state_ref(gen, p, "z", env)
+        idx = gen.names.fresh(ax.index)
+        e2 = dict(env)
+        e2[ax.name] = idx
+        mx = gen.names.fresh("mx")
+        src(f"{mx} = {m_ref}")
+        with src.block(f"for {idx} in range({ax.count}):"):
+            src(f"{mx} = max({mx}, {gen.value(x, e2, src, {})})")
+        safe = gen.names.fresh("safe")
+        src(f"{safe} = {mx} if {mx} > {k.f(-math.inf, 'NEG_INF')} else {k.f(0.0, 'ZERO')}")
+        zs = gen.names.fresh("zs")
+        src(f"{zs} = {z_ref} * math.exp({m_ref} - {safe})")
+        with src.block(f"for {idx} in range({ax.count}):"):
+            src(f"{zs} += math.exp({gen.value(x, e2, src, {})} - {safe})")
+        src(f"{z_ref} = {zs}")
+        src(f"{m_ref} = {mx}")
+
+
+def _lse_final(gen, p, env, src):
+    k = gen.consts
+    m_ref, z_ref = _state_ref(gen, p, "m", env), _state_ref(gen, p, "z", env)
+    mt, zt = gen.names.fresh("m"), gen.names.fresh("z")
+    src(f"{mt} = {m_ref}")
+    src(f"{zt} = {z_ref}")
+    return (f"(({mt} if {mt} > {k.f(-math.inf, 'NEG_INF')} else {k.f(0.0, 'ZERO')}) + math.log({zt})"
+            f" if {zt} > {k.f(0.0, 'ZERO')} else {k.f(-math.inf, 'NEG_INF')})")
+
+
+# online softmax-contraction and the normalisation family ------------------------
+
+def _osc_init(gen, p, src):
+    _init_states(gen, p, src, {"mu": -math.inf, "z": 0.0, "o": 0.0})
+
+
+def _norm_init(gen, p, src):
+    _init_states(gen, p, src, {"z": 0.0, "o": 0.0})
+
+
+def _stats_phase(gen: KernelGen, p: AccPlan, src: Source, softmax: bool):
+    """Row statistics of one chunk: ``mu' = max(mu, max_j s)``, ``delta = exp(mu - mu')``,
+    ``p_j = exp(s_j - mu')``, ``z' = delta z + sum_j p_j`` (softmax) or ``p_j = a1(s_j)``,
+    ``z' = z + sum_j a2(s_j)`` (normalisation family); ``p`` goes to shared memory."""
+    k = gen.consts
+    zero = k.f(0.0, "ZERO")
+    box = p.acc.box
+    s, _ = gen.dd.eqns[p.acc.eqn].ins
+    m = p.stat
+    ax = gen.ax[p.acc.axis]
+    pb = gen.bufs[p.p_buf]
+    src.comment(f"update {box.cod[0].name} ({p.acc.rule}): row statistics of the chunk  ({m.describe()})")
+    with gen.coop_elements(m, src) as env:
+        term = lambda e2, memo: gen.value(s, e2, src, memo)
+        lane = env["_lane"]
+        idx = gen.names.fresh(ax.index)
+        e2 = dict(env)
+        e2[ax.name] = idx
+        active = env["_active"]
+        if softmax:
+            mx = gen.lanes_reduce(m, env, (ax.name,), "max", term, src)
+            mu_ref, z_ref = _state_ref(gen, p, "mu", env), _state_ref(gen, p, "z", env)
+            mu_old, mu_new = gen.names.fresh("mu_old"), gen.names.fresh("mu_new")
+            src(f"{mu_old} = {mu_ref}")
+            src(f"{mu_new} = max({mu_old}, {mx})")
+            safe = gen.names.fresh("safe")
+            src(f"{safe} = {mu_new} if {mu_new} > {k.f(-math.inf, 'NEG_INF')} else {zero}"
+                "  # no finite score yet: shift by 0, weights stay 0")
+            delta = gen.names.fresh("delta")
+            src(f"{delta} = math.exp({mu_old} - {safe})")
+            ps = gen.names.fresh("psum")
+            src(f"{ps} = {zero}")
+            with src.block(f"for {idx} in range({lane}, {ax.count}, {k.u(m.R)}):"):
+                w = gen.names.fresh("w")
+                src(f"{w} = math.exp({term(e2, {})} - {safe})")
+                src(f"{gen.sread(pb.key, e2)} = {w}")
+                src(f"{ps} += {w}")
+            if m.R > 1:
+                src(f"{ps} = _group_sum({ps}, {lane}, {k.u(m.R)}, smem, {gen.red_offset()}, tid)")
+            writes_stats = not p.stat_regs
+            cond = active if p.stat_regs else (f"{lane} == {k.u(0, 'U0')}" + (f" and {active}" if active else ""))
+            with src.maybe(cond):
+                src(f"{z_ref} = {delta} * {z_ref} + {ps}")
+                src(f"{mu_ref} = {mu_new}")
+            cond = f"{lane} == {k.u(0, 'U0')}" + (f" and {active}" if active else "")
+            with src.block(f"if {cond}:"):
+                src(f"{gen.sread(('delta', p.index), env)} = {delta}")
+        else:
+            a1, a2 = box.param("a1"), box.param("a2")
+            z_ref = _state_ref(gen, p, "z", env)
+            ps = gen.names.fresh("zsum")
+            src(f"{ps} = {zero}")
+            with src.block(f"for {idx} in range({lane}, {ax.count}, {k.u(m.R)}):"):
+                sv = gen.names.fresh("sv")
+                src(f"{sv} = {term(e2, {})}")
+                src(f"{gen.sread(pb.key, e2)} = {_fn_expr(gen, a1, [sv])}")
+                src(f"{ps} += {_fn_expr(gen, a2, [sv])}")
+            if m.R > 1:
+                src(f"{ps} = _group_sum({ps}, {lane}, {k.u(m.R)}, smem, {gen.red_offset()}, tid)")
+            cond = active if p.stat_regs else (f"{lane} == {k.u(0, 'U0')}" + (f" and {active}" if active else ""))
+            with src.maybe(cond):
+                src(f"{z_ref} = {z_ref} + {ps}")
+    gen.pending_sync = True
+
+
+def _weights_operands(gen: KernelGen, p: AccPlan):
+    _, v = gen.dd.eqns[p.acc.eqn].ins
+    p_axes = frozenset(a for a in (*p.stat_axes, p.acc.axis) if gen.ax[a].cap > 1)
+    weights = Operand(p_axes, lambda env, memo, src: gen.sread(p.p_buf, env))
+    return [weights] + gen.contraction_operands([v])
+
+
+def _osc_update(gen, p, src):
+    gen.sync(src)
+    _stats_phase(gen, p, src, softmax=True)
+    gen.sync(src)
+    src.comment(f"update {p.acc.box.cod[0].name}: o = delta * o + weights . "
+                f"{gen.types[gen.dd.eqns[p.acc.eqn].ins[1]].name}  ({p.main.describe()})")
+    st_axes = frozenset(a for a in p.stat_axes if gen.ax[a].cap > 1)
+    delta = Operand(st_axes, lambda env, memo, src: gen.sread(("delta", p.index), env))
+    _main_contraction(gen, p, _weights_operands(gen, p), _red_of(gen, p), src, prescale=delta)
+
+
+def _norm_update(gen, p, src):
+    gen.sync(src)
+    _stats_phase(gen, p, src, softmax=False)
+    gen.sync(src)
+    src.comment(f"update {p.acc.box.cod[0].name}: o += weights . "
+                f"{gen.types[gen.dd.eqns[p.acc.eqn].ins[1]].name}  ({p.main.describe()})")
+    _main_contraction(gen, p, _weights_operands(gen, p), _red_of(gen, p), src)
+
+
+def _publish_z(gen, p, src):
+    """Statistics held in the lanes' registers are written where the main mapping reads them."""
+    if not p.stat_regs:
+        gen.pending_sync = True
+        return
+    k = gen.consts
+    gen.sync(src)
+    src.comment(f"finalise {p.acc.box.cod[0].name}: publish the row normalisers")
+    with gen.coop_elements(p.stat, src) as env:
+        cond = f"{env['_lane']} == {k.u(0, 'U0')}" + (f" and {env['_active']}" if env["_active"] else "")
+        with src.block(f"if {cond}:"):
+            src(f"{gen.sread(('zpub', p.index), env)} = {_state_ref(gen, p, 'z', env)}")
+    gen.pending_sync = True
+
+
+def _z_at(gen, p, env) -> str:
+    if p.stat_regs:
+        return gen.sread(("zpub", p.index), env)
+    return gen.sread(("state", p.index, "z"), env)
+
+
+def _osc_final(gen, p, env, src):
+    k = gen.consts
+    zero = k.f(0.0, "ZERO")
+    z = gen.names.fresh("z")
+    src(f"{z} = {_z_at(gen, p, env)}")
+    o = _state_ref(gen, p, "o", env)
+    return f"({o} / {z} if {z} != {zero} else {zero})"
+
+
+def _norm_final(gen, p, env, src):
+    k = gen.consts
+    zero = k.f(0.0, "ZERO")
+    box = p.acc.box
+    z = gen.names.fresh("z")
+    eps = k.f(box.param("eps"), comment=f"eps of {box.name}")
+    src(f"{z} = {_fn_expr(gen, box.param('b'), [_z_at(gen, p, env)])} + {eps}")
+    o = _state_ref(gen, p, "o", env)
+    return f"({o} / {z} if {z} != {zero} else {zero})"
+
+
+ACC_CODEGEN: dict[str, AccCodegen] = {
+    "sum_contract": AccCodegen(_sc_init, _sc_update, _no_publish, _sc_final, contraction=True),
+    "reduce": AccCodegen(_reduce_init, _reduce_update, _no_publish, _reduce_final),
+    "logsumexp": AccCodegen(_lse_init, _lse_update, _no_publish, _lse_final),
+    "online_softmax": AccCodegen(_osc_init, _osc_update, _publish_z, _osc_final,
+                                 contraction=True, stats=True, rescales=True),
+    "normalized": AccCodegen(_norm_init, _norm_update, _publish_z, _norm_final,
+                             contraction=True, stats=True),
+}
+
+assert set(ACC_CODEGEN) == set(ACC_RULES)

@@ -1,0 +1,79 @@
+"""Golden kernels: the generated source of canonical diagrams, committed in ``kernels/``.
+
+Every code-generation change shows up as a diff of these files in review.
+``python -m napkin_cat.lower.goldens`` diffs them (exit 1 on a difference);
+``python -m napkin_cat.lower.goldens --update`` (or ``napkin goldens --update``) rewrites them.
+Sizes, tiles and threads are fixed here, so the text does not depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from pathlib import Path
+
+KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
+
+
+def canonical() -> dict:
+    """name -> (diagram with sizes bound, tiles, threads)."""
+    import napkin_cat as nc
+
+    L = nc.library
+    q, x, d, h, g, b = nc.axes("q x d h g b")
+    a, k, c, t = nc.axes("a k c t")
+    att = {q: 4096, x: 4096, d: 64}
+    return {
+        "matmul": (L.matmul(a=a, b=k, c=c).bind({a: 4096, k: 4096, c: 4096}),
+                   {"a": 128, "c": 128, "k": 16}, 256),
+        "attention": (L.attention(q=q, x=x, d=d, heads=h, batch=b).bind({**att, h: 8, b: 2}),
+                      {"q": 128, "x": 64}, 256),
+        "causal_attention": (L.attention(q=q, x=x, d=d, heads=h, batch=b, causal=True).bind({**att, h: 8, b: 2}),
+                             {"q": 128, "x": 64}, 256),
+        "gqa_attention": (L.attention(q=q, x=x, d=d, groups=g, heads=h, causal=True).bind({**att, g: 4, h: 2}),
+                          {"q": 128, "x": 64}, 256),
+        "l2_attention": (L.normalized_attention(q=q, x=x, d=d).bind(att), {"q": 64, "x": 64}, 256),
+        "layernorm": (L.layernorm(t=t, d=d).bind({t: 8192, d: 4096}), {"t": 1}, 256),
+        "softmax": (L.softmax(r=t, c=x).bind({t: 8192, x: 4096}), {"t": 1}, 256),
+    }
+
+
+def generate(name: str) -> str:
+    import napkin_cat as nc
+    dia, tiles, threads = canonical()[name]
+    return nc.lower(dia, tiles=tiles, threads=threads, name=name).source
+
+
+def diff(name: str, directory: Path = KERNELS_DIR) -> str:
+    path = directory / f"{name}.py"
+    new = generate(name)
+    old = path.read_text() if path.exists() else ""
+    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                        f"{path} (committed)", f"{path} (generated)"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m napkin_cat.lower.goldens", description=__doc__.splitlines()[0])
+    ap.add_argument("--update", action="store_true", help="rewrite the golden files")
+    ap.add_argument("--dir", default=str(KERNELS_DIR))
+    args = ap.parse_args(argv)
+    directory = Path(args.dir)
+    status = 0
+    for name in canonical():
+        if args.update:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / f"{name}.py").write_text(generate(name))
+            print(f"wrote {directory / (name + '.py')}")
+            continue
+        text = diff(name, directory)
+        if text:
+            status = 1
+            sys.stdout.write(text)
+    if not args.update and status:
+        print("golden kernels differ: review, then run `python -m napkin_cat.lower.goldens --update`")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""A small writer for generated Python source: indented lines, blocks, and named constants.
+
+Every integer the kernels compute indices with is *unsigned* (``uint32`` constants, unsigned
+thread and block indices): numba then emits no negative-index wraparound on array accesses,
+and NVVM can prove the alignment of neighbouring shared-memory loads and fuse them into
+128-bit loads.  A bare Python literal in index arithmetic would be an ``int64`` and turn the
+arithmetic signed (or, mixed with ``uint64``, into float64), so the writer hands out named
+constants instead: ``N_q = uint32(64)``.  Float constants are ``float32`` for the same reason
+(a Python float makes float32 arithmetic float64).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from contextlib import contextmanager
+
+
+class Source:
+    """Indented lines of Python."""
+
+    def __init__(self, indent: int = 0):
+        self.lines: list[str] = []
+        self.depth = indent
+
+    def __call__(self, line: str = "") -> None:
+        self.lines.append(("    " * self.depth + line) if line else "")
+
+    def comment(self, text: str) -> None:
+        for part in text.splitlines():
+            self(f"# {part}")
+
+    @contextmanager
+    def block(self, header: str):
+        self(header)
+        self.depth += 1
+        mark = len(self.lines)
+        try:
+            yield
+        finally:
+            if len(self.lines) == mark:
+                self("pass")
+            self.depth -= 1
+
+    @contextmanager
+    def maybe(self, condition: str | None):
+        """``if condition:`` around the body, or nothing when ``condition`` is None."""
+        if condition:
+            with self.block(f"if {condition}:"):
+                yield
+        else:
+            yield
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+class Names:
+    """Unique identifiers for generated variables, readable and stable."""
+
+    def __init__(self, reserved=()):
+        self.used: set[str] = set(reserved)
+
+    def fresh(self, base: str) -> str:
+        base = re.sub(r"\W", "_", base)
+        if not base or base[0].isdigit():
+            base = "v_" + base
+        name, k = base, 1
+        while name in self.used:
+            k += 1
+            name = f"{base}{k}"
+        self.used.add(name)
+        return name
+
+
+class Constants:
+    """Named module-level constants, in order of first use."""
+
+    def __init__(self, names: Names):
+        self.names = names
+        self.ints: dict[str, int] = {}
+        self.floats: dict[str, float] = {}
+        self.comments: dict[str, str] = {}
+        self._by_value: dict[tuple, str] = {}
+
+    def u(self, value: int, name: str | None = None, comment: str = "") -> str:
+        """An unsigned integer constant, ``U<value>`` unless named; a name is reused when it
+        already holds ``value``."""
+        value = int(value)
+        if value < 0 or value >= 2 ** 32:
+            raise ValueError(f"unsigned constant out of range: {value}")
+        if name is None or name == f"U{value}":
+            key = ("u", value)
+            if key not in self._by_value:
+                self._by_value[key] = self._add(self.ints, f"U{value}", value, comment)
+            return self._by_value[key]
+        if self.ints.get(name) == value:
+            return name
+        return self._add(self.ints, name, value, comment)
+
+    def f(self, value: float, name: str | None = None, comment: str = "") -> str:
+        """A float32 constant; one name per value (0, 1, 1/2 and +-inf have fixed names)."""
+        value = float(value)
+        key = ("f", repr(value))
+        if key in self._by_value:
+            return self._by_value[key]
+        name = FIXED_FLOATS.get(repr(value)) or name or "F_" + _float_tag(value)
+        self._by_value[key] = self._add(self.floats, name, value, comment)
+        return self._by_value[key]
+
+    def reserved(self, name: str, value: int, comment: str = "") -> str:
+        """Register an unsigned constant under a name already reserved in :attr:`names`."""
+        self.ints[name] = int(value)
+        if comment:
+            self.comments[name] = comment
+        return name
+
+    def _add(self, table, name, value, comment):
+        name = name if name not in self.names.used else self.names.fresh(name)
+        self.names.used.add(name)
+        table[name] = value
+        if comment:
+            self.comments[name] = comment
+        return name
+
+    def header(self) -> list[str]:
+        lines = []
+        for name, v in self.ints.items():
+            c = self.comments.get(name)
+            lines.append(f"{name} = uint32({v})" + (f"  # {c}" if c else ""))
+        for name, v in self.floats.items():
+            c = self.comments.get(name)
+            lines.append(f"{name} = float32({_float_literal(v)})" + (f"  # {c}" if c else ""))
+        return lines
+
+
+FIXED_FLOATS = {"0.0": "ZERO", "1.0": "ONE", "0.5": "HALF", "-inf": "NEG_INF", "inf": "INF"}
+
+
+def _float_tag(v: float) -> str:
+    if math.isinf(v):
+        return "NEG_INF" if v < 0 else "INF"
+    s = repr(v).replace("-", "m").replace(".", "_").replace("+", "")
+    return s
+
+
+def _float_literal(v: float) -> str:
+    if math.isinf(v):
+        return "-math.inf" if v < 0 else "math.inf"
+    if math.isnan(v):
+        return "math.nan"
+    return repr(v)
