@@ -1,6 +1,6 @@
 """``napkin``: the command line.
 
-``napkin demo [--out DIR] [--quick]``  the whole pipeline on the library diagrams: build, print,
+``napkin demo [--out DIR]``           the whole pipeline on the library diagrams: build, print,
                                        draw, evaluate; derive FlashAttention and verify each
                                        step; cost it; lower it and run it (GPU, or the CUDA
                                        simulator on tiny shapes)
@@ -12,7 +12,6 @@ argparse is the standard library's parser: no extra dependency for two subcomman
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ def _section(title: str) -> None:
     print(f"\n== {title} " + "=" * max(0, 70 - len(title)))
 
 
-def demo(out: Path, quick: bool = False) -> int:
+def demo(out: Path) -> int:
     import numpy as np
 
     import napkin_cat as nc
@@ -101,15 +100,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_demo = sub.add_parser("demo", help="run the pipeline on the library diagrams")
     p_demo.add_argument("--out", default="napkin_demo", help="folder for the pictures")
-    p_demo.add_argument("--quick", action="store_true")
     p_gold = sub.add_parser("goldens", help="diff or rewrite the golden kernels in kernels/")
     p_gold.add_argument("--update", action="store_true")
     args = parser.parse_args(argv)
     if args.cmd == "demo":
-        from .lower.runtime import gpu_available
-        if not gpu_available():
-            os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-        return demo(Path(args.out), args.quick)
+        return demo(Path(args.out))
     if args.cmd == "goldens":
         from .lower.goldens import main as goldens_main
         return goldens_main(["--update"] if args.update else [])

@@ -89,9 +89,7 @@ def _gpu_present(runtime) -> bool:
         return False
     if "numba.cuda" in sys.modules:
         return runtime.gpu_available()
-    import ctypes.util
-    import glob
-    return bool(ctypes.util.find_library("cuda")) and bool(glob.glob("/dev/nvidia[0-9]*"))
+    return runtime.driver_present()
 
 
 def _default_name(d: Diagram) -> str:

@@ -103,6 +103,7 @@ import operator
 import os
 import subprocess
 import sys
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,9 +194,25 @@ def import_cuda():
     compilation, whichever code path compiles first.
     """
     ensure_numpy_compat()
+    if "numba.cuda" not in sys.modules and not _env_flag("NUMBA_ENABLE_CUDASIM") and not driver_present():
+        # no driver: the hardware path could only fail, so take the simulator (slow but exact)
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+        config = sys.modules.get("numba.cuda.core.config")
+        if config is not None:
+            config.ENABLE_CUDASIM = 1
+        warnings.warn("no CUDA driver found: numba.cuda runs in its CUDA simulator", stacklevel=2)
     from numba import cuda
 
     return cuda
+
+
+def driver_present() -> bool:
+    """Whether a CUDA driver and a device node exist, without importing ``numba.cuda`` (that
+    import fixes the process's choice of simulator or hardware)."""
+    import ctypes.util
+    import glob
+
+    return bool(ctypes.util.find_library("cuda")) and bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 _GPU: bool | None = None  # known once numba.cuda is imported
