@@ -16,7 +16,7 @@ Loop nest:
             S[1 1 128 64] = mask causal(S)  @registers
             update O (online_softmax) with S, V
           finalise O[1 1 128 64] = online_softmax(mu, z, o)  @registers
-          store O[1 1 128 64] -> SMEM
+          store O[1 1 128 64] -> HBM
 
 Launch: grid (32, 16, 1), block (256, 1, 1), dynamic shared memory 100352 bytes
 Shared memory: Q_s[64 x 128] (input Q), K_s[64 x 64] (input K), V_s[64 x 64] (input V), S_s[128 x 64] (S (materialised)), O_delta_s[128] (per-row rescale of O), O_z_s[128] (normaliser of O at the end), red_s[256] (reduction scratch)

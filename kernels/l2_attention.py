@@ -13,7 +13,7 @@ Loop nest:
         S[64 64] = scale(S)  @registers
         update O (normalized) with S, V
       finalise O[64 64] = normalized(z, o)  @registers
-      store O[64 64] -> SMEM
+      store O[64 64] -> HBM
 
 Launch: grid (64, 1, 1), block (256, 1, 1), dynamic shared memory 66816 bytes
 Shared memory: Q_s[64 x 64] (input Q), K_s[64 x 64] (input K), V_s[64 x 64] (input V), S_s[64 x 64] (S (materialised)), O_z_s[64] (normaliser of O at the end), red_s[256] (reduction scratch)

@@ -11,7 +11,7 @@ Loop nest:
           load B[16 128] -> SMEM
           update C (sum_contract) with A, B
         finalise C[128 128] = sum_contract(o)  @registers
-        store C[128 128] -> SMEM
+        store C[128 128] -> HBM
 
 Launch: grid (1024, 1, 1), block (256, 1, 1), dynamic shared memory 16384 bytes
 Shared memory: A_s[16 x 128] (input A), B_s[16 x 128] (input B)

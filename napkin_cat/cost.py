@@ -1016,7 +1016,7 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
         return n, r
 
     def ident(key) -> tuple[str, DType, bool]:
-        if key[0] == "var":
+        if key[0] in ("var", "copy"):
             a = types[key[1]]
             return a.name, a.dtype, False
         _, i, sname = key
@@ -1061,10 +1061,14 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
             continue
         home = ff._home(loops)
         clevel = h.below(home) if home != bottom else home
-        if isinstance(node, (Load, Store)):
-            if node.level != top:
-                key, b = buf(("var", node.var), loops)
-                move("load" if isinstance(node, Load) else "store", key, b, top, node.level, loops)
+        if isinstance(node, Load):
+            if node.level != node.src:
+                key, b = buf(("var", node.var) if node.final else ("copy", node.var, node.level), loops)
+                move("load", key, b, node.src, node.level, loops)
+        elif isinstance(node, Store):
+            if node.level != node.dst:
+                key, b = buf(("copy", node.var, node.level) if node.flush else ("var", node.var), loops)
+                move("store", key, b, node.dst, node.level, loops)
         elif isinstance(node, Compute):
             e = dd.eqns[node.eqn]
             touch("read", e.ins, loops, clevel)

@@ -61,14 +61,25 @@ class Loop:
 
 @dataclass(frozen=True)
 class Load:
+    """Copy ``var`` (the slice the enclosing loops select) from ``src`` down into ``level``.
+    An input crossing several levels (HBM -> L2 -> SMEM) has one Load per level; only the
+    innermost (``final``) one feeds the computation, the outer ones stage data."""
+
     var: int
     level: str
+    src: str = "HBM"
+    final: bool = True
 
 
 @dataclass(frozen=True)
 class Store:
+    """Copy ``var`` from ``level`` up into ``dst``.  A ``flush`` writes back, at the end of an
+    outer level's group, what inner stores staged at ``level``."""
+
     var: int
     level: str
+    dst: str = "HBM"
+    flush: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,10 +206,11 @@ class FinalForm:
 
     def buffer(self, key: tuple, loops: tuple[Loop, ...]) -> Buffer:
         d = self.diagram
-        if key[0] == "var":
+        if key[0] in ("var", "copy"):
             arr = d.var_types()[key[1]]
+            level = self.var_level(key[1], loops) if key[0] == "var" else key[2]
             return Buffer(key, arr.name, arr.axis_names, tuple(self.extent(a, loops) for a in arr.axis_names),
-                          self.var_level(key[1], loops), arr.dtype.bytes)
+                          level, arr.dtype.bytes)
         _, i, sname = key
         acc = self.accumulators[i]
         for name, axes_, role in acc.states():
@@ -244,7 +256,9 @@ class FinalForm:
         alias: dict[tuple, tuple] = {}
         for i, (n, loops) in enumerate(points):
             if isinstance(n, Load):
-                defs[("var", n.var)] = (i, loops)
+                if n.src != FULL.top:
+                    use(("copy", n.var, n.src), i, loops)
+                defs[("var", n.var) if n.final else ("copy", n.var, n.level)] = (i, loops)
             elif isinstance(n, Compute):
                 for v in d.eqns[n.eqn].ins:
                     use(alias.get(("var", v), ("var", v)), i, loops)
@@ -267,7 +281,15 @@ class FinalForm:
                         for v in d.eqn_outputs(acc.eqn):
                             alias[("var", v)] = ("state", n.acc, sname)
             elif isinstance(n, Store):
-                use(alias.get(("var", n.var), ("var", n.var)), i, loops)
+                if n.flush:  # the staged copy spans the whole group being flushed
+                    key = ("copy", n.var, n.level)
+                    if key in defs:
+                        defs[key] = (defs[key][0], loops)
+                    use(key, i, loops)
+                else:
+                    use(alias.get(("var", n.var), ("var", n.var)), i, loops)
+                if n.dst != FULL.top:
+                    defs.setdefault(("copy", n.var, n.dst), (i, loops))
         cols = []
         for i, (n, loops) in enumerate(points):
             live = tuple(self.buffer(k, dl) for k, (di, dl) in defs.items()
@@ -296,11 +318,12 @@ class FinalForm:
                 what = "tiles" if n.kind == "grid" else "chunks"
                 text = f"for {n.axis} in {what} of {n.step}  ({n.kind}, {n.level})"
             elif isinstance(n, Load):
-                b = self.buffer(("var", n.var), loops)
-                text = f"load {b.describe()} -> {b.level}"
+                b = self.buffer(("var", n.var) if n.final else ("copy", n.var, n.level), loops)
+                src = "" if n.src == FULL.top else f"{n.src} "
+                text = f"load {b.describe()} {src}-> {b.level}"
             elif isinstance(n, Store):
-                b = self.buffer(("var", n.var), loops)
-                text = f"store {b.describe()} -> {self._above(b.level)}"
+                b = self.buffer(("copy", n.var, n.level) if n.flush else ("var", n.var), loops)
+                text = f"{'flush' if n.flush else 'store'} {b.describe()} -> {n.dst}"
             elif isinstance(n, Compute):
                 e = d.eqns[n.eqn]
                 outs = [self.buffer(("var", v), loops) for v in d.eqn_outputs(n.eqn)]
@@ -337,10 +360,6 @@ class FinalForm:
         used = {lp.level for lp in self.loops} | {lv for _, lv in self.placements}
         return hierarchy(l2="L2" in used, cluster="cluster" in used, tensor="tensor" in used)
 
-    def _above(self, level: str) -> str:
-        h = self.hierarchy
-        return h.above(level) if level != h.top else level
-
     def __str__(self) -> str:
         return self.pseudocode()
 
@@ -359,7 +378,7 @@ def final_form(d: Diagram) -> FinalForm:
     plain = d.unrelabelled()
     accs: list[Accumulator] = []
     body = _build(plain, tuple(range(len(plain.eqns))), tuple(streams), accs)
-    for r in reversed(tiles):
+    for r in reversed(sorted(tiles, key=lambda r: FULL.index(r.level))):  # slower levels outside
         body = (Loop(r.axis, r.size, "grid", r.level, body),)
     ff = FinalForm(plain, body, tuple(accs), placements)
     return FinalForm(plain, _insert_moves(ff), tuple(accs), placements)
@@ -453,52 +472,76 @@ def _defines(ff: FinalForm, node) -> tuple[int, ...]:
 
 
 def _insert_moves(ff: FinalForm) -> tuple:
-    """Insert a Load for each input where its data enters (the innermost loop partitioning one
-    of its axes that encloses its uses) and a Store after each output's definition."""
+    """Insert the colour changes.  An input enters each level at the innermost loop of that
+    level which partitions it (a grid loop, or a loop over one of its own axes) among the
+    loops enclosing all its uses; an output leaves after its definition and is flushed from
+    each outer level at the end of that level's innermost partitioning loop."""
     d = ff.diagram
     n_in = len(d.dom)
+    h = ff.hierarchy
     uses: dict[int, list[tuple[Loop, ...]]] = {}
+    defined_in: dict[int, tuple[Loop, ...]] = {}
     for node, loops in ff.walk():
         for v in _uses(ff, node):
             if v < n_in:
                 uses.setdefault(v, []).append(loops)
-    load_at: dict[int, tuple[Loop, ...]] = {}
-    for v, all_loops in uses.items():
-        common = all_loops[0]
-        for lps in all_loops[1:]:
-            k = 0
-            while k < min(len(common), len(lps)) and common[k] is lps[k]:
-                k += 1
-            common = common[:k]
+        for v in _defines(ff, node):
+            defined_in[v] = loops
+    loads: dict[tuple, list[Load]] = {}   # enclosing loops -> loads at the top of that body
+    flushes: dict[tuple, list[Store]] = {}  # enclosing loops -> flushes at the end of that body
+    inner_store: dict[int, Store] = {}
+    for v in sorted(uses) + [v for v in d.outs if v < n_in and v not in uses]:
+        chain = _common_prefix(uses.get(v) or [_grid_chain(ff)])
         axes_ = d.dom[v].axis_names
-        # enter at the innermost common loop over one of the input's own axes (or the grid body)
-        depth = 0
-        for k, lp in enumerate(common):
+        depth = {}
+        for k, lp in enumerate(chain):
             if lp.kind == "grid" or lp.axis in axes_:
-                depth = k + 1
-        load_at[v] = common[:depth]
-    for v in d.outs:
-        if v < n_in and v not in load_at:
-            grid = tuple(lp for lp in ff.loops if lp.kind == "grid")
-            load_at[v] = _grid_chain(ff)
-
-    def level_for(v, loops):
-        return ff.var_level(v, loops)
+                depth[lp.level] = k + 1
+        final = max(depth.values(), default=0)
+        final_level = ff.var_level(v, chain[:final])
+        src = h.top
+        for lv in sorted(depth, key=h.index):
+            if depth[lv] < final and h.index(lv) < h.index(final_level):
+                loads.setdefault(chain[:depth[lv]], []).append(Load(v, lv, src, final=False))
+                src = lv
+        loads.setdefault(chain[:final], []).append(Load(v, final_level, src))
+    for v in dict.fromkeys(d.outs):
+        chain = defined_in.get(v, _common_prefix(uses.get(v) or [_grid_chain(ff)]))
+        level = ff.var_level(v, chain)
+        home = ff._home(chain)
+        axes_ = d.var_types()[v].axis_names
+        depth = {}  # levels above the group's own, each staging the output for its loops
+        for k, lp in enumerate(chain):
+            if (lp.kind == "grid" or lp.axis in axes_) and h.index(lp.level) < h.index(home):
+                depth[lp.level] = k + 1
+        outer = sorted(depth, key=h.index, reverse=True)  # innermost level first
+        dsts = outer + [h.top]
+        inner_store[v] = Store(v, level, dsts[0])
+        for lv, dst in zip(outer, dsts[1:]):
+            flushes.setdefault(chain[:depth[lv]], []).append(Store(v, lv, dst, flush=True))
 
     def rebuild(nodes, loops):
-        out = [Load(v, level_for(v, loops)) for v in sorted(load_at) if load_at[v] == loops]
-        out += [Store(v, level_for(v, loops)) for v in d.outs if v < n_in and load_at.get(v) == loops]
+        out = list(loads.get(loops, []))
+        out += [inner_store[ld.var] for ld in loads.get(loops, []) if ld.final and ld.var in inner_store]
         for n in nodes:
             if isinstance(n, Loop):
                 out.append(Loop(n.axis, n.step, n.kind, n.level, rebuild(n.body, loops + (n,))))
             else:
                 out.append(n)
-                for v in _defines(ff, n):
-                    if v in d.outs:
-                        out.append(Store(v, level_for(v, loops)))
-        return tuple(out)
+                out += [inner_store[v] for v in _defines(ff, n) if v in inner_store]
+        return tuple(out + flushes.get(loops, []))
 
     return rebuild(ff.body, ())
+
+
+def _common_prefix(chains: list[tuple[Loop, ...]]) -> tuple[Loop, ...]:
+    common = chains[0]
+    for lps in chains[1:]:
+        k = 0
+        while k < min(len(common), len(lps)) and common[k] is lps[k]:
+            k += 1
+        common = common[:k]
+    return common
 
 
 def _grid_chain(ff: FinalForm) -> tuple[Loop, ...]:
@@ -604,7 +647,7 @@ def execute(d: Diagram, inputs: list[np.ndarray], ctx: Ctx) -> list[np.ndarray]:
                 outs = acc.finalise(states.pop(n.acc), ctx)
                 for v, o in zip(dd.eqn_outputs(acc.eqn), outs):
                     define(v, np.asarray(o, dtype=ctx.dtype(types[v].dtype)))
-            elif isinstance(n, Store):
+            elif isinstance(n, Store) and not n.flush:  # a flush writes back what is already written
                 out_arrays[n.var][slices(types[n.var].axis_names)] = read(n.var)
 
     run(ff.body)

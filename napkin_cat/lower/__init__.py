@@ -64,6 +64,11 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
         raise LoweringError(f"unknown lowering target {target!r}; known: {list(TARGETS)}")
     if not isinstance(d, Diagram):
         raise LoweringError(f"lower needs a Diagram, got {type(d).__name__}")
+    outer = [r for r in d.schedule if r.op in ("tile", "stream") and r.level not in ("SMEM", "registers")]
+    if outer:
+        raise LoweringError(f"{outer[0].op}({outer[0].axis}) at level {outer[0].level}: a kernel launch has "
+                            f"no loop above its thread blocks; levels above SMEM model which blocks share "
+                            f"a cache (use them with nc.cost) and are left out of the diagram you lower")
     simulate = not _gpu_present(runtime)
     sched = choose(d, tiles, threads, simulate=simulate, hw=hw)
     kname = name or _default_name(sched.diagram)

@@ -194,8 +194,9 @@ def import_cuda():
     compilation, whichever code path compiles first.
     """
     ensure_numpy_compat()
-    if "numba.cuda" not in sys.modules and not _env_flag("NUMBA_ENABLE_CUDASIM") and not driver_present():
-        # no driver: the hardware path could only fail, so take the simulator (slow but exact)
+    if "numba.cuda" not in sys.modules and "NUMBA_ENABLE_CUDASIM" not in os.environ and not driver_present():
+        # no driver and no explicit choice: launching could only fail, so take the simulator
+        # (``NUMBA_ENABLE_CUDASIM=0`` keeps the hardware path, e.g. to compile without a GPU)
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
         config = sys.modules.get("numba.cuda.core.config")
         if config is not None:
