@@ -229,16 +229,13 @@ class FinalForm:
         finalised accumulator writes its output in place of its main state."""
         points = list(self.walk())
         index = {id(n): i for i, (n, _) in enumerate(points)}
-        loop_end: dict[int, int] = {}
-        for i, (n, _) in enumerate(points):
-            if isinstance(n, Loop):
-                j = i
-                def last(node):
-                    k = index[id(node)]
-                    if isinstance(node, Loop) and node.body:
-                        return max(last(c) for c in node.body)
-                    return k
-                loop_end[i] = last(n)
+
+        def last(node) -> int:  # the last program point inside ``node``
+            if isinstance(node, Loop) and node.body:
+                return max(last(c) for c in node.body)
+            return index[id(node)]
+
+        loop_end = {i: last(n) for i, (n, _) in enumerate(points) if isinstance(n, Loop)}
         defs: dict[tuple, tuple[int, tuple]] = {}
         last_use: dict[tuple, int] = {}
 

@@ -349,7 +349,6 @@ class Builder:
         self._inputs: list[Array] = []
         self._eqns: list[Eqn] = []
         self._types: list[Array] = []
-        self._frozen_inputs = False
 
     # wires
     def input(self, name: str, *axes_: Axis, dtype: DType | None = None) -> "Wire":

@@ -179,7 +179,6 @@ def _rebuild(d: Diagram, drop: set[int], replace_eqn: dict[int, tuple[Box, tuple
     n_in = len(d.dom)
     var_map = list(range(n_in))
     nvars = n_in
-    old_var = n_in
     eqns = []
     for k, e in enumerate(d.eqns):
         outs = d.eqn_outputs(k)

@@ -66,16 +66,9 @@ assert set(FUNCTION_IMPLS) == set(FUNCTIONS)
 
 def align(x: np.ndarray, src: tuple[str, ...], dst: tuple[str, ...]) -> np.ndarray:
     """Transpose ``x`` (axes ``src``) and insert unit axes so it broadcasts against ``dst``."""
-    perm = [src.index(n) for n in dst if n in src]
-    x = np.transpose(x, perm)
-    shape, k = [], 0
-    present = [n for n in dst if n in src]
-    for n in dst:
-        if n in src:
-            shape.append(x.shape[k]); k += 1
-        else:
-            shape.append(1)
-    return x.reshape(shape) if present or shape else x
+    x = np.transpose(x, [src.index(n) for n in dst if n in src])
+    sizes = iter(x.shape)
+    return x.reshape([next(sizes) if n in src else 1 for n in dst])
 
 
 def index_grid(box_arr: Array, shape, row: str, col: str, ctx: Ctx):
