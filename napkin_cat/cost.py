@@ -744,6 +744,10 @@ class Cost:
         time among powers of two, divisors of the axis and the transfer optimum of
         :meth:`optimize`, subject to the capacity of ``level``."""
         subs = self._subs(sizes)
+        unbound = [a.name for a in self.diagram.axes if a.symbolic and size_symbol(a.size) not in subs]
+        if unbound:
+            raise CostError(f"time needs every axis size: {unbound} not given (sizes: "
+                            f"{ {str(k): v for k, v in subs.items()} })")
         given = {n: int(subs[size_symbol(n)]) for n in self.blocks if size_symbol(n) in subs}
         free = [size_symbol(n) for n in self.blocks if n not in given]
         if not free:
@@ -998,6 +1002,8 @@ def _sparse(cands: list[int]) -> list[int]:
 def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
     """The cost of ``d`` as relabelled (an unrelabelled diagram materialises every box's
     result at the top level).  ``hierarchy`` is kept for :meth:`Cost.multilevel`."""
+    if not isinstance(d, Diagram):
+        raise CostError(f"cost needs a Diagram, got {type(d).__name__}")
     ff = d.loop_nest()
     h = ff.hierarchy
     top, bottom = h.top, h.names[-1]

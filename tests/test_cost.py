@@ -329,3 +329,12 @@ def test_cross_transfer_theorem():
     # N = 2 moves half of the beta = 1 term to the cheaper cluster price
     half = (slow - fast) * alphas[1].subs(cost._subs(sizes)) / Mc / 2
     assert sp.simplify(plain - cost.cross_transfer(Mc, 2, slow, fast, sizes=sizes) - half) == 0
+
+
+def test_cost_entry_points_reject_bad_input_by_name():
+    q, x, d = nc.axes("q x d")
+    attn = nc.library.attention(q=q, x=x, d=d)
+    with pytest.raises(nc.CostError, match="needs a Diagram, got str"):
+        nc.cost("attention")
+    with pytest.raises(nc.CostError, match=r"time needs every axis size: \['d', 'x'\]"):
+        nc.cost(attn).time(hw=nc.hardware.H200, sizes={q: 10})
