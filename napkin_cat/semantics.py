@@ -302,6 +302,16 @@ def check_inputs(d: Diagram, arrays) -> None:
             raise ShapeError(f"input {arr}: expected an integer array for dtype {arr.dtype.name}, got dtype {dtype}")
 
 
+def _as_numpy(x) -> np.ndarray:
+    """NumPy view of an input; torch tensors (any device, bf16/fp8 widened) are copied over."""
+    if type(x).__module__.startswith("torch"):
+        t = x.detach().cpu()
+        if t.is_floating_point() and t.element_size() < 2 or str(t.dtype) == "torch.bfloat16":
+            t = t.float()  # NumPy has no bf16 / fp8: widen exactly
+        return t.numpy()
+    return np.asarray(x)
+
+
 def _dtype_kind(x) -> tuple[str, object]:
     """NumPy kind letter and dtype of an array-like (a list has no ``.dtype``: read NumPy's)."""
     if not hasattr(x, "dtype"):
@@ -336,8 +346,8 @@ def evaluate(d: Diagram, *arrays, sizes: dict | None = None, params: dict | None
     """
     if not isinstance(d, Diagram):
         raise TypingError(f"evaluate needs a Diagram, got {type(d).__name__}")
+    arrays = tuple(_as_numpy(x) for x in arrays)
     check_inputs(d, arrays)
-    arrays = tuple(np.asarray(x) for x in arrays)
     bound = resolve_sizes(d, arrays, sizes)
     ctx = Ctx(bound, {}, reference, dict(params or {}))
     inputs = [x.astype(ctx.dtype(a.dtype), copy=True) for x, a in zip(arrays, d.dom)]

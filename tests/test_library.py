@@ -420,3 +420,12 @@ def test_torch_outputs_do_not_alias_inputs(rng):
     y = nc.to_torch(d)(x)
     y.add_(1.0)  # writing into the output must leave the caller's tensor alone
     assert not torch.equal(x, y)
+
+
+def test_evaluate_accepts_torch_tensors_including_bf16():
+    a, b, c = nc.axes("a b c")
+    mm = nc.library.matmul(a=a, b=b, c=c)
+    A = torch.randn(3, 4, dtype=torch.float64).to(torch.bfloat16)
+    B = torch.randn(4, 5, dtype=torch.float64)
+    expected = A.double().numpy() @ B.numpy()  # bf16 values widen exactly
+    assert np.abs(nc.evaluate(mm, A, B) - expected).max() < 1e-12
