@@ -15,8 +15,8 @@ Loop nest:
       finalise O[64 64] = normalized(z, o)  @registers
       store O[64 64] -> HBM
 
-Launch: grid (64, 1, 1), block (256, 1, 1), dynamic shared memory 66816 bytes
-Shared memory: Q_s[64 x 64] (input Q), K_s[64 x 64] (input K), V_s[64 x 64] (input V), S_s[64 x 64] (S (materialised)), O_z_s[64] (normaliser of O at the end), red_s[256] (reduction scratch)
+Launch: grid (64, 1, 1), block (256, 1, 1), dynamic shared memory 67584 bytes
+Shared memory: Q_s[64 x 64] (input Q), K_s[64 x 64] (input K (transposed, rows padded by 4)), V_s[64 x 64] (input V), O_p_s[64 x 64] (weights of O (warp-private rows)), red_s[256] (reduction scratch)
 Block sizes: given.
 """
 
@@ -37,18 +37,24 @@ TILE_q = uint32(64)  # tile of q
 N_d = uint32(64)  # size of axis d
 N_x = uint32(4096)  # size of axis x
 CHUNK_x = uint32(64)  # chunk of x
-K_s = uint32(4096)  # shared offset of input K, layout [d x], 4096 floats
-V_s = uint32(8192)  # shared offset of input V, layout [x d], 4096 floats
-S_s = uint32(12288)  # shared offset of S (materialised), layout [q x], 4096 floats
-O_z_s = uint32(16384)  # shared offset of normaliser of O at the end, layout [q], 64 floats
-red_s = uint32(16448)  # shared offset of reduction scratch, 256 floats
+K_s = uint32(4096)  # shared offset of input K (transposed, rows padded by 4), layout [d x], 4352 floats
+V_s = uint32(8448)  # shared offset of input V, layout [x d], 4096 floats
+O_p_s = uint32(12544)  # shared offset of weights of O (warp-private rows), layout [x q], 4096 floats
+red_s = uint32(16640)  # shared offset of reduction scratch, 256 floats
 TILES_q = uint32(64)  # tiles along q
-U4096 = uint32(4096)
-U1 = uint32(1)
-U4 = uint32(4)
 U16 = uint32(16)
+U4 = uint32(4)
 U0 = uint32(0)
+LD_K_s = uint32(68)  # padded row of K_s
+U8 = uint32(8)
+U1 = uint32(1)
+U2 = uint32(2)
+U3 = uint32(3)
+U5 = uint32(5)
+U6 = uint32(6)
+U7 = uint32(7)
 ZERO = float32(0.0)
+NEG_INF = float32(-math.inf)
 C_SCALE = float32(0.125)  # scale constant
 F_1em06 = float32(1e-06)  # eps of norm-contract[x]
 
@@ -117,26 +123,26 @@ def _group_min(v, lane, width, smem, base, tid):
     cuda.syncthreads()
     return v
 
+# launch bounds: 2 block(s) of 256 threads per SM (shared memory 67584 B per block, about 60 registers per thread estimated)
+LAUNCH_BOUNDS = {} if SIMULATOR else {"launch_bounds": (256, 2)}
 
-@cuda.jit(fastmath=True)
+@cuda.jit(fastmath=True, **LAUNCH_BOUNDS)
 def l2_attention(Q, K, V, O):
     tid = uint32(cuda.threadIdx.x)
     smem = cuda.shared.array(0, dtype=float32, alignment=SMEM_ALIGN)
     bx = uint32(cuda.blockIdx.x)
     q0 = bx * TILE_q
-    # load Q[q=4096 d=64] f32 -> shared Q_s [d q]
-    for e in range(tid, U4096, NTHREADS):
+    # load Q[q=4096 d=64] f32 -> shared Q_s [d q]  (a fixed trip count: the loop unrolls and every load is in flight before the first store)
+    for u in range(U16):
+        e = tid + u * NTHREADS
         i_q = e % TILE_q
         e_q = e // TILE_q
         i_d = e_q
         smem[i_d * TILE_q + i_q] = Q[(q0 + i_q) * N_d + i_d]
     # init O (normalized): z @registers, o @registers
-    O_z = cuda.local.array(1, float32)
-    for u2 in range(U1):
-        o = tid // U4
-        lane2 = tid % U4
-        i_q = o
-        O_z[u2] = ZERO
+    O_z = cuda.local.array(4, float32)
+    for i in range(U4):
+        O_z[i] = ZERO
     O_o = cuda.local.array((4, 4), float32)
     ty = tid // U16
     tx = tid % U16
@@ -147,88 +153,227 @@ def l2_attention(Q, K, V, O):
             O_o[i, j] = ZERO
     # stream x in chunks of 64
     for x0 in range(U0, N_x, CHUNK_x):
-        # load K[x=4096 d=64] f32 -> shared K_s [d x]
-        for e in range(tid, U4096, NTHREADS):
-            i_x = e % CHUNK_x
-            e_x = e // CHUNK_x
-            i_d = e_x
-            smem[K_s + i_d * CHUNK_x + i_x] = K[(x0 + i_x) * N_d + i_d]
-        # load V[x=4096 d=64] f32 -> shared V_s [x d]
-        for e in range(tid, U4096, NTHREADS):
+        # load K[x=4096 d=64] f32 -> shared K_s [d x]  (a fixed trip count: the loop unrolls and every load is in flight before the first store)
+        for u in range(U16):
+            e = tid + u * NTHREADS
             i_d = e % N_d
             e_d = e // N_d
             i_x = e_d
+            smem[K_s + i_d * LD_K_s + i_x] = K[(x0 + i_x) * N_d + i_d]
+        # load V[x=4096 d=64] f32 -> shared V_s [x d]  (a fixed trip count: the loop unrolls and every load is in flight before the first store)
+        for u in range(U16):
+            e = tid + u * NTHREADS
+            i_d = e % N_d
+            e_d2 = e // N_d
+            i_x = e_d2
             smem[V_s + i_x * N_d + i_d] = V[(x0 + i_x) * N_d + i_d]
         cuda.syncthreads()
-        # S[q=4096 x=4096] f32 = scale(contract(Q, K))  (register micro-tiles 4x4 over (q, x) on 16x16 threads)
+        # update O (normalized) with S in registers: S[q=4096 x=4096] f32 = scale(contract(Q, K))  (register micro-tiles 4x4 over (q, x) on 16x16 threads)
         ty = tid // U16
         tx = tid % U16
-        acc2 = cuda.local.array((4, 4), float32)
+        S_regs = cuda.local.array((4, 4), float32)
         for i in range(U4):
             for j in range(U4):
-                acc2[i, j] = ZERO
+                S_regs[i, j] = ZERO
         fa = cuda.local.array(4, float32)
         fb = cuda.local.array(4, float32)
-        for i_d3 in range(N_d):
+        for i_d_base in range(U0, N_d, U8):
+            i_d4 = i_d_base
             for i in range(U4):
                 i_q3 = ty * U4 + i
-                fa[i] = smem[i_d3 * TILE_q + i_q3]
+                fa[i] = smem[i_d4 * TILE_q + i_q3]
             for j in range(U4):
                 i_x2 = tx * U4 + j
-                fb[j] = smem[K_s + i_d3 * CHUNK_x + i_x2]
+                fb[j] = smem[K_s + i_d4 * LD_K_s + i_x2]
             for i in range(U4):
                 for j in range(U4):
-                    acc2[i, j] += fa[i] * fb[j]
-        for i in range(U4):
-            i_q4 = ty * U4 + i
+                    S_regs[i, j] += fa[i] * fb[j]
+            i_d5 = i_d_base + U1
+            for i in range(U4):
+                i_q4 = ty * U4 + i
+                fa[i] = smem[i_d5 * TILE_q + i_q4]
             for j in range(U4):
                 i_x3 = tx * U4 + j
-                S_4 = (acc2[i, j]) * C_SCALE
-                smem[S_s + i_q4 * CHUNK_x + i_x3] = S_4
-        cuda.syncthreads()
-        # update O (normalized): row statistics of the chunk  (64 outputs, 4 lanes each)
-        for u3 in range(U1):
-            o2 = tid // U4
-            lane3 = tid % U4
-            i_q = o2
-            zsum = ZERO
-            for i_x4 in range(lane3, CHUNK_x, U4):
-                sv = smem[S_s + i_q * CHUNK_x + i_x4]
-                smem[S_s + i_q * CHUNK_x + i_x4] = sv
-                zsum += sv * sv
-            zsum = _group_sum(zsum, lane3, U4, smem, red_s, tid)
-            O_z[u3] = O_z[u3] + zsum
-        cuda.syncthreads()
-        # update O: o += weights . V  (register micro-tiles 4x4 over (q, d) on 16x16 threads)
-        ty = tid // U16
-        tx = tid % U16
-        fa2 = cuda.local.array(4, float32)
-        fb2 = cuda.local.array(4, float32)
-        for i_x5 in range(CHUNK_x):
+                fb[j] = smem[K_s + i_d5 * LD_K_s + i_x3]
+            for i in range(U4):
+                for j in range(U4):
+                    S_regs[i, j] += fa[i] * fb[j]
+            i_d6 = i_d_base + U2
             for i in range(U4):
                 i_q5 = ty * U4 + i
-                fa2[i] = smem[S_s + i_q5 * CHUNK_x + i_x5]
+                fa[i] = smem[i_d6 * TILE_q + i_q5]
             for j in range(U4):
-                i_d4 = tx * U4 + j
-                fb2[j] = smem[V_s + i_x5 * N_d + i_d4]
+                i_x4 = tx * U4 + j
+                fb[j] = smem[K_s + i_d6 * LD_K_s + i_x4]
+            for i in range(U4):
+                for j in range(U4):
+                    S_regs[i, j] += fa[i] * fb[j]
+            i_d7 = i_d_base + U3
+            for i in range(U4):
+                i_q6 = ty * U4 + i
+                fa[i] = smem[i_d7 * TILE_q + i_q6]
+            for j in range(U4):
+                i_x5 = tx * U4 + j
+                fb[j] = smem[K_s + i_d7 * LD_K_s + i_x5]
+            for i in range(U4):
+                for j in range(U4):
+                    S_regs[i, j] += fa[i] * fb[j]
+            i_d8 = i_d_base + U4
+            for i in range(U4):
+                i_q7 = ty * U4 + i
+                fa[i] = smem[i_d8 * TILE_q + i_q7]
+            for j in range(U4):
+                i_x6 = tx * U4 + j
+                fb[j] = smem[K_s + i_d8 * LD_K_s + i_x6]
+            for i in range(U4):
+                for j in range(U4):
+                    S_regs[i, j] += fa[i] * fb[j]
+            i_d9 = i_d_base + U5
+            for i in range(U4):
+                i_q8 = ty * U4 + i
+                fa[i] = smem[i_d9 * TILE_q + i_q8]
+            for j in range(U4):
+                i_x7 = tx * U4 + j
+                fb[j] = smem[K_s + i_d9 * LD_K_s + i_x7]
+            for i in range(U4):
+                for j in range(U4):
+                    S_regs[i, j] += fa[i] * fb[j]
+            i_d10 = i_d_base + U6
+            for i in range(U4):
+                i_q9 = ty * U4 + i
+                fa[i] = smem[i_d10 * TILE_q + i_q9]
+            for j in range(U4):
+                i_x8 = tx * U4 + j
+                fb[j] = smem[K_s + i_d10 * LD_K_s + i_x8]
+            for i in range(U4):
+                for j in range(U4):
+                    S_regs[i, j] += fa[i] * fb[j]
+            i_d11 = i_d_base + U7
+            for i in range(U4):
+                i_q10 = ty * U4 + i
+                fa[i] = smem[i_d11 * TILE_q + i_q10]
+            for j in range(U4):
+                i_x9 = tx * U4 + j
+                fb[j] = smem[K_s + i_d11 * LD_K_s + i_x9]
+            for i in range(U4):
+                for j in range(U4):
+                    S_regs[i, j] += fa[i] * fb[j]
+        for i in range(U4):
+            i_q11 = ty * U4 + i
+            for j in range(U4):
+                i_x10 = tx * U4 + j
+                S_4 = (S_regs[i, j]) * C_SCALE
+                S_regs[i, j] = S_4
+        # row statistics: 16 lanes per row (warp shuffles; shared memory in the simulator); weights -> warp-private O_p_s
+        for i in range(U4):
+            i_q12 = ty * U4 + i
+            zsum = ZERO
+            for j in range(U4):
+                sv = S_regs[i, j]
+                S_regs[i, j] = sv
+                zsum += sv * sv
+            zsum = _group_sum(zsum, tx, U16, smem, red_s, tid)
+            O_z[i] = O_z[i] + zsum
+        for j in range(U4):
+            i_x11 = tx * U4 + j
+            for i in range(U4):
+                i_q13 = ty * U4 + i
+                smem[O_p_s + i_x11 * TILE_q + i_q13] = S_regs[i, j]
+        if SIMULATOR:
+            cuda.syncthreads()
+        else:
+            cuda.syncwarp(FULL_MASK)
+        # update O: o += weights . V  (register micro-tiles 4x4 over (q, d) on 16x16 threads; the rows of o are the rows of the weights this warp staged)
+        fa2 = cuda.local.array(4, float32)
+        fb2 = cuda.local.array(4, float32)
+        for i_x_base in range(U0, CHUNK_x, U8):
+            i_x13 = i_x_base
+            for i in range(U4):
+                i_q14 = ty * U4 + i
+                fa2[i] = smem[O_p_s + i_x13 * TILE_q + i_q14]
+            for j in range(U4):
+                i_d12 = tx * U4 + j
+                fb2[j] = smem[V_s + i_x13 * N_d + i_d12]
+            for i in range(U4):
+                for j in range(U4):
+                    O_o[i, j] += fa2[i] * fb2[j]
+            i_x14 = i_x_base + U1
+            for i in range(U4):
+                i_q15 = ty * U4 + i
+                fa2[i] = smem[O_p_s + i_x14 * TILE_q + i_q15]
+            for j in range(U4):
+                i_d13 = tx * U4 + j
+                fb2[j] = smem[V_s + i_x14 * N_d + i_d13]
+            for i in range(U4):
+                for j in range(U4):
+                    O_o[i, j] += fa2[i] * fb2[j]
+            i_x15 = i_x_base + U2
+            for i in range(U4):
+                i_q16 = ty * U4 + i
+                fa2[i] = smem[O_p_s + i_x15 * TILE_q + i_q16]
+            for j in range(U4):
+                i_d14 = tx * U4 + j
+                fb2[j] = smem[V_s + i_x15 * N_d + i_d14]
+            for i in range(U4):
+                for j in range(U4):
+                    O_o[i, j] += fa2[i] * fb2[j]
+            i_x16 = i_x_base + U3
+            for i in range(U4):
+                i_q17 = ty * U4 + i
+                fa2[i] = smem[O_p_s + i_x16 * TILE_q + i_q17]
+            for j in range(U4):
+                i_d15 = tx * U4 + j
+                fb2[j] = smem[V_s + i_x16 * N_d + i_d15]
+            for i in range(U4):
+                for j in range(U4):
+                    O_o[i, j] += fa2[i] * fb2[j]
+            i_x17 = i_x_base + U4
+            for i in range(U4):
+                i_q18 = ty * U4 + i
+                fa2[i] = smem[O_p_s + i_x17 * TILE_q + i_q18]
+            for j in range(U4):
+                i_d16 = tx * U4 + j
+                fb2[j] = smem[V_s + i_x17 * N_d + i_d16]
+            for i in range(U4):
+                for j in range(U4):
+                    O_o[i, j] += fa2[i] * fb2[j]
+            i_x18 = i_x_base + U5
+            for i in range(U4):
+                i_q19 = ty * U4 + i
+                fa2[i] = smem[O_p_s + i_x18 * TILE_q + i_q19]
+            for j in range(U4):
+                i_d17 = tx * U4 + j
+                fb2[j] = smem[V_s + i_x18 * N_d + i_d17]
+            for i in range(U4):
+                for j in range(U4):
+                    O_o[i, j] += fa2[i] * fb2[j]
+            i_x19 = i_x_base + U6
+            for i in range(U4):
+                i_q20 = ty * U4 + i
+                fa2[i] = smem[O_p_s + i_x19 * TILE_q + i_q20]
+            for j in range(U4):
+                i_d18 = tx * U4 + j
+                fb2[j] = smem[V_s + i_x19 * N_d + i_d18]
+            for i in range(U4):
+                for j in range(U4):
+                    O_o[i, j] += fa2[i] * fb2[j]
+            i_x20 = i_x_base + U7
+            for i in range(U4):
+                i_q21 = ty * U4 + i
+                fa2[i] = smem[O_p_s + i_x20 * TILE_q + i_q21]
+            for j in range(U4):
+                i_d19 = tx * U4 + j
+                fb2[j] = smem[V_s + i_x20 * N_d + i_d19]
             for i in range(U4):
                 for j in range(U4):
                     O_o[i, j] += fa2[i] * fb2[j]
         cuda.syncthreads()
-    # finalise O: publish the row normalisers
-    for u4 in range(U1):
-        o3 = tid // U4
-        lane4 = tid % U4
-        i_q = o3
-        if lane4 == U0:
-            smem[O_z_s + i_q] = O_z[u4]
-    cuda.syncthreads()
     # O[q=4096 d=64] f32 = O: finalise normalized  (register micro-tiles 4x4 over (q, d) on 16x16 threads)
     ty = tid // U16
     tx = tid % U16
     for i in range(U4):
-        i_q6 = ty * U4 + i
+        i_q22 = ty * U4 + i
         for j in range(U4):
-            i_d5 = tx * U4 + j
-            z = math.sqrt(smem[O_z_s + i_q6]) + F_1em06
-            O[(q0 + i_q6) * N_d + i_d5] = (O_o[i, j] / z if z != ZERO else ZERO)
+            i_d20 = tx * U4 + j
+            z = math.sqrt(O_z[i]) + F_1em06
+            O[(q0 + i_q22) * N_d + i_d20] = (O_o[i, j] / z if z != ZERO else ZERO)

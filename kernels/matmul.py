@@ -13,8 +13,8 @@ Loop nest:
         finalise C[128 128] = sum_contract(o)  @registers
         store C[128 128] -> HBM
 
-Launch: grid (1024, 1, 1), block (256, 1, 1), dynamic shared memory 16384 bytes
-Shared memory: A_s[16 x 128] (input A), B_s[16 x 128] (input B)
+Launch: grid (1024, 1, 1), block (256, 1, 1), dynamic shared memory 16640 bytes
+Shared memory: A_s[16 x 128] (input A (transposed, rows padded by 4)), B_s[16 x 128] (input B)
 Block sizes: given.
 """
 
@@ -36,7 +36,7 @@ N_k = uint32(4096)  # size of axis k
 CHUNK_k = uint32(16)  # chunk of k
 N_c = uint32(4096)  # size of axis c
 TILE_c = uint32(128)  # tile of c
-B_s = uint32(2048)  # shared offset of input B, layout [k c], 2048 floats
+B_s = uint32(2112)  # shared offset of input B, layout [k c], 2048 floats
 TILES_c = uint32(32)  # tiles along c
 TILES_a = uint32(32)  # tiles along a
 U16 = uint32(16)
@@ -44,11 +44,19 @@ U8 = uint32(8)
 U4 = uint32(4)
 U64 = uint32(64)
 U0 = uint32(0)
-U2048 = uint32(2048)
+LD_A_s = uint32(132)  # padded row of A_s
+U1 = uint32(1)
+U2 = uint32(2)
+U3 = uint32(3)
+U5 = uint32(5)
+U6 = uint32(6)
+U7 = uint32(7)
 ZERO = float32(0.0)
 
+# launch bounds: 2 block(s) of 256 threads per SM (shared memory 16640 B per block, about 96 registers per thread estimated)
+LAUNCH_BOUNDS = {} if SIMULATOR else {"launch_bounds": (256, 2)}
 
-@cuda.jit(fastmath=True)
+@cuda.jit(fastmath=True, **LAUNCH_BOUNDS)
 def matmul(A, B, C):
     tid = uint32(cuda.threadIdx.x)
     smem = cuda.shared.array(0, dtype=float32, alignment=SMEM_ALIGN)
@@ -67,14 +75,16 @@ def matmul(A, B, C):
             C_o[i, j] = ZERO
     # stream k in chunks of 16
     for k0 in range(U0, N_k, CHUNK_k):
-        # load A[a=4096 k=4096] f32 -> shared A_s [k a]
-        for e in range(tid, U2048, NTHREADS):
-            i_a = e % TILE_a
-            e_a = e // TILE_a
-            i_k = e_a
-            smem[i_k * TILE_a + i_a] = A[(a0 + i_a) * N_k + (k0 + i_k)]
-        # load B[k=4096 c=4096] f32 -> shared B_s [k c]
-        for e in range(tid, U2048, NTHREADS):
+        # load A[a=4096 k=4096] f32 -> shared A_s [k a]  (a fixed trip count: the loop unrolls and every load is in flight before the first store)
+        for u in range(U8):
+            e = tid + u * NTHREADS
+            i_k = e % CHUNK_k
+            e_k = e // CHUNK_k
+            i_a = e_k
+            smem[i_k * LD_A_s + i_a] = A[(a0 + i_a) * N_k + (k0 + i_k)]
+        # load B[k=4096 c=4096] f32 -> shared B_s [k c]  (a fixed trip count: the loop unrolls and every load is in flight before the first store)
+        for u in range(U8):
+            e = tid + u * NTHREADS
             i_c = e % TILE_c
             e_c = e // TILE_c
             i_k = e_c
@@ -85,13 +95,84 @@ def matmul(A, B, C):
         tx = tid % U16
         fa = cuda.local.array(8, float32)
         fb = cuda.local.array(8, float32)
-        for i_k2 in range(CHUNK_k):
+        for i_k_base in range(U0, CHUNK_k, U8):
+            i_k3 = i_k_base
             for i in range(U8):
                 i_a3 = ty * U4 + i // U4 * U64 + i % U4
-                fa[i] = smem[i_k2 * TILE_a + i_a3]
+                fa[i] = smem[i_k3 * LD_A_s + i_a3]
             for j in range(U8):
                 i_c3 = tx * U4 + j // U4 * U64 + j % U4
-                fb[j] = smem[B_s + i_k2 * TILE_c + i_c3]
+                fb[j] = smem[B_s + i_k3 * TILE_c + i_c3]
+            for i in range(U8):
+                for j in range(U8):
+                    C_o[i, j] += fa[i] * fb[j]
+            i_k4 = i_k_base + U1
+            for i in range(U8):
+                i_a4 = ty * U4 + i // U4 * U64 + i % U4
+                fa[i] = smem[i_k4 * LD_A_s + i_a4]
+            for j in range(U8):
+                i_c4 = tx * U4 + j // U4 * U64 + j % U4
+                fb[j] = smem[B_s + i_k4 * TILE_c + i_c4]
+            for i in range(U8):
+                for j in range(U8):
+                    C_o[i, j] += fa[i] * fb[j]
+            i_k5 = i_k_base + U2
+            for i in range(U8):
+                i_a5 = ty * U4 + i // U4 * U64 + i % U4
+                fa[i] = smem[i_k5 * LD_A_s + i_a5]
+            for j in range(U8):
+                i_c5 = tx * U4 + j // U4 * U64 + j % U4
+                fb[j] = smem[B_s + i_k5 * TILE_c + i_c5]
+            for i in range(U8):
+                for j in range(U8):
+                    C_o[i, j] += fa[i] * fb[j]
+            i_k6 = i_k_base + U3
+            for i in range(U8):
+                i_a6 = ty * U4 + i // U4 * U64 + i % U4
+                fa[i] = smem[i_k6 * LD_A_s + i_a6]
+            for j in range(U8):
+                i_c6 = tx * U4 + j // U4 * U64 + j % U4
+                fb[j] = smem[B_s + i_k6 * TILE_c + i_c6]
+            for i in range(U8):
+                for j in range(U8):
+                    C_o[i, j] += fa[i] * fb[j]
+            i_k7 = i_k_base + U4
+            for i in range(U8):
+                i_a7 = ty * U4 + i // U4 * U64 + i % U4
+                fa[i] = smem[i_k7 * LD_A_s + i_a7]
+            for j in range(U8):
+                i_c7 = tx * U4 + j // U4 * U64 + j % U4
+                fb[j] = smem[B_s + i_k7 * TILE_c + i_c7]
+            for i in range(U8):
+                for j in range(U8):
+                    C_o[i, j] += fa[i] * fb[j]
+            i_k8 = i_k_base + U5
+            for i in range(U8):
+                i_a8 = ty * U4 + i // U4 * U64 + i % U4
+                fa[i] = smem[i_k8 * LD_A_s + i_a8]
+            for j in range(U8):
+                i_c8 = tx * U4 + j // U4 * U64 + j % U4
+                fb[j] = smem[B_s + i_k8 * TILE_c + i_c8]
+            for i in range(U8):
+                for j in range(U8):
+                    C_o[i, j] += fa[i] * fb[j]
+            i_k9 = i_k_base + U6
+            for i in range(U8):
+                i_a9 = ty * U4 + i // U4 * U64 + i % U4
+                fa[i] = smem[i_k9 * LD_A_s + i_a9]
+            for j in range(U8):
+                i_c9 = tx * U4 + j // U4 * U64 + j % U4
+                fb[j] = smem[B_s + i_k9 * TILE_c + i_c9]
+            for i in range(U8):
+                for j in range(U8):
+                    C_o[i, j] += fa[i] * fb[j]
+            i_k10 = i_k_base + U7
+            for i in range(U8):
+                i_a10 = ty * U4 + i // U4 * U64 + i % U4
+                fa[i] = smem[i_k10 * LD_A_s + i_a10]
+            for j in range(U8):
+                i_c10 = tx * U4 + j // U4 * U64 + j % U4
+                fb[j] = smem[B_s + i_k10 * TILE_c + i_c10]
             for i in range(U8):
                 for j in range(U8):
                     C_o[i, j] += fa[i] * fb[j]
@@ -100,7 +181,7 @@ def matmul(A, B, C):
     ty = tid // U16
     tx = tid % U16
     for i in range(U8):
-        i_a4 = ty * U4 + i // U4 * U64 + i % U4
+        i_a11 = ty * U4 + i // U4 * U64 + i % U4
         for j in range(U8):
-            i_c4 = tx * U4 + j // U4 * U64 + j % U4
-            C[(a0 + i_a4) * N_c + (c0 + i_c4)] = C_o[i, j]
+            i_c11 = tx * U4 + j // U4 * U64 + j % U4
+            C[(a0 + i_a11) * N_c + (c0 + i_c11)] = C_o[i, j]

@@ -23,8 +23,9 @@ def main(argv=None):
     env, mach = r["environment"], r["machine"]
     out = ["# Benchmarks: generated numba.cuda kernels vs PyTorch (fp32)", "",
            "Produced by `python kernels/bench.py --search` on the GPU (numbers below from one run; "
-           "`kernels/benchmarks.json` holds every field), DRAM bytes by `ncu` on `kernels/ncu_probe.py`, "
-           "this file by `python kernels/report.py`.", "",
+           "`kernels/benchmarks.json` holds every field), DRAM bytes by `ncu` on `kernels/ncu_probe.py` "
+           "(merged by `kernels/ncu_merge.py`), this file by `python kernels/report.py`; code-generator "
+           "variants are compared with `kernels/variants.py`.", "",
            f"- device: **{env['device']}** ({env['sm_count']} SMs); torch {env['torch']} (CUDA {env['cuda']}), "
            f"numba {env['numba']}, numba-cuda {env['numba_cuda']}, numpy {env['numpy']}, Python {env['python']}",
            f"- measured here: device-to-device copy {mach['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), "
@@ -64,11 +65,21 @@ def main(argv=None):
                    f"{fmt(xn, '.2f')}x | {a['rel_err']:.0e} | {a['extra_mib']:.0f} / "
                    f"{fmt(a.get('sdpa_extra_mib'), '.0f')} / {fmt(a.get('naive_extra_mib'), '.0f')} | "
                    f"{a.get('predicted_hbm_bytes', 0) / 1e6:.0f} | {fmt(a.get('roofline_ms'))} |")
-    a0 = next((a for a in r["attention"] if "tiles" in a), {})
-    out += ["", f"Kernel configuration: tiles {a0.get('tiles')} (d=64) and "
-            f"{next((a.get('tiles') for a in r['attention'] if a.get('d') == 128), None)} (d=128), "
-            f"256 threads, mappings {a0.get('mappings')}; registers per thread "
-            f"{sorted({a.get('registers') for a in r['attention'] if a.get('registers')})}, no local memory.", "",
+    used = {}
+    for a in r["attention"]:
+        if "tiles" in a:
+            key = (a["d"], str(a["tiles"]), a.get("threads"), str(a.get("prefetch")))
+            u = used.setdefault(key, {"N": [], "regs": set(), "local": set(), "mappings": a.get("mappings")})
+            u["N"].append(a["N"])
+            u["regs"].add(a.get("registers"))
+            u["local"].add(a.get("local_bytes"))
+    out += ["", "Kernel configurations (the measured search's fastest at N = 4096; on short sequences the "
+            "fastest whose grid still has a block per SM):", ""]
+    for (D, tiles, T, pf), u in sorted(used.items()):
+        out.append(f"- d={D}: tiles {tiles}, {T} threads, prefetch {pf}, N in {sorted(set(u['N']))}: "
+                   f"{u['mappings']}; registers {sorted(x for x in u['regs'] if x is not None)}, "
+                   f"local memory bytes {sorted(x for x in u['local'] if x is not None)}")
+    out += ["",
             "## Matmul (fp32, TF32 off)", "",
             "| N | ours ms | TFLOP/s | cuBLAS ms | vs cuBLAS | err | predicted HBM MB | roofline ms |",
             "|---|---|---|---|---|---|---|---|"]

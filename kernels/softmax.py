@@ -32,11 +32,10 @@ P_max_s = uint32(4096)  # shared offset of row max of softmax[x], 1 floats
 P_sum_s = uint32(4100)  # shared offset of row normaliser of softmax[x], 1 floats
 red_s = uint32(4104)  # shared offset of reduction scratch, 256 floats
 TILES_t = uint32(8192)  # tiles along t
-U4096 = uint32(4096)
+U16 = uint32(16)
 U1 = uint32(1)
 U256 = uint32(256)
 U0 = uint32(0)
-U16 = uint32(16)
 ZERO = float32(0.0)
 NEG_INF = float32(-math.inf)
 
@@ -105,15 +104,18 @@ def _group_min(v, lane, width, smem, base, tid):
     cuda.syncthreads()
     return v
 
+# launch bounds: 2 block(s) of 256 threads per SM (shared memory 17440 B per block, about 16 registers per thread estimated)
+LAUNCH_BOUNDS = {} if SIMULATOR else {"launch_bounds": (256, 2)}
 
-@cuda.jit(fastmath=True)
+@cuda.jit(fastmath=True, **LAUNCH_BOUNDS)
 def softmax(X, P):
     tid = uint32(cuda.threadIdx.x)
     smem = cuda.shared.array(0, dtype=float32, alignment=SMEM_ALIGN)
     bx = uint32(cuda.blockIdx.x)
     t0 = bx * TILE_t
-    # load X[t=8192 x=4096] f32 -> shared X_s [x]
-    for e in range(tid, U4096, NTHREADS):
+    # load X[t=8192 x=4096] f32 -> shared X_s [x]  (a fixed trip count: the loop unrolls and every load is in flight before the first store)
+    for u in range(U16):
+        e = tid + u * NTHREADS
         i_x = e
         smem[i_x] = X[t0 * N_x + i_x]
     cuda.syncthreads()

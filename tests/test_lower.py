@@ -96,6 +96,50 @@ def test_lowered_kernel_matches_numpy_on_ragged_shapes(name, cuda_mode):
     _check(build(), tiles)
 
 
+# normalising accumulators fed by a contraction whose rows fit one warp group: scores stay in
+# registers (row statistics by lane reductions, weights through a warp-private staging area)
+FUSED = {
+    "attention": lambda: L.attention(q=q, x=x, d=d).bind(SZ),
+    "causal": lambda: L.attention(q=q, x=x, d=d, causal=True).bind(SZ),
+    "sliding_window": lambda: L.attention(q=q, x=x, d=d, window_size=2).bind(SZ),
+    "gqa": lambda: L.attention(q=q, x=x, d=d, groups=g, heads=h, causal=True).bind({**SZ, g: 2, h: 2}),
+    "alibi": lambda: L.attention(q=q, x=x, d=d, bias=nc.alibi(0.5), causal=True).bind(SZ),
+    "bias_input": lambda: L.attention(q=q, x=x, d=d, bias="input").bind(SZ),
+    "l2": lambda: L.normalized_attention(q=q, x=x, d=d).bind(SZ),
+}
+
+
+@pytest.mark.parametrize("prefetch", [False, "double"])
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_scores_stay_in_registers_when_a_row_lives_in_one_warp(name, prefetch, cuda_mode):
+    kernel = _check(FUSED[name](), {"q": 4, "x": 4}, prefetch=prefetch)   # ragged: 5 = 4 + 1, 7 = 4 + 3
+    src = kernel.source
+    assert "warp-private" in src and "cuda.syncwarp(FULL_MASK)" in src
+    assert "_group_max(" in src or name == "l2"
+    assert kernel.mappings["S"].split(" on ")[1] == kernel.mappings["O"].split(" on ")[1]
+
+
+def test_scores_in_registers_with_interleaved_micro_tile_rows(cuda_mode):
+    # 8 x 8 micro-tiles: rows in groups of 4 spread over the tile, 2 lanes per row, three chunks
+    kernel = _check(L.attention(q=q, x=x, d=d, causal=True).bind({q: 70, x: 37, d: 16}), {"q": 64, "x": 16},
+                    prefetch="double")
+    assert kernel.mappings["S"].startswith("register micro-tiles 8x8")
+
+
+def test_double_buffered_stream_loop_has_one_barrier_per_chunk(cuda_mode):
+    kernel = _check(L.matmul(a=a, b=b, c=c).bind({a: 5, b: 7, c: 6}), {"a": 4, "c": 4, "b": 3},
+                    prefetch="double")
+    loop = kernel.source.split("for b0 in range(")[1]
+    assert loop.count("cuda.syncthreads()") == 1 and "two chunk buffers" in kernel.source
+
+
+def test_causal_tiles_with_the_most_chunks_launch_first():
+    kernel = nc.lower(L.attention(q=q, x=x, d=d, heads=h, batch=bb, causal=True).bind({**SZ, h: 3, bb: 2}),
+                      tiles=ATT, threads=16)
+    assert kernel.launch.grid == (12, 1, 1)            # one grid dimension, query tiles slowest
+    assert "q0 = (U1 - " in kernel.source               # ... and in reverse
+
+
 def test_default_schedules_lower_and_match(cuda_mode):
     for dia in (L.attention(q=q, x=x, d=d, causal=True).bind(SZ), L.layernorm(t=t, d=d).bind({t: 5, d: 7}),
                 L.matmul(a=a, b=b, c=c).bind({a: 5, b: 7, c: 6})):

@@ -34,6 +34,27 @@ Passes (in :class:`KernelGen`)
        made contiguous) and offsets in one dynamic shared-memory array;
     6. ``emit``         the source text.
 
+Rules that keep the GPU busy (each read off the loop nest, none keyed on a diagram)
+    * **scores in registers** (:class:`FusedScores`): a normalising accumulator (online softmax,
+      normalised contraction) whose score input is a contraction read by nothing else, when one
+      ``TY x TX`` thread grid serves both micro-tiles (same rows per thread, the ``TX`` lanes of a
+      row an aligned group of one warp): row max / sum by lane reductions (warp shuffles; shared
+      memory under the simulator), ``o *= delta`` in registers, the weights through a
+      warp-private staging area (``syncwarp``), one block barrier per chunk after the loads;
+    * **unrolled reduction steps**: a micro-tile's innermost reduction loop is written out
+      ``CONTRACTION_UNROLL`` times per iteration when its step count is static;
+    * **loads**: fixed trip counts (all loads in flight before the first store); consecutive
+      threads walk global order (coalesced), and a chunk buffer laid out transposed gets rows
+      padded by ``TRANSPOSE_PAD`` floats (16-byte alignment kept, stores spread over banks);
+    * ``prefetch=True``: each chunk's inputs are fetched into registers one chunk ahead;
+      ``prefetch="double"``: two shared buffers per chunked input, chunk c + 1 fetched into
+      registers while chunk c is computed, then stored into the other buffer: one barrier per
+      chunk;
+    * **launch bounds**: as many blocks per SM as shared memory allows when the register
+      estimate fits (never below ``REGISTER_FLOOR`` registers), so the compiler keeps to them;
+    * **longest blocks first**: when a causal mask bounds a stream loop by the tile's rows, the
+      grid is one dimension with that tile index slowest and reversed.
+
 Accumulator states live where the final form's levels say: ``registers`` -> in the registers of
 the threads that own the elements (the update's thread mapping is fixed for the whole stream
 loop), ``SMEM`` (or above) -> shared memory.  Ragged tiles and chunks are handled by
@@ -266,10 +287,27 @@ class SBuf:
     caps: tuple[int, ...]
     what: str
     offset: int = 0
+    copies: int = 1              # 2: double-buffered chunks (``cur`` names the copy in use)
+    cur: str | None = None
+    pad: int = 0                 # extra floats per row of the last axis (bank spreading)
+
+    @property
+    def ld(self) -> int:
+        """Floats between consecutive indices of the second-to-last axis."""
+        return self.caps[-1] + self.pad if self.caps else 1
+
+    @property
+    def elems(self) -> int:
+        return max(1, math.prod(self.caps[:-1]) * self.ld) if self.caps else 1
+
+    @property
+    def stride(self) -> int:
+        """Floats per copy, rounded up to 16 bytes."""
+        return -(-self.elems // 4) * 4
 
     @property
     def size(self) -> int:
-        return max(1, math.prod(self.caps))
+        return self.elems if self.copies == 1 else self.copies * self.stride
 
 
 @dataclass
@@ -359,6 +397,36 @@ class Coop:
         return f"{self.n} outputs, {self.R} lanes each"
 
 
+@dataclass
+class Rows:
+    """Row statistics in registers beside a micro-tile: thread ``(ty, tx)`` keeps the statistics
+    of the ``RY`` rows it owns in ``micro``; the ``TX`` lanes of a row (one aligned group of a
+    warp) hold the same values."""
+
+    micro: Micro
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.micro.RY,)
+
+    def describe(self) -> str:
+        return (f"row statistics in registers, {self.micro.RY} rows per thread, "
+                f"{self.micro.TX} lanes per row")
+
+
+@dataclass
+class FusedScores:
+    """A normalising accumulator whose score input stays in registers: the scores' contraction
+    runs on micro-tile ``ms`` (rows: the statistics axis, columns: the streamed axis) with the
+    same thread -> row ownership as the accumulator's main micro-tile, so row statistics are
+    reductions among the lanes of a row (warp shuffles) and the weights reach the main
+    contraction through a warp-private shared-memory staging area."""
+
+    target: int      # the score variable (end of its fused elementwise chain)
+    source: int      # the contraction's output
+    ms: Micro
+
+
 def _paren(expr: str) -> str:
     """``expr`` parenthesised unless it is a name, a call or already parenthesised."""
     depth = 0
@@ -368,6 +436,30 @@ def _paren(expr: str) -> str:
         if depth == 0 and ch in "+-*/% ":
             return f"({expr})"
     return expr
+
+
+TRANSPOSE_PAD = 4
+"""Floats added to each row of a shared buffer written transposed from global memory."""
+
+FUSE_SCORES = True
+"""Keep a normalising accumulator's scores in registers where :class:`FusedScores` applies."""
+
+REGISTER_FLOOR = 128
+"""Registers per thread below which the launch bounds never push the compiler."""
+
+REGISTER_SLACK = 16
+"""Registers for indices and addresses in :meth:`KernelGen.register_estimate`."""
+
+CONTRACTION_UNROLL = 8
+"""Steps of a contraction's innermost reduction loop written out per iteration of the emitted
+loop (when the step count is static and divisible; 1 turns it off)."""
+
+
+def _unroll_factor(limit: int, n: int) -> int:
+    u = max(1, int(limit))
+    while u > 1 and n % u:
+        u //= 2
+    return u
 
 
 def _vec(r: int) -> int:
@@ -401,6 +493,7 @@ class AccPlan:
     stat_axes: tuple[str, ...] = ()
     p_buf: tuple | None = None         # key of the buffer holding a1(s) / exp(s - mu)
     names: dict = field(default_factory=dict)
+    fused: FusedScores | None = None   # scores kept in registers (see FusedScores)
 
 
 @dataclass
@@ -422,7 +515,8 @@ class KernelGen:
     """Plan and emit one kernel for a relabelled diagram with every size bound."""
 
     def __init__(self, d: Diagram, name: str, threads: int, batch_axes=(), fastmath: bool = True,
-                 micro: tuple[int, int] | None = None, prefetch: bool = False):
+                 micro: tuple[int, int] | None = None, prefetch: bool | str = False,
+                 unroll: int | None = None):
         self.d = d
         self.name = name
         self.T = int(threads)
@@ -430,6 +524,7 @@ class KernelGen:
         self.fastmath = fastmath
         self.micro_override = micro
         self.prefetch = prefetch
+        self.unroll = CONTRACTION_UNROLL if unroll is None else int(unroll)
         self.ff: FinalForm = final_form(d)
         self.dd = self.ff.diagram
         self.types = self.dd.var_types()
@@ -445,6 +540,7 @@ class KernelGen:
         self._targets()
         self._accumulators()
         self._mappings()
+        self._fuse_scores()
         self._layouts()
         self._buffers()
 
@@ -725,6 +821,70 @@ class KernelGen:
                 plan.stat = self.coop_for(plan.stat_axes)
             self.plans.append(plan)
 
+    # ------------------------------------------------------------------ scores in registers
+    def _fuse_scores(self):
+        """A normalising accumulator (row statistics, weights, contraction with the weights) fed
+        by a contraction whose only reader it is keeps the scores in registers when one thread
+        mapping serves both contractions: rows of the statistics axis owned by the same thread
+        in both micro-tiles, the lanes of a row an aligned group inside one warp, every thread
+        active.  Then the statistics are lane reductions (warp shuffles), the rescale is applied
+        to the main state in registers, and the weights go through a warp-private staging area
+        (``syncwarp``, no block barrier): the scores never make a round trip through a shared
+        buffer that the whole block synchronises on."""
+        self.fused_targets: dict[int, int] = {}
+        updates = {n.acc: n for n, _ in self.ff.walk() if isinstance(n, Update)}
+        for p in (self.plans if FUSE_SCORES else []):
+            kind = ACC_CODEGEN[p.acc.rule]
+            if not (kind.stats and p.main_regs and p.stat_regs and isinstance(p.main, Micro)):
+                continue
+            s, v = self.dd.eqns[p.acc.eqn].ins
+            t = self.targets.get(s)
+            if (t is None or t.source is None or t.source in self.acc_of_var or t.to_global
+                    or not isinstance(t.mapping, Micro)):
+                continue
+            if self.dd.eqns[self.eqn_of[t.source]].box.kind != "contract":
+                continue
+            if self.consumers[s] != [("acc", p.index)]:
+                continue
+            if self.scope_of[id(self.def_node[s])] != self.scope_of[id(updates[p.index])]:
+                continue
+            rows = [a for a in p.stat_axes if self.ax[a].cap > 1]
+            x = p.acc.axis
+            if len(rows) != 1 or {t.mapping.row, t.mapping.col} != {rows[0], x}:
+                continue
+            r = rows[0]
+            if r not in (p.main.row, p.main.col):
+                continue
+            dcol = p.main.col if p.main.row == r else p.main.row
+            joint = self._joint_micro(r, x, dcol)
+            if joint is None:
+                continue
+            ms, mo = joint
+            t.mapping, t.to_smem = ms, False
+            p.main, p.stat, p.fused = mo, Rows(ms), FusedScores(s, t.source, ms)
+            self.fused_targets[s] = p.index
+            for tt in self.targets.values():
+                if tt.source is not None and self.acc_of_var.get(tt.source) == p.index:
+                    tt.mapping = mo
+
+    def _joint_micro(self, r: str, x: str, dcol: str) -> tuple[Micro, Micro] | None:
+        """Micro-tiles over ``(r, x)`` and ``(r, dcol)`` on the same ``TY x TX`` threads (all of
+        them), ``TX`` a power of two <= 32: the lanes of a row are one aligned warp group."""
+        cr, cs, co = self.ax[r].cap, self.ax[x].cap, self.ax[dcol].cap
+        best, best_score = None, None
+        TX = 1
+        while TX <= 32:
+            TY = self.T // TX
+            if self.T % TX == 0 and cr % TY == 0 and cs % TX == 0 and co % TX == 0:
+                RY, RXs, RXo = cr // TY, cs // TX, co // TX
+                if max(RY, RXs, RXo) <= 8:
+                    score = (RXs % 4 == 0, RXo % 4 == 0, RY % 4 == 0, -TX)
+                    if best_score is None or score > best_score:
+                        best_score = score
+                        best = (Micro(r, x, cr, cs, RY, RXs, TY, TX), Micro(r, dcol, cr, co, RY, RXo, TY, TX))
+            TX *= 2
+        return best
+
     # ------------------------------------------------------------------ 5. layouts and buffers
     def _layouts(self):
         """Shared buffers read by a micro-tile along one axis put that axis last (contiguous)."""
@@ -768,9 +928,21 @@ class KernelGen:
 
     def _buffers(self):
         self.bufs: dict[tuple, SBuf] = {}
+        double = self._double_buffered()
+        chunked = {m.var for n, _ in self.ff.walk() if isinstance(n, Loop) and n.kind == "stream"
+                   for m in n.body if isinstance(m, Load)}
         for v in sorted(self.load_of):
             arr = self.types[v]
-            self._buf(("var", v), f"{arr.name}_s", arr.axis_names, f"input {arr.name}")
+            b = self._buf(("var", v), f"{arr.name}_s", arr.axis_names, f"input {arr.name}")
+            names = [a for a in arr.axis_names if self.ax[a].cap > 1]
+            if len(b.axes) >= 2 and names and b.axes[-1] != names[-1] and v in chunked:
+                # a chunk written transposed (global order in, threads along the global last
+                # axis): a row of 4 more floats keeps 16-byte alignment and spreads the stores
+                b.pad = TRANSPOSE_PAD
+                b.what += f" (transposed, rows padded by {TRANSPOSE_PAD})"
+            if v in double:
+                b.copies = 2
+                b.what += " (two chunk buffers)"
         for t in sorted(self.targets.values(), key=lambda t: t.var):
             if t.to_smem:
                 arr = self.types[t.var]
@@ -788,7 +960,15 @@ class KernelGen:
                 if not regs:
                     self._buf(("state", p.index, sname), f"{oname}_{sname}_s", axes,
                               f"state {sname} of {oname}")
-            if p.stat is not None:
+            if p.fused is not None:
+                # weights staged by the warp that owns their rows, laid out [streamed, rows] so
+                # the main micro-tile reads a thread's rows as one vector
+                ms = p.fused.ms
+                key = ("p", p.index)
+                self.bufs[key] = SBuf(key, self.names.fresh(f"{oname}_p_s"), (acc.axis, ms.row),
+                                      (ms.cc, ms.cr), f"weights of {oname} (warp-private rows)")
+                p.p_buf = key
+            elif p.stat is not None:
                 s, _ = self.dd.eqns[acc.eqn].ins
                 p_axes = (*p.stat_axes, acc.axis)
                 if (self.storage(s) == "smem" and len(self.consumers[s]) == 1
@@ -811,6 +991,18 @@ class KernelGen:
             off += -(-b.size // 4) * 4   # 16-byte aligned offsets
         self.smem_floats = off
 
+    def _double_buffered(self) -> set[int]:
+        """Inputs loaded per chunk of a stream loop get two shared buffers with
+        ``prefetch="double"``: chunk ``c + 1`` is fetched into registers while chunk ``c`` is
+        computed from one buffer, then stored into the other; one barrier per chunk."""
+        if self.prefetch != "double":
+            return set()
+        out = set()
+        for n, _ in self.ff.walk():
+            if isinstance(n, Loop) and n.kind == "stream":
+                out |= {m.var for m in n.body if isinstance(m, Load)}
+        return out
+
     def red_offset(self) -> str:
         b = self.bufs[("red",)]
         return b.name if b.offset else self.consts.u(0, "U0")
@@ -823,6 +1015,38 @@ class KernelGen:
     @property
     def smem_bytes(self) -> int:
         return 4 * self.smem_floats
+
+    def register_estimate(self) -> int:
+        """Registers a thread needs, roughly: values live across a stream loop (accumulator
+        states, scores kept in registers, chunks prefetched into registers), the largest
+        fragment pair of a micro-tile, and ``REGISTER_SLACK`` for indices and addresses."""
+        live, frag = 0, 0
+        for p in self.plans:
+            live += math.prod(p.main.shape)
+            if p.stat is not None:
+                live += len(p.acc.states()) - 1 if not isinstance(p.stat, Rows) else \
+                    (len(p.acc.states()) - 1) * p.stat.micro.RY
+            if p.fused is not None:
+                live += p.fused.ms.RY * p.fused.ms.RX
+        for t in self.targets.values():
+            if isinstance(t.mapping, Micro):
+                frag = max(frag, t.mapping.RY + t.mapping.RX)
+        if self.prefetch:
+            for n, _ in self.ff.walk():
+                if isinstance(n, Loop) and n.kind == "stream":
+                    live += sum(self._load_plan(m.var)[1] for m in n.body if isinstance(m, Load))
+        return live + frag + REGISTER_SLACK
+
+    def blocks_per_sm(self) -> int:
+        """Blocks per SM for the launch bounds: as many as shared memory and threads allow when
+        the :meth:`register_estimate` fits the registers that leaves (never fewer than
+        ``REGISTER_FLOOR``); else 1, so the compiler keeps every value in registers (H100 / H200
+        limits: the source does not depend on the machine)."""
+        from .runtime import H100_DEFAULTS as lim
+        by_smem = lim.max_shared_per_sm // (self.smem_bytes + lim.reserved_shared_per_block)
+        by_threads = lim.max_threads_per_sm // self.T
+        by_regs = lim.max_registers_per_sm // (self.T * max(REGISTER_FLOOR, self.register_estimate()))
+        return max(1, min(by_smem, by_threads, by_regs, lim.max_blocks_per_sm))
 
     # ------------------------------------------------------------------ index helpers
     def gidx(self, axis: str, env: dict) -> str:
@@ -839,13 +1063,18 @@ class KernelGen:
         if not b.axes:
             return self.consts.u(0, "U0")
         expr = env[b.axes[0]]
-        for a in b.axes[1:]:
-            expr = f"{_paren(expr)} * {self.ax[a].cap_c} + {env[a]}"
+        for pos, a in enumerate(b.axes[1:], 1):
+            mult = self.ax[a].cap_c
+            if pos == len(b.axes) - 1 and b.pad:
+                mult = self.consts.u(b.ld, f"LD_{b.name}", comment=f"padded row of {b.name}")
+            expr = f"{_paren(expr)} * {mult} + {env[a]}"
         return expr
 
     def sread(self, key, env) -> str:
         b = self.bufs[key]
         idx = self.sidx(b, env)
+        if b.cur:
+            return f"smem[{b.cur} + {idx}]"
         return f"smem[{b.name} + {idx}]" if b.offset else f"smem[{idx}]"
 
     def garg(self, v: int) -> str:
@@ -937,7 +1166,12 @@ class KernelGen:
         if self._needs_scratch():
             lines += _GROUP_HELPERS.splitlines() + [""]
         args = [self.arg_names[i] for i in range(self.n_in)] + self.out_args
-        lines += ["", f"@cuda.jit(fastmath={self.fastmath})", f"def {self.name}({', '.join(args)}):"]
+        blocks = self.blocks_per_sm()
+        lines += [f"# launch bounds: {blocks} block(s) of {self.T} threads per SM (shared memory "
+                  f"{self.smem_bytes} B per block, about {self.register_estimate()} registers per thread "
+                  f"estimated)",
+                  f"LAUNCH_BOUNDS = {{}} if SIMULATOR else {{\"launch_bounds\": ({self.T}, {blocks})}}"]
+        lines += ["", f"@cuda.jit(fastmath={self.fastmath}, **LAUNCH_BOUNDS)", f"def {self.name}({', '.join(args)}):"]
         lines += body.lines
         return "\n".join(lines) + "\n"
 
@@ -955,7 +1189,10 @@ class KernelGen:
         batch = [self.ax[lp.axis] for lp in self.grid_loops if self.ax[lp.axis].role == "batch"]
         gx = math.prod(-(-a.size // a.cap) for a in grid)
         gy = math.prod(a.size for a in batch)
-        if gy > 65535:
+        self.heavy_last = self._heavy_last_axes()
+        if gy > 65535 or (self.heavy_last and batch):
+            # one grid dimension, tiled axes slowest: with heavy_last, blocks are launched in
+            # decreasing order of work (the longest first keeps the last wave short)
             grid, batch = grid + batch, []
             gx, gy = gx * gy, 1
         self.grid = (gx, gy, 1)
@@ -966,6 +1203,15 @@ class KernelGen:
             src("by = uint32(cuda.blockIdx.y)")
             self._decode_blocks(src, "by", batch)
 
+    def _heavy_last_axes(self) -> set[str]:
+        """Tiled axes whose later tiles stream more chunks: rows of causal masks that bound a
+        stream loop (:meth:`_stream_bounds`)."""
+        out = set()
+        for n, _ in self.ff.walk():
+            if isinstance(n, Loop) and n.kind == "stream":
+                out |= {row for row, pred in self._skippable_masks(n) if pred.kind == "causal"}
+        return out
+
     def _decode_blocks(self, src, var, axes):
         k = self.consts
         rest = var
@@ -974,6 +1220,8 @@ class KernelGen:
             tiles_c = k.u(tiles, f"TILES_{a.name}", comment=f"tiles along {a.name}") if a.role == "grid" else a.size_c
             last = pos == len(axes) - 1
             idx = rest if last else f"{rest} % {tiles_c}"
+            if a.name in getattr(self, "heavy_last", ()) and a.role == "grid":
+                idx = f"({k.u(tiles - 1)} - {_paren(idx)})"   # the most chunks first
             src(f"{a.start} = {idx} * {a.cap_c}" if a.role == "grid" else f"{a.start} = {idx}")
             if a.ragged:
                 src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
@@ -1013,6 +1261,8 @@ class KernelGen:
 
     # ---- stream loops
     def _emit_stream_loop(self, lp: Loop, src: Source):
+        if self.prefetch == "double" and any(isinstance(n, Load) for n in lp.body):
+            return self._emit_double_buffered_loop(lp, src)
         a = self.ax[lp.axis]
         lo, hi = self._stream_bounds(lp, src)
         loads = [n for n in lp.body if isinstance(n, Load)] if self.prefetch else []
@@ -1041,6 +1291,57 @@ class KernelGen:
             self.pending_sync = True
             self.sync(src)
 
+    def _emit_double_buffered_loop(self, lp: Loop, src: Source):
+        k = self.consts
+        a = self.ax[lp.axis]
+        lo, hi = self._stream_bounds(lp, src)
+        loads = [n for n in lp.body if isinstance(n, Load)]
+        bufs = [self.bufs[("var", n.var)] for n in loads]
+        src.comment(f"stream {a.name} in chunks of {a.cap}, double-buffered: chunk c + 1 is fetched into "
+                    f"registers while chunk c is computed from one shared buffer, then stored into the "
+                    f"other; one barrier per chunk")
+        regs = {n.var: self.names.fresh(f"{self.types[n.var].name}_next") for n in loads}
+        for n in loads:
+            src(f"{regs[n.var]} = cuda.local.array({self._load_plan(n.var)[1]}, float32)")
+        with src.block(f"if {lo} < {hi}:"):
+            self._emit_fetch(loads, regs, lo, src, lp.axis)
+            for n, b in zip(loads, bufs):
+                b.cur = b.name if b.offset else k.u(0, "U0")
+                self._emit_load(n.var, src, regs[n.var])
+        self.pending_sync = True
+        self.sync(src)
+        par = self.names.fresh(f"buf_{a.name}")
+        src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
+        with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
+            if a.ragged:
+                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
+            stride = {}
+            for b in bufs:
+                stride[b.name] = k.u(b.stride, f"STRIDE_{b.name}", comment=f"floats per copy of {b.name}")
+                b.cur = self.names.fresh(f"{b.name}_cur")
+                base = b.name if b.offset else k.u(0, "U0")
+                src(f"{b.cur} = {base} + {par} * {stride[b.name]}")
+            nxt = self.names.fresh(f"{a.name}_next")
+            src(f"{nxt} = {a.start} + {a.cap_c}")
+            with src.block(f"if {nxt} < {hi}:"):
+                self._emit_fetch(loads, regs, nxt, src, lp.axis)
+            body = [n for n in lp.body if not isinstance(n, Load)]
+            self._emit_nodes(body, src)
+            with src.block(f"if {nxt} < {hi}:"):
+                cur = [b.cur for b in bufs]
+                for n, b in zip(loads, bufs):
+                    base = b.name if b.offset else k.u(0, "U0")
+                    b.cur = self.names.fresh(f"{b.name}_other")
+                    src(f"{b.cur} = {base} + ({k.u(1, 'U1')} - {par}) * {stride[b.name]}")
+                    self._emit_load(n.var, src, regs[n.var])
+                for b, c in zip(bufs, cur):
+                    b.cur = c
+            self.pending_sync = True
+            self.sync(src)
+            src(f"{par} = {k.u(1, 'U1')} - {par}")
+        for b in bufs:
+            b.cur = None
+
     def _load_plan(self, v: int):
         arr = self.types[v]
         names, caps = self._caps(arr.axis_names)
@@ -1054,7 +1355,7 @@ class KernelGen:
             arr = self.types[n.var]
             b = self.bufs[("var", n.var)]
             names, _ = self._caps(arr.axis_names)
-            order = b.axes if (b.axes and names and b.axes[-1] != names[-1]) else names
+            order = self._load_order(n.var)
             total, per = self._load_plan(n.var)
             ax = self.ax[axis]
             saved = (ax.start, ax.count)
@@ -1142,9 +1443,7 @@ class KernelGen:
         b = self.bufs[("var", v)]
         k = self.consts
         names, caps = self._caps(arr.axis_names)
-        order = names
-        if b.axes and names and b.axes[-1] != names[-1]:
-            order = b.axes   # write shared memory contiguously (the transpose is in the reads)
+        order = self._load_order(v)
         n = max(1, math.prod(caps))
         env = {}
         if from_regs:
@@ -1156,16 +1455,29 @@ class KernelGen:
                     src(f"{self.sread(b.key, env)} = {from_regs}[u]")
             self.pending_sync = True
             return
-        src.comment(f"load {arr} -> shared {b.name} [{' '.join(b.axes)}]")
-        with src.block(f"for e in range(tid, {k.u(n)}, NTHREADS):"):
-            self._decode(src, "e", order, env)
-            g = f"{self.garg(v)}[{self.gindex(arr, env)}]"
-            cond = self.valid(names, env)
-            if cond:
-                src(f"{self.sread(b.key, env)} = {g} if {cond} else {k.f(0.0, 'ZERO')}")
-            else:
-                src(f"{self.sread(b.key, env)} = {g}")
+        src.comment(f"load {arr} -> shared {b.name} [{' '.join(b.axes)}]  (a fixed trip count: "
+                    f"the loop unrolls and every load is in flight before the first store)")
+        with src.block(f"for u in range({k.u(-(-n // self.T))}):"):
+            src("e = tid + u * NTHREADS")
+            with src.maybe(f"e < {k.u(n)}" if n % self.T else None):
+                self._decode(src, "e", order, env)
+                g = f"{self.garg(v)}[{self.gindex(arr, env)}]"
+                cond = self.valid(names, env)
+                if cond:
+                    src(f"{self.sread(b.key, env)} = {g} if {cond} else {k.f(0.0, 'ZERO')}")
+                else:
+                    src(f"{self.sread(b.key, env)} = {g}")
         self.pending_sync = True
+
+    def _load_order(self, v: int) -> tuple[str, ...]:
+        """Axes in the order consecutive threads walk an input's elements: global order
+        (coalesced reads) unless the buffer is transposed and unpadded, then shared order
+        (conflict-free stores; such a buffer is loaded once, outside the stream loops)."""
+        names, _ = self._caps(self.types[v].axis_names)
+        b = self.bufs[("var", v)]
+        if b.axes and names and b.axes[-1] != names[-1] and not b.pad:
+            return b.axes
+        return names
 
     def _emit_input_store(self, v: int, src: Source):
         pos = self.dd.outs.index(v)
@@ -1198,7 +1510,7 @@ class KernelGen:
         (v,) = self.dd.eqn_outputs(k)
         if c == "normaliser":
             self._emit_norm_stats(k, src)
-        if v in self.targets:
+        if v in self.targets and v not in self.fused_targets:
             self._emit_target(self.targets[v], src)
 
     # ---- mappings as element loops
@@ -1265,7 +1577,7 @@ class KernelGen:
                 self_.b2.__enter__()
                 c = gen.names.fresh(gen.ax[m.col].index)
                 src(f"{c} = {gen.micro_cols(m, 'j')}")
-                return {m.row: r, m.col: c, "_slot": "i, j"}
+                return {m.row: r, m.col: c, "_slot": "i, j", "_row": "i"}
 
             def __exit__(self_, *exc):
                 self_.b2.__exit__(*exc)
@@ -1332,48 +1644,30 @@ class KernelGen:
                 src(f"{f} = cuda.local.array({m.RX}, float32)")
             env = {}
             opened = []
-            for a in red:
+            steps = [None]
+            for pos, a in enumerate(red):
                 ax = self.ax[a]
                 bound = ax.count if ax.role == "stream" else ax.cap_c
                 idx = self.names.fresh(ax.index)
+                unroll = _unroll_factor(self.unroll, ax.cap) if pos == len(red) - 1 and not ax.ragged else 1
+                if unroll > 1:
+                    # the innermost reduction loop unrolled in the source: the next steps' shared
+                    # loads are issued while this step's FMAs run
+                    base = self.names.fresh(f"{ax.index}_base")
+                    blk = src.block(f"for {base} in range({k.u(0, 'U0')}, {bound}, {k.u(unroll)}):")
+                    steps = [(base, u) for u in range(unroll)]
+                else:
+                    blk = src.block(f"for {idx} in range({bound}):")
                 env[a] = idx
-                blk = src.block(f"for {idx} in range({bound}):")
                 blk.__enter__()
                 opened.append(blk)
-            scal = []
-            for o in none:
-                t = self.names.fresh("f")
-                src(f"{t} = {o.read(dict(env), {}, src)}")
-                scal.append(t)
-            if roww:
-                with src.block(f"for i in range({k.u(m.RY)}):"):
-                    e2 = dict(env)
-                    e2[m.row] = self.names.fresh(self.ax[m.row].index)
-                    src(f"{e2[m.row]} = {self.micro_rows(m, 'i')}")
-                    memo = {}
-                    for f, o in zip(frag_a, roww):
-                        src(f"{f}[i] = {o.read(e2, memo, src)}")
-            if colw:
-                with src.block(f"for j in range({k.u(m.RX)}):"):
-                    e2 = dict(env)
-                    e2[m.col] = self.names.fresh(self.ax[m.col].index)
-                    src(f"{e2[m.col]} = {self.micro_cols(m, 'j')}")
-                    memo = {}
-                    for f, o in zip(frag_b, colw):
-                        src(f"{f}[j] = {o.read(e2, memo, src)}")
-            with src.block(f"for i in range({k.u(m.RY)}):"):
-                e2 = dict(env)
-                if both:
-                    e2[m.row] = self.names.fresh(self.ax[m.row].index)
-                    src(f"{e2[m.row]} = {self.micro_rows(m, 'i')}")
-                with src.block(f"for j in range({k.u(m.RX)}):"):
-                    factors = [f"{f}[i]" for f in frag_a] + [f"{f}[j]" for f in frag_b] + scal
-                    if both:
-                        e2[m.col] = self.names.fresh(self.ax[m.col].index)
-                        src(f"{e2[m.col]} = {self.micro_cols(m, 'j')}")
-                        memo = {}
-                        factors += [o.read(e2, memo, src) for o in both]
-                    src(f"{acc}[i, j] += {' * '.join(factors) or k.f(1.0, 'ONE')}")
+            for step in steps:
+                if step is not None:
+                    base, u = step
+                    idx = self.names.fresh(self.ax[red[-1]].index)
+                    src(f"{idx} = {base} + {k.u(u)}" if u else f"{idx} = {base}")
+                    env[red[-1]] = idx
+                self._micro_step(m, acc, env, roww, colw, both, none, frag_a, frag_b, src)
             for blk in reversed(opened):
                 blk.__exit__(None, None, None)
         else:
@@ -1398,6 +1692,45 @@ class KernelGen:
             src(f"{slot} += {' * '.join(factors) or k.f(1.0, 'ONE')}")
             for blk in reversed(opened):
                 blk.__exit__(None, None, None)
+
+    def _micro_step(self, m: Micro, acc: str, env: dict, roww, colw, both, none, frag_a, frag_b,
+                    src: Source):
+        """One step of the reduction loops on a micro-tile: fragments, then the outer product."""
+        k = self.consts
+        scal = []
+        for o in none:
+            t = self.names.fresh("f")
+            src(f"{t} = {o.read(dict(env), {}, src)}")
+            scal.append(t)
+        if roww:
+            with src.block(f"for i in range({k.u(m.RY)}):"):
+                e2 = dict(env)
+                e2[m.row] = self.names.fresh(self.ax[m.row].index)
+                src(f"{e2[m.row]} = {self.micro_rows(m, 'i')}")
+                memo = {}
+                for f, o in zip(frag_a, roww):
+                    src(f"{f}[i] = {o.read(e2, memo, src)}")
+        if colw:
+            with src.block(f"for j in range({k.u(m.RX)}):"):
+                e2 = dict(env)
+                e2[m.col] = self.names.fresh(self.ax[m.col].index)
+                src(f"{e2[m.col]} = {self.micro_cols(m, 'j')}")
+                memo = {}
+                for f, o in zip(frag_b, colw):
+                    src(f"{f}[j] = {o.read(e2, memo, src)}")
+        with src.block(f"for i in range({k.u(m.RY)}):"):
+            e2 = dict(env)
+            if both:
+                e2[m.row] = self.names.fresh(self.ax[m.row].index)
+                src(f"{e2[m.row]} = {self.micro_rows(m, 'i')}")
+            with src.block(f"for j in range({k.u(m.RX)}):"):
+                factors = [f"{f}[i]" for f in frag_a] + [f"{f}[j]" for f in frag_b] + scal
+                if both:
+                    e2[m.col] = self.names.fresh(self.ax[m.col].index)
+                    src(f"{e2[m.col]} = {self.micro_cols(m, 'j')}")
+                    memo = {}
+                    factors += [o.read(e2, memo, src) for o in both]
+                src(f"{acc}[i, j] += {' * '.join(factors) or k.f(1.0, 'ONE')}")
 
     # ---- writing a target's value
     def write_target(self, t: Target, env, val: str, src: Source):
@@ -1766,6 +2099,8 @@ def _state_ref(gen, p: AccPlan, sname: str, env) -> str:
     """Where state ``sname`` is at the element ``env`` of its mapping."""
     role = {s: r for s, _, r in p.acc.states()}[sname]
     regs = p.main_regs if role == "main" else p.stat_regs
+    if regs and role != "main" and isinstance(p.stat, Rows):
+        return f"{_state_names(gen, p)[sname]}[{env['_row']}]"
     if regs:
         return f"{_state_names(gen, p)[sname]}[{env['_slot']}]"
     return gen.sread(("state", p.index, sname), env)
@@ -1783,7 +2118,10 @@ def _init_states(gen: KernelGen, p: AccPlan, src: Source, values: dict):
         if regs:
             src(f"{names[sname]} = cuda.local.array({_shape(m.shape)}, float32)")
         init = k.f(values[sname])
-        if isinstance(m, Micro):
+        if isinstance(m, Rows):
+            with src.block(f"for i in range({k.u(m.micro.RY)}):"):
+                src(f"{names[sname]}[i] = {init}")
+        elif isinstance(m, Micro):
             with gen.mapping_begin(m, src):
                 with gen.micro_elements(m, src) as env:
                     src(f"{_state_ref(gen, p, sname, env)} = {init}")
@@ -2002,6 +2340,116 @@ def _stats_phase(gen: KernelGen, p: AccPlan, src: Source, softmax: bool):
     gen.pending_sync = True
 
 
+def _warp_sync(gen: KernelGen, src: Source):
+    """Order a warp's shared-memory writes before its own reads (the simulator has no
+    ``syncwarp``; there every thread reaches this point, so a block barrier serves)."""
+    with src.block("if SIMULATOR:"):
+        src("cuda.syncthreads()")
+    with src.block("else:"):
+        src("cuda.syncwarp(FULL_MASK)")
+
+
+def _fused_update(gen: KernelGen, p: AccPlan, src: Source, softmax: bool):
+    """One chunk of a normalising accumulator with its scores in registers (:class:`FusedScores`):
+    scores on micro-tile ``ms`` with the fused epilogue, row statistics by lane reductions,
+    ``o *= delta`` in registers, weights to the warp-private staging area, ``syncwarp``, then
+    ``o += weights . v`` on the main micro-tile (same rows per thread)."""
+    k = gen.consts
+    zero, neg = k.f(0.0, "ZERO"), k.f(-math.inf, "NEG_INF")
+    f = p.fused
+    ms, mo = f.ms, p.main
+    t = gen.targets[f.target]
+    kk = gen.eqn_of[f.source]
+    e = gen.dd.eqns[kk]
+    ax = gen.ax[p.acc.axis]
+    names = _state_names(gen, p)
+    box = p.acc.box
+    oname = box.cod[0].name
+    gen.sync(src)
+    src.comment(f"update {oname} ({p.acc.rule}) with {gen.types[f.target].name} in registers: "
+                f"{gen.types[f.target]} = {gen._describe_chain(f.target)}  ({ms.describe()})")
+    gen.micro_begin(ms, src)
+    sreg = gen.names.fresh(f"{gen.types[f.target].name}_regs")
+    src(f"{sreg} = cuda.local.array(({ms.RY}, {ms.RX}), float32)")
+    gen.emit_contraction(ms, sreg, gen.contraction_operands(e.ins), list(gen._reduced_axes(kk)), src)
+    with gen.micro_elements(ms, src) as env:
+        val = gen.value(t.var, env, src, {}, {t.source: f"{sreg}[i, j]"}, define=t.var)
+        cond = gen.valid([ax.name], env)
+        if cond and softmax:
+            val = f"{val} if {cond} else {neg}"   # past the ragged end of the chunk: weight 0
+        src(f"{sreg}[i, j] = {val}")
+    src.comment(f"row statistics: {ms.TX} lanes per row "
+                f"({'warp shuffles' if ms.TX > 1 else 'one lane'}; shared memory in the simulator); "
+                f"weights -> warp-private {gen.bufs[p.p_buf].name}")
+    lanes = k.u(ms.TX)
+    with src.block(f"for i in range({k.u(ms.RY)}):"):
+        env = {ms.row: gen.names.fresh(gen.ax[ms.row].index), "_row": "i"}
+        src(f"{env[ms.row]} = {gen.micro_rows(ms, 'i')}")
+        if softmax:
+            mx = gen.names.fresh("mx")
+            src(f"{mx} = {neg}")
+            with src.block(f"for j in range({k.u(ms.RX)}):"):
+                src(f"{mx} = max({mx}, {sreg}[i, j])")
+            if ms.TX > 1:
+                src(f"{mx} = _group_max({mx}, tx, {lanes}, smem, {gen.red_offset()}, tid)")
+            mu_ref, z_ref = _state_ref(gen, p, "mu", env), _state_ref(gen, p, "z", env)
+            mu_old, mu_new, safe = gen.names.fresh("mu_old"), gen.names.fresh("mu_new"), gen.names.fresh("safe")
+            src(f"{mu_old} = {mu_ref}")
+            src(f"{mu_new} = max({mu_old}, {mx})")
+            src(f"{safe} = {mu_new} if {mu_new} > {neg} else {zero}"
+                "  # no finite score yet: shift by 0, weights stay 0")
+            delta = gen.names.fresh("delta")
+            src(f"{delta} = math.exp({mu_old} - {safe})")
+            ps = gen.names.fresh("psum")
+            src(f"{ps} = {zero}")
+            with src.block(f"for j in range({k.u(ms.RX)}):"):
+                w = gen.names.fresh("w")
+                src(f"{w} = math.exp({sreg}[i, j] - {safe})")
+                src(f"{sreg}[i, j] = {w}")
+                src(f"{ps} += {w}")
+            if ms.TX > 1:
+                src(f"{ps} = _group_sum({ps}, tx, {lanes}, smem, {gen.red_offset()}, tid)")
+            src(f"{z_ref} = {delta} * {z_ref} + {ps}")
+            src(f"{mu_ref} = {mu_new}")
+            o = names["o"]
+            with src.block(f"for j in range({k.u(mo.RX)}):"):
+                src(f"{o}[i, j] *= {delta}")
+        else:
+            a1, a2 = box.param("a1"), box.param("a2")
+            z_ref = _state_ref(gen, p, "z", env)
+            ps = gen.names.fresh("zsum")
+            src(f"{ps} = {zero}")
+            with src.block(f"for j in range({k.u(ms.RX)}):"):
+                e2 = dict(env)
+                cond = None
+                if ax.ragged:
+                    e2[ax.name] = gen.names.fresh(ax.index)
+                    src(f"{e2[ax.name]} = {gen.micro_cols(ms, 'j')}")
+                    cond = gen.valid([ax.name], e2)
+                sv = gen.names.fresh("sv")
+                src(f"{sv} = {sreg}[i, j]")
+                if cond:
+                    src(f"{sreg}[i, j] = {_fn_expr(gen, a1, [sv])} if {cond} else {zero}")
+                    src(f"{ps} += {_fn_expr(gen, a2, [sv])} if {cond} else {zero}")
+                else:
+                    src(f"{sreg}[i, j] = {_fn_expr(gen, a1, [sv])}")
+                    src(f"{ps} += {_fn_expr(gen, a2, [sv])}")
+            if ms.TX > 1:
+                src(f"{ps} = _group_sum({ps}, tx, {lanes}, smem, {gen.red_offset()}, tid)")
+            src(f"{z_ref} = {z_ref} + {ps}")
+    with src.block(f"for j in range({k.u(ms.RX)}):"):   # rows innermost: vector stores
+        env = {ax.name: gen.names.fresh(ax.index)}
+        src(f"{env[ax.name]} = {gen.micro_cols(ms, 'j')}")
+        with src.block(f"for i in range({k.u(ms.RY)}):"):
+            env[ms.row] = gen.names.fresh(gen.ax[ms.row].index)
+            src(f"{env[ms.row]} = {gen.micro_rows(ms, 'i')}")
+            src(f"{gen.sread(p.p_buf, env)} = {sreg}[i, j]")
+    _warp_sync(gen, src)
+    src.comment(f"update {oname}: o += weights . {gen.types[gen.dd.eqns[p.acc.eqn].ins[1]].name}  "
+                f"({mo.describe()}; the rows of o are the rows of the weights this warp staged)")
+    gen.emit_contraction(mo, names["o"], _weights_operands(gen, p), _red_of(gen, p), src, init=False)
+
+
 def _weights_operands(gen: KernelGen, p: AccPlan):
     _, v = gen.dd.eqns[p.acc.eqn].ins
     p_axes = frozenset(a for a in (*p.stat_axes, p.acc.axis) if gen.ax[a].cap > 1)
@@ -2010,6 +2458,8 @@ def _weights_operands(gen: KernelGen, p: AccPlan):
 
 
 def _osc_update(gen, p, src):
+    if p.fused is not None:
+        return _fused_update(gen, p, src, softmax=True)
     gen.sync(src)
     _stats_phase(gen, p, src, softmax=True)
     gen.sync(src)
@@ -2021,6 +2471,8 @@ def _osc_update(gen, p, src):
 
 
 def _norm_update(gen, p, src):
+    if p.fused is not None:
+        return _fused_update(gen, p, src, softmax=False)
     gen.sync(src)
     _stats_phase(gen, p, src, softmax=False)
     gen.sync(src)
@@ -2031,6 +2483,8 @@ def _norm_update(gen, p, src):
 
 def _publish_z(gen, p, src):
     """Statistics held in the lanes' registers are written where the main mapping reads them."""
+    if p.fused is not None:
+        return None   # every lane of a row holds its statistics: nothing to publish
     if not p.stat_regs:
         gen.pending_sync = True
         return
@@ -2045,6 +2499,8 @@ def _publish_z(gen, p, src):
 
 
 def _z_at(gen, p, env) -> str:
+    if p.fused is not None:
+        return _state_ref(gen, p, "z", env)
     if p.stat_regs:
         return gen.sread(("zpub", p.index), env)
     return gen.sread(("state", p.index, "z"), env)
