@@ -43,7 +43,7 @@ class Launch:
 
 def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, threads: int | None = None,
           *, name: str | None = None, micro: tuple[int, int] | None = None, fastmath: bool = True,
-          prefetch: bool = False, hw=None) -> "Kernel":
+          prefetch: bool | str = False, hw=None) -> "Kernel":
     """Generate a numba.cuda kernel for ``d`` (every axis size bound).
 
     ``tiles``: ``{axis or symbol: size}`` for tiled axes (tile size) and streamed axes (chunk);
@@ -52,7 +52,8 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     GPU, 16 under the simulator).  ``micro``: force the register micro-tile ``(rows, cols)``.
     ``fastmath``: compile with fast (approximate) exp / division.  ``prefetch``: fetch each
     chunk's inputs into registers one chunk ahead (global loads overlap the compute, at the
-    price of registers).
+    price of registers); ``prefetch="double"``: two shared-memory buffers per chunked input,
+    one barrier per chunk.
 
     Raises :class:`~napkin_cat.errors.LoweringError` naming what cannot lower and why.
     """
