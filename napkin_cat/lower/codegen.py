@@ -1999,14 +1999,14 @@ class KernelGen:
 
 # --------------------------------------------------------------------------- accumulators
 
-_GROUP_HELPERS = '''
+_GROUP_HELPER = '''
 @cuda.jit(device=True, inline=True)
-def _group_sum(v, lane, width, smem, base, tid):
-    """Sum of ``v`` over the ``width`` lanes of a group (a power of two), in every lane."""
+def _group_{name}(v, lane, width, smem, base, tid):
+    """{doc}"""
     if WARP_SHUFFLE and width <= 32:
         off = width // uint32(2)
         while off > uint32(0):
-            v += cuda.shfl_xor_sync(FULL_MASK, v, off)
+            {shuffle}
             off //= uint32(2)
         return v
     smem[base + tid] = v
@@ -2014,56 +2014,29 @@ def _group_sum(v, lane, width, smem, base, tid):
     off = width // uint32(2)
     while off > uint32(0):
         if lane < off:
-            smem[base + tid] = smem[base + tid] + smem[base + tid + off]
+            smem[base + tid] = {combine}
         cuda.syncthreads()
         off //= uint32(2)
     v = smem[base + tid - lane]
     cuda.syncthreads()
     return v
+'''
 
 
-@cuda.jit(device=True, inline=True)
-def _group_max(v, lane, width, smem, base, tid):
-    """Maximum of ``v`` over the ``width`` lanes of a group, in every lane."""
-    if WARP_SHUFFLE and width <= 32:
-        off = width // uint32(2)
-        while off > uint32(0):
-            v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
-            off //= uint32(2)
-        return v
-    smem[base + tid] = v
-    cuda.syncthreads()
-    off = width // uint32(2)
-    while off > uint32(0):
-        if lane < off:
-            smem[base + tid] = max(smem[base + tid], smem[base + tid + off])
-        cuda.syncthreads()
-        off //= uint32(2)
-    v = smem[base + tid - lane]
-    cuda.syncthreads()
-    return v
+def _group_helper(name: str, doc: str, combine: str) -> str:
+    """One group reduction (warp shuffles on a GPU, a shared-memory tree under the simulator)
+    for the combining expression ``combine`` of ``{a}`` and ``{b}``."""
+    shuffled = combine.format(a="v", b="cuda.shfl_xor_sync(FULL_MASK, v, off)")
+    shuffle = "v += " + shuffled[len("v + "):] if shuffled.startswith("v + ") else "v = " + shuffled
+    tree = combine.format(a="smem[base + tid]", b="smem[base + tid + off]")
+    return _GROUP_HELPER.format(name=name, doc=doc, shuffle=shuffle, combine=tree).strip("\n")
 
 
-@cuda.jit(device=True, inline=True)
-def _group_min(v, lane, width, smem, base, tid):
-    """Minimum of ``v`` over the ``width`` lanes of a group, in every lane."""
-    if WARP_SHUFFLE and width <= 32:
-        off = width // uint32(2)
-        while off > uint32(0):
-            v = min(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
-            off //= uint32(2)
-        return v
-    smem[base + tid] = v
-    cuda.syncthreads()
-    off = width // uint32(2)
-    while off > uint32(0):
-        if lane < off:
-            smem[base + tid] = min(smem[base + tid], smem[base + tid + off])
-        cuda.syncthreads()
-        off //= uint32(2)
-    v = smem[base + tid - lane]
-    cuda.syncthreads()
-    return v'''.strip("\n")
+_GROUP_HELPERS = "\n\n\n".join(_group_helper(*spec) for spec in (
+    ("sum", "Sum of ``v`` over the ``width`` lanes of a group (a power of two), in every lane.", "{a} + {b}"),
+    ("max", "Maximum of ``v`` over the ``width`` lanes of a group, in every lane.", "max({a}, {b})"),
+    ("min", "Minimum of ``v`` over the ``width`` lanes of a group, in every lane.", "min({a}, {b})"),
+))
 
 
 @dataclass(frozen=True)
