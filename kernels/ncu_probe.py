@@ -38,7 +38,7 @@ cases = [
     ("napkin_matmul", nc.library.matmul(a=a, b=k, c=c).bind({a: 4096, k: 4096, c: 4096}), mm),
 ]
 for name, dia, (tiles, threads, pf) in cases:
-    kernel = nc.lower(dia, tiles=tiles, threads=threads, name=name, prefetch=pf)
+    kernel = nc.lower(dia, tiles=tiles, threads=threads, name=name, prefetch=pf, verify=False)  # profiled; bench.py checks it
     args = [torch.randn(*[ax.size for ax in arr.axes], device="cuda") for arr in dia.dom]
     kernel(*args)
     torch.cuda.synchronize()

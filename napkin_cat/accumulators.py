@@ -143,12 +143,13 @@ def _osc_init(box, axis, shapes, ctx):
 
 def _osc_update(box, axis, state, ins, ctx):
     """``mu' = max(mu, max_j s_j)``, ``delta = exp(mu - mu')``, ``p_j = exp(s_j - mu')``,
-    ``z' = delta z + sum p``, ``o' = delta o + sum p v``.  A row with no finite score so far
-    keeps ``mu = -inf``; it is shifted by 0 instead, so that ``p = 0`` rather than NaN."""
+    ``z' = delta z + sum p``, ``o' = delta o + sum p v``.  A row with no score above -inf so
+    far keeps ``mu = -inf``; it is shifted by 0 instead, so that ``p = 0`` rather than NaN.  A
+    NaN or +inf score is not shifted away: it makes ``z`` NaN for good (docs/NAN_POLICY.md)."""
     s, v = ins
     k = _red_axis(box, axis)
     mu_new = np.maximum(state["mu"], np.max(s, axis=k))
-    safe = np.where(np.isfinite(mu_new), mu_new, 0.0)
+    safe = np.where(mu_new == -np.inf, 0.0, mu_new)
     with np.errstate(invalid="ignore", over="ignore"):
         delta = np.exp(state["mu"] - safe)
         p = np.exp(s - np.expand_dims(safe, k))

@@ -6,6 +6,10 @@
                                        simulator on tiny shapes)
 ``napkin goldens [--update]``          diff (or rewrite) the golden kernels in kernels/
 
+A refused request (any :class:`~napkin_cat.errors.NapkinError`, or a path that cannot be
+written) prints one line on stderr and exits with status 1; ``napkin --debug ...`` shows the
+traceback instead.
+
 argparse is the standard library's parser: no extra dependency for two subcommands.
 """
 
@@ -97,12 +101,27 @@ def demo(out: Path) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="napkin", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_demo = sub.add_parser("demo", help="run the pipeline on the library diagrams")
     p_demo.add_argument("--out", default="napkin_demo", help="folder for the pictures")
     p_gold = sub.add_parser("goldens", help="diff or rewrite the golden kernels in kernels/")
     p_gold.add_argument("--update", action="store_true")
     args = parser.parse_args(argv)
+    if args.debug:
+        return _run(args)
+    from .errors import NapkinError
+    try:
+        return _run(args)
+    except (NapkinError, OSError) as e:
+        text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+        if isinstance(e, OSError) and e.filename is not None and str(e.filename) not in text:
+            text += f": {e.filename}"
+        print(f"napkin: error: {text} (napkin --debug {args.cmd} ... shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def _run(args) -> int:
     if args.cmd == "demo":
         return demo(Path(args.out))
     if args.cmd == "goldens":

@@ -50,6 +50,8 @@ class Axis:
             raise TypingError(f"axis {self.name}: size must be an int or a symbol name, got {self.size!r}")
         if isinstance(self.size, int) and self.size < 1:
             raise TypingError(f"axis {self.name}: size must be >= 1, got {self.size}")
+        if isinstance(self.size, str) and not self.size.isidentifier():
+            raise TypingError(f"axis {self.name}: a symbolic size must be an identifier, got {self.size!r}")
 
     @property
     def symbolic(self) -> bool:
@@ -59,11 +61,13 @@ class Axis:
         return self.name if self.symbolic and self.size == self.name else f"{self.name}={self.size}"
 
     def bind(self, sizes: dict) -> "Axis":
-        for key in (self, self.name):
+        for key in (self, self.name) + ((self.size,) if self.symbolic else ()):
             if key in sizes:
-                return Axis(self.name, _int_size(self.name, sizes[key]))
-        if self.symbolic and self.size in sizes:
-            return Axis(self.name, _int_size(self.name, sizes[self.size]))
+                n = _int_size(self.name, sizes[key])
+                if not self.symbolic and n != self.size:
+                    raise TypingError(f"axis {self.name} has size {self.size}; cannot bind it to {n} "
+                                      f"(only symbolic sizes are bound)")
+                return self if n == self.size else Axis(self.name, n)
         return self
 
     def __repr__(self) -> str:
@@ -72,6 +76,8 @@ class Axis:
 
 def _int_size(name: str, value) -> Size:
     if isinstance(value, str):
+        if not value.isidentifier():
+            raise TypingError(f"axis {name}: a symbolic size must be an identifier, got {value!r}")
         return value
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypingError(f"axis {name}: size must be a positive integer, got {value!r}")
@@ -83,7 +89,18 @@ def _int_size(name: str, value) -> Size:
 
 def axes(names: str, **sizes: int) -> tuple[Axis, ...]:
     """``q, x, d = axes("q x d")``: symbolic axes; ``axes("q d", q=48)`` fixes some sizes."""
-    out = tuple(Axis(n, sizes.get(n, n)) for n in names.replace(",", " ").split())
+    if not isinstance(names, str):
+        raise TypingError(f"axes needs a string of axis names, got {names!r}")
+    split = names.replace(",", " ").split()
+    if not split:
+        raise TypingError(f"axes({names!r}): no axis names given")
+    dup = sorted({n for n in split if split.count(n) > 1})
+    if dup:
+        raise TypingError(f"axes({names!r}): axis name(s) {dup} given more than once")
+    extra = sorted(set(sizes) - set(split))
+    if extra:
+        raise TypingError(f"axes({names!r}): sizes given for {extra}, which are not among the names {split}")
+    out = tuple(Axis(n, sizes.get(n, n)) for n in split)
     if len(out) == 1:
         return out  # still a tuple: ``q, = axes("q")``
     return out
@@ -120,13 +137,20 @@ class Array:
     name: str = field(default="_", compare=False)
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypingError(f"array name must be a str, got {self.name!r}")
+        if isinstance(self.axes, (str, Axis)) or not hasattr(self.axes, "__iter__"):
+            raise TypingError(f"array {self.name}: axes must be a sequence of Axis values, got {self.axes!r}")
         object.__setattr__(self, "axes", tuple(self.axes))
-        names = [a.name for a in self.axes]
-        if len(set(names)) != len(names):
-            raise TypingError(f"array {self.name}: repeated axis in {names}")
         for a in self.axes:
             if not isinstance(a, Axis):
                 raise TypingError(f"array {self.name}: axes must be Axis values, got {a!r}")
+        names = [a.name for a in self.axes]
+        if len(set(names)) != len(names):
+            raise TypingError(f"array {self.name}: repeated axis in {names}")
+        if not isinstance(self.dtype, DType):
+            raise TypingError(f"array {self.name}: dtype must be a napkin_cat DType (e.g. nc.f16), got "
+                              f"{self.dtype!r}; known: {sorted(DTYPES)}")
 
     def __repr__(self) -> str:
         return f"Array({self.axes!r}, {self.dtype!r}, {self.name!r})"
@@ -164,6 +188,8 @@ class Ty:
     def __init__(self, *arrays: Array):
         flat: list[Array] = []
         for a in arrays:
+            if not isinstance(a, (Ty, Array)):
+                raise TypingError(f"Ty takes Array values, got {a!r}")
             flat.extend(a.arrays if isinstance(a, Ty) else (a,))
         object.__setattr__(self, "arrays", tuple(flat))
 
@@ -194,6 +220,8 @@ def _as_ty(x) -> Ty:
         return x
     if isinstance(x, Array):
         return Ty(x)
+    if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+        raise TypingError(f"expected a Ty, an Array or a sequence of Arrays, got {x!r}")
     return Ty(*x)
 
 
@@ -364,6 +392,8 @@ class Diagram:
         """Output ``i`` is input ``perm[i]``; ``perm`` may repeat (copy) or omit (discard)."""
         ty = _as_ty(ty)
         for p in perm:
+            if isinstance(p, bool) or not isinstance(p, int):
+                raise TypingError(f"permutation indices must be ints, got {p!r}")
             if not 0 <= p < len(ty):
                 raise TypingError(f"permutation index {p} out of range for {ty}")
         return Diagram(ty, Ty(*(ty[p] for p in perm)), (), tuple(perm))
@@ -376,6 +406,8 @@ class Diagram:
 
     @staticmethod
     def copy(arr: Array, n: int = 2) -> "Diagram":
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise TypingError(f"copy of {arr}: number of copies must be an int >= 0, got {n!r}")
         return Diagram.permute(Ty(arr), [0] * n)
 
     @staticmethod
@@ -384,6 +416,7 @@ class Diagram:
 
     # ---- composition, defined once
     def then(self, other: "Diagram") -> "Diagram":
+        _check_diagram(other, ">>", self)
         _check_unscheduled(self, other, ">>")
         if self.cod != other.dom:
             raise TypingError(errors.compose_mismatch(self, other))
@@ -397,6 +430,7 @@ class Diagram:
         return Diagram(self.dom, other.cod, tuple(eqns), tuple(var_map[v] for v in other.outs))
 
     def tensor(self, other: "Diagram") -> "Diagram":
+        _check_diagram(other, "@", self)
         _check_unscheduled(self, other, "@")
         n, m = len(self.dom), len(other.dom)
         total = n + m
@@ -418,6 +452,12 @@ class Diagram:
     __rshift__ = then
     __matmul__ = tensor
 
+    def __rrshift__(self, other):  # ``3 >> d``: the left operand is not a diagram
+        _check_diagram(other, ">>", self, left=True)
+
+    def __rmatmul__(self, other):
+        _check_diagram(other, "@", self, left=True)
+
     # ---- weaving
     def weave(self, axis: Axis, inputs: Sequence[int] | None = None) -> "Diagram":
         """Broadcast over ``axis``: ``out[j] = self(in[j])`` for every index ``j`` (= vmap).
@@ -432,8 +472,14 @@ class Diagram:
             raise TypingError(f"weave needs an Axis, got {axis!r}")
         if self.schedule:
             raise RelabelError("weave before relabelling: this diagram already carries " + self._sched_str())
+        if inputs is not None and (isinstance(inputs, (str, bytes)) or not hasattr(inputs, "__iter__")):
+            raise TypingError(f"weave over {axis.name}: inputs must be a sequence of input indices, got {inputs!r}")
         mapped = tuple(range(len(self.dom))) if inputs is None else tuple(inputs)
+        if len(set(mapped)) != len(mapped):
+            raise TypingError(f"weave over {axis.name}: input indices {list(mapped)} repeat an index")
         for i in mapped:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise TypingError(f"weave over {axis.name}: input indices must be ints, got {i!r}")
             if not 0 <= i < len(self.dom):
                 raise TypingError(f"weave over {axis.name}: input index {i} out of range (dom has {len(self.dom)})")
         for a in self.var_types():
@@ -452,6 +498,7 @@ class Diagram:
     # ---- sizes
     def bind(self, sizes: dict) -> "Diagram":
         """Substitute sizes: keys are Axis values, axis names, or symbol names."""
+        check_size_keys(self, sizes, "bind")
         return Diagram(self.dom.bind(sizes), self.cod.bind(sizes),
                        tuple(Eqn(e.box.bind(sizes), e.ins) for e in self.eqns), self.outs,
                        tuple(_bind_relabel(r, sizes) for r in self.schedule))
@@ -459,6 +506,9 @@ class Diagram:
     def rename(self, *names: str, inputs: bool = False) -> "Diagram":
         """Relabel the output (or input) wires' names; types are unchanged."""
         ty = self.dom if inputs else self.cod
+        for n in names:
+            if not isinstance(n, str) or not n:
+                raise TypingError(f"rename: wire names must be non-empty strings, got {n!r}")
         if len(names) != len(ty):
             raise TypingError(f"rename: {len(names)} names for {len(ty)} arrays")
         new = Ty(*(a.named(n) for a, n in zip(ty, names)))
@@ -530,6 +580,39 @@ class Diagram:
                          f"({', '.join(names[v] for v in e.ins)})")
         lines.append(f"out {', '.join(names[v] for v in self.outs)}")
         return "\n".join(lines)
+
+
+def _check_diagram(other, op: str, d: "Diagram", left: bool = False) -> None:
+    if not isinstance(other, Diagram):
+        sides = f"{type(other).__name__} {op} {d.short()}" if left else f"{d.short()} {op} {type(other).__name__}"
+        raise TypingError(f"'{op}' composes diagrams, got {sides} ({other!r})")
+
+
+def check_size_keys(d: "Diagram", sizes, what: str) -> None:
+    """``sizes`` is a mapping whose keys name something in ``d``: an axis (Axis value or name),
+    a symbolic size, or a tile/stream size symbol of its relabelings.  Anything else would be
+    ignored, so it is refused."""
+    if sizes is None:
+        return
+    if not hasattr(sizes, "items"):
+        raise TypingError(f"{what}: sizes must be a dict {{axis or symbol: int}}, got {sizes!r}")
+    axes_ = {a.name: a for a in d.axes}
+    known = set(axes_) | {a.size for a in axes_.values() if a.symbolic}
+    known |= {r.size for r in d.schedule if isinstance(r.size, str)}
+    for key in sizes:
+        if isinstance(key, Axis):
+            if key.name not in axes_:
+                raise TypingError(f"{what}: sizes names axis {key.name!r}, which is not in {d.short()}; "
+                                  f"its axes are {sorted(axes_)}")
+            mine = axes_[key.name]
+            if key.size != mine.size and not mine.symbolic and not key.symbolic:
+                raise TypingError(f"{what}: sizes key {key.describe()} does not match axis {mine.describe()}")
+        elif isinstance(key, str):
+            if key not in known:
+                raise TypingError(f"{what}: sizes names {key!r}, which is no axis, symbolic size or "
+                                  f"block size of {d.short()}; known: {sorted(known)}")
+        else:
+            raise TypingError(f"{what}: sizes keys must be Axis values or names, got {key!r}")
 
 
 def _bind_relabel(r: Relabel, sizes: dict) -> Relabel:

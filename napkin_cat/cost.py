@@ -274,6 +274,39 @@ def _ro(d) -> FrozenDict:
     return FrozenDict(d)
 
 
+def _check_level(level, what: str) -> str:
+    from .hierarchy import FULL
+    if not isinstance(level, str) or level not in FULL.names:
+        raise CostError(f"{what}: unknown memory level {level!r}; levels are {list(FULL.names)}")
+    return level
+
+
+def _check_hw(hw, what: str):
+    from .hardware import PROFILES, Hardware
+    if not isinstance(hw, Hardware):
+        hint = f" (use nc.hardware.{hw})" if isinstance(hw, str) and hw in PROFILES else ""
+        raise CostError(f"{what}: hw must be a hardware profile such as nc.hardware.H100, got {hw!r}{hint}; "
+                        f"profiles: {sorted(PROFILES)}")
+    return hw
+
+
+def _check_dtypes(dtypes, what: str):
+    """None (wire dtypes), one DType, or a mapping ``array name -> DType``."""
+    if dtypes is None or isinstance(dtypes, DType):
+        return dtypes
+    if hasattr(dtypes, "items") and all(isinstance(k, str) and isinstance(v, DType) for k, v in dtypes.items()):
+        return dtypes
+    from .core import DTYPES
+    raise CostError(f"{what}: dtype must be a napkin_cat DType (e.g. nc.f16) or {{array name: DType}}, got "
+                    f"{dtypes!r}; known: {sorted(DTYPES)}")
+
+
+def _positive_int(value, what: str) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) < 1:
+        raise CostError(f"{what} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def _num(e) -> int | Fraction | float:
     """An exact sympy number as int / Fraction (float only for irrational values)."""
     e = sp.nsimplify(e) if isinstance(e, float) else sp.sympify(e)
@@ -426,6 +459,14 @@ class Cost:
         """Sizes keyed by Axis, axis name, symbol name or sympy symbol -> {Symbol: Integer}."""
         out: dict = {}
         by_name = {a.name: a for a in self.diagram.axes}
+        if sizes is not None and not hasattr(sizes, "items"):
+            raise CostError(f"sizes must be a dict {{axis or symbol: int}}, got {sizes!r}")
+        known = set(by_name) | {a.size for a in by_name.values() if a.symbolic} | set(self.blocks)
+        for k in (sizes or {}):
+            name = k.name if isinstance(k, (Axis, sp.Symbol)) else k
+            if isinstance(name, str) and name not in known:
+                raise CostError(f"sizes names {name!r}, which is no axis, symbolic size or tile/stream size "
+                                f"of {self.diagram.short()}; known: {sorted(known)}")
         for k, v in (sizes or {}).items():
             if isinstance(k, Axis):
                 ax = by_name.get(k.name, k)
@@ -439,11 +480,11 @@ class Cost:
             else:
                 raise CostError(f"size key {k!r} is not an axis, an axis name or a symbol name")
             if isinstance(sym, int):
-                if int(v) != sym:
-                    raise CostError(f"axis {k} has size {sym}, sizes says {v}")
+                if isinstance(v, bool) or not hasattr(v, "__index__") or int(v) != sym:
+                    raise CostError(f"axis {getattr(k, 'name', k)} has size {sym}, sizes says {v!r}")
                 continue
             if isinstance(v, bool) or not hasattr(v, "__index__") or int(v) < 1:
-                raise CostError(f"size {k} must be a positive integer, got {v!r}")
+                raise CostError(f"size of {getattr(k, 'name', k)} must be a positive integer, got {v!r}")
             out[size_symbol(sym)] = sp.Integer(int(v))
         return out
 
@@ -466,6 +507,9 @@ class Cost:
     def bytes(self, level: str | None = None, dtypes=None):
         """Transfers in bytes: per level (``level=None``) or for one level.  ``dtypes``: one
         DType for every array, or ``{array name: DType}`` (mixed precision)."""
+        _check_dtypes(dtypes, "bytes")
+        if level is not None:
+            _check_level(level, "bytes")
         out: dict[str, sp.Expr] = {}
         for m in self.moves:
             out[m.upper] = out.get(m.upper, ZERO) + m.values * _resolve(m.array, m.dtype, dtypes).bytes
@@ -475,6 +519,9 @@ class Cost:
 
     def memory_bytes(self, level: str | None = None, dtypes=None):
         """Peak resident bytes per level (``Max`` over the loop nest's columns)."""
+        _check_dtypes(dtypes, "memory_bytes")
+        if level is not None:
+            _check_level(level, "memory_bytes")
         per: dict[str, list] = {}
         for col in self.columns:
             tot: dict[str, sp.Expr] = {}
@@ -496,6 +543,8 @@ class Cost:
 
     def objective(self, level: str = "SMEM", dtypes=None, in_bytes: bool = False) -> sp.Expr:
         """Transfers into and out of ``level`` from above (what its capacity trades against)."""
+        _check_level(level, "objective")
+        _check_dtypes(dtypes, "objective")
         tot = ZERO
         for m in self.moves:
             if m.lower == level:
@@ -519,6 +568,8 @@ class Cost:
         kept, which relaxes the constraint: the result is a lower bound on every integer
         choice.  Derived with sympy (Lagrange conditions); raises CostError when the optimum
         is not a sum of powers of M."""
+        _check_level(level, "closed_form")
+        _check_dtypes(dtypes, "closed_form")
         key = ("closed", level, bytes, _dkey(dtypes))
         if key in self._cache:
             return self._cache[key]
@@ -574,17 +625,27 @@ class Cost:
         with array sizes in bytes (``dtype``: a DType or ``{array: DType}``).  ``divides=True``
         keeps only tiles dividing their axis.  Transfers use the model's trip counts
         (``axis / tile``); ``transfers_ragged`` counts whole ragged last tiles."""
+        _check_level(level, "optimize")
+        _check_dtypes(dtype, "optimize")
+        if fixed is not None and not hasattr(fixed, "items"):
+            raise CostError(f"optimize: fixed must be a dict {{tile or stream size: int}}, got {fixed!r}")
+        for name, v in (fixed or {}).items():
+            _positive_int(v, f"optimize: fixed {name}")
         subs = self._subs(sizes)
         subs.update(self._subs(fixed or {}))
         in_bytes = memory is None
+        if memory is not None and hw is not None:
+            raise CostError(f"optimize: give hw (capacity from {getattr(hw, 'name', hw)}) or memory={memory!r} "
+                            f"(capacity in values), not both: one of them would be ignored")
         if in_bytes:
             if hw is None:
                 raise CostError("optimize needs hw (a hardware profile) or memory=<capacity in values>")
+            _check_hw(hw, "optimize")
             cap = hw.capacity(level)
             mem_e = sp.sympify(self.memory_bytes(level, dtype)).subs(subs)
             obj_e = self.objective(level, dtype, True).subs(subs)
         else:
-            cap = int(memory)
+            cap = _positive_int(memory, "optimize: memory (capacity in values)")
             mem_e = sp.sympify(self.memory.get(level, ZERO)).subs(subs)
             obj_e = self.objective(level).subs(subs)
         blocks = self.blocks
@@ -720,6 +781,12 @@ class Cost:
         """Groups per SM ``(M_max - stages * M_block) / M_group``: memory terms that scale with a
         tile size belong to one group; the rest (streamed chunks) is shared by the block and
         multiplied by ``stages`` (buffers in flight when loads are pipelined)."""
+        _check_hw(hw, "occupancy")
+        _check_level(level, "occupancy")
+        _check_dtypes(dtype, "occupancy")
+        _positive_int(stages, "occupancy: stages")
+        if capacity is not None:
+            _positive_int(capacity, "occupancy: capacity")
         subs = self._subs(sizes)
         tile_syms = {size_symbol(n) for n, ops in self.blocks.items() if any(op == "tile" for op, _ in ops)}
         axis_subs = {k: v for k, v in subs.items() if k not in tile_syms}
@@ -743,6 +810,9 @@ class Cost:
         for ``G`` groups).  Tile and stream sizes left symbolic are chosen to minimise this
         time among powers of two, divisors of the axis and the transfer optimum of
         :meth:`optimize`, subject to the capacity of ``level``."""
+        _check_hw(hw, "time")
+        _check_level(level, "time")
+        _check_dtypes(dtype, "time")
         subs = self._subs(sizes)
         unbound = [a.name for a in self.diagram.axes if a.symbolic and size_symbol(a.size) not in subs]
         if unbound:
@@ -840,6 +910,13 @@ class Cost:
         is the exact integer optimum (tiles capped at their axes); ``closed_seconds`` uses the
         closed form, which beyond the size where a tile covers its axis undercuts the
         compulsory traffic."""
+        _check_hw(hw, "multilevel")
+        _check_level(level, "multilevel")
+        _check_dtypes(dtype, "multilevel")
+        if cluster is not None:
+            _positive_int(cluster, "multilevel: cluster")
+        if hierarchy is not None and not isinstance(hierarchy, Hierarchy):
+            raise CostError(f"multilevel: hierarchy must be a Hierarchy, got {hierarchy!r}")
         h = hierarchy or self.hierarchy or make_hierarchy(l2=True, cluster=cluster is not None)
         q = (dtype.bytes if isinstance(dtype, DType) else _uniform_bytes(self, level, dtype))
         if q is None:
@@ -894,6 +971,7 @@ class Cost:
         per value, the transfers into ``level`` cost
         ``(inv_bw_outer - inv_bw_cluster) H*(N M_c) + inv_bw_cluster H*(M_c)``
         instead of ``inv_bw_outer H*(M_c)``."""
+        _positive_int(N, "cross_transfer: N (cores per cluster)")
         cf = self.closed_form(level)
         subs = self._subs(sizes or {})
         Hn, H1 = cf.at(N * M_c, subs), cf.at(M_c, subs)
@@ -1004,6 +1082,8 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
     result at the top level).  ``hierarchy`` is kept for :meth:`Cost.multilevel`."""
     if not isinstance(d, Diagram):
         raise CostError(f"cost needs a Diagram, got {type(d).__name__}")
+    if hierarchy is not None and not isinstance(hierarchy, Hierarchy):
+        raise CostError(f"cost: hierarchy must be a Hierarchy (nc.hierarchy.hierarchy(l2=True)), got {hierarchy!r}")
     ff = d.loop_nest()
     h = ff.hierarchy
     top, bottom = h.top, h.names[-1]
@@ -1093,9 +1173,12 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
                 work(acc.box, "update", loops, f"update {acc.box.cod[0].name}")
             else:
                 touch("read", states, loops, clevel)
-                main = next(("state", node.acc, s) for s, _, role in acc.states() if role == "main")
-                for v in dd.eqn_outputs(acc.eqn):
-                    alias[("var", v)] = main
+                # a state machine without a "main" state (logsumexp: m, z) computes its result
+                # from the statistics at the end: the output is a buffer of its own
+                main = next((("state", node.acc, s) for s, _, role in acc.states() if role == "main"), None)
+                if main is not None:
+                    for v in dd.eqn_outputs(acc.eqn):
+                        alias[("var", v)] = main
                 touch("write", dd.eqn_outputs(acc.eqn), loops, clevel)
                 work(acc.box, "finalise", loops, f"finalise {acc.box.cod[0].name}")
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from .check import EquivalenceReport, check_equivalent
 from .core import Axis, Diagram
-from .errors import EquivalenceError, RelabelError
+from .errors import EquivalenceError, RelabelError, UnverifiedError
 from .relabel import RULES
 
 _PREFIX = {"stream": "s", "tile": "g"}
@@ -155,6 +155,8 @@ def derive(d: Diagram, steps, *, verify: bool = True, examples: int = 25, **chec
         if verify:
             try:
                 report = check_equivalent(d, new, examples=examples, **check_options)
+            except UnverifiedError as e:
+                raise UnverifiedError(f"derive step {i} {name}{rec!r} was not verified: {e}") from None
             except EquivalenceError as e:
                 raise EquivalenceError(f"derive step {i} {name}{rec!r} changes the function:\n{e}",
                                        e.counterexample) from None

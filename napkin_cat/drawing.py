@@ -50,7 +50,7 @@ from matplotlib.path import Path
 from matplotlib.textpath import TextPath
 
 from .core import Array, Diagram
-from .errors import NapkinError
+from .errors import DrawingError, NapkinError, TypingError
 
 # --------------------------------------------------------------------------- palette and styles
 
@@ -127,6 +127,24 @@ def draw(d: Diagram, path: str | None = None, levels: Mapping | None = None, tit
     >>> bool(fig.get_size_inches()[0] > 1)
     True
     """
+    if not isinstance(d, Diagram):
+        raise TypingError(f"draw needs a Diagram, got {type(d).__name__}")
+    if path is not None:
+        _format(path)   # an unknown format is refused before any drawing
+    if levels is not None:
+        if not hasattr(levels, "items"):
+            raise TypingError(f"draw: levels must be a dict {{variable id or array name: level}}, got {levels!r}")
+        for k, v in levels.items():
+            if not isinstance(v, str):
+                raise TypingError(f"draw: level of {k!r} must be a level name or a colour (str), got {v!r}")
+    if weaved is not None:
+        if isinstance(weaved, str) or not hasattr(weaved, "__iter__"):
+            raise TypingError(f"draw: weaved must be a sequence of axis names, got {weaved!r}")
+        weaved = tuple(getattr(w, "name", w) for w in weaved)
+        names = [a.name for a in d.axes]
+        unknown = [w for w in weaved if w not in names]
+        if unknown:
+            raise TypingError(f"draw: weaved names {unknown}, which are not axes of {d.short()}; its axes are {names}")
     layout = _layout(d)
     woven = tuple(weaved_axes(d) if weaved is None else weaved)
     painter = _Painter(d, layout, _Colours(d, levels or {}), woven, title)
@@ -144,10 +162,31 @@ def to_svg(d: Diagram, **kw) -> str:
     return buf.getvalue()
 
 
+def formats() -> tuple[str, ...]:
+    """The formats :func:`save` writes, named by the path's extension (none: PNG): matplotlib's
+    (``svg``, ``png``, ``pdf``, ...)."""
+    return tuple(sorted(FigureCanvasAgg(Figure()).get_supported_filetypes()))
+
+
+def _format(path) -> str:
+    import os
+    if not isinstance(path, (str, os.PathLike)):
+        raise DrawingError(f"draw: path must be a file name (str or Path), got {path!r}")
+    name = os.path.basename(os.fspath(path))
+    fmt = name.rsplit(".", 1)[-1].lower() if "." in name else "png"
+    if fmt not in formats():
+        raise DrawingError(f"cannot save {os.fspath(path)!r}: unknown extension '.{fmt}'; supported: "
+                           f"{', '.join('.' + f for f in formats())}")
+    return fmt
+
+
 def save(fig: Figure, path: str) -> None:
     """Save ``fig`` to ``path`` in the format its extension names (PNG at 150 dpi)."""
-    fmt = str(path).rsplit(".", 1)[-1].lower() if "." in str(path) else "png"
-    _save(fig, path, fmt)
+    fmt = _format(path)
+    try:
+        _save(fig, path, fmt)
+    except OSError as e:
+        raise DrawingError(f"cannot write {str(path)!r}: {e.strerror or e}") from e
 
 
 def _save(fig: Figure, target, fmt: str) -> None:

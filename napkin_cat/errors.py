@@ -21,6 +21,12 @@ class ShapeError(NapkinError, ValueError):
     """An array passed to ``evaluate`` (or a kernel) does not match its wire."""
 
 
+class EmptyAxisError(ShapeError):
+    """An axis of size 0 (an empty input array, or ``sizes={axis: 0}``): every axis has at least
+    one element, so that max, softmax and the accumulators' row statistics are defined
+    (docs/NAN_POLICY.md)."""
+
+
 class UnknownKindError(NapkinError, KeyError):
     """A box kind has no rule in an interpretation table."""
 
@@ -40,8 +46,17 @@ class EquivalenceError(NapkinError, AssertionError):
         self.counterexample = counterexample or {}
 
 
+class UnverifiedError(EquivalenceError):
+    """A check ran no example (time budget spent, every configuration refused): nothing was
+    verified, so nothing passes."""
+
+
 class CostError(NapkinError, ValueError):
     """A cost or optimisation request cannot be answered (e.g. nothing fits the level)."""
+
+
+class DrawingError(NapkinError, ValueError):
+    """A picture cannot be drawn or saved as asked (unknown format, unwritable path)."""
 
 
 class LoweringError(NapkinError, ValueError):

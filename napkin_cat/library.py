@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from .core import Axis, Diagram, DType, axes, f32
 from .errors import TypingError
-from .ops import AxisPower, Builder, IndexBias, Predicate
+from .ops import AxisPower, Builder, IndexBias, Predicate, real_number
 from .ops import causal as causal_predicate, window as window_predicate
 
 
 def _ax(value: Axis | None, name: str) -> Axis:
     if value is None:
         return Axis(name, name)
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return Axis(name, value)
     if not isinstance(value, Axis):
         raise TypingError(f"axis argument {name} must be an Axis or an int, got {value!r}")
@@ -114,22 +114,34 @@ def attention(q: Axis | None = None, x: Axis | None = None, d: Axis | None = Non
     are shared by the group (inner broadcasting); ``batch`` weaves everything.  ``causal`` /
     ``window_size`` / ``mask`` add an index-predicate mask; ``bias="input"`` adds an input
     ``B[q x]`` (shared by heads and batch), an :class:`IndexBias` (e.g. ``alibi(0.5)``) adds a
-    bias computed from indices.
+    bias computed from indices.  ``window_size=w`` keeps keys ``i - w <= j <= i``: ``0`` keeps
+    only the diagonal ``j == i``; ``None`` (default) is no window.
     """
+    if not isinstance(causal, bool):
+        raise TypingError(f"attention causal must be True or False, got {causal!r}")
+    if window_size is not None:
+        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 0:
+            raise TypingError(f"attention window_size must be an int >= 0 (0 keeps only the diagonal "
+                              f"j == i) or None for no window, got {window_size!r}")
+    if mask is not None and not isinstance(mask, Predicate):
+        raise TypingError(f"attention mask must be a Predicate (nc.causal(), nc.window(n), "
+                          f"nc.predicate(fn)), got {mask!r}; for a causal mask pass causal=True")
+    if scale is not None:
+        scale = real_number("attention scale", scale)
     q, x, d = _ax(q, "q"), _ax(x, "x"), _ax(d, "d")
     dv = d if dv is None else _ax(dv, "e")
     g = Builder(dtype)
     Q, K, V = g.input("Q", q, d), g.input("K", x, d), g.input("V", x, dv)
     B = g.input("B", q, x) if bias == "input" else None
     S = g.contract(Q, K, out=(q, x), name="S")
-    S = g.map("scale", S, c=AxisPower(d) if scale is None else float(scale))
+    S = g.map("scale", S, c=AxisPower(d) if scale is None else scale)
     if B is not None:
         S = g.map("add", S, B, out=(q, x))
     elif isinstance(bias, IndexBias):
         S = g.index_bias(S, q, x, bias)
     elif bias is not None:
         raise TypingError(f"attention bias must be 'input' or an IndexBias, got {bias!r}")
-    for pred in ([causal_predicate()] if causal else []) + ([window_predicate(window_size)] if window_size else []) + \
+    for pred in ([causal_predicate()] if causal else []) + ([window_predicate(window_size)] if window_size is not None else []) + \
             ([mask] if mask is not None else []):
         S = g.mask(S, q, x, pred)
     P = g.softmax(S, x, name="P")

@@ -94,15 +94,43 @@ class Predicate:
         return f"Predicate({self.kind!r}, {self.args!r})"
 
 
+def _int_arg(what: str, value, minimum: int | None = None) -> int:
+    """An integer argument (a float such as 2.5 would be truncated silently: refused)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypingError(f"{what} must be an int, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise TypingError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def real_number(what: str, value) -> float:
+    """A finite real number (not a bool, a string or NaN/inf)."""
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        raise TypingError(f"{what} must be a real number, got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise TypingError(f"{what} must be a real number, got {value!r}") from None
+    if not math.isfinite(out):
+        raise TypingError(f"{what} must be finite, got {value!r}")
+    return out
+
+
 def causal(offset: int = 0) -> Predicate:
-    return Predicate("causal", (int(offset),))
+    return Predicate("causal", (_int_arg("causal offset", offset),))
 
 
 def window(left: int, right: int = 0) -> Predicate:
-    return Predicate("window", (int(left), int(right)))
+    """Keep ``i - left <= j <= i + right``; ``window(0)`` is the diagonal (only ``j == i``)."""
+    return Predicate("window", (_int_arg("window left size", left, 0), _int_arg("window right size", right, 0)))
 
 
 def predicate(fn: Callable, name: str = "custom") -> Predicate:
+    if not callable(fn):
+        raise TypingError(f"predicate needs a callable fn(i, j), got {fn!r}")
+    if not isinstance(name, str):
+        raise TypingError(f"predicate name must be a str, got {name!r}")
     return Predicate("custom", (name,), fn)
 
 
@@ -123,7 +151,20 @@ class IndexBias:
 
 
 def alibi(slope: float) -> IndexBias:
-    return IndexBias("alibi", (float(slope),))
+    return IndexBias("alibi", (real_number("alibi slope", slope),))
+
+
+def _check_arrays(what: str, arrays) -> None:
+    for a in arrays:
+        if not isinstance(a, Array):
+            raise TypingError(f"{what}: expected Array values, got {a!r}")
+
+
+def _check_dtype(what: str, dtype) -> None:
+    if not isinstance(dtype, DType):
+        from .core import DTYPES
+        raise TypingError(f"{what}: dtype must be a napkin_cat DType (e.g. nc.f16), got {dtype!r}; "
+                          f"known: {sorted(DTYPES)}")
 
 
 # --------------------------------------------------------------------------- typing helpers
@@ -140,6 +181,8 @@ def _union_axes(arrays: Sequence[Array]) -> tuple[Axis, ...]:
 
 
 def _find(arr: Array, axis: Axis | str) -> Axis:
+    if not isinstance(axis, (Axis, str)):
+        raise TypingError(f"{arr}: expected an Axis or an axis name, got {axis!r}")
     name = axis if isinstance(axis, str) else axis.name
     for ax in arr.axes:
         if ax.name == name:
@@ -168,12 +211,18 @@ def contract_box(dom: Sequence[Array], out_axes: Sequence[Axis], name: str = "C"
 
 
 def map_box(fn: str, dom: Sequence[Array], name: str = "", c=None, out_axes=None) -> Box:
-    if fn not in FUNCTIONS:
+    _check_arrays(f"map {fn!r}", dom)
+    if not isinstance(fn, str) or fn not in FUNCTIONS:
         raise TypingError(f"unknown elementwise function {fn!r}; known: {sorted(FUNCTIONS)}")
     if FUNCTIONS[fn] != len(dom):
         raise TypingError(f"{fn} takes {FUNCTIONS[fn]} input(s), got {len(dom)}: {', '.join(map(str, dom))}")
     if fn in ("scale", "shift") and c is None:
         raise TypingError(f"{fn} needs a constant c")
+    if c is not None:
+        if fn not in ("scale", "shift"):
+            raise TypingError(f"{fn} takes no constant c (only scale and shift do), got c={c!r}")
+        if not isinstance(c, AxisPower):
+            real_number(f"{fn} constant c", c)  # validated; the value is stored as given
     union = _union_axes(dom)
     if out_axes is not None:
         if {a.name for a in out_axes} != {a.name for a in union}:
@@ -186,7 +235,8 @@ def map_box(fn: str, dom: Sequence[Array], name: str = "", c=None, out_axes=None
 
 
 def reduce_box(op: str, arr: Array, axis: Axis, name: str = "") -> Box:
-    if op not in REDUCTIONS:
+    _check_arrays(f"reduce {op!r}", (arr,))
+    if not isinstance(op, str) or op not in REDUCTIONS:
         raise TypingError(f"unknown reduction {op!r}; known: {list(REDUCTIONS)}")
     ax = _find(arr, axis)
     return Box("reduce", Ty(arr), Ty(_drop(arr, ax, name or f"{op}_{ax.name}")),
@@ -210,20 +260,25 @@ NORMALISATIONS = {
 def normalize_box(arr: Array, axis: Axis, a1: str, a2: str, b: str, name: str = "N", eps: float = 0.0) -> Box:
     ax = _find(arr, axis)
     for f in (a1, a2, b):
-        if FUNCTIONS.get(f) != 1 or f in ("scale", "shift"):
+        if not isinstance(f, str) or FUNCTIONS.get(f) != 1 or f in ("scale", "shift"):
             raise TypingError(f"normalize: {f!r} is not a unary function without constant")
+    eps = real_number("normalize eps", eps)
     return Box("normalize", Ty(arr), Ty(arr.named(name)),
                (("axis", ax.name), ("a1", a1), ("a2", a2), ("b", b), ("eps", float(eps))),
                f"norm[{ax.name}]({a1}/{b}(sum {a2}))")
 
 
 def mask_box(arr: Array, row: Axis, col: Axis, pred: Predicate, name: str = "") -> Box:
+    if not isinstance(pred, Predicate):
+        raise TypingError(f"mask needs a Predicate (nc.causal(), nc.window(n), nc.predicate(fn)), got {pred!r}")
     r, c = _find(arr, row), _find(arr, col)
     return Box("mask", Ty(arr), Ty(arr.named(name or arr.name)),
                (("row", r.name), ("col", c.name), ("pred", pred)), f"mask {pred.kind}")
 
 
 def index_bias_box(arr: Array, row: Axis, col: Axis, bias: IndexBias, name: str = "") -> Box:
+    if not isinstance(bias, IndexBias):
+        raise TypingError(f"index_bias needs an IndexBias (e.g. nc.alibi(0.5)), got {bias!r}")
     r, c = _find(arr, row), _find(arr, col)
     return Box("index_bias", Ty(arr), Ty(arr.named(name or arr.name)),
                (("row", r.name), ("col", c.name), ("bias", bias)), f"bias {bias.kind}")
@@ -292,10 +347,19 @@ def param_box(arr: Array) -> Box:
 
 
 def const_box(arr: Array, value: float) -> Box:
-    return Box("const", Ty(), Ty(arr), (("value", float(value)),), f"const {value:g}")
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        raise TypingError(f"const {arr.name}: value must be a real number, got {value!r}")
+    try:
+        value = float(value)  # +-inf is a legitimate constant (the initial running max)
+    except (TypeError, ValueError):
+        raise TypingError(f"const {arr.name}: value must be a real number, got {value!r}") from None
+    if math.isnan(value):
+        raise TypingError(f"const {arr.name}: value must not be NaN")
+    return Box("const", Ty(), Ty(arr), (("value", value),), f"const {value:g}")
 
 
 def cast_box(arr: Array, dtype: DType) -> Box:
+    _check_dtype(f"cast of {arr}", dtype)
     return Box("cast", Ty(arr), Ty(arr.with_dtype(dtype)), (("dtype", dtype.name),), f"cast {dtype.name}")
 
 
@@ -345,6 +409,7 @@ class Builder:
     closes the trace with the chosen outputs."""
 
     def __init__(self, dtype: DType = f32):
+        _check_dtype("Builder", dtype)
         self.dtype = dtype
         self._inputs: list[Array] = []
         self._eqns: list[Eqn] = []
@@ -354,12 +419,15 @@ class Builder:
     def input(self, name: str, *axes_: Axis, dtype: DType | None = None) -> "Wire":
         if self._eqns:
             raise TypingError("declare every input before the first operation")
+        if dtype is not None:
+            _check_dtype(f"input {name}", dtype)
         arr = Array(tuple(axes_), dtype or self.dtype, name)
         self._inputs.append(arr)
         self._types.append(arr)
         return Wire(self, len(self._types) - 1)
 
     def _apply(self, box: Box, *wires: "Wire") -> tuple["Wire", ...]:
+        self._wires(box.name, wires)
         ins = tuple(w.var for w in wires)
         for w, a in zip(wires, box.dom):
             if self._types[w.var] != a:
@@ -373,7 +441,13 @@ class Builder:
         outs = self._apply(box, *wires)
         return outs[0] if len(outs) == 1 else outs
 
+    def _wires(self, what: str, wires) -> None:
+        for w in wires:
+            if not isinstance(w, Wire) or w.builder is not self:
+                raise TypingError(f"{what}: expected a wire of this Builder (from b.input or an operation), got {w!r}")
+
     def ty(self, w: "Wire") -> Array:
+        self._wires("Builder", (w,))
         return self._types[w.var]
 
     # operations
@@ -399,6 +473,8 @@ class Builder:
         return self.box(index_bias_box(self.ty(w), row, col, bias), w)
 
     def param(self, name: str, *axes_: Axis, dtype: DType | None = None) -> "Wire":
+        if dtype is not None:
+            _check_dtype(f"param {name}", dtype)
         return self.box(param_box(Array(tuple(axes_), dtype or self.dtype, name)))
 
     def const(self, value: float, *axes_: Axis, name: str = "c") -> "Wire":
@@ -411,6 +487,9 @@ class Builder:
         return self.box(cast_box(self.ty(w), dtype), w)
 
     def diagram(self, *outs: "Wire", names: Sequence[str] | None = None) -> Diagram:
+        self._wires("diagram", outs)
+        if names is not None and (isinstance(names, str) or len(names) != len(outs)):
+            raise TypingError(f"diagram: names={names!r} must give one name per output ({len(outs)})")
         cod = [self._types[w.var] for w in outs]
         if names:
             cod = [a.named(n) for a, n in zip(cod, names)]
@@ -470,6 +549,9 @@ def op(fn: str, *arrays: Array, c=None) -> Diagram:
 
 def contract(spec: str, *arrays: Array) -> Diagram:
     """``contract("q d, x d -> q x", Q, K)``: the names in ``spec`` must match the arrays'."""
+    if not isinstance(spec, str) or spec.count("->") != 1:
+        raise TypingError(f"contract spec must be a string 'in, in -> out', got {spec!r}")
+    _check_arrays(f"contract {spec!r}", arrays)
     lhs, rhs = spec.split("->")
     ins = [s.split() for s in lhs.split(",")]
     if len(ins) != len(arrays):

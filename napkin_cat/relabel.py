@@ -67,6 +67,8 @@ def _axis_name(d: Diagram, axis) -> str:
         raise RelabelError(f"expected an axis or an axis name, got {axis!r}")
     if name not in [a.name for a in d.axes]:
         raise RelabelError(f"{d.short()} has no axis {name!r}; its axes are {[a.name for a in d.axes]}")
+    if isinstance(axis, Axis) and axis != d.axis(name):
+        raise RelabelError(f"axis {axis.describe()} does not match the diagram's axis {d.axis(name).describe()}")
     return name
 
 
@@ -269,6 +271,10 @@ def _check_size(d: Diagram, axis: str, size, what: str):
             raise RelabelError(f"{what} size {size} is larger than axis {axis}={n}")
     elif not size.isidentifier():
         raise RelabelError(f"{what} size {size!r} for axis {axis} is not a valid symbol name")
+    for r in d.schedule:  # a later relabeling of the same axis nests inside the earlier ones
+        if r.op == what and r.axis == axis and isinstance(r.size, int) and isinstance(size, int) and size > r.size:
+            raise RelabelError(f"{what} size {size} for axis {axis} is larger than the enclosing "
+                               f"{r.op}({axis}, {r.size}) it nests in")
     for r in d.schedule:
         if r.op == "require" and r.axis == axis and isinstance(size, int) and size % r.size:
             raise RelabelError(f"{what} size {size} for axis {axis} is not a multiple of {r.size} "
@@ -276,6 +282,8 @@ def _check_size(d: Diagram, axis: str, size, what: str):
 
 
 def _check_level(level: str) -> str:
+    if not isinstance(level, str):
+        raise RelabelError(f"a memory level is a name such as 'SMEM', got {level!r}; levels: {list(FULL.names)}")
     FULL.index(level)
     if level == FULL.top:
         raise RelabelError(f"cannot partition into the top level {level}; pick a lower one")
@@ -291,7 +299,8 @@ def tile(d: Diagram, axis, size, level: str | None = None) -> Diagram:
     _check_size(d, name, size, "tile")
     if any(r.op == "stream" and r.axis == name for r in d.schedule):
         raise RelabelError(f"cannot tile {name}: it is already streamed; tile before streaming")
-    return replace(d, schedule=d.schedule + (Relabel("tile", name, size, _check_level(level or DEFAULT_LEVEL)),))
+    level = _check_level(DEFAULT_LEVEL if level is None else level)
+    return replace(d, schedule=d.schedule + (Relabel("tile", name, size, level),))
 
 
 def stream(d: Diagram, axis, size, level: str | None = None) -> Diagram:
@@ -302,11 +311,12 @@ def stream(d: Diagram, axis, size, level: str | None = None) -> Diagram:
     refused with the reason."""
     name = _axis_name(d, axis)
     _check_size(d, name, size, "stream")
+    level = _check_level(DEFAULT_LEVEL if level is None else level)
     fused = fuse_norm_contract(fuse_softmax_contract(d, name), name)
     plan = stream_plan(fused.unrelabelled(), name)
     if isinstance(plan, str):
         raise RelabelError(f"cannot stream {name}: {plan}")
-    return replace(fused, schedule=fused.schedule + (Relabel("stream", name, size, _check_level(level or DEFAULT_LEVEL)),))
+    return replace(fused, schedule=fused.schedule + (Relabel("stream", name, size, level),))
 
 
 def place(d: Diagram, array: str, level: str) -> Diagram:
@@ -314,6 +324,8 @@ def place(d: Diagram, array: str, level: str) -> Diagram:
     names = set(d.var_names())
     if array not in names:
         raise RelabelError(f"no wire named {array!r}; wires are {sorted(names)}")
+    if not isinstance(level, str):
+        raise RelabelError(f"place({array}): a memory level is a name such as 'SMEM', got {level!r}")
     FULL.index(level)
     return replace(d, schedule=d.schedule + (Relabel("place", "", None, level, (array,)),))
 
@@ -337,6 +349,8 @@ def require(d: Diagram, axis, multiple_of: int) -> Diagram:
 def order(d: Diagram, *axes_) -> Diagram:
     """Nest the stream loops in this order (outer first); unnamed loops keep their order."""
     names = tuple(_axis_name(d, a) for a in axes_)
+    if len(set(names)) != len(names):
+        raise RelabelError(f"order: axes {list(names)} name an axis more than once")
     streamed = [r.axis for r in d.schedule if r.op == "stream"]
     for n in names:
         if n not in streamed:

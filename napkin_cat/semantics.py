@@ -8,6 +8,12 @@ declared sizes, so the tiled executor can run them on chunks; masks and index bi
 chunk's global offset to their indices.
 
 Contractions go through ``opt_einsum`` (good contraction paths for any number of operands).
+
+NaN, +-inf and empty axes follow one policy at every level (this oracle, the tiled executor,
+:mod:`napkin_cat.torch_semantics`, generated kernels): see ``docs/NAN_POLICY.md``.  In short,
+a NaN propagates to every output that depends on it; infinities follow IEEE arithmetic of the
+max-shifted reference formulas; a fully masked softmax row (every score -inf) gives zeros; an
+axis of size 0 is refused (:class:`~napkin_cat.errors.EmptyAxisError`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import numpy as np
 import opt_einsum
 
 from .core import Array, Axis, Box, Diagram, DType, Ty
-from .errors import ShapeError, TypingError, UnknownKindError
+from .errors import EmptyAxisError, ShapeError, TypingError, UnknownKindError
 from .ops import FUNCTIONS, NORMALISATIONS, constant_value
 
 NP_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.float32, "fp8_e4m3": np.float32,
@@ -82,13 +88,16 @@ def index_grid(box_arr: Array, shape, row: str, col: str, ctx: Ctx):
 
 
 def safe_softmax(s: np.ndarray, ax: int) -> np.ndarray:
-    """Softmax along ``ax``; a row with no finite score (fully masked) gives zeros."""
+    """Softmax along ``ax`` (docs/NAN_POLICY.md): a fully masked row (every score -inf) gives
+    zeros; a row holding a NaN or a +inf gives NaN everywhere (``exp(s - max s)`` in IEEE
+    arithmetic: the max is NaN, or ``inf - inf``), never zeros."""
     m = np.max(s, axis=ax, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
+    m = np.where(m == -np.inf, 0.0, m)  # only a row with no score above -inf is shifted by 0
     with np.errstate(invalid="ignore", over="ignore"):
         e = np.exp(s - m)
-    z = np.sum(e, axis=ax, keepdims=True)
-    return np.where(z > 0, e / np.where(z > 0, z, 1), 0.0)
+    z = np.sum(e, axis=ax, keepdims=True)  # >= 1 unless fully masked (0), or NaN
+    with np.errstate(invalid="ignore"):
+        return np.where(z == 0, 0.0, e / np.where(z == 0, 1, z))
 
 
 def normalise(x: np.ndarray, ax: int, a1: str, a2: str, b: str, eps: float) -> np.ndarray:
@@ -144,7 +153,7 @@ def rule_reduce(box: Box, ins, ctx):
     if op == "logsumexp":
         m = np.max(x, axis=ax, keepdims=True)
         m = np.where(np.isfinite(m), m, 0.0)
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
             return (np.squeeze(m, ax) + np.log(np.sum(np.exp(x - m), axis=ax)),)
     raise UnknownKindError(f"no NumPy rule for reduction {op!r}")
 
@@ -273,6 +282,9 @@ def resolve_sizes(d: Diagram, arrays, sizes: dict | None) -> dict[str, int]:
         for key in (ax, ax.name, ax.size if ax.symbolic else None):
             if key is not None and key in sizes:
                 out[ax.name] = int(sizes[key])
+                if out[ax.name] == 0:
+                    raise EmptyAxisError(f"sizes: axis {ax.name} has size 0; every axis needs at least one "
+                                         f"element (docs/NAN_POLICY.md)")
                 break
         else:
             if not ax.symbolic:
@@ -283,6 +295,9 @@ def resolve_sizes(d: Diagram, arrays, sizes: dict | None) -> dict[str, int]:
             raise ShapeError(f"input {arr}: expected {len(arr.axes)} axes "
                              f"({' '.join(arr.axis_names)}), got an array of shape {shape}")
         for ax, n in zip(arr.axes, shape):
+            if n == 0:
+                raise EmptyAxisError(f"input {arr}: axis {ax.name} has size 0 (array shape {tuple(shape)}); "
+                                     f"every axis needs at least one element (docs/NAN_POLICY.md)")
             if ax.name in out and out[ax.name] != n:
                 raise ShapeError(f"input {arr}: axis {ax.name} should have size {out[ax.name]}, "
                                  f"got {n} (array shape {shape})")
@@ -302,8 +317,51 @@ def check_inputs(d: Diagram, arrays) -> None:
             raise ShapeError(f"input {arr}: expected an integer array for dtype {arr.dtype.name}, got dtype {dtype}")
 
 
-def _as_numpy(x) -> np.ndarray:
+def _internal_caller(depth: int = 2) -> bool:
+    """Whether the public entry point was called from inside napkin_cat (the equivalence checker
+    passes one sizes dict, blocks of both diagrams included, to each side)."""
+    import sys
+    try:
+        return sys._getframe(depth).f_globals.get("__name__", "").startswith("napkin_cat.")
+    except ValueError:
+        return False
+
+
+def check_call_options(d: Diagram, sizes, params, what: str, internal: bool = False) -> None:
+    """``sizes`` values are positive ints and (unless ``internal``) every key names something in
+    ``d``; ``params`` is a mapping whose names (unless ``internal``) are parameters of ``d``."""
+    from .core import check_size_keys
+    if sizes is not None:
+        if not hasattr(sizes, "items"):
+            raise TypingError(f"{what}: sizes must be a dict {{axis or symbol: int}}, got {sizes!r}")
+        if not internal:
+            check_size_keys(d, sizes, what)
+        for key, n in sizes.items():
+            name = key.name if isinstance(key, Axis) else key
+            if isinstance(n, bool) or not hasattr(n, "__index__"):
+                raise ShapeError(f"{what}: size of {name} must be a positive integer, got {n!r}")
+            if int(n) < 0:  # zero-size axes are decided by resolve_sizes / the loop nest
+                raise ShapeError(f"{what}: size of {name} must be a positive integer, got {int(n)}")
+    if params is not None:
+        if not hasattr(params, "items"):
+            raise TypingError(f"{what}: params must be a dict {{parameter name: array}}, got {params!r}")
+        if not internal:
+            known = sorted(e.box.param("pname") for e in d.eqns if e.box.kind == "param")
+            for name in params:
+                if name not in known:
+                    raise ShapeError(f"{what}: params names {name!r}, which is not a parameter of "
+                                     f"{d.short()}; its parameters are {known}")
+
+
+def _as_numpy(x, arr: Array | None = None) -> np.ndarray:
     """NumPy view of an input; torch tensors (any device, bf16/fp8 widened) are copied over."""
+    if arr is not None and (x is None or isinstance(x, (str, bytes, dict, set))):
+        raise ShapeError(f"input {arr}: expected an array, got {type(x).__name__} {x!r}"[:200])
+    if arr is not None and not type(x).__module__.startswith("torch"):
+        try:
+            return np.asarray(x)
+        except (ValueError, TypeError) as e:
+            raise ShapeError(f"input {arr}: cannot be read as an array ({e})"[:300]) from None
     if type(x).__module__.startswith("torch"):
         t = x.detach().cpu()
         if t.is_floating_point() and t.element_size() < 2 or str(t.dtype) == "torch.bfloat16":
@@ -346,7 +404,11 @@ def evaluate(d: Diagram, *arrays, sizes: dict | None = None, params: dict | None
     """
     if not isinstance(d, Diagram):
         raise TypingError(f"evaluate needs a Diagram, got {type(d).__name__}")
-    arrays = tuple(_as_numpy(x) for x in arrays)
+    check_call_options(d, sizes, params, "evaluate", _internal_caller())
+    if not isinstance(reference, bool):
+        raise TypingError(f"evaluate: reference must be True or False, got {reference!r}")
+    if len(arrays) == len(d.dom):
+        arrays = tuple(_as_numpy(x, a) for x, a in zip(arrays, d.dom))
     check_inputs(d, arrays)
     bound = resolve_sizes(d, arrays, sizes)
     ctx = Ctx(bound, {}, reference, dict(params or {}))

@@ -25,7 +25,7 @@ import torch
 from .core import Array, Box, Diagram, Ty
 from .errors import ShapeError, TypingError, UnknownKindError
 from .ops import FUNCTIONS, NORMALISATIONS, REDUCTIONS, constant_value
-from .semantics import NUMPY_RULES, concrete_shape, resolve_sizes
+from .semantics import NUMPY_RULES, _internal_caller, check_call_options, concrete_shape, resolve_sizes
 
 # integer wires keep their width; float wires use the working dtype (see module docstring)
 TORCH_INT_DTYPES = {"i8": torch.int8}
@@ -79,14 +79,17 @@ def index_grid(box_arr: Array, shape, row: str, col: str, dtype=torch.int64):
 
 
 def safe_softmax(s: torch.Tensor, dim: int) -> torch.Tensor:
-    """Softmax along ``dim``; a row with no finite score (fully masked) gives zeros, not NaN."""
+    """Softmax along ``dim`` (docs/NAN_POLICY.md): a fully masked row (every score -inf) gives
+    zeros, not NaN; a row holding a NaN or a +inf gives NaN everywhere, as the NumPy oracle."""
     m = torch.amax(s, dim=dim, keepdim=True)
-    # the shift is only for range: softmax is shift-invariant, so no gradient flows through it
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
+    # the shift is only for range: softmax is shift-invariant, so no gradient flows through it;
+    # only a row with no score above -inf is shifted by 0 (NaN and +inf pass through)
+    m = torch.where(m == -math.inf, torch.zeros_like(m), m).detach()
     e = torch.exp(s - m)
-    z = e.sum(dim=dim, keepdim=True)
+    z = e.sum(dim=dim, keepdim=True)   # >= 1 unless fully masked (0), or NaN
     # both branches of where must be finite, or the backward pass turns 0 * inf into NaN
-    return torch.where(z > 0, e / torch.where(z > 0, z, torch.ones_like(z)), torch.zeros_like(e))
+    full = z == 0
+    return torch.where(full, torch.zeros_like(e), e / torch.where(full, torch.ones_like(z), z))
 
 
 def normalise(x: torch.Tensor, dim: int, a1: str, a2: str, b: str, eps: float) -> torch.Tensor:
@@ -309,6 +312,7 @@ def to_torch(d: Diagram) -> Callable:
     nvars = len(d.var_types())
 
     def fn(*tensors, sizes: dict | None = None, params: dict | None = None):
+        check_call_options(d, sizes, params, fn.__name__, _internal_caller())
         _check_inputs(d, tensors)
         bound = resolve_sizes(d, tensors, sizes)
         for arr in d.dom:

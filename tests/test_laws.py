@@ -356,17 +356,22 @@ def test_bind_substitutes_sizes(case, seed):
     sym = {n: Axis(n, f"N_{n}") for n in AXIS_NAMES}
     key = {"axis": lambda n: sym[n], "name": lambda n: n, "symbol": lambda n: f"N_{n}"}
     d = build(recipe, sym)
-    bound = d.bind({key[key_kind[n]](n): sizes[n] for n in AXIS_NAMES})
+    used = {ax.name for ax in d.axes}   # a name the diagram lacks is refused, not ignored
+    bound = d.bind({key[key_kind[n]](n): sizes[n] for n in AXIS_NAMES if n in used})
     assert bound == build(recipe, int_axes(sizes))
     assert all(not ax.symbolic for ax in bound.axes)
     xs = random_inputs(bound.dom, seed)
-    assert_all_close(as_tuple(nc.evaluate(d, *xs, sizes={sym[n]: s for n, s in sizes.items()})),
+    assert_all_close(as_tuple(nc.evaluate(d, *xs, sizes={sym[n]: s for n, s in sizes.items() if n in used})),
                      as_tuple(nc.evaluate(bound, *xs)))
 
 
 @given(recipes(), sizes_st)
 def test_bind_leaves_unnamed_axes_symbolic(recipe, sizes):
     d = build(recipe, {n: Axis(n) for n in AXIS_NAMES})
+    if "a" not in {ax.name for ax in d.axes}:   # binding an axis the diagram lacks is refused
+        with pytest.raises(nc.TypingError, match="sizes names 'a'"):
+            d.bind({"a": sizes["a"]})
+        return
     bound = d.bind({"a": sizes["a"]})
     assert {ax.name: ax.size for ax in bound.axes} == {
         ax.name: (sizes["a"] if ax.name == "a" else ax.name) for ax in d.axes}

@@ -36,6 +36,21 @@ def _no_rescale_update(box, axis, state, ins, ctx):
     return {"mu": mu_new, "z": state["z"] + np.sum(p, axis=k), "o": o}
 
 
+def _rescale_only_outside_moderate_jumps(box, axis, state, ins, ctx):
+    """online softmax that skips the rescale when the running max jumps by 20 to 1e4 (the
+    jumps real scores make between chunks; near 1 or near 1e8 it is right)."""
+    s, v = ins
+    k = accumulators._red_axis(box, axis)
+    mu_new = np.maximum(state["mu"], np.max(s, axis=k))
+    safe = np.where(np.isfinite(mu_new), mu_new, 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        jump = mu_new - state["mu"]
+        delta = np.where((jump > 20) & (jump < 1e4), 1.0, np.exp(state["mu"] - safe))
+        p = np.exp(s - np.expand_dims(safe, k))
+    o = np.expand_dims(delta, -1) * state["o"] + accumulators._einsum([p, v], box.dom, accumulators._out_names(box))
+    return {"mu": mu_new, "z": delta * state["z"] + np.sum(p, axis=k), "o": o}
+
+
 def _zero_max_init(box, axis, shapes, ctx):
     """online softmax starting from ``mu = 0`` instead of ``-inf``."""
     return {"mu": np.zeros(shapes["mu"]), "z": np.zeros(shapes["z"]), "o": np.zeros(shapes["o"])}
@@ -44,6 +59,11 @@ def _zero_max_init(box, axis, shapes, ctx):
 def _drop_partial_chunks(start, stop, step):
     """every ragged chunk is skipped (also a lone one shorter than the block)."""
     return range(start, stop - (stop - start) % step, step)
+
+
+def _drop_from_fourth_chunk_on(start, stop, step):
+    """chunks from the fourth on are skipped."""
+    return range(start, min(stop, start + 3 * step), step)
 
 
 def _drop_tail_after_full_chunks(start, stop, step):
@@ -120,3 +140,26 @@ def test_counterexample_message_shows_the_shrunk_example(monkeypatch):
     text = str(_catch(a, b))
     assert "shrunk through" in text and "first difference: output O at (q=0, d=0)" in text
     assert "rng = np.random.default_rng(" in text and "nc.evaluate(b, Q, K, V, sizes=sizes)" in text
+
+
+@pytest.mark.parametrize("case", ["concrete", "causal"])
+def test_rescale_skipped_on_moderate_jumps_is_caught(case, monkeypatch):
+    """Only the ``jumps`` regime makes the running max jump by 20-1e4 between chunks."""
+    a, b, blocks = CASES[case]
+    monkeypatch.setitem(ACC_RULES, "online_softmax",
+                        dataclasses.replace(ACC_RULES["online_softmax"], update=_rescale_only_outside_moderate_jumps))
+    err = _catch(a, b)
+    assert err.counterexample["regime"] == "jumps"
+    _reproduces(err)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bug_from_the_fourth_chunk_on_is_caught(case, monkeypatch):
+    """Sizes are drawn up to six blocks, so four or more chunks occur in the default budget."""
+    a, b, blocks = CASES[case]
+    monkeypatch.setattr(loopnest, "chunk_starts", _drop_from_fourth_chunk_on)
+    err = _catch(a, b)
+    cx = err.counterexample
+    concrete = {ax: cx["blocks"][blk] if isinstance(blk, str) else blk for ax, blk in blocks.items()}
+    assert any(cx["axis_sizes"][ax] > 3 * blk for ax, blk in concrete.items()), cx
+    _reproduces(err)

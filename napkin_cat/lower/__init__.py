@@ -32,6 +32,7 @@ from ..errors import LoweringError, ShapeError
 __all__ = ["lower", "Kernel", "Launch"]
 
 TARGETS = ("numba.cuda",)
+SELF_CHECK_RUNS = 2   # inputs every lowered kernel is run on against the oracle before lower() returns it
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Launch:
 
 def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, threads: int | None = None,
           *, name: str | None = None, micro: tuple[int, int] | None = None, fastmath: bool = True,
-          prefetch: bool | str = False, hw=None) -> "Kernel":
+          prefetch: bool | str = False, hw=None, verify: bool | int = True) -> "Kernel":
     """Generate a numba.cuda kernel for ``d`` (every axis size bound).
 
     ``tiles``: ``{axis or symbol: size}`` for tiled axes (tile size) and streamed axes (chunk);
@@ -53,7 +54,11 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     ``fastmath``: compile with fast (approximate) exp / division.  ``prefetch``: fetch each
     chunk's inputs into registers one chunk ahead (global loads overlap the compute, at the
     price of registers); ``prefetch="double"``: two shared-memory buffers per chunked input,
-    one barrier per chunk.
+    one barrier per chunk.  ``verify``: before it is returned, the kernel runs against the NumPy
+    float64 oracle on ``SELF_CHECK_RUNS`` inputs (``True``) or that many (an int) at its bound
+    sizes, and a difference raises :class:`~napkin_cat.errors.EquivalenceError` with code that
+    reproduces it; ``verify=False`` skips it and ``kernel.verified`` says so
+    (``nc.check_equivalent(oracle, kernel)`` draws far more inputs either way).
 
     Raises :class:`~napkin_cat.errors.LoweringError` naming what cannot lower and why.
     """
@@ -70,12 +75,16 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
         raise LoweringError(f"{outer[0].op}({outer[0].axis}) at level {outer[0].level}: a kernel launch has "
                             f"no loop above its thread blocks; levels above SMEM model which blocks share "
                             f"a cache (use them with nc.cost) and are left out of the diagram you lower")
+    if not (isinstance(verify, bool) or isinstance(verify, int) and verify >= 0):
+        raise LoweringError(f"lower: verify must be True, False or a number of runs >= 0, got {verify!r}")
+    runs = SELF_CHECK_RUNS if verify is True else int(verify)
     simulate = not _gpu_present(runtime)
     sched = choose(d, tiles, threads, simulate=simulate, hw=hw)
     kname = name or _default_name(sched.diagram)
     gen = KernelGen(sched.diagram, kname, sched.threads, sched.batch_axes, fastmath=fastmath, micro=micro,
                     prefetch=prefetch)
     gen.notes.append(f"Block sizes: {sched.how}.")
+    gen.notes.extend(sched.notes)   # what the schedule changed (loop order)
     source = gen.emit()
     limits = runtime.device_limits() if "numba.cuda" in sys.modules else runtime.H100_DEFAULTS
     limit = limits.max_shared_per_block_optin
@@ -85,7 +94,16 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
                             f"of shared memory per block ({bufs}); the limit is {limit}: use smaller "
                             f"tiles or chunks")
     launch = Launch(tuple(gen.grid), (sched.threads, 1, 1), gen.smem_bytes)
-    return Kernel(sched.diagram, source, kname, launch, sched, gen)
+    kernel = Kernel(sched.diagram, source, kname, launch, sched, gen)
+    kernel.options = {"threads": sched.threads, "micro": micro, "fastmath": fastmath, "prefetch": prefetch,
+                      "name": kname}
+    if runs:
+        from ..kernelcheck import self_check
+        kernel.notes += (self_check(kernel, runs),)
+        kernel.verified = True
+    else:
+        kernel.notes += ("Not verified: lower(..., verify=False); run nc.check_equivalent(oracle, kernel).",)
+    return kernel
 
 
 def _gpu_present(runtime) -> bool:
@@ -115,6 +133,9 @@ class Kernel:
         self.in_shapes = tuple(tuple(a.size for a in arr.axes) for arr in diagram.dom)
         self.out_shapes = tuple(tuple(a.size for a in arr.axes) for arr in diagram.cod)
         self.mappings = {gen.types[t.var].name: t.mapping.describe() for t in gen.targets.values()}
+        self.notes: tuple[str, ...] = tuple(gen.notes)   # what the generator chose, and what was verified
+        self.verified = False                            # compared with the oracle by lower()
+        self.options: dict = {}                          # the lower() options that rebuild it
         self._dispatcher = None
         self._launchers: dict = {}
 
@@ -144,16 +165,10 @@ class Kernel:
     def __call__(self, *arrays, out=None, stream=None):
         from . import runtime
 
-        if len(arrays) != len(self.in_shapes):
-            names = ", ".join(a.name for a in self.diagram.dom)
-            raise ShapeError(f"kernel {self.name} takes {len(self.in_shapes)} arrays ({names}), "
-                             f"got {len(arrays)}")
+        kinds = self._check_call(arrays, stream)
         sim = runtime.simulator_active()
-        kinds = [_kind(a) for a in arrays]
         args = []
-        for arr, x, kind, shape in zip(self.diagram.dom, arrays, kinds, self.in_shapes):
-            if tuple(x.shape) != shape:
-                raise ShapeError(f"input {arr}: expected shape {shape}, got {tuple(x.shape)}")
+        for x, kind in zip(arrays, kinds):
             args.append(_flat_input(x, kind, sim, stream))
         outs = self._outputs(arrays, kinds, out, sim)
         for o in outs:
@@ -168,23 +183,47 @@ class Kernel:
         """A zero-argument callable that launches on these arrays (converted once): for timing
         loops, where the per-call conversions would be host time in every measurement."""
         from . import runtime
+        kinds = self._check_call(arrays, stream)
         sim = runtime.simulator_active()
-        kinds = [_kind(a) for a in arrays]
         args = [_flat_input(x, k, sim, stream) for x, k in zip(arrays, kinds)]
         outs = self._outputs(arrays, kinds, out, sim)
         args += [_flat_output(o, _kind(o), sim) for o in outs]
         launcher = self._launcher(stream)
         return lambda: launcher(*args)
 
+    def _check_call(self, arrays, stream) -> list[str]:
+        """Refuse what the kernel cannot read, before anything is converted or launched: the
+        number of arrays, each array's kind (numpy, torch, CUDA array), real dtype and shape."""
+        if len(arrays) != len(self.in_shapes):
+            names = ", ".join(a.name for a in self.diagram.dom)
+            raise ShapeError(f"kernel {self.name} takes {len(self.in_shapes)} arrays ({names}), "
+                             f"got {len(arrays)}")
+        if isinstance(stream, (str, bytes, bool, float, list, tuple, dict)):
+            raise ShapeError(f"kernel {self.name}: stream must be None or a CUDA stream, got {stream!r}")
+        kinds = [_kind(a) for a in arrays]
+        for arr, x, kind, shape in zip(self.diagram.dom, arrays, kinds, self.in_shapes):
+            _check_array(f"input {arr}", x, kind)
+            if tuple(x.shape) != shape:
+                raise ShapeError(f"input {arr}: expected shape {shape}, got {tuple(x.shape)}")
+        return kinds
+
     def _outputs(self, arrays, kinds, out, sim):
         if out is not None:
-            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            several = isinstance(out, tuple) or (isinstance(out, list) and all(hasattr(o, "shape") for o in out))
+            outs = list(out) if several else [out]
             if len(outs) != len(self.out_shapes):
                 raise ShapeError(f"kernel {self.name} has {len(self.out_shapes)} outputs, out= gave {len(outs)}")
             for o, shape, arr in zip(outs, self.out_shapes, self.diagram.cod):
+                what = f"out= for {arr}"
+                kind = _kind(o)
+                _check_array(what, o, kind)
                 if tuple(o.shape) != shape or "float32" not in str(o.dtype):
-                    raise ShapeError(f"out= for {arr}: expected float32 of shape {shape}, got "
+                    raise ShapeError(f"{what}: expected float32 of shape {shape}, got "
                                      f"{o.dtype} of shape {tuple(o.shape)}")
+                if kind == "numpy" and not (o.flags.c_contiguous and o.flags.writeable):
+                    raise ShapeError(f"{what}: expected a C-contiguous, writeable float32 array")
+                if kind in ("torch_cpu", "torch_cuda") and (not o.is_contiguous() or o.requires_grad):
+                    raise ShapeError(f"{what}: expected a contiguous float32 tensor that does not require grad")
             return outs
         like = next((a for a, k in zip(arrays, kinds) if k in ("torch_cuda", "device")), None)
         if like is None:
@@ -214,11 +253,31 @@ def _kind(x) -> str:
     return "numpy"
 
 
+def _check_array(what: str, x, kind: str) -> None:
+    """``x`` is an array the kernel can read or write: a numpy array, a torch tensor or a CUDA
+    array, of a real (float or integer) dtype."""
+    import numpy as np
+    if kind == "numpy" and not isinstance(x, np.ndarray):
+        raise ShapeError(f"{what}: expected a numpy array, a torch tensor or a CUDA device array, got "
+                         f"{type(x).__name__}" + (" (convert it with np.asarray)" if isinstance(x, (list, tuple)) else ""))
+    if kind in ("torch_cpu", "torch_cuda"):
+        if x.is_complex() or str(x.dtype) == "torch.bool":
+            raise ShapeError(f"{what}: expected a real tensor, got dtype {x.dtype}")
+        return
+    try:
+        dk = np.dtype(str(x.dtype)).kind
+    except TypeError:
+        dk = "?"
+    if dk not in "fiu":
+        raise ShapeError(f"{what}: expected a real (float or integer) array, got dtype {x.dtype}")
+
+
 def _flat_input(x, kind, sim, stream):
     import numpy as np
     from .runtime import as_device_array, import_cuda
     if kind in ("torch_cuda", "torch_cpu"):
         import torch
+        x = x.detach()   # the kernel reads it; the caller's tensor and its graph are left alone
         if x.dtype != torch.float32:
             x = x.float()
         x = x.contiguous().reshape(-1)

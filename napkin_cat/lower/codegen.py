@@ -28,7 +28,9 @@ Passes (in :class:`KernelGen`)
        *register micro-tiles* (``MR x MC`` accumulators in ``cuda.local.array``, indexed
        by constants in loops NVVM unrolls, operand fragments read from 16-byte aligned shared
        memory); reductions with few outputs use groups of lanes per output (row reductions:
-       warp shuffles on a GPU, a shared-memory tree under the simulator); the rest is a flat
+       warp shuffles on a GPU, a shared-memory tree under the simulator; groups beyond the
+       outputs, as when a tile of 3 rows meets 4 groups or 48 threads, take part in the group
+       reductions and barriers but run empty loops and write nothing); the rest is a flat
        element loop;
     5. ``_layouts`` / ``_buffers``  shared-memory layout (the axis a micro-tile reads along is
        made contiguous) and offsets in one dynamic shared-memory array;
@@ -125,7 +127,7 @@ def _fn_expr(gen: "KernelGen", fn: str, args: list[str], c=None) -> str:
         return a
     if fn == "sign":
         one, zero = k.f(1.0, "ONE"), k.f(0.0, "ZERO")
-        return f"({one} if {a} > {zero} else (-{one} if {a} < {zero} else {zero}))"
+        return f"({one} if {a} > {zero} else (-{one} if {a} < {zero} else {a}))"  # 0 or NaN stays
     if fn == "scale":
         return f"{a} * {c}"
     if fn == "shift":
@@ -139,8 +141,8 @@ def _fn_expr(gen: "KernelGen", fn: str, args: list[str], c=None) -> str:
         return f"{a} * {b}"
     if fn == "div":
         return f"{a} / {b}"
-    if fn == "maximum":
-        return f"max({a}, {b})"
+    if fn == "maximum":   # NaN in either argument propagates, as np.maximum / torch.maximum
+        return f"(max({a}, {b}) if {b} == {b} else {b})"
     raise LoweringError(f"no numba.cuda expression for elementwise function {fn!r}")
 
 
@@ -374,7 +376,10 @@ class Flat:
 @dataclass
 class Coop:
     """``R`` lanes per output element (a power of two): element ``tid // R + u * (NTHREADS // R)``
-    for ``u < per_thread``; the lanes split the reduction and combine their partials."""
+    for ``u < per_thread``; the lanes split the reduction and combine their partials.  Groups
+    past the last output (idle) index the last output, so every thread reaches the barriers of
+    the group reductions, but their loops start at ``IDLE_START`` (empty) and their writes are
+    guarded: they read nothing that an active group is overwriting."""
 
     axes: tuple[str, ...]
     caps: tuple[int, ...]
@@ -437,6 +442,9 @@ def _paren(expr: str) -> str:
             return f"({expr})"
     return expr
 
+
+IDLE_START = 0x7FFFFFFF
+"""First index of an idle lane group's loops (past every bound: the loops are empty)."""
 
 TRANSPOSE_PAD = 4
 """Floats added to each row of a shared buffer written transposed from global memory."""
@@ -506,6 +514,24 @@ class Operand:
 
 # --------------------------------------------------------------------------- the generator
 
+MAX_THREADS = 1024
+"""Threads per block on every CUDA device."""
+
+PREFETCH_MODES = (False, True, "double")
+
+
+def _check_micro(micro):
+    """``micro`` as ``(rows, cols)`` of positive ints (register accumulators per thread), or None."""
+    if micro is None:
+        return None
+    ok = isinstance(micro, (tuple, list)) and len(micro) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in micro)
+    if not ok:
+        raise LoweringError(f"micro must be (rows, cols): two positive ints (register accumulators per "
+                            f"thread along each axis of a micro-tile), got {micro!r}")
+    return tuple(micro)
+
+
 RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lane", "e", "i", "j",
             "u", "k", "ty", "tx", "acc", "val", "SIMULATOR", "SMEM_ALIGN", "WARP_SHUFFLE",
             "FULL_MASK", "simulator_active", "red_s"}
@@ -519,10 +545,17 @@ class KernelGen:
                  unroll: int | None = None):
         self.d = d
         self.name = name
-        self.T = int(threads)
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+            raise LoweringError(f"threads must be an int from 1 to {MAX_THREADS} (threads per block), "
+                                f"got {threads!r}")
+        self.T = threads
         self.batch_axes = tuple(batch_axes)
         self.fastmath = fastmath
-        self.micro_override = micro
+        self.micro_override = _check_micro(micro)
+        if prefetch not in PREFETCH_MODES or not isinstance(prefetch, (bool, str)):
+            raise LoweringError(f"prefetch must be one of {PREFETCH_MODES} (False: no prefetch, True: into "
+                                f"registers one chunk ahead, 'double': two shared buffers per chunk), "
+                                f"got {prefetch!r}")
         self.prefetch = prefetch
         self.unroll = CONTRACTION_UNROLL if unroll is None else int(unroll)
         self.ff: FinalForm = final_form(d)
@@ -579,6 +612,19 @@ class KernelGen:
                 streamed[n.axis] = n
                 self.ax[n.axis].role = "stream"
                 self.ax[n.axis].cap = int(n.step)
+        init_loops = {n.acc: loops for n, loops in self.ff.walk() if isinstance(n, Init)}
+        for n, loops in self.ff.walk():
+            if isinstance(n, Update):
+                acc = self.ff.accumulators[n.acc]
+                for lp in loops[len(init_loops.get(n.acc, ())):]:
+                    if lp.kind == "stream" and lp.axis != acc.axis:
+                        # every buffer has one extent per axis (tile, chunk or whole): a state of
+                        # the whole axis updated a chunk at a time has two
+                        raise LoweringError(
+                            f"stream {lp.axis} nests inside stream {acc.axis} and updates "
+                            f"{acc.box.name}'s accumulator one {lp.axis}-chunk slice at a time; the "
+                            f"numba.cuda lowering keeps accumulator states at the extent of the loops "
+                            f"around them: use order({lp.axis!r}, {acc.axis!r})")
         for a in self.ax.values():
             a.size_c = k.u(a.size, f"N_{a.name}", comment=f"size of axis {a.name}")
             if a.role == "grid":
@@ -641,6 +687,10 @@ class KernelGen:
             if arr.dtype.name != "f32":
                 raise LoweringError(f"wire {arr} has dtype {arr.dtype.name}; the numba.cuda target "
                                     f"takes and returns fp32 arrays")
+            n = math.prod(a.size for a in arr.axes)
+            if n >= 2 ** 32:
+                raise LoweringError(f"wire {arr} has {n} elements; the numba.cuda kernels index "
+                                    f"arrays with 32-bit unsigned integers (fewer than 2**32 elements)")
 
     # ------------------------------------------------------------------ 2. classify
     def _classify(self):
@@ -731,6 +781,10 @@ class KernelGen:
             RY, RX = self.micro_override
             if cr % RY == 0 and cc % RX == 0 and (cr // RY) * (cc // RX) <= self.T:
                 return Micro(row, col, cr, cc, RY, RX, cr // RY, cc // RX)
+            note = (f"micro={self.micro_override} not used over ({row}, {col}): it must divide the "
+                    f"extents ({cr}, {cc}) with at most {self.T} threads; chosen automatically.")
+            if note not in self.notes:
+                self.notes.append(note)
         best, best_score = None, None
         for RY in range(1, 9):
             if cr % RY:
@@ -1137,9 +1191,15 @@ class KernelGen:
         self.names.used |= argn.used
         body = Source(1)
         self.pending_sync = False
-        self._emit_prologue(body)
-        self._emit_nodes(self.inner, body)
-        return self._assemble(body)
+        try:
+            self._emit_prologue(body)
+            self._emit_nodes(self.inner, body)
+            return self._assemble(body)
+        except ValueError as e:   # a constant beyond uint32 (Constants.u)
+            if isinstance(e, LoweringError):
+                raise
+            raise LoweringError(f"{self.d.short()}: {e} (tiles, chunks and buffers must stay below "
+                                f"2**32 elements)") from None
 
     def _assemble(self, body: Source) -> str:
         nt = self.consts.u(self.T, "NTHREADS", comment="threads per block")
@@ -1846,12 +1906,17 @@ class KernelGen:
                 lane = gen.names.fresh("lane")
                 src(f"{lane} = tid % {k.u(m.R)}")
                 oc = o
+                first = lane
                 if m.per_thread * groups != m.n:
                     oc = gen.names.fresh("oc")
-                    src(f"{oc} = min({o}, {k.u(m.n - 1)})  # idle groups compute on the last output")
+                    src(f"{oc} = min({o}, {k.u(m.n - 1)})  # idle groups index the last output ...")
+                    first = gen.names.fresh("first")
+                    src(f"{first} = {lane} if {o} < {k.u(m.n)} else {k.u(IDLE_START, 'IDLE_START')}"
+                        f"  # ... but their loops are empty: they read nothing other groups write")
                 env = {}
                 gen._decode(src, oc, m.axes, env)
                 env["_lane"] = lane
+                env["_first"] = first
                 env["_slot"] = u
                 env["_active"] = f"{o} < {k.u(m.n)}" if m.per_thread * groups != m.n else None
                 return env
@@ -1872,6 +1937,7 @@ class KernelGen:
         names = [a for a in axes if self.ax[a].cap > 1]
         bounds = bounds or {}
         lane = env["_lane"]
+        first = env.get("_first", lane)   # the lane, or past every bound in an idle group
         if len(names) <= 1:
             e2 = dict(env)
             if names:
@@ -1879,16 +1945,16 @@ class KernelGen:
                 bound = bounds.get(a, self.ax[a].count if self.ax[a].role == "stream" else self.ax[a].cap_c)
                 idx = self.names.fresh(self.ax[a].index)
                 e2[a] = idx
-                loop = src.block(f"for {idx} in range({lane}, {bound}, {k.u(m.R)}):")
+                loop = src.block(f"for {idx} in range({first}, {bound}, {k.u(m.R)}):")
             else:
-                loop = src.maybe(f"{lane} == {k.u(0, 'U0')}")
+                loop = src.maybe(f"{first} == {k.u(0, 'U0')}")
             with loop:
                 val = term(e2, {})
                 src(f"{r} = {comb.format(a=r, b=val)}")
         else:
             n = math.prod(self.ax[a].cap for a in names)
             rr = self.names.fresh("rr")
-            with src.block(f"for {rr} in range({lane}, {k.u(n)}, {k.u(m.R)}):"):
+            with src.block(f"for {rr} in range({first}, {k.u(n)}, {k.u(m.R)}):"):
                 e2 = dict(env)
                 sub = {}
                 self._decode(src, rr, tuple(names), sub)
@@ -2185,7 +2251,12 @@ def _reduce_update(gen, p, src):
         r = gen.names.fresh("r")
         src(f"{r} = {ref}")
         with src.block(f"for {idx} in range({ax.count}):"):
-            src(f"{r} = {comb.format(a=r, b=gen.value(x, e2, src, {}))}")
+            if op in ("max", "min"):   # NaN propagates (docs/NAN_POLICY.md): Python's max drops it
+                xv = gen.names.fresh("xv")
+                src(f"{xv} = {gen.value(x, e2, src, {})}")
+                src(f"{r} = {xv} if {xv} {'>' if op == 'max' else '<'} {r} or {xv} != {xv} else {r}")
+            else:
+                src(f"{r} = {comb.format(a=r, b=gen.value(x, e2, src, {}))}")
         src(f"{ref} = {r}")
 
 
@@ -2218,8 +2289,9 @@ def _lse_update(gen, p, src):
         src(f"{mx} = {m_ref}")
         with src.block(f"for {idx} in range({ax.count}):"):
             src(f"{mx} = max({mx}, {gen.value(x, e2, src, {})})")
-        safe = gen.names.fresh("safe")
-        src(f"{safe} = {mx} if {mx} > {k.f(-math.inf, 'NEG_INF')} else {k.f(0.0, 'ZERO')}")
+        safe = gen.names.fresh("safe")   # +-inf (and a NaN max) shift by 0: docs/NAN_POLICY.md
+        src(f"{safe} = {mx} if {k.f(-math.inf, 'NEG_INF')} < {mx} < {k.f(math.inf, 'INF')} "
+            f"else {k.f(0.0, 'ZERO')}")
         zs = gen.names.fresh("zs")
         src(f"{zs} = {z_ref} * math.exp({m_ref} - {safe})")
         with src.block(f"for {idx} in range({ax.count}):"):
@@ -2234,8 +2306,10 @@ def _lse_final(gen, p, env, src):
     mt, zt = gen.names.fresh("m"), gen.names.fresh("z")
     src(f"{mt} = {m_ref}")
     src(f"{zt} = {z_ref}")
-    return (f"(({mt} if {mt} > {k.f(-math.inf, 'NEG_INF')} else {k.f(0.0, 'ZERO')}) + math.log({zt})"
-            f" if {zt} > {k.f(0.0, 'ZERO')} else {k.f(-math.inf, 'NEG_INF')})")
+    # z == 0: every x was -inf (logsumexp -inf); z NaN (a NaN x) gives NaN, never -inf
+    return (f"(({mt} if {k.f(-math.inf, 'NEG_INF')} < {mt} < {k.f(math.inf, 'INF')} else "
+            f"{k.f(0.0, 'ZERO')}) + math.log({zt}) if {zt} != {k.f(0.0, 'ZERO')} else "
+            f"{k.f(-math.inf, 'NEG_INF')})")
 
 
 # online softmax-contraction and the normalisation family ------------------------
@@ -2280,10 +2354,11 @@ def _stats_phase(gen: KernelGen, p: AccPlan, src: Source, softmax: bool):
             src(f"{delta} = math.exp({mu_old} - {safe})")
             ps = gen.names.fresh("psum")
             src(f"{ps} = {zero}")
-            with src.block(f"for {idx} in range({lane}, {ax.count}, {k.u(m.R)}):"):
+            with src.block(f"for {idx} in range({env['_first']}, {ax.count}, {k.u(m.R)}):"):
                 w = gen.names.fresh("w")
                 src(f"{w} = math.exp({term(e2, {})} - {safe})")
-                src(f"{gen.sread(pb.key, e2)} = {w}")
+                with src.maybe(active):   # idle groups (clamped onto the last row) only read
+                    src(f"{gen.sread(pb.key, e2)} = {w}")
                 src(f"{ps} += {w}")
             if m.R > 1:
                 src(f"{ps} = _group_sum({ps}, {lane}, {k.u(m.R)}, smem, {gen.red_offset()}, tid)")
@@ -2300,10 +2375,11 @@ def _stats_phase(gen: KernelGen, p: AccPlan, src: Source, softmax: bool):
             z_ref = _state_ref(gen, p, "z", env)
             ps = gen.names.fresh("zsum")
             src(f"{ps} = {zero}")
-            with src.block(f"for {idx} in range({lane}, {ax.count}, {k.u(m.R)}):"):
+            with src.block(f"for {idx} in range({env['_first']}, {ax.count}, {k.u(m.R)}):"):
                 sv = gen.names.fresh("sv")
                 src(f"{sv} = {term(e2, {})}")
-                src(f"{gen.sread(pb.key, e2)} = {_fn_expr(gen, a1, [sv])}")
+                with src.maybe(active):   # idle groups (clamped onto the last row) only read
+                    src(f"{gen.sread(pb.key, e2)} = {_fn_expr(gen, a1, [sv])}")
                 src(f"{ps} += {_fn_expr(gen, a2, [sv])}")
             if m.R > 1:
                 src(f"{ps} = _group_sum({ps}, {lane}, {k.u(m.R)}, smem, {gen.red_offset()}, tid)")

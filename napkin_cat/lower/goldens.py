@@ -42,7 +42,9 @@ def canonical() -> dict:
 def generate(name: str) -> str:
     import napkin_cat as nc
     dia, tiles, threads = canonical()[name]
-    return nc.lower(dia, tiles=tiles, threads=threads, name=name).source
+    # source snapshots at GPU sizes, for review: running them against the float64 oracle at these
+    # sizes is the GPU benchmark's job (kernels/bench.py checks every kernel before timing it)
+    return nc.lower(dia, tiles=tiles, threads=threads, name=name, verify=False).source
 
 
 def diff(name: str, directory: Path = KERNELS_DIR) -> str:

@@ -16,7 +16,20 @@ sizes), or none.  This module completes it:
   power of two that the thread mapping covers (at most 8 x 8 register accumulators per thread
   per tile pair).  Without the cost model, or if it fails, a heuristic (64 per main tiled axis,
   128 for two-axis tiles; 4 under the simulator).  :attr:`Schedule.how` records which.
-* **Threads.**  256 per block on a GPU, 16 under the simulator, unless ``threads`` is given.
+* **Requirements.**  ``require(axis, k)`` holds for every size chosen here: a rule of thumb or
+  the cost model's size is rounded down to a multiple of ``k`` (up to ``k`` if smaller); an axis
+  shorter than ``k`` cannot be partitioned and is refused.  Given sizes that break a requirement
+  are refused.
+* **Given sizes.**  ``tiles`` keys name axes or block symbols of ``d``; a key naming nothing
+  partitioned, or an axis whose concrete block differs from the given size, is refused
+  (:class:`~napkin_cat.errors.LoweringError`): nothing in ``tiles`` is silently ignored.
+* **Loop order.**  A stream loop nested inside another stream loop whose enclosing accumulator it
+  updates slice by slice (its states carry the inner axis: ``stream(b).stream(a)`` of
+  ``C[a c] = A[a b] B[b c]``) is hoisted outside it with ``order(...)`` (loop order only: the accumulators are
+  independent of the nesting), so every accumulator state has the extent of its own loops; an
+  explicit ``order`` that asks for such a nesting is refused.  :attr:`Schedule.notes` says so.
+* **Threads.**  256 per block on a GPU, 16 under the simulator, unless ``threads`` is given (an
+  int from 1 to ``MAX_THREADS``; every mapping handles any count, idle threads included).
 """
 
 from __future__ import annotations
@@ -26,10 +39,12 @@ from dataclasses import dataclass, field, replace
 
 from ..core import Axis, Diagram, Relabel
 from ..errors import LoweringError, NapkinError
-from ..relabel import fuse_norm_contract, fuse_softmax_contract, stream_plan, tile_problem
+from ..relabel import (check_blocks, fuse_norm_contract, fuse_softmax_contract, requirements, stream_plan,
+                       tile_problem)
 
 GPU_THREADS = 256
 SIM_THREADS = 16
+MAX_THREADS = 1024   # threads per block on every CUDA device
 
 
 @dataclass
@@ -39,6 +54,7 @@ class Schedule:
     threads: int
     how: str                         # where the block sizes came from
     chosen: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)   # what the lowering changed (loop order), for the kernel
 
 
 def unbound_axes(d: Diagram) -> list[str]:
@@ -52,7 +68,34 @@ def _concrete(v, what: str) -> int:
 
 
 def _key(k) -> str:
-    return k.name if isinstance(k, Axis) else str(k)
+    if isinstance(k, Axis):
+        return k.name
+    if isinstance(k, str):
+        return k
+    raise LoweringError(f"tiles keys are axes or block-size symbols (str), got {k!r}")
+
+
+def _threads(threads) -> int:
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise LoweringError(f"threads must be an int from 1 to {MAX_THREADS} (threads per block), "
+                            f"got {threads!r}")
+    return threads
+
+
+def _fit(n: int, v: int, k: int, what: str) -> int:
+    """``v`` rounded down to a multiple of ``k`` (``require``), at least ``k``, at most ``n``."""
+    if k <= 1:
+        return max(1, min(v, n))
+    if k > n:
+        raise LoweringError(f"{what}: require() asks for a multiple of {k}, but the axis has only {n} "
+                            f"elements; no block size fits")
+    return max(k, min(v, n) // k * k)
+
+
+def _check_required(name: str, v: int, req: dict, what: str) -> None:
+    k = req.get(name, 1)
+    if v % k:
+        raise LoweringError(f"{what} {v} for axis {name} is not a multiple of {k} (require({name}, {k}))")
 
 
 def _fused(d: Diagram, axis: str) -> Diagram:
@@ -93,9 +136,14 @@ def choose(d: Diagram, tiles: dict | None = None, threads: int | None = None,
     if missing:
         raise LoweringError(f"cannot lower {d.short()}: axes {', '.join(missing)} have no size; "
                             f"bind them first, e.g. d.bind({{{', '.join(repr(m) + ': n' for m in missing)}}})")
+    if tiles is not None and not isinstance(tiles, dict):
+        raise LoweringError(f"tiles must be a dict {{axis or symbol: size}}, got {type(tiles).__name__}")
     tiles = {_key(k): v for k, v in (tiles or {}).items()}
-    T = _concrete(threads, "threads") if threads is not None else (SIM_THREADS if simulate else GPU_THREADS)
+    for key, v in tiles.items():
+        _concrete(v, f"tiles[{key!r}]")
+    T = _threads(threads) if threads is not None else (SIM_THREADS if simulate else GPU_THREADS)
     d0 = d.unrelabelled()
+    req = requirements(d)
     tileable, streamable, batch, main = analyse(d0)
     has_blocks = any(r.op in ("tile", "stream") for r in d.schedule)
     how = "given"
@@ -111,15 +159,93 @@ def choose(d: Diagram, tiles: dict | None = None, threads: int | None = None,
         if a in tiled or a in streamed:
             continue
         if a in batch:
+            k = req.get(a, 1)
             try:
-                d = d.tile(a, 1)
+                d = d.tile(a, _fit(d0.axis(a).size, k, k, f"grid dimension {a}"))
             except NapkinError as e:
                 raise LoweringError(f"cannot make {a} a grid dimension: {e}") from None
-            added.append(a)
+            if k == 1:
+                added.append(a)
     for r in d.schedule:
         if r.op in ("tile", "stream") and not isinstance(r.size, int):
             raise LoweringError(f"{r.op} size {r.size!r} of axis {r.axis} is still symbolic")
-    return Schedule(d, tuple(added), T, how, chosen)
+    try:
+        check_blocks(d, {})
+    except NapkinError as e:
+        raise LoweringError(f"cannot lower {d.short()}: {e}") from None
+    d, notes = _hoist_slice_streams(d)
+    return Schedule(d, tuple(added), T, how, chosen, notes)
+
+
+def _loop_order(d: Diagram) -> list[str]:
+    """The stream axes of ``d`` outer first, as :func:`napkin_cat.loopnest.final_form` nests them."""
+    streams = [r.axis for r in d.schedule if r.op == "stream"]
+    order_r = [r for r in d.schedule if r.op == "order"]
+    if order_r:
+        rank = {n: i for i, n in enumerate(order_r[-1].extra)}
+        streams.sort(key=lambda a: rank.get(a, len(rank)))
+    return list(dict.fromkeys(streams))
+
+
+def slice_streams(d: Diagram) -> list[tuple[str, str]]:
+    """``(inner, outer)`` stream axes where the ``inner`` loop, nested in the ``outer`` one,
+    updates an accumulator initialised outside it (one slice of its states per chunk)."""
+    from ..loopnest import Init, Loop, Update, final_form
+    try:
+        ff = final_form(d)
+    except NapkinError as e:
+        raise LoweringError(f"cannot lower {d.short()}: {e}") from None
+    init_at = {}
+    for n, loops in ff.walk():
+        if isinstance(n, Init):
+            init_at[n.acc] = loops
+    found = []
+    for n, loops in ff.walk():
+        if not isinstance(n, Update):
+            continue
+        outer = init_at.get(n.acc, ())
+        for lp in loops[len(outer):]:
+            if lp.kind != "stream" or lp.axis == ff.accumulators[n.acc].axis:
+                continue
+            pair = (lp.axis, ff.accumulators[n.acc].axis)
+            if pair not in found:
+                found.append(pair)
+    return found
+
+
+def _hoist_slice_streams(d: Diagram) -> tuple[Diagram, list[str]]:
+    """Stream loops that update an enclosing accumulator slice by slice go outside it (see the
+    module docstring); the numba.cuda kernel keeps accumulator states at the extent of the loops
+    around their initialisation."""
+    notes = []
+    explicit = any(r.op == "order" for r in d.schedule)
+    for _ in range(8):
+        pairs = slice_streams(d)
+        if not pairs:
+            break
+        inner, outer = pairs[0]
+        if explicit:
+            raise LoweringError(
+                f"order(...) nests stream {inner} inside stream {outer}, whose accumulator it then updates "
+                f"one {inner}-chunk slice at a time (its states carry {inner} at full size); the numba.cuda "
+                f"lowering keeps accumulator states at the extent of the loops around them: use "
+                f"order({inner!r}, {outer!r})")
+        axes = _loop_order(d)
+        axes.remove(inner)
+        axes.insert(axes.index(outer), inner)
+        try:
+            d = d.order(*axes)
+        except NapkinError as e:
+            raise LoweringError(f"cannot reorder stream {inner} outside stream {outer}: {e}") from None
+        notes.append(f"Loop order: stream {inner} hoisted outside stream {outer} (order{tuple(axes)}): "
+                     f"nested inside, it would update a slice of {outer}'s accumulator per chunk.")
+    else:  # pragma: no cover - each step moves one loop outwards
+        raise LoweringError(f"cannot order the stream loops of {d.short()}")
+    if slice_streams(d):
+        inner, outer = slice_streams(d)[0]
+        raise LoweringError(f"stream {inner} inside stream {outer}: cannot order the loops so that every "
+                            f"accumulator state has the extent of its own loops")
+    return d, notes
 
 
 def _chunk(d0: Diagram, axis: str, simulate: bool) -> int:
@@ -155,11 +281,16 @@ def _pow2_floor(v: int) -> int:
 
 def _build(d: Diagram, tiles: dict, tileable, streamable, main, simulate, T, hw):
     d0 = d.unrelabelled()
+    req = requirements(d)
     chosen: dict[str, int] = {}
     out = d0
+    for a, k in req.items():   # keep the requirements on the diagram that is lowered
+        out = out.require(a, k)
+    size = lambda a: d0.axis(a).size
     for a in streamable:
         s = tiles.get(a)
-        chosen[a] = _concrete(s, f"chunk of {a}") if s is not None else _chunk(d0, a, simulate)
+        chosen[a] = (_concrete(s, f"chunk of {a}") if s is not None
+                     else _fit(size(a), _chunk(d0, a, simulate), req.get(a, 1), f"chunk of {a}"))
     for a in main:
         if a in tiles:
             chosen[a] = _concrete(tiles[a], f"tile of {a}")
@@ -170,6 +301,8 @@ def _build(d: Diagram, tiles: dict, tileable, streamable, main, simulate, T, hw)
     for a in tileable:
         if a in tiles and a not in chosen:
             chosen[a] = _concrete(tiles[a], f"tile of {a}")
+    for a in tiles:
+        _check_required(a, chosen[a], req, "tiles size")
     free = [a for a in main if a not in chosen]
     how = "given" if not free else "heuristic"
     if free:
@@ -185,6 +318,10 @@ def _build(d: Diagram, tiles: dict, tileable, streamable, main, simulate, T, hw)
             else:
                 for a in free:
                     chosen[a] = _heuristic_tile(d0, a, main, simulate)
+        for a in free:
+            chosen[a] = _fit(size(a), chosen[a], req.get(a, 1), f"tile of {a}")
+        if any(req.get(a, 1) > 1 for a in free):
+            how += f", rounded to the required multiples ({', '.join(f'{a}: {k}' for a, k in req.items())})"
     try:
         for a in streamable:
             out = out.stream(a, chosen[a])
@@ -212,10 +349,33 @@ def _resolve_symbols(d: Diagram, tiles: dict, simulate, T, hw):
     chosen = {}
     how = "given"
     d0 = d.unrelabelled()
+    req = requirements(d)
     _, _, _, main = analyse(d0)
+    blocks = [r for r in d.schedule if r.op in ("tile", "stream")]
+    symbols = {r.size for r in blocks if isinstance(r.size, str)}
+    axes = {r.axis for r in blocks}
+    unknown = [key for key in tiles if key not in symbols and key not in axes]
+    if unknown:
+        names = [a.name for a in d0.axes]
+        what = ", ".join(f"{key!r} ({'an axis of the diagram that is neither tiled nor streamed' if key in names else 'no axis or block symbol of the diagram'})"
+                         for key in unknown)
+        raise LoweringError(f"tiles names {what}; {d.short()} is already relabelled "
+                            f"({d._sched_str()}): tiles sets its block symbols {sorted(symbols)} or "
+                            f"repeats the block size of its axes {sorted(axes)}")
+    for r in blocks:
+        if isinstance(r.size, int) and r.axis in tiles and tiles[r.axis] != r.size:
+            raise LoweringError(f"tiles gives {r.axis}: {tiles[r.axis]}, but the diagram already "
+                                f"{'tiles' if r.op == 'tile' else 'streams'} {r.axis} by {r.size} "
+                                f"({r.op}({r.axis}, {r.size})); relabel the unrelabelled diagram or "
+                                f"drop the key")
     for r in d.schedule:
         if r.op in ("tile", "stream") and isinstance(r.size, str):
+            if r.size in tiles and r.axis in tiles and tiles[r.size] != tiles[r.axis]:
+                raise LoweringError(f"tiles gives the symbol {r.size}: {tiles[r.size]} and its axis "
+                                    f"{r.axis}: {tiles[r.axis]}; give one")
             v = tiles.get(r.size, tiles.get(r.axis))
+            if r.size in chosen:
+                v = chosen[r.size] if v is None else v
             if v is None:
                 if r.op == "stream":
                     v = _chunk(d0, r.axis, simulate)
@@ -223,9 +383,14 @@ def _resolve_symbols(d: Diagram, tiles: dict, simulate, T, hw):
                     v = _row_tile(d0, r.axis, simulate, T)
                 else:
                     v = _heuristic_tile(d0, r.axis, main, simulate)
+                v = _fit(d0.axis(r.axis).size, v, req.get(r.axis, 1), f"{r.op} of {r.axis}")
                 how = "heuristic"
-            chosen[r.size] = _concrete(v, f"{r.op} size {r.size}")
-            r = replace(r, size=chosen[r.size])
+            v = _concrete(v, f"{r.op} size {r.size}")
+            if r.size in chosen and chosen[r.size] != v:
+                raise LoweringError(f"block symbol {r.size} gets {chosen[r.size]} and {v}")
+            _check_required(r.axis, v, req, f"{r.op} size {r.size} =")
+            chosen[r.size] = v
+            r = replace(r, size=v)
         sched.append(r)
     return replace(d, schedule=tuple(sched)), how, chosen
 
@@ -254,7 +419,7 @@ def _cost_tiles(d0: Diagram, free, chosen, streamable, T, hw) -> dict | None:
         sizes = {a.name: a.size for a in d0.axes}
         budget = int(hw.capacity("SMEM")) // 2 // 4   # values: half the opt-in shared memory
         best = c.optimize(sizes, memory=budget)
-    except Exception:
+    except NapkinError:
         return None
     out = {}
     limit = 8 * math.isqrt(T) if len(free) >= 2 else 128

@@ -1,0 +1,232 @@
+"""Generated kernels against the NumPy oracle: the kernel side of :func:`napkin_cat.check_equivalent`.
+
+A kernel computes in its dtype (fp32), the oracle in float64.  A kernel passes on an input when
+every output entry satisfies
+
+    |kernel - oracle64| <= atol * scale + rtol * |oracle64| + LOW_PRECISION_FACTOR * |oracle_lo - oracle64|
+
+where ``oracle_lo`` is the same diagram evaluated by NumPy in the kernel's dtype
+(``evaluate(..., reference=False)``) on the same (dtype-rounded) inputs, ``scale`` the largest
+finite output magnitude (at least 1) and ``(rtol, atol)`` :data:`KERNEL_TOLERANCES` of the
+dtype.  The last term is FlashAttention's test rule: a kernel may be as far from the exact
+answer as a plain implementation in its own precision, twice over, and no further.  Where the
+low-precision oracle itself leaves the dtype's range (a finite float64 answer whose fp32
+evaluation is inf or NaN) the kernel must agree with the fp32 evaluation; every other
+non-finite entry must agree with the float64 oracle exactly (see docs/NAN_POLICY.md).
+
+Two ways a kernel meets the oracle:
+
+* ``check_equivalent(oracle, kernel)``: a :class:`~napkin_cat.lower.Kernel` at its bound sizes,
+  data drawn by Hypothesis (every regime of :mod:`napkin_cat.check`);
+* ``check_equivalent(oracle, relabelled, lowered=True)``: every example binds the relabelled
+  diagram at drawn sizes and blocks, lowers it with drawn options (:data:`DEFAULT_OPTIONS`:
+  threads, prefetch) and runs that kernel.  A configuration ``lower`` refuses with a
+  :class:`~napkin_cat.errors.LoweringError` is counted, not failed; if every drawn
+  configuration is refused the check raises.
+
+``nc.lower`` itself calls :func:`self_check` before it returns a kernel (``verify=True``, the
+default): no kernel leaves ``lower`` without having been compared with the oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .core import Diagram
+from .errors import EquivalenceError, LoweringError, NapkinError, TypingError
+
+# (rtol, atol) per kernel dtype, on top of the low-precision oracle's own error
+KERNEL_TOLERANCES: dict[str, tuple[float, float]] = {"f32": (2e-5, 2e-5)}
+LOW_PRECISION_FACTOR = 2.0
+RERUNS = 3                       # re-runs of a shrunk kernel counterexample (races are flaky)
+
+# lower() options drawn per example in lowered mode; the simulator runs every thread as a
+# Python thread, so it draws smaller blocks
+DEFAULT_OPTIONS = {
+    "simulator": {"threads": (16, 32, 64), "prefetch": (False, True, "double")},
+    "gpu": {"threads": (64, 128, 256), "prefetch": (False, True, "double")},
+}
+LOWER_OPTIONS = ("threads", "micro", "prefetch", "fastmath", "tiles")
+
+
+def is_kernel(x) -> bool:
+    from .lower import Kernel
+    return isinstance(x, Kernel)
+
+
+def kernel_dtype(kernel) -> str:
+    return "f32"   # every generated kernel computes in fp32 (the codegen's one dtype)
+
+
+def bind_oracle(oracle: Diagram, kernel) -> Diagram:
+    """``oracle`` at the kernel's sizes (by axis name), type-checked against the kernel."""
+    if not isinstance(oracle, Diagram):
+        raise TypingError(f"check_equivalent: the oracle must be a Diagram, got {type(oracle).__name__}")
+    sizes = {ax.name: ax.size for ax in kernel.diagram.axes}
+    missing = sorted({ax.name for ax in oracle.axes if ax.symbolic} - set(sizes))
+    if missing:
+        raise TypingError(f"check_equivalent: axes {missing} of the oracle {oracle.short()} do not occur "
+                          f"in the kernel {kernel.name} ({kernel.diagram.short()})")
+    bound = oracle.bind({ax: sizes[ax.name] for ax in oracle.axes if ax.symbolic})
+    kd = kernel.diagram
+    if bound.dom != kd.dom or bound.cod != kd.cod:
+        which = "dom" if bound.dom != kd.dom else "cod"
+        raise TypingError(f"check_equivalent: the oracle and the kernel have different types ({which} differs)\n"
+                          f"  oracle at the kernel's sizes: {bound.short()}\n  kernel {kernel.name}: {kd.short()}")
+    return bound
+
+
+def check_lower_options(options: dict | None, simulate: bool) -> dict:
+    """``lower_options`` of lowered mode: ``{option: candidates}``, validated (``None``: the
+    defaults; given options replace them, the rest keep lower()'s own defaults)."""
+    if options is None:
+        return {k: tuple(v) for k, v in DEFAULT_OPTIONS["simulator" if simulate else "gpu"].items()}
+    out = {}
+    if not isinstance(options, dict):
+        raise NapkinError(f"check_equivalent: lower_options must be a dict {{option: candidate values}}, "
+                          f"got {type(options).__name__}")
+    for key, values in options.items():
+        if key not in LOWER_OPTIONS:
+            raise NapkinError(f"check_equivalent: lower_options has unknown option {key!r}; "
+                              f"known: {list(LOWER_OPTIONS)}")
+        values = tuple(values) if isinstance(values, (list, tuple)) else (values,)
+        if not values:
+            raise NapkinError(f"check_equivalent: lower_options[{key!r}] has no candidate values")
+        out[key] = values
+    return out
+
+
+# --------------------------------------------------------------------------- running and comparing
+
+def as_kernel_inputs(inputs) -> list[np.ndarray]:
+    """The drawn float64 inputs rounded to the kernel's dtype (what the kernel and, widened
+    exactly, the oracle both see)."""
+    return [np.ascontiguousarray(np.asarray(x), dtype=np.float32) for x in inputs]
+
+
+def run_kernel(kernel, inputs32) -> tuple:
+    import warnings
+    # adversarial data overflows on purpose; the simulator's threads do not see np.errstate
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = kernel(*[x.copy() for x in inputs32])
+    return tuple(np.asarray(o, dtype=np.float64) for o in (out if isinstance(out, tuple) else (out,)))
+
+
+def oracle_outputs(oracle: Diagram, inputs32, sizes: dict) -> tuple[tuple, tuple]:
+    """(float64 oracle, oracle in the kernel's dtype) on the rounded inputs."""
+    from .semantics import evaluate
+    with np.errstate(all="ignore"):
+        exact = evaluate(oracle, *inputs32, sizes=sizes)
+        low = evaluate(oracle, *inputs32, sizes=sizes, reference=False)
+    wrap = (lambda o: tuple(np.asarray(x, np.float64) for x in (o if isinstance(o, tuple) else (o,))))
+    return wrap(exact), wrap(low)
+
+
+@dataclass
+class KernelDiff:
+    abs_error: float = 0.0
+    rel_error: float = 0.0
+    failure: dict | None = None
+
+
+def compare_outputs(names, exact, low, got, rtol: float, atol: float) -> KernelDiff:
+    """The kernel rule of the module docstring, output by output; the first failing entry."""
+    out = KernelDiff()
+    for i, (r, lo, k) in enumerate(zip(exact, low, got)):
+        fr, fl, fk = np.isfinite(r), np.isfinite(lo), np.isfinite(k)
+        scale = max(1.0, float(np.max(np.abs(r[fr]), initial=0.0)))
+        both = fr & fk
+        diff = np.where(both, np.abs(np.where(both, r, 0.0) - np.where(both, k, 0.0)), 0.0)
+        slack = np.where(fr & fl, np.abs(np.where(fr & fl, lo - r, 0.0)), 0.0)
+        allowed = atol * scale + rtol * np.abs(np.where(fr, r, 0.0)) + LOW_PRECISION_FACTOR * slack
+        same = (k == r) | (np.isnan(k) & np.isnan(r))
+        out_of_range = fr & ~fl                      # fp32 itself overflows here: follow it
+        same_low = (k == lo) | (np.isnan(k) & np.isnan(lo)) | ~fk
+        bad = np.where(out_of_range, ~same_low, np.where(fr & fk, diff > allowed, ~same))
+        if diff.size:
+            out.abs_error = max(out.abs_error, float(diff.max()))
+            floor = np.maximum(np.abs(np.where(both, r, 0.0)), atol * scale)
+            out.rel_error = max(out.rel_error, float((diff / floor).max()))
+        if bad.any() and out.failure is None:
+            idx = tuple(int(j) for j in np.argwhere(bad)[0])
+            out.failure = {"kind": "values", "output": i, "output_name": names[i][0],
+                           "index": idx, "coordinates": dict(zip(names[i][1], idx)),
+                           "a_value": float(r[idx]), "b_value": float(k[idx]),
+                           "low_value": float(lo[idx]), "allowed": float(allowed[idx]),
+                           "differing": int(bad.sum()), "total": int(bad.size)}
+    return out
+
+
+def kernel_outcome(oracle: Diagram, kernel, inputs, sizes: dict | None = None, rtol: float | None = None,
+                   atol: float | None = None) -> KernelDiff:
+    """Run ``kernel`` on ``inputs`` (rounded to fp32) and compare with ``oracle``."""
+    dr, da = KERNEL_TOLERANCES[kernel_dtype(kernel)]
+    rtol, atol = (dr if rtol is None else rtol), (da if atol is None else atol)
+    x32 = as_kernel_inputs(inputs)
+    exact, low = oracle_outputs(oracle, x32, sizes or {})
+    try:
+        got = run_kernel(kernel, x32)
+    except NapkinError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a crashing kernel is a difference, reported with its error
+        return KernelDiff(math.inf, math.inf, {"kind": "error", "side": "kernel",
+                                               "error": f"{type(e).__name__}: {e}"})
+    names = [(arr.name, arr.axis_names) for arr in oracle.cod]
+    return compare_outputs(names, exact, low, got, rtol, atol)
+
+
+# --------------------------------------------------------------------------- lower's own check
+
+SELF_CHECK_REGIMES = ("normal", "jumps", "huge_one_sign")
+
+
+def self_check(kernel, examples: int) -> str:
+    """Compare a freshly generated kernel with the oracle on ``examples`` inputs (regimes
+    :data:`SELF_CHECK_REGIMES` in turn, seeds 0, 1, ...); raise :class:`EquivalenceError`
+    with reproducing code on a difference, else return the note that says what was checked."""
+    from .check import REGIMES, reproducer_for_kernel
+    oracle = kernel.diagram.unrelabelled()
+    worst = 0.0
+    regimes = []
+    for k in range(examples):
+        regime = SELF_CHECK_REGIMES[k % len(SELF_CHECK_REGIMES)]
+        rng = np.random.default_rng(k)
+        gen = REGIMES[regime][0]
+        inputs = [gen(rng, tuple(ax.size for ax in arr.axes)) for arr in oracle.dom]
+        diff = kernel_outcome(oracle, kernel, inputs)
+        if diff.failure is not None:
+            code = reproducer_for_kernel(oracle, kernel, regime, k, diff.failure)
+            raise EquivalenceError(
+                f"lower: the generated kernel {kernel.name} differs from the NumPy oracle on its own "
+                f"self-check (regime {regime!r}, seed {k}); this is a code generation bug, please report it.\n"
+                f"  kernel: {kernel!r}\n  {describe_failure(diff.failure)}\nreproduce with:\n"
+                + "\n".join("    " + ln for ln in code.splitlines()),
+                {"regime": regime, "seed": k, "code": code, **diff.failure})
+        worst = max(worst, diff.abs_error)
+        regimes.append(regime)
+    return (f"Verified by lower(): {examples} run(s) against the NumPy float64 oracle at the bound sizes "
+            f"(regimes {', '.join(regimes)}), max abs error {worst:.2g}; "
+            f"nc.check_equivalent(oracle, kernel) draws more.")
+
+
+def describe_failure(failure: dict) -> str:
+    if failure["kind"] == "error":
+        return f"{failure['side']} raises {failure['error']}"
+    coords = ", ".join(f"{k}={v}" for k, v in failure["coordinates"].items())
+    low = f", fp32 oracle {failure['low_value']!r}" if "low_value" in failure else ""
+    return (f"first difference: output {failure['output_name']} at ({coords}): oracle {failure['a_value']!r}, "
+            f"kernel {failure['b_value']!r}{low} (allowed |a-b| <= {failure['allowed']:.3g}); "
+            f"{failure['differing']} of {failure['total']} entries differ")
+
+
+def lowering_call(options: dict) -> str:
+    """``threads=32, prefetch=False``: the keyword arguments of a lower() call, as code."""
+    return "".join(f", {k}={v!r}" for k, v in options.items() if v is not None)
+
+
+__all__ = ["KERNEL_TOLERANCES", "kernel_outcome", "self_check", "bind_oracle", "is_kernel",
+           "check_lower_options", "LoweringError"]

@@ -1,0 +1,165 @@
+"""``check_equivalent`` on generated kernels, ``lower``'s own check, and the rules that make a
+check that saw nothing a failure (simulator, tiny shapes)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import copy  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat import kernelcheck  # noqa: E402
+
+q, x, d = nc.axes("q x d")
+L = nc.library
+ATTN = L.attention(q=q, x=x, d=d)
+
+
+def block_diagonal(i, j):
+    """A module-level custom predicate: reproducers import it by name."""
+    return (i // 2) == (j // 2)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return nc.lower(ATTN.stream(x, 3).tile(q, 4).bind({q: 5, x: 10, d: 2}), threads=16)
+
+
+def _broken(kernel):
+    """The kernel with its rescale dropped (a planted code generation bug)."""
+    mutant = copy.copy(kernel)
+    mutant.source = kernel.source.replace("o_regs[i, j] *= scale", "o_regs[i, j] *= 1.0")
+    assert mutant.source != kernel.source
+    mutant._dispatcher, mutant._launchers = None, {}
+    return mutant
+
+
+def test_lower_verifies_every_kernel_and_says_so(kernel):
+    assert kernel.verified
+    assert any(n.startswith("Verified by lower()") for n in kernel.notes), kernel.notes
+    raw = nc.lower(ATTN.stream(x, 3).tile(q, 4).bind({q: 5, x: 10, d: 2}), threads=16, verify=False)
+    assert not raw.verified and any("Not verified" in n for n in raw.notes)
+
+
+def test_lower_refuses_to_return_a_wrong_kernel(kernel, monkeypatch):
+    """The self-check inside lower(): a generator that emits a broken kernel raises."""
+    from napkin_cat.lower import Kernel
+    real = Kernel.__init__
+
+    def init(self, diagram, source, *args):
+        real(self, diagram, source.replace("o_regs[i, j] *= scale", "o_regs[i, j] *= 1.0"), *args)
+
+    monkeypatch.setattr(Kernel, "__init__", init)
+    with pytest.raises(nc.EquivalenceError, match="self-check") as info:
+        nc.lower(ATTN.stream(x, 3).tile(q, 4).bind({q: 5, x: 10, d: 2}), threads=16)
+    assert "kernel = nc.lower(" in info.value.counterexample["code"]
+
+
+def test_check_kernel_passes_and_counts_kernel_runs(kernel):
+    report = nc.check_equivalent(ATTN, kernel, examples=4)
+    assert report.examples == 4 and report.kernels == 4
+    assert "kernel run(s) against the oracle" in str(report)
+    assert nc.check_equivalent(kernel, ATTN, examples=1).kernels == 1   # either side
+
+
+def test_check_kernel_finds_a_planted_bug_with_runnable_code(kernel):
+    with pytest.raises(nc.EquivalenceError) as info:
+        nc.check_equivalent(ATTN, _broken(kernel), examples=10)
+    cx = info.value.counterexample
+    assert "re-run: the counterexample failed again 3 of 3" in str(info.value)
+    ns: dict = {}
+    exec(cx["code"].replace("print(", "_shown = ("), ns)   # rebuilds the (unbroken) kernel
+    assert "kernel = nc.lower(kd, verify=False" in cx["code"]
+    assert ns["_shown"][0] == cx["a_value"]
+
+
+def test_check_lowered_draws_sizes_blocks_and_threads():
+    report = nc.check_equivalent(ATTN, ATTN.stream(x, 2).tile(q, "g_q"), lowered=True, examples=5,
+                                 max_size=6, lower_options={"threads": (16, 32), "prefetch": (False, "double")})
+    assert report.kernels + len(report.refused) >= 1 and report.kernels >= 1
+    assert report.examples == 5
+
+
+def test_check_lowered_reports_a_wrong_kernel_with_its_options(kernel, monkeypatch):
+    from napkin_cat.lower import Kernel
+    real = Kernel.__init__
+
+    def init(self, diagram, source, *args):
+        real(self, diagram, source.replace("o_regs[i, j] *= scale", "o_regs[i, j] *= 1.0"), *args)
+
+    monkeypatch.setattr(Kernel, "__init__", init)
+    with pytest.raises(nc.EquivalenceError) as info:
+        nc.check_equivalent(ATTN, ATTN.stream(x, 2).tile(q, 4), lowered=True, examples=8, max_size=6,
+                            lower_options={"threads": (16,)})
+    text = str(info.value)
+    assert "the kernel differs from the oracle" in text and "lower options {'threads': 16}" in text
+    assert info.value.counterexample["options"] == {"threads": 16}
+
+
+def test_zero_examples_is_never_a_pass():
+    relu = nc.ops.op("relu", nc.Array((q,), nc.f32, "X"))
+    exp = nc.ops.op("exp", nc.Array((q,), nc.f32, "X"))
+    with pytest.raises(nc.UnverifiedError, match="nothing was verified"):
+        nc.check_equivalent(relu, exp, time_budget=0)
+    with pytest.raises(nc.UnverifiedError, match="derive step 1 stream"):
+        nc.derive(ATTN, [("stream", x)], time_budget=0)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda k: nc.check_equivalent(ATTN, k, lowered=True), "already the Kernel"),
+    (lambda k: nc.check_equivalent(ATTN, k, sizes={"q": 3}), "sizes would be ignored"),
+    (lambda k: nc.check_equivalent(ATTN, ATTN.stream(x, 2), lower_options={"threads": (16,)}), "only read with lowered"),
+    (lambda k: nc.check_equivalent(ATTN, ATTN.stream(x, 2), lowered=True, lower_options={"warps": (1,)}),
+     "unknown option 'warps'"),
+    (lambda k: nc.check_equivalent(ATTN, ATTN.stream(x, 2), sizes={"zz": 3}), "sizes names 'zz'"),
+    (lambda k: nc.check_equivalent(ATTN, ATTN.stream(x, 2), sizes={"q": 2.5}), r"sizes\['q'\]"),
+    (lambda k: nc.check_equivalent(ATTN, ATTN.stream(x, 2), time_budget=-1), "time_budget"),
+    (lambda k: nc.check_equivalent(ATTN, ATTN.stream(x, 2), max_chunks=1), "max_chunks"),
+    (lambda k: nc.check_equivalent(L.attention(q=q, x=x, d=d, heads=nc.Axis("h", 2)), k), "different types"),
+    (lambda k: nc.check_equivalent(ATTN, "kernel"), "must be a Diagram or a Kernel"),
+])
+def test_check_options_are_refused_by_name(kernel, call, match):
+    with pytest.raises(nc.NapkinError, match=match):
+        call(kernel)
+
+
+def test_jumps_regime_jumps_between_chunks():
+    """Scores of a contraction with a ``jumps`` input: the running max along x moves by about
+    10-100 between chunks of 4 in most rows."""
+    rng = np.random.default_rng(0)
+    moves = []
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        Q, K = nc.check.jumps(rng, (8, 4)), nc.check.jumps(rng, (16, 4))
+        S = Q @ K.T
+        running = np.maximum.accumulate(S, axis=1)[:, 3::4]
+        moves.extend(np.diff(running, axis=1).ravel())
+    moves = np.array(moves)
+    assert np.mean((moves > 10) & (moves < 1e4)) > 0.1
+
+
+def test_counterexample_with_a_custom_mask_runs():
+    """Module functions in custom predicates are imported by the printed code; a lambda is kept
+    for the session.  Either way the code runs."""
+    from napkin_cat.check import _diagram_code
+    for fn in (block_diagonal, lambda i, j: (i // 2) == (j // 2)):
+        masked = L.attention(q=q, x=x, d=d, mask=nc.predicate(fn, "blocks"))
+        imports, code = _diagram_code(masked, "a")
+        ns: dict = {}
+        exec("\n".join(["import napkin_cat as nc", nc.check._NAMESPACE_CODE, *imports, code]), ns)
+        assert ns["a"] == masked
+        assert ("saved(" in code) == (fn is not block_diagonal)
+
+
+def test_kernel_outcome_follows_fp32_where_fp32_overflows():
+    """An answer finite in float64 but out of fp32's range: the kernel must match fp32."""
+    names = [("Y", ("r",))]
+    exact, low = (np.array([1e39, 1.0]),), (np.array([np.inf, 1.0]),)
+    assert kernelcheck.compare_outputs(names, exact, low, (np.array([np.inf, 1.0]),), 1e-5, 1e-5).failure is None
+    bad = kernelcheck.compare_outputs(names, exact, low, (np.array([3.0, 1.0]),), 1e-5, 1e-5).failure
+    assert bad is not None and bad["coordinates"] == {"r": 0}
