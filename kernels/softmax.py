@@ -141,5 +141,5 @@ def softmax(X, P):
         e2 = tid + u3 * NTHREADS
         i_x = e2
         z = smem[P_sum_s + U0]
-        P_1 = math.exp(smem[i_x] - smem[P_max_s + U0]) / z if z > ZERO else ZERO
+        P_1 = math.exp(smem[i_x] - smem[P_max_s + U0]) / z if z != ZERO else ZERO
         P[t0 * N_x + i_x] = P_1

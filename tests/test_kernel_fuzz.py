@@ -131,20 +131,33 @@ def library_family(draw):
     return name, L.batched_matmul(batch=bb, a=a, b=b, c=c), {"b": "stream", "a": "tile", "c": "tile"}
 
 
-FAMILIES = {"attention": attention_family, "score_chain": score_chain_family, "matmul": matmul_family,
+@st.composite
+def fused_attention_family(draw):
+    """Attention relabelled the way the fused-scores path needs (states in registers, tiles and
+    chunks of 4 or 8, d = 4): the path the GPU kernels take, on ragged sizes."""
+    label, diagram, _ = draw(attention_family())
+    steps = (("stream", "x", draw(st.sampled_from((4, 8)))), ("tile", "q", draw(st.sampled_from((4, 8)))),
+             ("place", "O", "registers"))
+    return "fused " + label, diagram, {"x": "stream", "q": "tile", "d": "size 4", "e": "size 4"}, steps
+
+
+FAMILIES = {"attention": attention_family, "fused_attention": fused_attention_family, "score_chain": score_chain_family, "matmul": matmul_family,
             "reduction": reduction_family, "library": library_family}
 
 # mappings each family must reach across its examples (the generator's thread mappings:
 # napkin_cat.lower.codegen Micro / Flat / Coop / Rows and fused scores)
-EXPECTED_MAPPINGS = {"attention": {"micro", "rows"}, "score_chain": {"micro"}, "matmul": {"micro", "flat"},
-                     "reduction": {"flat"}, "library": {"micro"}}
+EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, "fused_attention": {"fused-scores"},
+                     "score_chain": {"micro"}, "matmul": {"micro", "flat"}, "reduction": {"flat"},
+                     "library": {"micro"}}
 
 
 # --------------------------------------------------------------------------- one example
 
 @st.composite
 def relabelled(draw, family):
-    label, base, roles = draw(FAMILIES[family]())
+    label, base, roles, *fixed = draw(FAMILIES[family]())
+    if fixed:
+        return label, base, fixed[0], roles
     steps = []
     names = {ax.name for ax in base.axes}
     streams = [n for n, role in roles.items() if role == "stream" and n in names]
@@ -156,21 +169,29 @@ def relabelled(draw, family):
         choice = draw(st.sampled_from(("tile", "tile", "stream", "none")))
         if choice != "none":
             steps.append((choice, n, draw(st.integers(1, 7))))
-    return label, base, tuple(steps)
+    if steps and draw(st.booleans()):   # accumulator states in registers: the fused-scores path
+        steps.append(("place", base.cod[0].name, "registers"))
+    return label, base, tuple(steps), roles
 
 
 def _apply(diagram, steps):
-    for op, axis, size in steps:
-        diagram = getattr(diagram, op)(axis, size)
+    for op, what, arg in steps:
+        diagram = getattr(diagram, op)(what, arg)
     return diagram
 
 
-def _sizes(draw, diagram, steps):
-    blocks = {axis: size for _, axis, size in steps}
+def _sizes(draw, diagram, steps, roles):
+    blocks = {axis: size for op, axis, size in steps if op != "place"}
     sizes = {}
     for ax in diagram.axes:
+        if roles.get(ax.name, "").startswith("size "):
+            sizes[ax] = int(roles[ax.name].split()[1])
+            continue
+        if ax.name not in roles:   # features, heads, batch, groups: small (the simulator is slow)
+            sizes[ax] = draw(st.integers(1, 4), label=ax.name)
+            continue
         blk = blocks.get(ax.name)
-        top = 9 if blk is None else max(9, min(6 * blk - 1, 24))
+        top = 9 if blk is None else max(9, min(6 * blk - 1, 20))
         low_many = min(3 * blk + 1, top) if blk else 1
         sizes[ax] = draw(st.one_of(st.integers(1, top), st.integers(low_many, top)), label=ax.name)
     return sizes
@@ -188,20 +209,23 @@ def _features(kernel) -> set[str]:
         out.add("group-reduction")
     if "len_" in kernel.source:
         out.add("ragged-chunk")
+    if "warp-private" in kernel.source:
+        out.add("fused-scores")
     return out
 
 
 def fuzz_one(family: str, data, stats: Counter):
-    label, base, steps = data.draw(relabelled(family), label="diagram")
+    label, base, steps, roles = data.draw(relabelled(family), label="diagram")
     try:
         rel = _apply(base, steps)
     except nc.RelabelError as err:
         stats["relabel refused"] += 1
         note(f"relabel refused: {err}")
         assume(False)
-    sizes = _sizes(data.draw, base, steps)
-    opts = {"threads": data.draw(st.sampled_from(THREADS), label="threads"),
-            "micro": data.draw(st.sampled_from(MICRO), label="micro"),
+    sizes = _sizes(data.draw, base, steps, roles)
+    opts = {"threads": data.draw(st.sampled_from((16, 32) if family == "fused_attention" else THREADS),
+                                 label="threads"),
+            "micro": data.draw(st.sampled_from((None,) if family == "fused_attention" else MICRO), label="micro"),
             "prefetch": data.draw(st.sampled_from(PREFETCH), label="prefetch")}
     regime = data.draw(st.sampled_from(REGIME_NAMES), label="regime")
     seed = data.draw(st.integers(0, 2 ** 16), label="seed")
@@ -219,7 +243,8 @@ def fuzz_one(family: str, data, stats: Counter):
     diff = kernelcheck.kernel_outcome(oracle, kernel, inputs)
     stats["kernels"] += 1
     stats["streams x%d" % sum(op == "stream" for op, _, _ in steps)] += 1
-    stats["non-power-of-two block"] += any(s & (s - 1) for _, _, s in steps)
+    stats["non-power-of-two block"] += any(s & (s - 1) for op, _, s in steps if op != "place")
+    stats["placed in registers"] += any(op == "place" for op, _, _ in steps)
     stats["prefetch=" + str(opts["prefetch"])] += 1
     for feat in _features(kernel):
         stats["mapping " + feat] += 1

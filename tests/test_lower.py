@@ -144,7 +144,7 @@ def test_default_schedules_lower_and_match(cuda_mode):
     for dia in (L.attention(q=q, x=x, d=d, causal=True).bind(SZ), L.layernorm(t=t, d=d).bind({t: 5, d: 7}),
                 L.matmul(a=a, b=b, c=c).bind({a: 5, b: 7, c: 6})):
         kernel = _check(dia, None)
-        assert kernel.schedule.how.startswith("heuristic")
+        assert kernel.schedule.how.startswith(("heuristic", "cost model"))   # the simulator: heuristic
 
 
 def test_kernel_writes_into_out_and_accepts_cpu_torch(cuda_mode):

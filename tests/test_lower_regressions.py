@@ -9,15 +9,20 @@ error, in numba's CUDA simulator) or is refused with a :class:`LoweringError` na
 * nested stream loops that update a slice of an enclosing accumulator per chunk
   (``stream(b).stream(a)`` for a matmul) are hoisted outside it;
 * ``tiles`` on an already relabelled diagram, ``require``, ``threads``, ``micro``, ``prefetch``,
-  shared memory and the cost model's error handling.
+  shared memory and the cost model's error handling;
+* found by tests/test_kernel_fuzz.py: the automatic schedule applied two streams in an order the
+  loop nest refuses, and a first prefetch read past the array when a window mask started the
+  stream loop at the axis end.
 """
 
 import inspect
 import os
+import re
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import numpy as np  # noqa: E402
+
 import pytest  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
@@ -273,3 +278,21 @@ def test_cost_model_bugs_are_not_swallowed(monkeypatch):
     monkeypatch.setattr(cost_mod, "cost", refuses)
     sched = schedule.choose(bound, simulate=False)
     assert "cost model" not in sched.how
+
+
+# --------------------------------------------------------------------------- found by the kernel fuzzer
+
+def test_automatic_schedule_two_streamable_axes_nests_them_validly():
+    # with d_v != d_k both x and d stream; applied as (d, x) the loop nest refused the nesting
+    # with a raw RelabelError: the schedule now tries the orders the nest accepts
+    dia = L.attention(q=q, x=x, d=d, window_size=1, dv=nc.axes("e")[0])
+    kernel = _check(dia, {q: 5, d: 6, x: 7, "e": 3})
+    assert re.match(r"stream\(x, \d+\), stream\(d, \d+\)", kernel.schedule.diagram._sched_str())
+
+
+def test_prefetch_with_window_start_past_the_axis_matches_evaluate():
+    # a window mask can start a block's stream loop at or past the axis end: the first
+    # prefetch read past the array (IndexError in the simulator)
+    e_ = nc.axes("e")[0]
+    dia = L.attention(q=q, x=x, d=d, window_size=1, dv=e_).stream(x, 1).tile(q, 1)
+    _check(dia, {q: 3, d: 1, x: 1, e_: 1}, prefetch=True)

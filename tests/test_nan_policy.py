@@ -83,19 +83,10 @@ EXPECTED = {
 
 # Kernel code outside the accumulators that does not follow the policy yet (docs/NAN_POLICY.md,
 # "Known gaps"): strict, so that the fix shows up here.
-_SOFTMAX_KERNEL = "KernelGen._normalised_value tests z > 0: a NaN (or +inf) row gives zeros"
-_INBLOCK_MAX = "in-block max/min (lanes_reduce, REDUCE_OPS) use Python max/min, which drop a NaN"
-_INBLOCK_LSE = ("in-block logsumexp (KernelGen._coop_reduce_target) shifts by a +inf max and "
-                "maps a NaN sum to -inf")
-KERNEL_GAPS = {
-    ("softmax", s): _SOFTMAX_KERNEL for s in ("nan_in_middle_chunk", "nan_in_last_chunk", "nan_first", "posinf",
-                                              "fully_masked_and_nan", "posinf_and_neginf")
-}
-KERNEL_GAPS.update({(f"inblock_{op}", s): _INBLOCK_MAX for op in ("max", "min")
-                    for s in ("nan_in_middle_chunk", "nan_in_last_chunk", "nan_first")})
-KERNEL_GAPS.update({("inblock_logsumexp", s): _INBLOCK_LSE
-                    for s in ("nan_in_middle_chunk", "nan_in_last_chunk", "nan_first", "posinf",
-                              "posinf_and_neginf")})
+# the documented kernel gap (docs/NAN_POLICY.md): strict xfails, so fixing it fails them by name
+_INBLOCK_MAX = "in-block max/min (lanes_reduce, REDUCE_OPS) use max/min, which drop a NaN (fmaxf on a GPU too)"
+KERNEL_GAPS = {(f"inblock_{op}", s): _INBLOCK_MAX for op in ("max", "min")
+               for s in ("nan_in_middle_chunk", "nan_in_last_chunk", "nan_first")}
 
 # --------------------------------------------------------------------------- diagrams
 

@@ -115,10 +115,16 @@ def _fn_expr(gen: "KernelGen", fn: str, args: list[str], c=None) -> str:
     if fn == "gelu":
         return (f"{k.f(0.5, 'HALF')} * {a} * ({k.f(1.0, 'ONE')} + "
                 f"math.erf({a} * {k.f(1 / math.sqrt(2.0), 'INV_SQRT2')}))")
+    # sigmoid / silu: exp of a non-positive argument only, so no overflow (the simulator's
+    # math.exp raises where a GPU gives inf); NaN propagates (docs/NAN_POLICY.md)
     if fn == "sigmoid":
-        return f"{k.f(1.0, 'ONE')} / ({k.f(1.0, 'ONE')} + math.exp(-{a}))"
+        one, zero = k.f(1.0, "ONE"), k.f(0.0, "ZERO")
+        return (f"({one} / ({one} + math.exp(-{a})) if {a} >= {zero} else "
+                f"math.exp({a}) / ({one} + math.exp({a})))")
     if fn == "silu":
-        return f"{a} / ({k.f(1.0, 'ONE')} + math.exp(-{a}))"
+        one, zero = k.f(1.0, "ONE"), k.f(0.0, "ZERO")
+        return (f"({a} / ({one} + math.exp(-{a})) if {a} >= {zero} else "
+                f"{a} * math.exp({a}) / ({one} + math.exp({a})))")
     if fn == "tanh":
         return f"math.tanh({a})"
     if fn == "recip":
@@ -1332,7 +1338,9 @@ class KernelGen:
             regs = {n.var: self.names.fresh(f"{self.types[n.var].name}_next") for n in loads}
             for n in loads:
                 src(f"{regs[n.var]} = cuda.local.array({self._load_plan(n.var)[1]}, float32)")
-            self._emit_fetch(loads, regs, lo, src, lp.axis)
+            # a mask may start the loop past the axis (lo >= hi): then there is nothing to fetch
+            with src.maybe(None if lo == self.consts.u(0, "U0") else f"{lo} < {hi}"):
+                self._emit_fetch(loads, regs, lo, src, lp.axis)
         else:
             src.comment(f"stream {a.name} in chunks of {a.cap}")
         with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
@@ -1983,10 +1991,14 @@ class KernelGen:
                     mx = self.lanes_reduce(m, env, red, "max", term, src)
                     safe = self.names.fresh("safe")
                     src(f"{safe} = {mx} if {mx} > {k.f(-math.inf, 'NEG_INF')} else {k.f(0.0, 'ZERO')}")
-                    sm = self.lanes_reduce(m, env, red, "sum",
-                                           lambda e2, memo: f"math.exp({term(e2, memo)} - {safe})", src)
+                    one = k.f(1.0, "ONE")
+
+                    def lse_term(e2, memo):   # exp(inf - inf) counts as 1, as in _lse_update
+                        xv = term(e2, memo)
+                        return f"({one} if {xv} == {safe} else math.exp({xv} - {safe}))"
+                    sm = self.lanes_reduce(m, env, red, "sum", lse_term, src)
                     res = self.names.fresh("lse")
-                    src(f"{res} = {safe} + math.log({sm}) if {sm} > {k.f(0.0, 'ZERO')} else "
+                    src(f"{res} = {safe} + math.log({sm}) if {sm} != {k.f(0.0, 'ZERO')} else "
                         f"{k.f(-math.inf, 'NEG_INF')}")
                 else:
                     res = self.lanes_reduce(m, env, red, op, term, src)
@@ -2055,7 +2067,7 @@ class KernelGen:
         if (a1, a2, b) == NORMALISATIONS["softmax"]:
             zt = self.names.fresh("z")
             src(f"{zt} = {zv}")
-            src(f"{tmp} = math.exp({xv} - {mv}) / {zt} if {zt} > {zero} else {zero}")
+            src(f"{tmp} = math.exp({xv} - {mv}) / {zt} if {zt} != {zero} else {zero}")  # NaN row stays NaN
         else:
             zt = self.names.fresh("z")
             src(f"{zt} = {zv}")
@@ -2289,13 +2301,17 @@ def _lse_update(gen, p, src):
         src(f"{mx} = {m_ref}")
         with src.block(f"for {idx} in range({ax.count}):"):
             src(f"{mx} = max({mx}, {gen.value(x, e2, src, {})})")
-        safe = gen.names.fresh("safe")   # +-inf (and a NaN max) shift by 0: docs/NAN_POLICY.md
-        src(f"{safe} = {mx} if {k.f(-math.inf, 'NEG_INF')} < {mx} < {k.f(math.inf, 'INF')} "
-            f"else {k.f(0.0, 'ZERO')}")
+        # docs/NAN_POLICY.md: a max of +inf stays the shift, and exp(inf - inf) counts as 1 (the
+        # +inf element itself), so the result is +inf (NaN with a NaN) and no exp overflows
+        safe = gen.names.fresh("safe")
+        src(f"{safe} = {mx} if {mx} > {k.f(-math.inf, 'NEG_INF')} else {k.f(0.0, 'ZERO')}")
         zs = gen.names.fresh("zs")
-        src(f"{zs} = {z_ref} * math.exp({m_ref} - {safe})")
+        one = k.f(1.0, "ONE")
+        src(f"{zs} = {z_ref} * ({one} if {m_ref} == {safe} else math.exp({m_ref} - {safe}))")
         with src.block(f"for {idx} in range({ax.count}):"):
-            src(f"{zs} += math.exp({gen.value(x, e2, src, {})} - {safe})")
+            xv = gen.names.fresh("xv")
+            src(f"{xv} = {gen.value(x, e2, src, {})}")
+            src(f"{zs} += {one} if {xv} == {safe} else math.exp({xv} - {safe})")
         src(f"{z_ref} = {zs}")
         src(f"{m_ref} = {mx}")
 
@@ -2307,9 +2323,8 @@ def _lse_final(gen, p, env, src):
     src(f"{mt} = {m_ref}")
     src(f"{zt} = {z_ref}")
     # z == 0: every x was -inf (logsumexp -inf); z NaN (a NaN x) gives NaN, never -inf
-    return (f"(({mt} if {k.f(-math.inf, 'NEG_INF')} < {mt} < {k.f(math.inf, 'INF')} else "
-            f"{k.f(0.0, 'ZERO')}) + math.log({zt}) if {zt} != {k.f(0.0, 'ZERO')} else "
-            f"{k.f(-math.inf, 'NEG_INF')})")
+    return (f"(({mt} if {mt} > {k.f(-math.inf, 'NEG_INF')} else {k.f(0.0, 'ZERO')}) + math.log({zt})"
+            f" if {zt} != {k.f(0.0, 'ZERO')} else {k.f(-math.inf, 'NEG_INF')})")
 
 
 # online softmax-contraction and the normalisation family ------------------------

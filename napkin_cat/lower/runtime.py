@@ -99,6 +99,7 @@ import hashlib
 import itertools
 import json
 import linecache
+import math
 import operator
 import os
 import subprocess
@@ -484,6 +485,33 @@ def _is_dispatcher(obj: Any) -> bool:
     return hasattr(obj, "py_func") and hasattr(obj, "__getitem__") and hasattr(obj, "overloads")
 
 
+class _GPUMath:
+    """:mod:`math` as a GPU evaluates it, for kernels run in the simulator: where Python's
+    ``math`` raises (``exp`` overflow, ``log`` or ``sqrt`` outside their domain), the IEEE
+    result (inf, -inf or NaN) that the GPU returns."""
+
+    def __getattr__(self, name):
+        return getattr(math, name)
+
+    @staticmethod
+    def exp(v):
+        try:
+            return math.exp(v)
+        except OverflowError:
+            return math.inf
+
+    @staticmethod
+    def log(v):
+        return math.log(v) if v > 0 else (-math.inf if v == 0 else math.nan)
+
+    @staticmethod
+    def sqrt(v):
+        return math.sqrt(v) if v >= 0 else math.nan
+
+
+GPU_MATH = _GPUMath()
+
+
 def compile_kernel(source: str, name: str, dynamic_smem_bytes: int = 0, *,
                    cache: bool = True) -> Any:
     """Exec generated kernel source and return its ``cuda.jit`` dispatcher called ``name``.
@@ -520,6 +548,8 @@ def compile_kernel(source: str, name: str, dynamic_smem_bytes: int = 0, *,
                             f"{e.lineno}: {(e.text or '').strip()!r}: {e.msg}") from e
     namespace: dict[str, Any] = {"__name__": f"napkin_cat.generated.{name}"}
     exec(code, namespace)
+    if simulator_active() and namespace.get("math") is math:
+        namespace["math"] = GPU_MATH   # read at call time: the kernel's math behaves as on a GPU
     disp = namespace.get(name)
     if disp is None or not _is_dispatcher(disp):
         found = sorted(k for k, v in namespace.items() if _is_dispatcher(v))

@@ -34,6 +34,7 @@ sizes), or none.  This module completes it:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -322,15 +323,25 @@ def _build(d: Diagram, tiles: dict, tileable, streamable, main, simulate, T, hw)
             chosen[a] = _fit(size(a), chosen[a], req.get(a, 1), f"tile of {a}")
         if any(req.get(a, 1) > 1 for a in free):
             how += f", rounded to the required multiples ({', '.join(f'{a}: {k}' for a, k in req.items())})"
-    try:
-        for a in streamable:
-            out = out.stream(a, chosen[a])
-        for a in tileable:
-            if a in chosen:
-                out = out.tile(a, chosen[a])
-    except NapkinError as e:
-        raise LoweringError(f"cannot relabel {d.short()} for lowering: {e}") from None
-    return _registers_for_states(out), how, chosen
+    # the stream loops nest in the order they are applied: the first order the loop nest accepts
+    # (an accumulator's loop outside the loops of accumulators that read its result)
+    from ..loopnest import final_form
+    first_error = None
+    for order_ in [tuple(streamable)] + [p for p in itertools.permutations(streamable)
+                                         if p != tuple(streamable)][:23]:
+        try:
+            cand = out
+            for a in order_:
+                cand = cand.stream(a, chosen[a])
+            for a in tileable:
+                if a in chosen:
+                    cand = cand.tile(a, chosen[a])
+            final_form(cand)
+        except NapkinError as e:
+            first_error = first_error or e
+            continue
+        return _registers_for_states(cand), how, chosen
+    raise LoweringError(f"cannot relabel {d.short()} for lowering: {first_error}")
 
 
 def _registers_for_states(d: Diagram) -> Diagram:
