@@ -6,8 +6,8 @@ Pipeline: ``diagram -> relabel -> final form (loop nest) -> {NumPy check, cost, 
 from . import library, ops
 from .core import (DTYPES, Array, Axis, Box, Diagram, DType, Eqn, Relabel, Ty, axes, bf16, f16, f32,
                    f64, fp8_e4m3, fp8_e5m2, i8)
-from .errors import (CostError, DrawingError, EquivalenceError, LoweringError, NapkinError, RelabelError, ShapeError, UnverifiedError,
-                     TypingError, UnknownKindError)
+from .errors import (CostError, DrawingError, EmptyAxisError, EquivalenceError, LoweringError, NapkinError,
+                     RelabelError, ShapeError, TypingError, UnknownKindError, UnverifiedError)
 from .ops import AxisPower, Builder, IndexBias, Predicate, alibi, causal, predicate, window
 from .semantics import evaluate
 from . import hardware, hierarchy

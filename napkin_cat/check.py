@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .core import Axis, Box, Diagram
-from .errors import EquivalenceError, NapkinError, TypingError, UnverifiedError
+from .errors import EquivalenceError, LoweringError, NapkinError, TypingError, UnverifiedError
 from .relabel import requirements
 
 # (rtol, atol) per dtype the comparison runs in; evaluation is float64 (the reference)
@@ -366,8 +366,13 @@ def _tolerance(dtype_tolerance) -> tuple[float, float]:
         return TOLERANCES[REFERENCE_DTYPE]
     if isinstance(dtype_tolerance, dict):
         return dtype_tolerance.get(REFERENCE_DTYPE, TOLERANCES[REFERENCE_DTYPE])
-    if isinstance(dtype_tolerance, (int, float)):
+    if isinstance(dtype_tolerance, (int, float)) and not isinstance(dtype_tolerance, bool) and dtype_tolerance >= 0:
         return float(dtype_tolerance), float(dtype_tolerance)
+    ok = isinstance(dtype_tolerance, (tuple, list)) and len(dtype_tolerance) == 2 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in dtype_tolerance)
+    if not ok:
+        raise NapkinError(f"check_equivalent: dtype_tolerance must be (rtol, atol), one number >= 0 or "
+                          f"{{dtype name: (rtol, atol)}}, got {dtype_tolerance!r}")
     rtol, atol = dtype_tolerance
     return float(rtol), float(atol)
 
@@ -506,7 +511,7 @@ def check_equivalent(a, b, *, examples: int | None = None, time_budget: float | 
             from .lower import lower
             try:
                 kernels[key] = lower(bound, verify=False, **ex.options)
-            except kc.LoweringError as e:
+            except LoweringError as e:
                 kernels[key] = f"{_size_str(ex)} {kc.lowering_call(ex.options)[2:]}: {e}"
         return kernels[key]
 
@@ -589,7 +594,7 @@ def check_equivalent(a, b, *, examples: int | None = None, time_budget: float | 
         raise UnverifiedError(f"check_equivalent ran no example in {seconds:.2f} s (time_budget={time_budget!r}): "
                               f"nothing was verified, so this is not a pass\n  a: {a.short()}\n  b: {b.short()}")
     if lowered and run["kernels"] == 0:
-        raise kc.LoweringError(f"check_equivalent(lowered=True): lower() refused every one of the {len(refused)} "
+        raise LoweringError(f"check_equivalent(lowered=True): lower() refused every one of the {len(refused)} "
                                f"drawn configuration(s), so no kernel was checked; first: {refused[0]}")
     report = EquivalenceReport(run["n"], run["abs"], run["rel"], seconds,
                                tuple((s, lo, hi) for s, (lo, hi) in run["sizes"].items()),

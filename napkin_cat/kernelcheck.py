@@ -177,7 +177,7 @@ def kernel_outcome(oracle: Diagram, kernel, inputs, sizes: dict | None = None, r
     exact, low = oracle_outputs(oracle, x32, sizes or {})
     try:
         got = run_kernel(kernel, x32)
-    except NapkinError:
+    except NapkinError:   # the call itself refused (shapes, dtypes): a misuse, not a kernel difference
         raise
     except Exception as e:  # noqa: BLE001 - a crashing kernel is a difference, reported with its error
         return KernelDiff(math.inf, math.inf, {"kind": "error", "side": "kernel",
@@ -237,4 +237,4 @@ def lowering_call(options: dict) -> str:
 
 
 __all__ = ["KERNEL_TOLERANCES", "kernel_outcome", "self_check", "bind_oracle", "is_kernel",
-           "check_lower_options", "LoweringError"]
+           "check_lower_options", "compare_outputs", "describe_failure"]

@@ -101,6 +101,14 @@ def test_check_lowered_reports_a_wrong_kernel_with_its_options(kernel, monkeypat
     assert info.value.counterexample["options"] == {"threads": 16}
 
 
+def test_lower_refuses_unknown_hardware_and_verify_values():
+    small = ATTN.bind({q: 2, x: 2, d: 2})
+    with pytest.raises(nc.LoweringError, match="hw must be a hardware profile"):
+        nc.lower(small, hw="H100")
+    with pytest.raises(nc.LoweringError, match="verify must be"):
+        nc.lower(small, verify=-1)
+
+
 def test_zero_examples_is_never_a_pass():
     relu = nc.ops.op("relu", nc.Array((q,), nc.f32, "X"))
     exp = nc.ops.op("exp", nc.Array((q,), nc.f32, "X"))
@@ -122,6 +130,7 @@ def test_zero_examples_is_never_a_pass():
     (lambda k: nc.check_equivalent(ATTN, ATTN.stream(x, 2), max_chunks=1), "max_chunks"),
     (lambda k: nc.check_equivalent(L.attention(q=q, x=x, d=d, heads=nc.Axis("h", 2)), k), "different types"),
     (lambda k: nc.check_equivalent(ATTN, "kernel"), "must be a Diagram or a Kernel"),
+    (lambda k: nc.check_equivalent(ATTN, ATTN.stream(x, 2), dtype_tolerance="x"), "dtype_tolerance"),
 ])
 def test_check_options_are_refused_by_name(kernel, call, match):
     with pytest.raises(nc.NapkinError, match=match):

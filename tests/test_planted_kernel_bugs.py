@@ -66,7 +66,7 @@ def _mutant(kernel, pattern: str, replacement: str):
 def test_planted_kernel_bug_is_caught(name):
     (oracle, relabel, sizes), pattern, replacement = MUTANTS[name]
     kernel = nc.lower(relabel(oracle).bind(sizes), verify=False, threads=16)
-    nc.check_equivalent(oracle, kernel, examples=3)   # the unmutated kernel passes
+    nc.check_equivalent(oracle, kernel, examples=1)   # the unmutated kernel passes
     mutant = _mutant(kernel, pattern, replacement)
     with pytest.raises(nc.EquivalenceError) as info:
         nc.check_equivalent(oracle, mutant)             # the default budget

@@ -75,6 +75,9 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
         raise LoweringError(f"{outer[0].op}({outer[0].axis}) at level {outer[0].level}: a kernel launch has "
                             f"no loop above its thread blocks; levels above SMEM model which blocks share "
                             f"a cache (use them with nc.cost) and are left out of the diagram you lower")
+    from ..hardware import Hardware
+    if hw is not None and not isinstance(hw, Hardware):
+        raise LoweringError(f"lower: hw must be a hardware profile such as nc.hardware.H100, got {hw!r}")
     if not (isinstance(verify, bool) or isinstance(verify, int) and verify >= 0):
         raise LoweringError(f"lower: verify must be True, False or a number of runs >= 0, got {verify!r}")
     runs = SELF_CHECK_RUNS if verify is True else int(verify)
