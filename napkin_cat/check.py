@@ -411,19 +411,23 @@ def _compare(problem: _Problem, ex: _Example, rtol: float, atol: float) -> _Outc
         allowed = atol * scale + rtol * np.abs(np.where(both, ra, 0.0))
         nonfinite_bad = (fa != fb) | (~fa & ~fb & ~((ra == rb) | (np.isnan(ra) & np.isnan(rb))))
         bad = (both & (diff > allowed)) | nonfinite_bad
-        if diff.size:
-            out.abs_error = max(out.abs_error, float(diff.max()))
-            floor = np.maximum(np.abs(np.where(both, ra, 0.0)), atol * scale)
-            out.rel_error = max(out.rel_error, float((diff / floor).max()))
-        if bad.any() and out.failure is None:
-            idx = tuple(int(j) for j in np.argwhere(bad)[0])
-            arr = problem.a.cod[i]
-            out.failure = {"kind": "values", "output": i, "output_name": arr.name,
-                           "index": idx, "coordinates": dict(zip(arr.axis_names, idx)),
-                           "a_value": float(ra[idx]), "b_value": float(rb[idx]),
-                           "allowed": float(allowed[idx]), "differing": int(bad.sum()),
-                           "total": int(bad.size)}
+        note_difference(out, i, problem.a.cod[i], ra, rb, diff, both, bad, allowed, atol * scale)
     return out
+
+
+def note_difference(out, i: int, arr, ra, rb, diff, both, bad, allowed, floor) -> None:
+    """Fold output ``i``'s differences into ``out``: the largest errors, and the first entry
+    that is not allowed (with its coordinates) unless a failure is already recorded."""
+    if diff.size:
+        out.abs_error = max(out.abs_error, float(diff.max()))
+        rel_floor = np.maximum(np.abs(np.where(both, ra, 0.0)), floor)
+        out.rel_error = max(out.rel_error, float((diff / rel_floor).max()))
+    if bad.any() and out.failure is None:
+        idx = tuple(int(j) for j in np.argwhere(bad)[0])
+        out.failure = {"kind": "values", "output": i, "output_name": arr.name,
+                       "index": idx, "coordinates": dict(zip(arr.axis_names, idx)),
+                       "a_value": float(ra[idx]), "b_value": float(rb[idx]),
+                       "allowed": float(allowed[idx]), "differing": int(bad.sum()), "total": int(bad.size)}
 
 
 # --------------------------------------------------------------------------- the check

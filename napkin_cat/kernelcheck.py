@@ -139,11 +139,13 @@ class KernelDiff:
     failure: dict | None = None
 
 
-def compare_outputs(names, exact, low, got, rtol: float, atol: float,
+def compare_outputs(arrays, exact, low, got, rtol: float, atol: float,
                     factor: float = LOW_PRECISION_FACTOR) -> KernelDiff:
-    """The kernel rule of the module docstring, output by output; the first failing entry."""
+    """The kernel rule of the module docstring, output by output; the first failing entry.
+    ``arrays``: the output types (names and axes for the report)."""
+    from .check import note_difference
     out = KernelDiff()
-    for i, (r, lo, k) in enumerate(zip(exact, low, got)):
+    for i, (arr, r, lo, k) in enumerate(zip(arrays, exact, low, got)):
         fr, fl, fk = np.isfinite(r), np.isfinite(lo), np.isfinite(k)
         scale = max(1.0, float(np.max(np.abs(r[fr]), initial=0.0)))
         both = fr & fk
@@ -154,17 +156,9 @@ def compare_outputs(names, exact, low, got, rtol: float, atol: float,
         out_of_range = fr & ~fl                      # fp32 itself overflows here: follow it
         same_low = (k == lo) | (np.isnan(k) & np.isnan(lo)) | ~fk
         bad = np.where(out_of_range, ~same_low, np.where(fr & fk, diff > allowed, ~same))
-        if diff.size:
-            out.abs_error = max(out.abs_error, float(diff.max()))
-            floor = np.maximum(np.abs(np.where(both, r, 0.0)), atol * scale)
-            out.rel_error = max(out.rel_error, float((diff / floor).max()))
-        if bad.any() and out.failure is None:
-            idx = tuple(int(j) for j in np.argwhere(bad)[0])
-            out.failure = {"kind": "values", "output": i, "output_name": names[i][0],
-                           "index": idx, "coordinates": dict(zip(names[i][1], idx)),
-                           "a_value": float(r[idx]), "b_value": float(k[idx]),
-                           "low_value": float(lo[idx]), "allowed": float(allowed[idx]),
-                           "differing": int(bad.sum()), "total": int(bad.size)}
+        note_difference(out, i, arr, r, k, diff, both, bad, allowed, atol * scale)
+        if out.failure is not None and out.failure["output"] == i:
+            out.failure["low_value"] = float(lo[out.failure["index"]])
     return out
 
 
@@ -182,9 +176,8 @@ def kernel_outcome(oracle: Diagram, kernel, inputs, sizes: dict | None = None, r
     except Exception as e:  # noqa: BLE001 - a crashing kernel is a difference, reported with its error
         return KernelDiff(math.inf, math.inf, {"kind": "error", "side": "kernel",
                                                "error": f"{type(e).__name__}: {e}"})
-    names = [(arr.name, arr.axis_names) for arr in oracle.cod]
     factor = FASTMATH_FACTOR if getattr(kernel, "options", {}).get("fastmath", True) else LOW_PRECISION_FACTOR
-    return compare_outputs(names, exact, low, got, rtol, atol, factor)
+    return compare_outputs(oracle.cod, exact, low, got, rtol, atol, factor)
 
 
 # --------------------------------------------------------------------------- lower's own check

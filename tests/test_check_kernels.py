@@ -167,7 +167,7 @@ def test_counterexample_with_a_custom_mask_runs():
 
 def test_kernel_outcome_follows_fp32_where_fp32_overflows():
     """An answer finite in float64 but out of fp32's range: the kernel must match fp32."""
-    names = [("Y", ("r",))]
+    names = [nc.Array((nc.Axis("r", 2),), nc.f32, "Y")]
     exact, low = (np.array([1e39, 1.0]),), (np.array([np.inf, 1.0]),)
     assert kernelcheck.compare_outputs(names, exact, low, (np.array([np.inf, 1.0]),), 1e-5, 1e-5).failure is None
     bad = kernelcheck.compare_outputs(names, exact, low, (np.array([3.0, 1.0]),), 1e-5, 1e-5).failure
