@@ -117,13 +117,14 @@ def reduction_family(draw):
 @st.composite
 def library_family(draw):
     name = draw(st.sampled_from(("softmax", "layernorm", "rmsnorm", "l2_attention", "l1_attention",
-                                 "sigmoid_attention", "mlp", "linear", "batched_matmul")))
+                                 "sigmoid_sum_attention", "mlp", "linear", "batched_matmul")))
     if name == "softmax":
         return name, L.softmax(r=r, c=c), {"r": "tile"}
     if name in ("layernorm", "rmsnorm"):
         return name, getattr(L, name)(t=t, d=d), {"t": "tile"}
     if name.endswith("_attention"):
-        return name, L.normalized_attention(q=q, x=x, d=d, kind=name.split("_")[0]), {"x": "stream", "q": "tile"}
+        kind = name[: -len("_attention")]
+        return name, L.normalized_attention(q=q, x=x, d=d, kind=kind), {"x": "stream", "q": "tile"}
     if name == "mlp":
         return name, L.mlp(t=t, d=d, h=f), {"f": "stream", "t": "tile"}
     if name == "linear":
