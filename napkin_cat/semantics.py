@@ -317,25 +317,14 @@ def check_inputs(d: Diagram, arrays) -> None:
             raise ShapeError(f"input {arr}: expected an integer array for dtype {arr.dtype.name}, got dtype {dtype}")
 
 
-def _internal_caller(depth: int = 2) -> bool:
-    """Whether the public entry point was called from inside napkin_cat (the equivalence checker
-    passes one sizes dict, blocks of both diagrams included, to each side)."""
-    import sys
-    try:
-        return sys._getframe(depth).f_globals.get("__name__", "").startswith("napkin_cat.")
-    except ValueError:
-        return False
-
-
-def check_call_options(d: Diagram, sizes, params, what: str, internal: bool = False) -> None:
-    """``sizes`` values are positive ints and (unless ``internal``) every key names something in
-    ``d``; ``params`` is a mapping whose names (unless ``internal``) are parameters of ``d``."""
+def check_call_options(d: Diagram, sizes, params, what: str) -> None:
+    """``sizes`` values are positive ints and every key names something in ``d``; ``params`` is a
+    mapping whose names are parameters of ``d``."""
     from .core import check_size_keys
     if sizes is not None:
         if not hasattr(sizes, "items"):
             raise TypingError(f"{what}: sizes must be a dict {{axis or symbol: int}}, got {sizes!r}")
-        if not internal:
-            check_size_keys(d, sizes, what)
+        check_size_keys(d, sizes, what)
         for key, n in sizes.items():
             name = key.name if isinstance(key, Axis) else key
             if isinstance(n, bool) or not hasattr(n, "__index__"):
@@ -345,12 +334,11 @@ def check_call_options(d: Diagram, sizes, params, what: str, internal: bool = Fa
     if params is not None:
         if not hasattr(params, "items"):
             raise TypingError(f"{what}: params must be a dict {{parameter name: array}}, got {params!r}")
-        if not internal:
-            known = sorted(e.box.param("pname") for e in d.eqns if e.box.kind == "param")
-            for name in params:
-                if name not in known:
-                    raise ShapeError(f"{what}: params names {name!r}, which is not a parameter of "
-                                     f"{d.short()}; its parameters are {known}")
+        known = sorted(e.box.param("pname") for e in d.eqns if e.box.kind == "param")
+        for name in params:
+            if name not in known:
+                raise ShapeError(f"{what}: params names {name!r}, which is not a parameter of "
+                                 f"{d.short()}; its parameters are {known}")
 
 
 def _as_numpy(x, arr: Array | None = None) -> np.ndarray:
@@ -404,7 +392,7 @@ def evaluate(d: Diagram, *arrays, sizes: dict | None = None, params: dict | None
     """
     if not isinstance(d, Diagram):
         raise TypingError(f"evaluate needs a Diagram, got {type(d).__name__}")
-    check_call_options(d, sizes, params, "evaluate", _internal_caller())
+    check_call_options(d, sizes, params, "evaluate")
     if not isinstance(reference, bool):
         raise TypingError(f"evaluate: reference must be True or False, got {reference!r}")
     if len(arrays) == len(d.dom):

@@ -25,7 +25,7 @@ import torch
 from .core import Array, Box, Diagram, Ty
 from .errors import ShapeError, TypingError, UnknownKindError
 from .ops import FUNCTIONS, NORMALISATIONS, REDUCTIONS, constant_value
-from .semantics import NUMPY_RULES, _internal_caller, check_call_options, concrete_shape, resolve_sizes
+from .semantics import NUMPY_RULES, check_call_options, concrete_shape, resolve_sizes
 
 # integer wires keep their width; float wires use the working dtype (see module docstring)
 TORCH_INT_DTYPES = {"i8": torch.int8}
@@ -312,7 +312,7 @@ def to_torch(d: Diagram) -> Callable:
     nvars = len(d.var_types())
 
     def fn(*tensors, sizes: dict | None = None, params: dict | None = None):
-        check_call_options(d, sizes, params, fn.__name__, _internal_caller())
+        check_call_options(d, sizes, params, fn.__name__)
         _check_inputs(d, tensors)
         bound = resolve_sizes(d, tensors, sizes)
         for arr in d.dom:
