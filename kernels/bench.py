@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lower import runtime as rt  # noqa: E402
+from napkin_cat.lowering import runtime as rt  # noqa: E402
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False

@@ -24,7 +24,7 @@ import math
 
 from numba import cuda, float32, uint32
 
-from napkin_cat.lower.runtime import simulator_active
+from napkin_cat.lowering.runtime import simulator_active
 
 SIMULATOR = simulator_active()
 SMEM_ALIGN = None if SIMULATOR else 16  # 16-byte aligned shared memory (128-bit loads); the simulator takes no alignment

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lower import codegen  # noqa: E402
+from napkin_cat.lowering import codegen  # noqa: E402
 from bench import cuda_time, reference_rows, rel_err  # noqa: E402
 
 torch.backends.cuda.matmul.allow_tf32 = False

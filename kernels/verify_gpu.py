@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         except nc.EquivalenceError as e:
             bad += 1
             rows.append((label, "WRONG", str(e).splitlines()[0][:90], time.perf_counter() - t0))
-    from napkin_cat.lower import runtime
+    from napkin_cat.lowering import runtime
     print(f"\ndevice: {runtime.device_name() if hasattr(runtime, 'device_name') else 'GPU'}; "
           f"simulator: {runtime.simulator_active()}")
     print(f"| case | result | detail | s |\n|---|---|---|---|")

@@ -1,38 +1,46 @@
 """napkin_cat: derive IO-aware GPU algorithms from diagrams ("FlashAttention on a Napkin").
 
 Pipeline: ``diagram -> relabel -> final form (loop nest) -> {NumPy check, cost, numba.cuda}``.
+The package is a house of stages, each importing only the ones before it
+(docs/ARCHITECTURE.md): core <- ops <- {library, relabel} <- {verify, costmodel} <-
+{lowering, drawing} <- this face (``__init__``, ``cli``, ``imports``).
 """
 
-from . import library, ops
-from .core import (DTYPES, Array, Axis, Box, Diagram, DType, Eqn, Relabel, Ty, axes, bf16, f16, f32,
-                   f64, fp8_e4m3, fp8_e5m2, i8)
-from .errors import (CostError, DrawingError, EmptyAxisError, EquivalenceError, LoweringError, NapkinError,
-                     RelabelError, ShapeError, TypingError, UnknownKindError, UnverifiedError)
+from . import core, ops
+from .core import hardware, hierarchy, registry as _registry
+from .core.diagram import (DTYPES, Array, Axis, Box, Diagram, DType, Eqn, Relabel, Ty, axes, bf16, f16, f32,
+                           f64, fp8_e4m3, fp8_e5m2, i8)
+from .core.errors import (CostError, DrawingError, EmptyAxisError, EquivalenceError, LoweringError, NapkinError,
+                          RelabelError, ShapeError, TypingError, UnknownKindError, UnverifiedError)
 from .ops import AxisPower, Builder, IndexBias, Predicate, alibi, causal, predicate, window
-from .semantics import evaluate
-from . import hardware, hierarchy
+from . import library, relabel
 from .relabel import RULES
-from .check import check_equivalent
-from .derive import derive
-# functions bound after their submodules are imported: a later ``import napkin_cat.cost`` does
-# not rebind the package attribute, so ``nc.cost`` stays the function
-from .cost import cost
-from .lower import lower  # numba.cuda itself is imported on the first lowering, not here
+from .verify import check_equivalent, derive, evaluate
+# functions named like their stage would shadow it; the stage folders are named differently
+# (costmodel, lowering, drawing), so ``import napkin_cat.lowering.runtime`` always works
+from .costmodel import cost
+from .lowering import lower  # numba.cuda itself is imported on the first lowering, not here
 
 __version__ = "0.1.0"
 
 
 def to_torch(d):
-    """A differentiable torch function computing ``d`` (see :mod:`napkin_cat.torch_semantics`)."""
-    from .torch_semantics import to_torch as _to_torch
+    """A differentiable torch function computing ``d`` (see :mod:`napkin_cat.ops.torch_semantics`)."""
+    from .ops.torch_semantics import to_torch as _to_torch
     return _to_torch(d)
 
 
-def __getattr__(name):  # heavy stages import lazily: ``import napkin_cat`` stays fast
-    import importlib
-    lazy = {"draw": ("drawing", "draw")}
-    if name in lazy:
-        mod, attr = lazy[name]
-        m = importlib.import_module(f".{mod}", __name__)
-        return m if attr is None else getattr(m, attr)
-    raise AttributeError(f"module 'napkin_cat' has no attribute {name!r}")
+def draw(d, path=None, **kwargs):
+    """Draw ``d`` as a string diagram (see :func:`napkin_cat.drawing.diagram.draw`)."""
+    from .drawing import draw as _draw  # matplotlib is imported on the first drawing
+    return _draw(d, path, **kwargs)
+
+
+def _to_svg(d):
+    from .drawing import to_svg
+    return to_svg(d)
+
+
+# the drawing stage is heavy (matplotlib): its verbs are registered lazily
+_registry.register("draw", draw)
+_registry.register("to_svg", _to_svg)

@@ -6,7 +6,7 @@
                                        simulator on tiny shapes)
 ``napkin goldens [--update]``          diff (or rewrite) the golden kernels in kernels/
 
-A refused request (any :class:`~napkin_cat.errors.NapkinError`, or a path that cannot be
+A refused request (any :class:`~napkin_cat.core.errors.NapkinError`, or a path that cannot be
 written) prints one line on stderr and exits with status 1; ``napkin --debug ...`` shows the
 traceback instead.
 
@@ -82,7 +82,7 @@ def demo(out: Path) -> int:
     print("H100, fp16, q = x = 8192, d = 128:", best)
 
     _section("5. lower to numba.cuda and run")
-    from .lower.runtime import gpu_available
+    from .lowering.runtime import gpu_available
     n = 512 if gpu_available() else 9
     dn = 64 if gpu_available() else 4
     small = flash.bind({q: n, x: n + 3, d: dn, "g_q": 64 if gpu_available() else 4,
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.debug:
         return _run(args)
-    from .errors import NapkinError
+    from .core.errors import NapkinError
     try:
         return _run(args)
     except (NapkinError, OSError) as e:
@@ -125,7 +125,7 @@ def _run(args) -> int:
     if args.cmd == "demo":
         return demo(Path(args.out))
     if args.cmd == "goldens":
-        from .lower.goldens import main as goldens_main
+        from .lowering.goldens import main as goldens_main
         return goldens_main(["--update"] if args.update else [])
     return 2
 

@@ -2,7 +2,7 @@
 
 Each test proves the law with sympy on symbolic chunk contents (a chunk ``x`` of 2 symbols and
 a chunk ``y`` of 3), prints what it proved, and then runs the *implementation* in
-:data:`napkin_cat.accumulators.ACC_RULES` (``init`` / ``update`` / ``finalise``) on random
+:data:`napkin_cat.verify.accumulators.ACC_STEPS` (``init`` / ``update`` / ``finalise``) on random
 NumPy chunks against the NumPy semantics of the same box, so the proof is tied to the code.
 
 State machines carry a running shift (``mu``, ``m``): the algebra below keeps that shift a
@@ -19,9 +19,10 @@ import pytest
 import sympy as sp
 
 import napkin_cat as nc
-from napkin_cat.accumulators import ACC_RULES, derive_accumulator
+from napkin_cat.relabel.accumulators import ACC_RULES, derive_accumulator
 from napkin_cat.relabel import fuse_norm_contract, fuse_softmax_contract
-from napkin_cat.semantics import Ctx, apply_box
+from napkin_cat.ops.semantics import Ctx, apply_box
+from napkin_cat.verify import accumulators as steps
 
 X = sp.symbols("x1 x2", real=True)          # chunk x
 Y = sp.symbols("y1 y2 y3", real=True)       # chunk y
@@ -38,15 +39,15 @@ def run_chunks(box, eqn, axis, ins, in_axes, sizes, cuts):
     assert not isinstance(acc, str), acc
     ctx = Ctx(dict(sizes))
     shapes = {name: tuple(sizes[a] for a in axes_) for name, axes_, _ in acc.states()}
-    state = acc.init(shapes, ctx)
+    state = steps.init(acc, shapes, ctx)
     bounds = [0, *cuts, sizes[axis]]
     for lo, hi in zip(bounds, bounds[1:]):
         chunk = []
         for x, names in zip(ins, in_axes):
             sl = tuple(slice(lo, hi) if n == axis else slice(None) for n in names)
             chunk.append(x[sl])
-        state = acc.update(state, chunk, ctx)
-    return acc.finalise(state, ctx)[0], apply_box(box, list(ins), ctx)[0]
+        state = steps.update(acc, state, chunk, ctx)
+    return steps.finalise(acc, state, ctx)[0], apply_box(box, list(ins), ctx)[0]
 
 
 # --------------------------------------------------------------------------- monoids

@@ -16,9 +16,9 @@ from functools import lru_cache
 import sympy as sp
 
 import napkin_cat as nc
-from napkin_cat.cost import concurrent_groups
-from napkin_cat.hardware import H100, KB
-from napkin_cat.symbols import size_symbol
+from napkin_cat.costmodel.model import concurrent_groups
+from napkin_cat.core.hardware import H100, KB
+from napkin_cat.relabel.symbols import size_symbol
 
 Q, X, D = nc.axes("q x d")
 A, B, C = nc.axes("a b c")

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat import kernelcheck  # noqa: E402
+from napkin_cat.verify import kernelcheck  # noqa: E402
 
 q, x, d = nc.axes("q x d")
 L = nc.library
@@ -48,7 +48,7 @@ def test_lower_verifies_every_kernel_and_says_so(kernel):
 
 def test_lower_refuses_to_return_a_wrong_kernel(kernel, monkeypatch):
     """The self-check inside lower(): a generator that emits a broken kernel raises."""
-    from napkin_cat.lower import Kernel
+    from napkin_cat.lowering import Kernel
     real = Kernel.__init__
 
     def init(self, diagram, source, *args):
@@ -86,7 +86,7 @@ def test_check_lowered_draws_sizes_blocks_and_threads():
 
 
 def test_check_lowered_reports_a_wrong_kernel_with_its_options(kernel, monkeypatch):
-    from napkin_cat.lower import Kernel
+    from napkin_cat.lowering import Kernel
     real = Kernel.__init__
 
     def init(self, diagram, source, *args):
@@ -144,7 +144,7 @@ def test_jumps_regime_jumps_between_chunks():
     moves = []
     for seed in range(20):
         rng = np.random.default_rng(seed)
-        Q, K = nc.check.jumps(rng, (8, 4)), nc.check.jumps(rng, (16, 4))
+        Q, K = nc.verify.check.jumps(rng, (8, 4)), nc.verify.check.jumps(rng, (16, 4))
         S = Q @ K.T
         running = np.maximum.accumulate(S, axis=1)[:, 3::4]
         moves.extend(np.diff(running, axis=1).ravel())
@@ -155,12 +155,12 @@ def test_jumps_regime_jumps_between_chunks():
 def test_counterexample_with_a_custom_mask_runs():
     """Module functions in custom predicates are imported by the printed code; a lambda is kept
     for the session.  Either way the code runs."""
-    from napkin_cat.check import _diagram_code
+    from napkin_cat.verify.check import _diagram_code
     for fn in (block_diagonal, lambda i, j: (i // 2) == (j // 2)):
         masked = L.attention(q=q, x=x, d=d, mask=nc.predicate(fn, "blocks"))
         imports, code = _diagram_code(masked, "a")
         ns: dict = {}
-        exec("\n".join(["import napkin_cat as nc", nc.check._NAMESPACE_CODE, *imports, code]), ns)
+        exec("\n".join(["import napkin_cat as nc", nc.verify.check._NAMESPACE_CODE, *imports, code]), ns)
         assert ns["a"] == masked
         assert ("saved(" in code) == (fn is not block_diagonal)
 

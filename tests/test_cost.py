@@ -12,11 +12,11 @@ import sympy as sp
 
 import napkin_cat as nc
 from napkin_cat.core import Box, Ty
-from napkin_cat.cost import COST_RULES, box_work
-from napkin_cat.hardware import A100_SXM4, H100, H200
-from napkin_cat.hierarchy import hierarchy
-from napkin_cat.semantics import NUMPY_RULES
-from napkin_cat.symbols import size_symbol
+from napkin_cat.costmodel.model import COST_RULES, box_work
+from napkin_cat.core.hardware import A100_SXM4, H100, H200
+from napkin_cat.core.hierarchy import hierarchy
+from napkin_cat.ops.semantics import NUMPY_RULES
+from napkin_cat.relabel.symbols import size_symbol
 
 q, x, d, h, G = (size_symbol(n) for n in ("q", "x", "d", "h", "G"))
 a, b, c, e = (size_symbol(n) for n in "abce")

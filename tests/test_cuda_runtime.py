@@ -1,4 +1,4 @@
-"""The numba.cuda runtime of generated kernels (napkin_cat.lower.runtime).
+"""The numba.cuda runtime of generated kernels (napkin_cat.lowering.runtime).
 
 Runs under numba's CUDA simulator on machines without a GPU.  The simulator is chosen when
 numba.cuda is first imported in the process, so it is requested here before anything imports
@@ -22,8 +22,8 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from napkin_cat.errors import LoweringError  # noqa: E402
-from napkin_cat.lower import runtime as rt  # noqa: E402
+from napkin_cat.core.errors import LoweringError  # noqa: E402
+from napkin_cat.lowering import runtime as rt  # noqa: E402
 
 # What the code generator emits: two static shared arrays, each on its own line (on one line
 # the simulator would alias them), one dynamic buffer carved into two disjoint views (all
@@ -207,7 +207,7 @@ def test_numpy_shim_lets_numba_compile_without_row_stack():
     # numpy 2.5 has no row_stack; numba-cuda 0.30.4 then fails at its first compilation
     script = ("import numpy\n"
               "if hasattr(numpy, 'row_stack'):\n    del numpy.row_stack\n"
-              "from napkin_cat.lower import runtime as rt\n"
+              "from napkin_cat.lowering import runtime as rt\n"
               "from tests_source import SOURCE, SIGNATURE\n"
               "ir = rt.typecheck_kernel(SOURCE, 'smoke', SIGNATURE)\n"
               "print('compiled', numpy.row_stack is numpy.vstack, len(ir) > 0)\n")

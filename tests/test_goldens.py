@@ -1,6 +1,6 @@
 """The golden kernels in kernels/ are what the code generator emits today.
 
-A failing test shows the diff; after reviewing it, ``python -m napkin_cat.lower.goldens
+A failing test shows the diff; after reviewing it, ``python -m napkin_cat.lowering.goldens
 --update`` rewrites the files.  Generating source needs no GPU and no simulator.
 """
 
@@ -10,14 +10,14 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # as the other kernel tests:
 
 import pytest  # noqa: E402
 
-from napkin_cat.lower import goldens  # noqa: E402
+from napkin_cat.lowering import goldens  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(goldens.canonical()))
 def test_golden_kernel_is_unchanged(name):
     text = goldens.diff(name)
     assert not text, (f"kernels/{name}.py differs from the generated source; review and run "
-                      f"`python -m napkin_cat.lower.goldens --update`:\n{text[:6000]}")
+                      f"`python -m napkin_cat.lowering.goldens --update`:\n{text[:6000]}")
 
 
 def test_goldens_compile_as_python():

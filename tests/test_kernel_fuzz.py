@@ -6,10 +6,10 @@ score chains: a contraction, elementwise boxes, a softmax, a contraction; matmul
 epilogues; reductions; norms and normalised attention; MLPs), a relabelling (one or two
 streams, tiles of any legal size, 1 and non-powers of two included), sizes (ragged, up to six
 chunks), ``threads``, ``micro`` and ``prefetch``, and a data regime of
-:mod:`napkin_cat.check` (adversarial ones included).  A relabelling the rules refuse is not
+:mod:`napkin_cat.verify.check` (adversarial ones included).  A relabelling the rules refuse is not
 drawn again (``assume``); a configuration ``lower`` refuses with a ``LoweringError`` is counted
 (refusing is allowed, a wrong kernel is not); every kernel that is generated must agree with
-the oracle under :func:`napkin_cat.kernelcheck.kernel_outcome` (the rule ``check_equivalent``
+the oracle under :func:`napkin_cat.verify.kernelcheck.kernel_outcome` (the rule ``check_equivalent``
 applies to kernels).  Each family's test then asserts how many kernels ran and which mappings
 of the generator they reached, so a fuzzer that silently stops reaching code fails by name.
 
@@ -30,8 +30,8 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, assume, given, note, settings, strategies as st  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat import kernelcheck  # noqa: E402
-from napkin_cat.check import REGIMES  # noqa: E402
+from napkin_cat.verify import kernelcheck  # noqa: E402
+from napkin_cat.verify.check import REGIMES  # noqa: E402
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 FUZZ_EXAMPLES = 150 if PROFILE == "dev" else 14
@@ -146,7 +146,7 @@ FAMILIES = {"attention": attention_family, "fused_attention": fused_attention_fa
             "reduction": reduction_family, "library": library_family}
 
 # mappings each family must reach across its examples (the generator's thread mappings:
-# napkin_cat.lower.codegen Micro / Flat / Coop / Rows and fused scores)
+# napkin_cat.lowering.codegen Micro / Flat / Coop / Rows and fused scores)
 EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, "fused_attention": {"fused-scores"},
                      "score_chain": {"micro"}, "matmul": {"micro", "flat"}, "reduction": {"flat"},
                      "library": {"micro"}}
@@ -198,7 +198,7 @@ def _sizes(draw, diagram, steps, roles):
     return sizes
 
 
-# mapping descriptions of napkin_cat.lower.codegen (Micro, Flat, Coop, Rows) -> feature name
+# mapping descriptions of napkin_cat.lowering.codegen (Micro, Flat, Coop, Rows) -> feature name
 MAPPING_WORDS = {"register micro-tiles": "micro", "per thread": "flat", "lanes each": "lanes",
                  "row statistics": "rows"}
 

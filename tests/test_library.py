@@ -2,7 +2,7 @@
 
 The references below are written directly with NumPy (einsum strings, explicit masks,
 ``math.erf``): nothing in them goes through napkin_cat, so a wrong rule cannot agree with
-itself.  The torch semantics (:mod:`napkin_cat.torch_semantics`) is then checked against the
+itself.  The torch semantics (:mod:`napkin_cat.ops.torch_semantics`) is then checked against the
 NumPy semantics rule by rule and diagram by diagram, and for differentiability.
 """
 
@@ -16,8 +16,8 @@ import torch
 
 import napkin_cat as nc
 from napkin_cat import Array, Axis, Ty, f32, ops
-from napkin_cat.torch_semantics import TORCH_RULES
-from napkin_cat.semantics import NUMPY_RULES
+from napkin_cat.ops.torch_semantics import TORCH_RULES
+from napkin_cat.ops.semantics import NUMPY_RULES
 
 SIZES = dict(q=4, x=6, d=3, e=2, h=2, g=2, b=2, t=3, i=4, o=5, f=6, r=3, c=5, a=2, n=2)
 TOL = 1e-12
@@ -322,7 +322,7 @@ def agree(d: nc.Diagram, xs: list[np.ndarray], tol=1e-12, **kw):
 @pytest.mark.parametrize("fn", sorted(ops.FUNCTIONS))
 def test_torch_map_matches_numpy(rng, fn):
     c = 0.75 if fn in ("scale", "shift") else None
-    dom = [A, B][: ops.FUNCTIONS[fn]]
+    dom = [A, B][: ops.FUNCTIONS[fn].arity]
     xs = [rng.standard_normal((3, 4)), rng.standard_normal((4, 3))][: len(dom)]
     if fn in POSITIVE:
         xs = [np.abs(x) + 0.1 for x in xs]

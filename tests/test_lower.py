@@ -18,10 +18,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.accumulators import ACC_RULES  # noqa: E402
-from napkin_cat.errors import LoweringError  # noqa: E402
-from napkin_cat.lower import codegen, runtime as rt, schedule  # noqa: E402
-from napkin_cat.semantics import NUMPY_RULES  # noqa: E402
+from napkin_cat.relabel.accumulators import ACC_RULES  # noqa: E402
+from napkin_cat.core.errors import LoweringError  # noqa: E402
+from napkin_cat.lowering import codegen, runtime as rt, schedule  # noqa: E402
+from napkin_cat.ops.semantics import NUMPY_RULES  # noqa: E402
 
 a, b, c, n = nc.axes("a b c n")
 q, x, d, h, g, bb = nc.axes("q x d h g bb")

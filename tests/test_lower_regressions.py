@@ -26,8 +26,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.errors import CostError, LoweringError  # noqa: E402
-from napkin_cat.lower import schedule  # noqa: E402
+from napkin_cat.core.errors import CostError, LoweringError  # noqa: E402
+from napkin_cat.lowering import schedule  # noqa: E402
 
 q, x, d = nc.axes("q x d")
 a, b, c = nc.axes("a b c")
@@ -262,7 +262,7 @@ def test_arrays_beyond_uint32_indexing_are_refused():
 
 def test_cost_model_bugs_are_not_swallowed(monkeypatch):
     import importlib
-    cost_mod = importlib.import_module("napkin_cat.cost")   # nc.cost is the function
+    cost_mod = importlib.import_module("napkin_cat.costmodel.model")   # nc.cost is the function
     bound = ATTN.bind({q: 256, x: 256, d: 64})
 
     def broken(*args, **kwargs):

@@ -20,7 +20,7 @@ import torch
 
 import napkin_cat as nc
 from napkin_cat import Array, Axis, Diagram, Ty, f16, f32, ops
-from napkin_cat.errors import (CostError, DrawingError, NapkinError, RelabelError, ShapeError,
+from napkin_cat.core.errors import (CostError, DrawingError, NapkinError, RelabelError, ShapeError,
                                TypingError)
 
 a, b, c = Axis("a", 2), Axis("b", 3), Axis("c", 4)

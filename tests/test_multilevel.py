@@ -5,8 +5,8 @@ import pytest
 import sympy as sp
 
 import napkin_cat as nc
-from napkin_cat.loopnest import Load, Store
-from napkin_cat.symbols import size_symbol as S
+from napkin_cat.relabel.loopnest import Load, Store
+from napkin_cat.relabel.symbols import size_symbol as S
 
 
 def test_l2_tile_makes_hbm_traffic_compulsory_for_attention():

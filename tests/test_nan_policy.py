@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.errors import EmptyAxisError, NapkinError, ShapeError, TypingError  # noqa: E402
+from napkin_cat.core.errors import EmptyAxisError, NapkinError, ShapeError, TypingError  # noqa: E402
 
 nan, inf = np.nan, np.inf
 LEVELS = ("oracle", "executor", "torch", "kernel")

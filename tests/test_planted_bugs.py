@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import napkin_cat as nc
-from napkin_cat import accumulators, loopnest
-from napkin_cat.accumulators import ACC_RULES
+from napkin_cat.relabel import accumulators, loopnest
+from napkin_cat.verify.accumulators import ACC_STEPS
 
 q, x, d = nc.axes("q x d")
 ATTN = nc.library.attention(q=q, x=x, d=d)
@@ -99,8 +99,8 @@ def _reproduces(err):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_missing_rescale_is_caught(case, monkeypatch):
     a, b, blocks = CASES[case]
-    monkeypatch.setitem(ACC_RULES, "online_softmax",
-                        dataclasses.replace(ACC_RULES["online_softmax"], update=_no_rescale_update))
+    monkeypatch.setitem(ACC_STEPS, "online_softmax",
+                        dataclasses.replace(ACC_STEPS["online_softmax"], update=_no_rescale_update))
     err = _catch(a, b)
     cx = _assert_small(err, blocks)
     block_x = cx["blocks"].get("s_x", blocks["x"]) if case == "symbolic" else blocks["x"]
@@ -112,8 +112,8 @@ def test_missing_rescale_is_caught(case, monkeypatch):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_wrong_initial_max_is_caught(case, monkeypatch):
     a, b, blocks = CASES[case]
-    monkeypatch.setitem(ACC_RULES, "online_softmax",
-                        dataclasses.replace(ACC_RULES["online_softmax"], init=_zero_max_init))
+    monkeypatch.setitem(ACC_STEPS, "online_softmax",
+                        dataclasses.replace(ACC_STEPS["online_softmax"], init=_zero_max_init))
     err = _catch(a, b)
     cx = _assert_small(err, blocks)
     assert cx["regime"] in ("huge", "huge_one_sign"), "only scores far below zero show it"
@@ -135,8 +135,8 @@ def test_dropped_ragged_tail_is_caught(case, bug, monkeypatch):
 
 def test_counterexample_message_shows_the_shrunk_example(monkeypatch):
     a, b, _ = CASES["concrete"]
-    monkeypatch.setitem(ACC_RULES, "online_softmax",
-                        dataclasses.replace(ACC_RULES["online_softmax"], update=_no_rescale_update))
+    monkeypatch.setitem(ACC_STEPS, "online_softmax",
+                        dataclasses.replace(ACC_STEPS["online_softmax"], update=_no_rescale_update))
     text = str(_catch(a, b))
     assert "shrunk through" in text and "first difference: output O at (q=0, d=0)" in text
     assert "rng = np.random.default_rng(" in text and "nc.evaluate(b, Q, K, V, sizes=sizes)" in text
@@ -147,13 +147,13 @@ def test_rescale_skipped_on_moderate_jumps_is_caught(case, monkeypatch):
     """The running max must jump by 20-1e4 between chunks: the ``jumps`` regime makes such jumps
     on purpose (huge one-sign scores, over several chunks, sometimes do too)."""
     a, b, blocks = CASES[case]
-    monkeypatch.setitem(ACC_RULES, "online_softmax",
-                        dataclasses.replace(ACC_RULES["online_softmax"], update=_rescale_only_outside_moderate_jumps))
+    monkeypatch.setitem(ACC_STEPS, "online_softmax",
+                        dataclasses.replace(ACC_STEPS["online_softmax"], update=_rescale_only_outside_moderate_jumps))
     err = _catch(a, b)
     assert err.counterexample["regime"] in ("jumps", "huge_one_sign", "huge")
     _reproduces(err)
     # and with only the normal and jumps regimes, jumps alone finds it
-    from napkin_cat import check
+    from napkin_cat.verify import check
     build = check._Problem.build
     monkeypatch.setattr(check._Problem, "build", staticmethod(
         lambda *args, **kw: dataclasses.replace(build(*args, **kw), regimes=("normal", "jumps"))))

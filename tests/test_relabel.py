@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import napkin_cat as nc
-from napkin_cat.check import EquivalenceReport
-from napkin_cat.derive import Derivation
+from napkin_cat.verify.check import EquivalenceReport
+from napkin_cat.verify.derive import Derivation
 
 q, x, d = nc.axes("q x d")
 h, bt, g, e = nc.Axis("h"), nc.Axis("b"), nc.Axis("g"), nc.Axis("e")

@@ -110,7 +110,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import LoweringError
+from ..core.errors import LoweringError
 
 __all__ = [
     "DEFAULT_SHARED_PER_BLOCK",
@@ -606,7 +606,7 @@ def set_max_dynamic_shared(dispatcher: Any, argtypes_or_signature: Any, nbytes: 
 
     Returns the attribute's value read back from the driver.  Under the simulator (or with
     no GPU) it only checks ``nbytes`` against the H100 opt-in limit and returns ``nbytes``.
-    Raises :class:`~napkin_cat.errors.LoweringError` when static + dynamic shared memory
+    Raises :class:`~napkin_cat.core.errors.LoweringError` when static + dynamic shared memory
     would exceed the device's opt-in limit.
     """
     nbytes = int(nbytes)
@@ -767,8 +767,8 @@ class Launcher:
 
 _TYPECHECK_SCRIPT = """
 import json, sys
-from napkin_cat.errors import LoweringError
-from napkin_cat.lower.runtime import typecheck_kernel
+from napkin_cat.core.errors import LoweringError
+from napkin_cat.lowering.runtime import typecheck_kernel
 req = json.load(sys.stdin)
 try:
     ir = typecheck_kernel(req["source"], req["name"], req["signature"], cc=tuple(req["cc"]))
@@ -793,7 +793,7 @@ def typecheck_kernel(source: str, name: str, signature: Any, *,
     Typing needs the real ``numba.cuda``: when this process runs the simulator, the check
     runs in a subprocess with ``NUMBA_ENABLE_CUDASIM=0`` (about 2 s), and ``signature``
     must then be a string such as ``"void(float32[:, ::1], float32[::1], int32)"``.
-    Raises :class:`~napkin_cat.errors.LoweringError` with numba's message on failure.
+    Raises :class:`~napkin_cat.core.errors.LoweringError` with numba's message on failure.
     """
     if simulator_active():
         if not isinstance(signature, str):

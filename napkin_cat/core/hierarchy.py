@@ -4,7 +4,7 @@ A wire's colour is the level it lives at; a colour change is a transfer.  The de
 hierarchy is ``HBM -> SMEM -> registers``; :func:`hierarchy` adds the optional L2,
 thread-block cluster (a cross-transfer level) and tensor-core fragment levels.
 
->>> from napkin_cat.hierarchy import DEFAULT, hierarchy
+>>> from napkin_cat.core.hierarchy import DEFAULT, hierarchy
 >>> DEFAULT.names
 ('HBM', 'SMEM', 'registers')
 >>> hierarchy(l2=True, cluster=True).names

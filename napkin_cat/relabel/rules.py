@@ -28,10 +28,10 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .accumulators import Accumulator, derive_accumulator
-from .core import Axis, Box, Diagram, Eqn, Relabel, Ty
-from .errors import RelabelError
-from .hierarchy import FULL
-from .ops import norm_contract_box, softmax_contract_box
+from ..core.diagram import Axis, Box, Diagram, Eqn, Relabel, Ty
+from ..core.errors import RelabelError
+from ..core.hierarchy import FULL
+from ..ops.boxes import norm_contract_box, softmax_contract_box
 
 DEFAULT_LEVEL = "SMEM"
 

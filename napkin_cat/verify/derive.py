@@ -2,7 +2,7 @@
 
 ``derive(d, steps)`` applies the registered rules of :data:`napkin_cat.relabel.RULES` one
 after the other and checks every intermediate diagram against ``d`` with
-:func:`~napkin_cat.check.check_equivalent`.  A step is a tuple:
+:func:`~napkin_cat.verify.check.check_equivalent`.  A step is a tuple:
 
 ``("stream", x)``, ``("stream", x, 16)``, ``("stream", x, "s_x", "SMEM")``
 ``("tile", q)``, ``("tile", q, "g_q", "SMEM")``       default sizes are symbols ``s_<axis>`` / ``g_<axis>``
@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .check import EquivalenceReport, check_equivalent
-from .core import Axis, Diagram
-from .errors import EquivalenceError, RelabelError, UnverifiedError
-from .relabel import RULES
+from ..core.diagram import Axis, Diagram
+from ..core.errors import EquivalenceError, RelabelError, UnverifiedError
+from ..relabel.rules import RULES
 
 _PREFIX = {"stream": "s", "tile": "g"}
 

@@ -2,9 +2,9 @@
 
 Nothing here knows an algorithm by name: the kernel is read off the loop nest
 (:meth:`napkin_cat.core.Diagram.loop_nest`), box by box through :data:`CODEGEN_RULES` (one
-entry per box kind, keyed exactly like :data:`napkin_cat.semantics.NUMPY_RULES`) and
+entry per box kind, keyed exactly like :data:`napkin_cat.ops.semantics.NUMPY_RULES`) and
 accumulator by accumulator through :data:`ACC_CODEGEN` (keyed like
-:data:`napkin_cat.accumulators.ACC_RULES`).
+:data:`napkin_cat.relabel.accumulators.ACC_RULES`).
 
 How the loop nest maps onto the GPU
     * grid loops (tiled axes) -> ``blockIdx.x``, flattened; axes tiled by 1 that the lowering
@@ -71,11 +71,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..accumulators import ACC_RULES, Accumulator
-from ..core import Diagram
-from ..errors import LoweringError
-from ..loopnest import Compute, Finalise, FinalForm, Init, Load, Loop, Store, Update, final_form
-from ..ops import NORMALISATIONS, constant_value
+from ..relabel.accumulators import ACC_RULES, Accumulator
+from ..core.diagram import Diagram
+from ..core.errors import LoweringError
+from ..relabel.loopnest import Compute, Finalise, FinalForm, Init, Load, Loop, Store, Update, final_form
+from ..ops.index import constant_value
+from ..ops.kinds import NORMALISATIONS
 from .source import Constants, Names, Source
 
 # --------------------------------------------------------------------------- box kind rules
@@ -1220,7 +1221,7 @@ class KernelGen:
             head.append(note)
         head.append('"""')
         lines = head + ["", "import math", "", "from numba import cuda, float32, uint32", "",
-                        "from napkin_cat.lower.runtime import simulator_active", "",
+                        "from napkin_cat.lowering.runtime import simulator_active", "",
                         "SIMULATOR = simulator_active()",
                         "SMEM_ALIGN = None if SIMULATOR else 16  # 16-byte aligned shared memory "
                         "(128-bit loads); the simulator takes no alignment",

@@ -18,7 +18,7 @@ FLOPs by unit
     ``tensor`` (contractions, ``2 * prod(all axes)``), ``fma`` (other elementwise work,
     reductions, accumulator merges) and ``exp`` (special-function unit: exp, log, sqrt, rsqrt,
     tanh, sigmoid, ...), from :data:`COST_RULES`, one rule per box kind, keyed exactly like
-    :data:`napkin_cat.semantics.NUMPY_RULES`.  A streamed accumulator is costed per chunk
+    :data:`napkin_cat.ops.semantics.NUMPY_RULES`.  A streamed accumulator is costed per chunk
     (its ``update`` phase), so the online softmax's per-chunk rescaling exps are counted.
 
 >>> import napkin_cat as nc
@@ -45,13 +45,13 @@ from typing import Callable, Mapping
 
 import sympy as sp
 
-from .core import Array, Axis, Box, Diagram, DType, f32
-from .errors import CostError, UnknownKindError
-from .hardware import FrozenDict
-from .hierarchy import Hierarchy, hierarchy as make_hierarchy
-from .loopnest import Compute, FinalForm, Init, Load, Loop, Store, Update
-from .relabel import requirements
-from .symbols import size_expr, size_symbol
+from ..core.diagram import Array, Axis, Box, Diagram, DType, f32
+from ..core.errors import CostError, UnknownKindError
+from ..core.hardware import FrozenDict
+from ..core.hierarchy import Hierarchy, hierarchy as make_hierarchy
+from ..relabel.loopnest import Compute, FinalForm, Init, Load, Loop, Store, Update
+from ..relabel.rules import requirements
+from ..relabel.symbols import size_expr, size_symbol
 
 UNITS = ("tensor", "fma", "exp")
 ZERO = sp.Integer(0)
@@ -275,14 +275,14 @@ def _ro(d) -> FrozenDict:
 
 
 def _check_level(level, what: str) -> str:
-    from .hierarchy import FULL
+    from ..core.hierarchy import FULL
     if not isinstance(level, str) or level not in FULL.names:
         raise CostError(f"{what}: unknown memory level {level!r}; levels are {list(FULL.names)}")
     return level
 
 
 def _check_hw(hw, what: str):
-    from .hardware import PROFILES, Hardware
+    from ..core.hardware import PROFILES, Hardware
     if not isinstance(hw, Hardware):
         hint = f" (use nc.hardware.{hw})" if isinstance(hw, str) and hw in PROFILES else ""
         raise CostError(f"{what}: hw must be a hardware profile such as nc.hardware.H100, got {hw!r}{hint}; "
@@ -296,7 +296,7 @@ def _check_dtypes(dtypes, what: str):
         return dtypes
     if hasattr(dtypes, "items") and all(isinstance(k, str) and isinstance(v, DType) for k, v in dtypes.items()):
         return dtypes
-    from .core import DTYPES
+    from ..core.diagram import DTYPES
     raise CostError(f"{what}: dtype must be a napkin_cat DType (e.g. nc.f16) or {{array name: DType}}, got "
                     f"{dtypes!r}; known: {sorted(DTYPES)}")
 

@@ -10,7 +10,7 @@ sizes), or none.  This module completes it:
   by an accumulator (``relabel.stream_plan``) are streamed.
 * **How much.**  ``tiles={axis or symbol: size}`` wins.  Otherwise stream chunks come from a
   rule of thumb (64 for a normalised contraction's scores, 16 for a plain contraction, 4 and 3
-  under the simulator), and tile sizes from the cost model: :meth:`napkin_cat.cost.Cost.optimize`
+  under the simulator), and tile sizes from the cost model: :meth:`napkin_cat.costmodel.Cost.optimize`
   with the chunks fixed and the memory at the SMEM level capped at a per-block budget (half
   the device's opt-in shared memory per block, so two blocks fit on an SM), rounded down to a
   power of two that the thread mapping covers (at most 8 x 8 register accumulators per thread
@@ -22,7 +22,7 @@ sizes), or none.  This module completes it:
   are refused.
 * **Given sizes.**  ``tiles`` keys name axes or block symbols of ``d``; a key naming nothing
   partitioned, or an axis whose concrete block differs from the given size, is refused
-  (:class:`~napkin_cat.errors.LoweringError`): nothing in ``tiles`` is silently ignored.
+  (:class:`~napkin_cat.core.errors.LoweringError`): nothing in ``tiles`` is silently ignored.
 * **Loop order.**  A stream loop nested inside another stream loop whose enclosing accumulator it
   updates slice by slice (its states carry the inner axis: ``stream(b).stream(a)`` of
   ``C[a c] = A[a b] B[b c]``) is hoisted outside it with ``order(...)`` (loop order only: the accumulators are
@@ -38,9 +38,9 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from ..core import Axis, Diagram, Relabel
-from ..errors import LoweringError, NapkinError
-from ..relabel import (check_blocks, fuse_norm_contract, fuse_softmax_contract, requirements, stream_plan,
+from ..core.diagram import Axis, Diagram, Relabel
+from ..core.errors import LoweringError, NapkinError
+from ..relabel.rules import (check_blocks, fuse_norm_contract, fuse_softmax_contract, requirements, stream_plan,
                        tile_problem)
 
 GPU_THREADS = 256
@@ -179,7 +179,7 @@ def choose(d: Diagram, tiles: dict | None = None, threads: int | None = None,
 
 
 def _loop_order(d: Diagram) -> list[str]:
-    """The stream axes of ``d`` outer first, as :func:`napkin_cat.loopnest.final_form` nests them."""
+    """The stream axes of ``d`` outer first, as :func:`napkin_cat.relabel.loopnest.final_form` nests them."""
     streams = [r.axis for r in d.schedule if r.op == "stream"]
     order_r = [r for r in d.schedule if r.op == "order"]
     if order_r:
@@ -191,7 +191,7 @@ def _loop_order(d: Diagram) -> list[str]:
 def slice_streams(d: Diagram) -> list[tuple[str, str]]:
     """``(inner, outer)`` stream axes where the ``inner`` loop, nested in the ``outer`` one,
     updates an accumulator initialised outside it (one slice of its states per chunk)."""
-    from ..loopnest import Init, Loop, Update, final_form
+    from ..relabel.loopnest import Init, Loop, Update, final_form
     try:
         ff = final_form(d)
     except NapkinError as e:
@@ -325,7 +325,7 @@ def _build(d: Diagram, tiles: dict, tileable, streamable, main, simulate, T, hw)
             how += f", rounded to the required multiples ({', '.join(f'{a}: {k}' for a, k in req.items())})"
     # the stream loops nest in the order they are applied: the first order the loop nest accepts
     # (an accumulator's loop outside the loops of accumulators that read its result)
-    from ..loopnest import final_form
+    from ..relabel.loopnest import final_form
     first_error = None
     for order_ in [tuple(streamable)] + [p for p in itertools.permutations(streamable)
                                          if p != tuple(streamable)][:23]:
@@ -347,7 +347,7 @@ def _build(d: Diagram, tiles: dict, tileable, streamable, main, simulate, T, hw)
 def _registers_for_states(d: Diagram) -> Diagram:
     """Main accumulator states of streamed contractions stay in the registers of the threads
     that own them (the update's thread mapping is fixed for the whole stream loop)."""
-    from ..loopnest import final_form
+    from ..relabel.loopnest import final_form
     ff = final_form(d)
     for acc in ff.accumulators:
         if acc.rule in ("sum_contract", "online_softmax", "normalized"):
@@ -410,8 +410,8 @@ def _cost_tiles(d0: Diagram, free, chosen, streamable, T, hw) -> dict | None:
     """Tile sizes from the cost model: fewest HBM->SMEM transfers with the SMEM memory under a
     per-block budget, then rounded down to powers of two the thread mapping covers."""
     try:
-        from ..cost import cost
-        from ..hardware import H100
+        from ..costmodel.model import cost
+        from ..core.hardware import H100
     except ImportError:
         return None
     hw = hw or H100

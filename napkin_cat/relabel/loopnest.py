@@ -36,15 +36,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import numpy as np
 import sympy as sp
 
 from .accumulators import Accumulator
-from .core import Axis, Diagram, Size
-from .errors import RelabelError, ShapeError
-from .hierarchy import FULL, Hierarchy, hierarchy
-from .relabel import StreamPlan, check_blocks, stream_plan
-from .semantics import Ctx, apply_box
+from ..core.diagram import Axis, Diagram, Size
+from ..core.errors import RelabelError, ShapeError
+from ..core.hierarchy import FULL, Hierarchy, hierarchy
+from .rules import StreamPlan, check_blocks, stream_plan
 from .symbols import size_expr
 
 
@@ -548,120 +546,3 @@ def _grid_chain(ff: FinalForm) -> tuple[Loop, ...]:
         chain.append(nodes[0])
         nodes = nodes[0].body
     return tuple(chain)
-
-
-# --------------------------------------------------------------------------- the tiled executor
-
-def _concrete(size, sizes: dict, what: str) -> int:
-    if isinstance(size, str):
-        if size not in sizes:
-            raise ShapeError(f"{what} size {size!r} is symbolic: pass sizes={{'{size}': n}}")
-        return int(sizes[size])
-    return int(size)
-
-
-def chunk_starts(start: int, stop: int, step: int) -> range:
-    """Where the chunks of ``[start, stop)`` begin; the last one may be ragged (shorter)."""
-    return range(start, stop, step)
-
-
-def execute(d: Diagram, inputs: list[np.ndarray], ctx: Ctx) -> list[np.ndarray]:
-    """Run the loop nest literally, chunk by chunk (ragged last chunks included).  Each box
-    runs through its own NumPy rule; accumulators through their init/update/finalise.
-
-    A value is read at the chunk of the loops around the reader: one computed outside an inner
-    loop is sliced to that loop's chunk, and an accumulator updated inside a loop over an axis
-    its state carries updates the slice of that chunk."""
-    ff = final_form(d)
-    check_blocks(d, ctx.sizes)
-    dd = ff.diagram
-    types = dd.var_types()
-    out_arrays = {}
-    for pos, v in enumerate(dd.outs):
-        arr = types[v]
-        shape = tuple(ctx.sizes[a] for a in arr.axis_names)
-        out_arrays.setdefault(v, np.full(shape, np.nan, dtype=ctx.dtype(arr.dtype)))
-    ranges = {a.name: (0, ctx.sizes[a.name]) for a in dd.axes}
-    env: dict[int, np.ndarray] = {}
-    env_start: dict[int, tuple[int, ...]] = {}   # var -> global index of its position 0, per axis
-    states: dict[int, dict] = {}
-    state_ranges: dict[int, dict] = {}
-
-    def slices(names):
-        return tuple(slice(*ranges[n]) for n in names)
-
-    def define(v, value):
-        names = types[v].axis_names
-        env[v] = value
-        # a box without inputs (param, const) makes the whole axis whatever the loop
-        env_start[v] = tuple(ranges[n][0] if value.shape[i] == ranges[n][1] - ranges[n][0] else 0
-                             for i, n in enumerate(names))
-
-    def read(v):
-        x, names = env[v], types[v].axis_names
-        sl = []
-        for i, n in enumerate(names):
-            s0, (lo, hi) = env_start[v][i], ranges[n]
-            if (lo, hi) == (s0, s0 + x.shape[i]):
-                sl.append(slice(None))
-            elif s0 <= lo and hi <= s0 + x.shape[i]:
-                sl.append(slice(lo - s0, hi - s0))
-            else:  # a loop nest reading a chunk outside the loop that made it: a bug in the nest
-                raise AssertionError(f"{types[v]} holds {n}[{s0}:{s0 + x.shape[i]}], read at {n}[{lo}:{hi}]")
-        return x[tuple(sl)] if any(s != slice(None) for s in sl) else x
-
-    def run(nodes):
-        for n in nodes:
-            if isinstance(n, Loop):
-                step = _concrete(n.step, ctx.sizes, f"{n.kind} of {n.axis}")
-                if step < 1:
-                    raise ShapeError(f"{n.kind} size for {n.axis} must be >= 1, got {step}")
-                start, stop = ranges[n.axis]
-                for s in chunk_starts(start, stop, step):
-                    ranges[n.axis] = (s, min(s + step, stop))
-                    run(n.body)
-                ranges[n.axis] = (start, stop)
-            elif isinstance(n, Load):
-                define(n.var, inputs[n.var][slices(dd.dom[n.var].axis_names)])
-            elif isinstance(n, Compute):
-                e = dd.eqns[n.eqn]
-                ctx.offsets = {a: r[0] for a, r in ranges.items()}
-                outs = apply_box(e.box, [read(v) for v in e.ins], ctx)
-                for v, o in zip(dd.eqn_outputs(n.eqn), outs):
-                    define(v, o)
-            elif isinstance(n, Init):
-                acc = ff.accumulators[n.acc]
-                shapes = {s: tuple(ranges[a][1] - ranges[a][0] for a in axes_) for s, axes_, _ in acc.states()}
-                states[n.acc] = acc.init(shapes, ctx)
-                state_ranges[n.acc] = dict(ranges)
-            elif isinstance(n, Update):
-                acc = ff.accumulators[n.acc]
-                ctx.offsets = {a: r[0] for a, r in ranges.items()}
-                _update(acc, states[n.acc], state_ranges[n.acc], ranges,
-                        [read(v) for v in dd.eqns[acc.eqn].ins], ctx)
-            elif isinstance(n, Finalise):
-                acc = ff.accumulators[n.acc]
-                outs = acc.finalise(states.pop(n.acc), ctx)
-                for v, o in zip(dd.eqn_outputs(acc.eqn), outs):
-                    define(v, np.asarray(o, dtype=ctx.dtype(types[v].dtype)))
-            elif isinstance(n, Store) and not n.flush:  # a flush writes back what is already written
-                out_arrays[n.var][slices(types[n.var].axis_names)] = read(n.var)
-
-    run(ff.body)
-    return [out_arrays[v] for v in dd.outs]
-
-
-def _update(acc: Accumulator, state: dict, at_init: dict, ranges: dict, ins, ctx) -> None:
-    """Update ``state`` in place with one chunk; where a loop inside the accumulator's own
-    partitions an axis of a state, only that chunk's slice of the state changes."""
-    cuts = {}
-    for name, axes_, _ in acc.states():
-        if any(ranges[a] != at_init[a] for a in axes_):
-            cuts[name] = tuple(slice(ranges[a][0] - at_init[a][0], ranges[a][1] - at_init[a][0]) for a in axes_)
-    view = {k: (v[cuts[k]] if k in cuts else v) for k, v in state.items()}
-    new = acc.update(view, ins, ctx)
-    for k, v in new.items():
-        if k in cuts:
-            state[k][cuts[k]] = v
-        else:
-            state[k] = v

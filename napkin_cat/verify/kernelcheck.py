@@ -18,12 +18,12 @@ non-finite entry must agree with the float64 oracle exactly (see docs/NAN_POLICY
 
 Two ways a kernel meets the oracle:
 
-* ``check_equivalent(oracle, kernel)``: a :class:`~napkin_cat.lower.Kernel` at its bound sizes,
-  data drawn by Hypothesis (every regime of :mod:`napkin_cat.check`);
+* ``check_equivalent(oracle, kernel)``: a :class:`~napkin_cat.lowering.Kernel` at its bound sizes,
+  data drawn by Hypothesis (every regime of :mod:`napkin_cat.verify.check`);
 * ``check_equivalent(oracle, relabelled, lowered=True)``: every example binds the relabelled
   diagram at drawn sizes and blocks, lowers it with drawn options (:data:`DEFAULT_OPTIONS`:
   threads, prefetch) and runs that kernel.  A configuration ``lower`` refuses with a
-  :class:`~napkin_cat.errors.LoweringError` is counted, not failed; if every drawn
+  :class:`~napkin_cat.core.errors.LoweringError` is counted, not failed; if every drawn
   configuration is refused the check raises.
 
 ``nc.lower`` itself calls :func:`self_check` before it returns a kernel (``verify=True``, the
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .core import Diagram
-from .errors import EquivalenceError, LoweringError, NapkinError, TypingError
+from ..core.diagram import Diagram
+from ..core.errors import EquivalenceError, LoweringError, NapkinError, TypingError
 
 # (rtol, atol) per kernel dtype, on top of the low-precision oracle's own error
 KERNEL_TOLERANCES: dict[str, tuple[float, float]] = {"f32": (2e-5, 2e-5)}
@@ -59,8 +59,8 @@ LOWER_OPTIONS = ("threads", "micro", "prefetch", "fastmath", "tiles")
 
 
 def is_kernel(x) -> bool:
-    from .lower import Kernel
-    return isinstance(x, Kernel)
+    from .backend import BACKEND
+    return "Kernel" in BACKEND and isinstance(x, BACKEND["Kernel"])
 
 
 def kernel_dtype(kernel) -> str:
@@ -124,7 +124,7 @@ def run_kernel(kernel, inputs32) -> tuple:
 
 def oracle_outputs(oracle: Diagram, inputs32, sizes: dict) -> tuple[tuple, tuple]:
     """(float64 oracle, oracle in the kernel's dtype) on the rounded inputs."""
-    from .semantics import evaluate
+    from .executor import evaluate
     with np.errstate(all="ignore"):
         exact = evaluate(oracle, *inputs32, sizes=sizes)
         low = evaluate(oracle, *inputs32, sizes=sizes, reference=False)

@@ -1,8 +1,8 @@
-"""PyTorch semantics: the same diagrams as :mod:`napkin_cat.semantics`, as differentiable torch code.
+"""PyTorch semantics: the same diagrams as :mod:`napkin_cat.ops.semantics`, as differentiable torch code.
 
 ``to_torch(d)`` returns ``fn(*tensors, sizes=None, params=None)``.  It runs ``d`` equation by
 equation like :func:`napkin_cat.evaluate`, with one rule per box kind in :data:`TORCH_RULES`
-(keyed exactly like :data:`napkin_cat.semantics.NUMPY_RULES`).  Every rule is built from
+(keyed exactly like :data:`napkin_cat.ops.semantics.NUMPY_RULES`).  Every rule is built from
 differentiable torch ops without Python control flow on values, so the function works under
 ``torch.autograd`` and ``torch.vmap`` (weaving a diagram is vmapping its torch function).
 
@@ -22,9 +22,12 @@ from typing import Callable
 
 import torch
 
-from .core import Array, Box, Diagram, Ty
-from .errors import ShapeError, TypingError, UnknownKindError
-from .ops import FUNCTIONS, NORMALISATIONS, REDUCTIONS, constant_value
+from ..core.diagram import Array, Box, Diagram, Ty
+from ..core.errors import ShapeError, TypingError, UnknownKindError
+from .arrays import torch_namespace
+from .functions import FUNCTIONS
+from .index import constant_value
+from .kinds import NORMALISATIONS, REDUCTIONS
 from .semantics import NUMPY_RULES, check_call_options, concrete_shape, resolve_sizes
 
 # integer wires keep their width; float wires use the working dtype (see module docstring)
@@ -43,20 +46,13 @@ class TorchCtx:
 
 # --------------------------------------------------------------------------- elementwise table
 
-def _gelu(x):
-    # exact (erf) GELU, as the NumPy table: not torch's tanh approximation
-    return 0.5 * x * (1 + torch.erf(x / math.sqrt(2.0)))
+def _fn(name: str):
+    """The elementwise function ``name`` on torch tensors (its one definition: :mod:`.functions`)."""
+    f = FUNCTIONS[name]
+    return lambda *args, c=None: f(torch_namespace(), *args, c=c)
 
 
-FUNCTION_IMPLS: dict[str, Callable] = {
-    "exp": torch.exp, "log": torch.log, "neg": torch.neg, "abs": torch.abs, "square": torch.square,
-    "sqrt": torch.sqrt, "rsqrt": lambda x: 1 / torch.sqrt(x), "relu": torch.relu, "gelu": _gelu,
-    "silu": lambda x: x * torch.sigmoid(x), "sigmoid": torch.sigmoid, "tanh": torch.tanh,
-    "recip": lambda x: 1 / x, "identity": lambda x: x, "sign": torch.sign,
-    "scale": lambda x, c: x * c, "shift": lambda x, c: x + c,
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "maximum": torch.maximum,
-}
-assert set(FUNCTION_IMPLS) == set(FUNCTIONS)
+FUNCTION_IMPLS: dict[str, Callable] = {name: _fn(name) for name in FUNCTIONS}
 
 
 # --------------------------------------------------------------------------- helpers on named tensors
@@ -134,10 +130,8 @@ def rule_map(box: Box, ins, ctx: TorchCtx):
     fn = box.param("fn")
     out_names = box.cod[0].axis_names
     args = [align(x, a.axis_names, out_names) for x, a in zip(ins, box.dom)]
-    if fn in ("scale", "shift"):
-        res = FUNCTION_IMPLS[fn](args[0], constant_value(box.param("c"), ctx.sizes))
-    else:
-        res = FUNCTION_IMPLS[fn](*args)
+    c = box.param("c", None)
+    res = FUNCTION_IMPLS[fn](*args, c=None if c is None else constant_value(c, ctx.sizes))
     return (torch.broadcast_to(res, torch.broadcast_shapes(*(a.shape for a in args))),)
 
 

@@ -49,8 +49,8 @@ from matplotlib.patches import Circle, FancyBboxPatch, Polygon, Rectangle
 from matplotlib.path import Path
 from matplotlib.textpath import TextPath
 
-from .core import Array, Diagram
-from .errors import DrawingError, NapkinError, TypingError
+from ..core.diagram import Array, Diagram
+from ..core.errors import DrawingError, NapkinError, TypingError
 
 # --------------------------------------------------------------------------- palette and styles
 
@@ -62,7 +62,7 @@ LEVEL_COLOURS = {
     "registers": "#ee8600",
     "tensor": "#2a9d4b",
 }
-"""Wire colour of each memory level (the names of :mod:`napkin_cat.hierarchy`)."""
+"""Wire colour of each memory level (the names of :mod:`napkin_cat.core.hierarchy`)."""
 
 _SPARE_COLOURS = ("#c0392b", "#8e6c00", "#d63384", "#5d6d7e")  # levels not in the palette
 
@@ -565,7 +565,7 @@ def _final_form_levels(d: Diagram) -> dict[int, str]:
     the colour of their partitioned axes."""
     if not any(r.op in ("tile", "stream") for r in d.schedule):
         return {}
-    from .loopnest import Compute, final_form
+    from ..relabel.loopnest import Compute, final_form
     try:
         ff = final_form(d)
     except NapkinError:  # an unfinished schedule (e.g. needing order()) still draws

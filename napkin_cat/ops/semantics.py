@@ -10,10 +10,10 @@ chunk's global offset to their indices.
 Contractions go through ``opt_einsum`` (good contraction paths for any number of operands).
 
 NaN, +-inf and empty axes follow one policy at every level (this oracle, the tiled executor,
-:mod:`napkin_cat.torch_semantics`, generated kernels): see ``docs/NAN_POLICY.md``.  In short,
+:mod:`napkin_cat.ops.torch_semantics`, generated kernels): see ``docs/NAN_POLICY.md``.  In short,
 a NaN propagates to every output that depends on it; infinities follow IEEE arithmetic of the
 max-shifted reference formulas; a fully masked softmax row (every score -inf) gives zeros; an
-axis of size 0 is refused (:class:`~napkin_cat.errors.EmptyAxisError`).
+axis of size 0 is refused (:class:`~napkin_cat.core.errors.EmptyAxisError`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ from typing import Callable
 import numpy as np
 import opt_einsum
 
-from .core import Array, Axis, Box, Diagram, DType, Ty
-from .errors import EmptyAxisError, ShapeError, TypingError, UnknownKindError
-from .ops import FUNCTIONS, NORMALISATIONS, constant_value
+from ..core.diagram import Array, Axis, Box, Diagram, DType, Ty
+from ..core.errors import EmptyAxisError, ShapeError, TypingError, UnknownKindError
+from .arrays import NUMPY
+from .functions import FUNCTIONS
+from .index import constant_value
+from .kinds import NORMALISATIONS
 
 NP_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.float32, "fp8_e4m3": np.float32,
              "fp8_e5m2": np.float32, "i8": np.int8, "f64": np.float64}
@@ -45,27 +48,13 @@ class Ctx:
 
 # --------------------------------------------------------------------------- elementwise table
 
-def _erf(x):
-    # erf through math.erf vectorised: exact to double precision, no scipy dependency
-    import math
-    return np.vectorize(math.erf, otypes=[x.dtype if x.dtype.kind == "f" else np.float64])(x)
+def _fn(name: str):
+    """The elementwise function ``name`` on NumPy arrays (its one definition: :mod:`.functions`)."""
+    f = FUNCTIONS[name]
+    return lambda *args, c=None: f(NUMPY, *args, c=c)
 
 
-def _sigmoid(x):
-    with np.errstate(over="ignore"):
-        return np.where(x >= 0, 1 / (1 + np.exp(-np.abs(x))), np.exp(-np.abs(x)) / (1 + np.exp(-np.abs(x))))
-
-
-FUNCTION_IMPLS: dict[str, Callable] = {
-    "exp": np.exp, "log": np.log, "neg": np.negative, "abs": np.abs, "square": np.square,
-    "sqrt": np.sqrt, "rsqrt": lambda x: 1 / np.sqrt(x), "relu": lambda x: np.maximum(x, 0),
-    "gelu": lambda x: 0.5 * x * (1 + _erf(x / np.sqrt(2.0))),
-    "silu": lambda x: x * _sigmoid(x), "sigmoid": _sigmoid, "tanh": np.tanh,
-    "recip": lambda x: 1 / x, "identity": lambda x: x, "sign": np.sign,
-    "scale": lambda x, c: x * c, "shift": lambda x, c: x + c,
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "maximum": np.maximum,
-}
-assert set(FUNCTION_IMPLS) == set(FUNCTIONS)
+FUNCTION_IMPLS: dict[str, Callable] = {name: _fn(name) for name in FUNCTIONS}
 
 
 # --------------------------------------------------------------------------- helpers on named arrays
@@ -129,11 +118,9 @@ def rule_map(box: Box, ins, ctx):
     fn = box.param("fn")
     out_names = box.cod[0].axis_names
     args = [align(x, a.axis_names, out_names) for x, a in zip(ins, box.dom)]
-    if fn in ("scale", "shift"):
-        res = FUNCTION_IMPLS[fn](args[0], constant_value(box.param("c"), ctx.sizes))
-    else:
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            res = FUNCTION_IMPLS[fn](*args)
+    c = box.param("c", None)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        res = FUNCTION_IMPLS[fn](*args, c=None if c is None else constant_value(c, ctx.sizes))
     shape = np.broadcast_shapes(*(a.shape for a in args))
     return (np.broadcast_to(res, shape).copy(),)
 
@@ -320,7 +307,7 @@ def check_inputs(d: Diagram, arrays) -> None:
 def check_call_options(d: Diagram, sizes, params, what: str) -> None:
     """``sizes`` values are positive ints and every key names something in ``d``; ``params`` is a
     mapping whose names are parameters of ``d``."""
-    from .core import check_size_keys
+    from ..core.diagram import check_size_keys
     if sizes is not None:
         if not hasattr(sizes, "items"):
             raise TypingError(f"{what}: sizes must be a dict {{axis or symbol: int}}, got {sizes!r}")
@@ -375,40 +362,3 @@ def run_eqns(d: Diagram, env: list[np.ndarray], ctx: Ctx, eqn_ids=None) -> list:
         for v, o in zip(d.eqn_outputs(k), outs):
             env[v] = o
     return env
-
-
-def evaluate(d: Diagram, *arrays, sizes: dict | None = None, params: dict | None = None,
-             reference: bool = True):
-    """Run ``d`` on NumPy arrays.  Returns one array, or a tuple when ``cod`` has several.
-
-    ``reference=True`` (default) computes in float64; ``False`` computes in each wire's dtype
-    (bf16 and fp8 in float32).  A relabelled diagram runs its loop nest chunk by chunk.
-
-    >>> import numpy as np, napkin_cat as nc
-    >>> a, b, c = nc.axes("a b c")
-    >>> A, B = np.ones((2, 3)), np.ones((3, 4))
-    >>> nc.evaluate(nc.library.matmul(a=a, b=b, c=c), A, B).shape
-    (2, 4)
-    """
-    if not isinstance(d, Diagram):
-        raise TypingError(f"evaluate needs a Diagram, got {type(d).__name__}")
-    check_call_options(d, sizes, params, "evaluate")
-    if not isinstance(reference, bool):
-        raise TypingError(f"evaluate: reference must be True or False, got {reference!r}")
-    if len(arrays) == len(d.dom):
-        arrays = tuple(_as_numpy(x, a) for x, a in zip(arrays, d.dom))
-    check_inputs(d, arrays)
-    bound = resolve_sizes(d, arrays, sizes)
-    ctx = Ctx(bound, {}, reference, dict(params or {}))
-    inputs = [x.astype(ctx.dtype(a.dtype), copy=True) for x, a in zip(arrays, d.dom)]
-    for arr, x in zip(d.dom, inputs):
-        concrete_shape(arr, bound)
-    if d.schedule:
-        from .loopnest import execute
-        outs = execute(d, inputs, ctx)
-    else:
-        env: list = inputs + [None] * (len(d.var_types()) - len(inputs))
-        run_eqns(d, env, ctx)
-        outs = [env[v] for v in d.outs]
-    outs = [np.array(o, copy=True) for o in outs]
-    return outs[0] if len(outs) == 1 else tuple(outs)

@@ -1,8 +1,8 @@
 """Golden kernels: the generated source of canonical diagrams, committed in ``kernels/``.
 
 Every code-generation change shows up as a diff of these files in review.
-``python -m napkin_cat.lower.goldens`` diffs them (exit 1 on a difference);
-``python -m napkin_cat.lower.goldens --update`` (or ``napkin goldens --update``) rewrites them.
+``python -m napkin_cat.lowering.goldens`` diffs them (exit 1 on a difference);
+``python -m napkin_cat.lowering.goldens --update`` (or ``napkin goldens --update``) rewrites them.
 Sizes, tiles and threads are fixed here, so the text does not depend on the machine.
 """
 
@@ -56,7 +56,7 @@ def diff(name: str, directory: Path = KERNELS_DIR) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m napkin_cat.lower.goldens", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m napkin_cat.lowering.goldens", description=__doc__.splitlines()[0])
     ap.add_argument("--update", action="store_true", help="rewrite the golden files")
     ap.add_argument("--dir", default=str(KERNELS_DIR))
     args = ap.parse_args(argv)
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             status = 1
             sys.stdout.write(text)
     if not args.update and status:
-        print("golden kernels differ: review, then run `python -m napkin_cat.lower.goldens --update`")
+        print("golden kernels differ: review, then run `python -m napkin_cat.lowering.goldens --update`")
     return status
 
 

@@ -40,7 +40,7 @@ Sources (cited per field below):
            arXiv 2402.13499: distributed shared memory (cluster) throughput measured on H800
            (an H100 SM): cluster of 2 -> 3.27 TB/s, of 4 -> 2.65 TB/s, GMEM <-> SMEM 2.04 TB/s.
 
->>> from napkin_cat.hardware import H100, H200
+>>> from napkin_cat.core.hardware import H100, H200
 >>> round(H100.tensor_rate("f16") / 1e12, 1)
 989.4
 >>> H100.capacity("SMEM"), H100.smem_per_block_static
@@ -54,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .core import DType
+from .diagram import DType
 from .errors import CostError
 
 KB = 1024

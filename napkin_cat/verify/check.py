@@ -21,12 +21,12 @@ rows fully masked.  Both diagrams run through :func:`napkin_cat.evaluate` in flo
 compared with the float64 tolerances (``|a - b| <= atol * scale + rtol * |a|`` with ``scale``
 the largest finite magnitude of the output, at least 1); NaN and infinite entries must agree
 exactly.  A failure is shrunk by Hypothesis to a minimal counterexample (smallest sizes,
-plainest regime, smallest seed) and raised as :class:`~napkin_cat.errors.EquivalenceError`
+plainest regime, smallest seed) and raised as :class:`~napkin_cat.core.errors.EquivalenceError`
 whose message ends with Python code that reproduces it.  A check that ran no example (a time
-budget of 0, say) raises :class:`~napkin_cat.errors.UnverifiedError`: it is never a pass.
+budget of 0, say) raises :class:`~napkin_cat.core.errors.UnverifiedError`: it is never a pass.
 
-Generated kernels are checked the same way (:mod:`napkin_cat.kernelcheck`):
-``check_equivalent(oracle, kernel)`` runs a :class:`~napkin_cat.lower.Kernel` at its bound sizes,
+Generated kernels are checked the same way (:mod:`napkin_cat.verify.kernelcheck`):
+``check_equivalent(oracle, kernel)`` runs a :class:`~napkin_cat.lowering.Kernel` at its bound sizes,
 ``check_equivalent(oracle, relabelled, lowered=True)`` also lowers the relabelled diagram at
 every drawn size, block and ``lower`` option (threads, prefetch) and runs it.
 
@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .core import Axis, Box, Diagram
-from .errors import EquivalenceError, LoweringError, NapkinError, TypingError, UnverifiedError
-from .relabel import requirements
+from ..core.diagram import Axis, Box, Diagram
+from ..core.errors import EquivalenceError, LoweringError, NapkinError, TypingError, UnverifiedError
+from ..relabel.rules import requirements
 
 # (rtol, atol) per dtype the comparison runs in; evaluation is float64 (the reference)
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -385,7 +385,7 @@ def _compare(problem: _Problem, ex: _Example, rtol: float, atol: float) -> _Outc
     inputs, params = problem.data(ex)
     sizes = problem.eval_sizes(ex)
     results, errors = [], []
-    from .semantics import evaluate
+    from .executor import evaluate
     for d in (problem.a, problem.b):
         try:
             with np.errstate(all="ignore"):   # adversarial data overflows on purpose
@@ -440,17 +440,17 @@ def check_equivalent(a, b, *, examples: int | None = None, time_budget: float | 
     :class:`EquivalenceError` carrying the shrunk counterexample (with reproducing code).
 
     ``a``, ``b``: diagrams, or a diagram (the oracle) and a generated
-    :class:`~napkin_cat.lower.Kernel`, run at its bound sizes on drawn data.
+    :class:`~napkin_cat.lowering.Kernel`, run at its bound sizes on drawn data.
     ``lowered=True``: also lower ``b`` at every drawn size and block, with ``lower`` options drawn
     from ``lower_options`` (``{option: candidates}``, default
-    :data:`napkin_cat.kernelcheck.DEFAULT_OPTIONS`), and check that kernel against ``a``.
+    :data:`napkin_cat.verify.kernelcheck.DEFAULT_OPTIONS`), and check that kernel against ``a``.
     ``examples``: Hypothesis examples before shrinking (default 60, 20 when kernels run);
     ``time_budget``: seconds, after which the check stops (a failure found so far is still
     reported, shrunk as far as time allowed; no example at all raises :class:`UnverifiedError`);
     ``sizes``: fixed sizes (axis names, Axis values or symbol names); ``max_size``: largest drawn
     size; ``max_chunks``: axes with a concrete block go up to that many blocks (the last ragged);
     ``dtype_tolerance``: ``(rtol, atol)``, one number, or ``{dtype name: (rtol, atol)}``
-    (default :data:`TOLERANCES` for float64, :data:`napkin_cat.kernelcheck.KERNEL_TOLERANCES` for
+    (default :data:`TOLERANCES` for float64, :data:`napkin_cat.verify.kernelcheck.KERNEL_TOLERANCES` for
     kernels); ``progress``: a tqdm bar on stderr (``None``: only on a terminal, after a second);
     ``seed``: a fixed Hypothesis seed (reproducible).
     """
@@ -493,7 +493,7 @@ def check_equivalent(a, b, *, examples: int | None = None, time_budget: float | 
     if time_budget is not None and (isinstance(time_budget, bool) or not isinstance(time_budget, (int, float))
                                     or not time_budget >= 0):
         raise NapkinError(f"check_equivalent: time_budget must be a number of seconds >= 0, got {time_budget!r}")
-    from .loopnest import final_form
+    from ..relabel.loopnest import final_form
     for d in (a, b):
         if d.schedule:
             final_form(d)   # a schedule with no loop nest is refused here, with its reason
@@ -501,8 +501,9 @@ def check_equivalent(a, b, *, examples: int | None = None, time_budget: float | 
     rtol, atol = _tolerance(dtype_tolerance)
     options = {}
     if lowered:
-        from .lower import runtime
-        options = kc.check_lower_options(lower_options, runtime.simulator_active() or not runtime.driver_present())
+        from .backend import backend
+        options = kc.check_lower_options(lower_options,
+                                         backend("simulator_active")() or not backend("driver_present")())
     krtol, katol = (kc.KERNEL_TOLERANCES["f32"] if dtype_tolerance is None else (rtol, atol))
     kernels: dict = {}   # (bound diagram, options) -> Kernel or the LoweringError text
 
@@ -512,7 +513,7 @@ def check_equivalent(a, b, *, examples: int | None = None, time_budget: float | 
         bound = b.bind(problem.eval_sizes(ex))
         key = (bound, tuple(sorted(ex.options.items(), key=str)))
         if key not in kernels:
-            from .lower import lower
+            lower = backend("lower")
             try:
                 kernels[key] = lower(bound, verify=False, **ex.options)
             except LoweringError as e:
@@ -638,7 +639,7 @@ def saved(key: str) -> Diagram:
 
 def _custom_functions(value) -> list:
     """The Python functions inside custom predicates and index biases of a diagram or box."""
-    from .ops import IndexBias, Predicate
+    from ..ops.index import IndexBias, Predicate
     if isinstance(value, Diagram):
         return [f for e in value.eqns for f in _custom_functions(e.box)]
     if isinstance(value, Box):
@@ -673,7 +674,7 @@ def _diagram_code(d: Diagram, label: str) -> tuple[list[str], str]:
         pass
     key = f"{label}-{len(SAVED)}"
     SAVED[key] = d
-    return (["from napkin_cat.check import saved"],
+    return (["from napkin_cat.verify.check import saved"],
             f"{label} = saved({key!r})  # the diagram passed as '{label}': its repr does not evaluate back "
             f"(a lambda in a predicate?), so it is kept for this Python session")
 
@@ -707,7 +708,7 @@ def reproducer(problem: _Problem, ex: _Example, failure: dict) -> str:
     names = _var_names(problem)
     lines = ["import numpy as np", "import napkin_cat as nc", _NAMESPACE_CODE]
     if ex.regime in ("masked", "jumps"):
-        lines.append(f"from napkin_cat.check import {'masked_normal' if ex.regime == 'masked' else 'jumps'}")
+        lines.append(f"from napkin_cat.verify.check import {'masked_normal' if ex.regime == 'masked' else 'jumps'}")
     kline = _kernel_line(failure)
     for d, label in ((problem.a, "a"), (problem.b, "b")):
         if label == "b" and kline is not None and failure.get("mode") == "kernel":
@@ -754,7 +755,7 @@ def reproducer(problem: _Problem, ex: _Example, failure: dict) -> str:
 
 
 def reproducer_for_kernel(oracle: Diagram, kernel, regime: str, seed: int, failure: dict) -> str:
-    """The reproducer of a kernel's self-check (:func:`napkin_cat.kernelcheck.self_check`)."""
+    """The reproducer of a kernel's self-check (:func:`napkin_cat.verify.kernelcheck.self_check`)."""
     problem = _Problem.build(oracle, kernel.diagram, None, 1)
     ex = _Example({}, {}, regime, seed)
     return reproducer(problem, ex, {**failure, "kernel": kernel, "mode": "kernel"})

@@ -18,7 +18,7 @@ Laws (checked numerically in tests/test_laws.py)::
     True
 
 This module imports neither NumPy nor sympy: sizes are ints or symbol *names* (str), turned
-into sympy symbols in :mod:`napkin_cat.symbols`.
+into sympy symbols in :mod:`napkin_cat.relabel.symbols`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, Sequence
 
-from . import errors
+from . import errors, registry
 from .errors import RelabelError, TypingError
 
 Size = int | str
@@ -325,6 +325,11 @@ class Diagram:
     eqns: tuple[Eqn, ...] = ()
     outs: tuple[int, ...] = ()
     schedule: tuple[Relabel, ...] = ()
+    # analyses of this (immutable) diagram, computed once: variable types, equation output
+    # offsets, and what later stages memoise through :meth:`memo` (the final form, fusions)
+    _types: tuple = field(default=(), init=False, repr=False, compare=False)
+    _starts: tuple = field(default=(), init=False, repr=False, compare=False)
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "dom", _as_ty(self.dom))
@@ -332,7 +337,13 @@ class Diagram:
         object.__setattr__(self, "eqns", tuple(self.eqns))
         object.__setattr__(self, "outs", tuple(self.outs))
         object.__setattr__(self, "schedule", tuple(self.schedule))
-        types = self.var_types()
+        types = self._check_types()
+        object.__setattr__(self, "_types", types)
+        starts, n = [], len(self.dom)
+        for e in self.eqns:
+            starts.append(n)
+            n += len(e.box.cod)
+        object.__setattr__(self, "_starts", tuple(starts))
         if len(self.outs) != len(self.cod):
             raise TypingError(f"diagram has {len(self.outs)} outputs but cod has {len(self.cod)} arrays")
         for i, (v, a) in enumerate(zip(self.outs, self.cod)):
@@ -342,6 +353,18 @@ class Diagram:
 
     # ---- variables
     def var_types(self) -> tuple[Array, ...]:
+        """The type of every variable: inputs, then each equation's outputs in order."""
+        return self._types
+
+    def memo(self, key, compute):
+        """``compute()``, once per diagram and ``key`` (diagrams are immutable)."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            value = self._memo[key] = compute()
+            return value
+
+    def _check_types(self) -> tuple[Array, ...]:
         types = list(self.dom)
         for k, e in enumerate(self.eqns):
             for pos, v in enumerate(e.ins):
@@ -359,7 +382,7 @@ class Diagram:
         return tuple(a.name for a in self.var_types())
 
     def eqn_outputs(self, k: int) -> tuple[int, ...]:
-        start = len(self.dom) + sum(len(e.box.cod) for e in self.eqns[:k])
+        start = self._starts[k]
         return tuple(range(start, start + len(self.eqns[k].box.cod)))
 
     def boxes(self) -> tuple[Box, ...]:
@@ -466,7 +489,7 @@ class Diagram:
         by every ``j`` (inner broadcasting).  The new axis goes first on every array it
         reaches; an axis already present is refused.
         """
-        from .ops import weave_box  # box kinds own their weaving rule
+        weave_box = registry.verb("weave_box")  # box kinds (ops) own their weaving rule
 
         if not isinstance(axis, Axis):
             raise TypingError(f"weave needs an Axis, got {axis!r}")
@@ -516,42 +539,34 @@ class Diagram:
             return Diagram(new, self.cod, self.eqns, self.outs, self.schedule)
         return Diagram(self.dom, new, self.eqns, self.outs, self.schedule)
 
-    # ---- relabelings (implemented in relabel.py; kept as methods for the fluent API)
+    # ---- relabelings (the relabel stage registers them; methods for the fluent API)
     def tile(self, axis, size, level: str | None = None) -> "Diagram":
-        from .relabel import tile
-        return tile(self, axis, size, level)
+        return registry.verb('tile')(self, axis, size, level)
 
     def stream(self, axis, size, level: str | None = None) -> "Diagram":
-        from .relabel import stream
-        return stream(self, axis, size, level)
+        return registry.verb('stream')(self, axis, size, level)
 
     def place(self, array: str, level: str) -> "Diagram":
-        from .relabel import place
-        return place(self, array, level)
+        return registry.verb('place')(self, array, level)
 
     def require(self, axis, multiple_of: int) -> "Diagram":
-        from .relabel import require
-        return require(self, axis, multiple_of)
+        return registry.verb('require')(self, axis, multiple_of)
 
     def order(self, *axes_) -> "Diagram":
-        from .relabel import order
-        return order(self, *axes_)
+        return registry.verb('order')(self, *axes_)
 
     def loop_nest(self):
-        from .loopnest import final_form
-        return final_form(self)
+        return registry.verb("loop_nest")(self)
 
     def unrelabelled(self) -> "Diagram":
         return Diagram(self.dom, self.cod, self.eqns, self.outs)
 
     # ---- drawing
     def draw(self, path: str | None = None, **kwargs):
-        from .drawing import draw
-        return draw(self, path, **kwargs)
+        return registry.verb("draw")(self, path, **kwargs)
 
     def _repr_svg_(self) -> str:
-        from .drawing import to_svg
-        return to_svg(self)
+        return registry.verb("to_svg")(self)
 
     # ---- printing
     def short(self) -> str:

@@ -14,9 +14,9 @@ or numba device arrays (zero copy, through ``__cuda_array_interface__``); output
 allocated like the inputs unless ``out=`` is given.  Under ``NUMBA_ENABLE_CUDASIM=1`` the same
 source runs in numba's CUDA simulator on numpy arrays.
 
-What is generic and what is chosen is described in :mod:`napkin_cat.lower.codegen` (the code
+What is generic and what is chosen is described in :mod:`napkin_cat.lowering.codegen` (the code
 generator: one rule per box kind and per accumulator kind) and
-:mod:`napkin_cat.lower.schedule` (tile, chunk and thread choices: given, cost model, or
+:mod:`napkin_cat.lowering.schedule` (tile, chunk and thread choices: given, cost model, or
 heuristic).
 """
 
@@ -26,8 +26,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..core import Diagram
-from ..errors import LoweringError, ShapeError
+from ..core.diagram import Diagram
+from ..core.errors import LoweringError, ShapeError
 
 __all__ = ["lower", "Kernel", "Launch"]
 
@@ -49,18 +49,18 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
 
     ``tiles``: ``{axis or symbol: size}`` for tiled axes (tile size) and streamed axes (chunk);
     sizes not given (and symbolic block sizes of a relabelled ``d``) come from the cost model
-    or a heuristic (:mod:`napkin_cat.lower.schedule`).  ``threads``: threads per block (256 on a
+    or a heuristic (:mod:`napkin_cat.lowering.schedule`).  ``threads``: threads per block (256 on a
     GPU, 16 under the simulator).  ``micro``: force the register micro-tile ``(rows, cols)``.
     ``fastmath``: compile with fast (approximate) exp / division.  ``prefetch``: fetch each
     chunk's inputs into registers one chunk ahead (global loads overlap the compute, at the
     price of registers); ``prefetch="double"``: two shared-memory buffers per chunked input,
     one barrier per chunk.  ``verify``: before it is returned, the kernel runs against the NumPy
     float64 oracle on ``SELF_CHECK_RUNS`` inputs (``True``) or that many (an int) at its bound
-    sizes, and a difference raises :class:`~napkin_cat.errors.EquivalenceError` with code that
+    sizes, and a difference raises :class:`~napkin_cat.core.errors.EquivalenceError` with code that
     reproduces it; ``verify=False`` skips it and ``kernel.verified`` says so
     (``nc.check_equivalent(oracle, kernel)`` draws far more inputs either way).
 
-    Raises :class:`~napkin_cat.errors.LoweringError` naming what cannot lower and why.
+    Raises :class:`~napkin_cat.core.errors.LoweringError` naming what cannot lower and why.
     """
     from . import runtime
     from .codegen import KernelGen
@@ -75,7 +75,7 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
         raise LoweringError(f"{outer[0].op}({outer[0].axis}) at level {outer[0].level}: a kernel launch has "
                             f"no loop above its thread blocks; levels above SMEM model which blocks share "
                             f"a cache (use them with nc.cost) and are left out of the diagram you lower")
-    from ..hardware import Hardware
+    from ..core.hardware import Hardware
     if hw is not None and not isinstance(hw, Hardware):
         raise LoweringError(f"lower: hw must be a hardware profile such as nc.hardware.H100, got {hw!r}")
     if not (isinstance(verify, bool) or isinstance(verify, int) and verify >= 0):
@@ -101,7 +101,7 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     kernel.options = {"threads": sched.threads, "micro": micro, "fastmath": fastmath, "prefetch": prefetch,
                       "name": kname}
     if runs:
-        from ..kernelcheck import self_check
+        from ..verify.kernelcheck import self_check
         kernel.notes += (self_check(kernel, runs),)
         kernel.verified = True
     else:
@@ -327,3 +327,18 @@ def _empty_like(like, shape, sim):
         return torch.empty(shape, dtype=torch.float32, device=like.device)
     from .runtime import import_cuda
     return import_cuda().device_array(shape, np.float32)
+
+
+def _simulator_active() -> bool:
+    from . import runtime
+    return runtime.simulator_active()
+
+
+def _driver_present() -> bool:
+    from . import runtime
+    return runtime.driver_present()
+
+
+from ..verify import backend as _backend  # noqa: E402 -- the table verification reads kernels through
+
+_backend.register(lower=lower, Kernel=Kernel, simulator_active=_simulator_active, driver_present=_driver_present)

@@ -12,10 +12,10 @@ Q[q d] f32, K[x d] f32, V[x d] f32 -> O[q d] f32
 
 from __future__ import annotations
 
-from .core import Axis, Diagram, DType, axes, f32
-from .errors import TypingError
-from .ops import AxisPower, Builder, IndexBias, Predicate, real_number
-from .ops import causal as causal_predicate, window as window_predicate
+from ..core import Axis, Diagram, DType, axes, f32
+from ..core.errors import TypingError
+from ..ops import AxisPower, Builder, IndexBias, Predicate, real_number
+from ..ops import causal as causal_predicate, window as window_predicate
 
 
 def _ax(value: Axis | None, name: str) -> Axis:
@@ -164,7 +164,7 @@ def normalized_attention(q: Axis | None = None, x: Axis | None = None, d: Axis |
 
     ``kind="l2"`` is spherical attention (``s_i / sqrt(sum s_j^2)``); see
     :data:`napkin_cat.ops.NORMALISATIONS` for the others."""
-    from .ops import NORMALISATIONS
+    from ..ops import NORMALISATIONS
     if kind not in NORMALISATIONS:
         raise TypingError(f"unknown normalisation {kind!r}; known: {sorted(NORMALISATIONS)}")
     q, x, d = _ax(q, "q"), _ax(x, "x"), _ax(d, "d")

@@ -1,0 +1,256 @@
+"""Box constructors: the typing rule of every kind, and weaving.
+
+Every box acts on *named* axes, so every kind broadcasts over axes it does not mention: that
+is what makes weaving one generic rule (:func:`weave_box`).  The kinds and their traits are in
+:mod:`.kinds`; the elementwise functions in :mod:`.functions`; masks and biases in :mod:`.index`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..core.diagram import Array, Axis, Box, Diagram, DType, Eqn, Ty, f32
+from ..core.errors import TypingError, UnknownKindError
+from .functions import FUNCTIONS
+from .index import AxisPower, IndexBias, Predicate, real_number
+from .kinds import KINDS, REDUCTIONS
+
+
+def _check_arrays(what: str, arrays) -> None:
+    for a in arrays:
+        if not isinstance(a, Array):
+            raise TypingError(f"{what}: expected Array values, got {a!r}")
+
+
+def _check_dtype(what: str, dtype) -> None:
+    if not isinstance(dtype, DType):
+        from ..core.diagram import DTYPES
+        raise TypingError(f"{what}: dtype must be a napkin_cat DType (e.g. nc.f16), got {dtype!r}; "
+                          f"known: {sorted(DTYPES)}")
+
+
+# --------------------------------------------------------------------------- typing helpers
+
+def _union_axes(arrays: Sequence[Array]) -> tuple[Axis, ...]:
+    seen: dict[str, Axis] = {}
+    for a in arrays:
+        for ax in a.axes:
+            if ax.name in seen and seen[ax.name] != ax:
+                raise TypingError(f"axis {ax.name} has size {seen[ax.name].size} in one input and "
+                                  f"{ax.size} in another: {', '.join(map(str, arrays))}")
+            seen.setdefault(ax.name, ax)
+    return tuple(seen.values())
+
+
+def _find(arr: Array, axis: Axis | str) -> Axis:
+    if not isinstance(axis, (Axis, str)):
+        raise TypingError(f"{arr}: expected an Axis or an axis name, got {axis!r}")
+    name = axis if isinstance(axis, str) else axis.name
+    for ax in arr.axes:
+        if ax.name == name:
+            if isinstance(axis, Axis) and ax != axis:
+                raise TypingError(f"{arr} has axis {ax.describe()}, asked for {axis.describe()}")
+            return ax
+    raise TypingError(f"{arr} has no axis {name!r}")
+
+
+def _drop(arr: Array, axis: Axis, name: str, dtype: DType | None = None) -> Array:
+    return Array(tuple(a for a in arr.axes if a.name != axis.name), dtype or arr.dtype, name)
+
+
+# --------------------------------------------------------------------------- box constructors
+
+def contract_box(dom: Sequence[Array], out_axes: Sequence[Axis], name: str = "C",
+                 dtype: DType | None = None) -> Box:
+    union = _union_axes(dom)
+    names = {a.name for a in union}
+    for ax in out_axes:
+        if ax.name not in names or ax not in union:
+            raise TypingError(f"contract: output axis {ax.describe()} is on no input "
+                              f"({', '.join(map(str, dom))})")
+    cod = Array(tuple(out_axes), dtype or dom[0].dtype, name)
+    return Box("contract", Ty(*dom), Ty(cod), (), "contract")
+
+
+def map_box(fn: str, dom: Sequence[Array], name: str = "", c=None, out_axes=None) -> Box:
+    _check_arrays(f"map {fn!r}", dom)
+    if not isinstance(fn, str) or fn not in FUNCTIONS:
+        raise TypingError(f"unknown elementwise function {fn!r}; known: {sorted(FUNCTIONS)}")
+    if FUNCTIONS[fn].arity != len(dom):
+        raise TypingError(f"{fn} takes {FUNCTIONS[fn].arity} input(s), got {len(dom)}: {', '.join(map(str, dom))}")
+    if FUNCTIONS[fn].constant and c is None:
+        raise TypingError(f"{fn} needs a constant c")
+    if c is not None:
+        if not FUNCTIONS[fn].constant:
+            raise TypingError(f"{fn} takes no constant c (only functions with a constant do), got c={c!r}")
+        if not isinstance(c, AxisPower):
+            real_number(f"{fn} constant c", c)  # validated; the value is stored as given
+    union = _union_axes(dom)
+    if out_axes is not None:
+        if {a.name for a in out_axes} != {a.name for a in union}:
+            raise TypingError(f"{fn}: output axes {[a.name for a in out_axes]} must be a permutation "
+                              f"of {[a.name for a in union]}")
+        union = tuple(out_axes)
+    cod = Array(union, dom[0].dtype, name or dom[0].name)
+    params = (("fn", fn),) + ((("c", c),) if c is not None else ())
+    return Box("map", Ty(*dom), Ty(cod), params, fn)
+
+
+def reduce_box(op: str, arr: Array, axis: Axis, name: str = "") -> Box:
+    _check_arrays(f"reduce {op!r}", (arr,))
+    if not isinstance(op, str) or op not in REDUCTIONS:
+        raise TypingError(f"unknown reduction {op!r}; known: {list(REDUCTIONS)}")
+    ax = _find(arr, axis)
+    return Box("reduce", Ty(arr), Ty(_drop(arr, ax, name or f"{op}_{ax.name}")),
+               (("op", op), ("axis", ax.name)), f"{op}[{ax.name}]")
+
+
+def softmax_box(arr: Array, axis: Axis, name: str = "P") -> Box:
+    ax = _find(arr, axis)
+    return Box("softmax", Ty(arr), Ty(arr.named(name)), (("axis", ax.name),), f"softmax[{ax.name}]")
+
+
+def normalize_box(arr: Array, axis: Axis, a1: str, a2: str, b: str, name: str = "N", eps: float = 0.0) -> Box:
+    ax = _find(arr, axis)
+    for f in (a1, a2, b):
+        if not isinstance(f, str) or f not in FUNCTIONS or FUNCTIONS[f].arity != 1 or FUNCTIONS[f].constant:
+            raise TypingError(f"normalize: {f!r} is not a unary function without constant")
+    eps = real_number("normalize eps", eps)
+    return Box("normalize", Ty(arr), Ty(arr.named(name)),
+               (("axis", ax.name), ("a1", a1), ("a2", a2), ("b", b), ("eps", float(eps))),
+               f"norm[{ax.name}]({a1}/{b}(sum {a2}))")
+
+
+def mask_box(arr: Array, row: Axis, col: Axis, pred: Predicate, name: str = "") -> Box:
+    if not isinstance(pred, Predicate):
+        raise TypingError(f"mask needs a Predicate (nc.causal(), nc.window(n), nc.predicate(fn)), got {pred!r}")
+    r, c = _find(arr, row), _find(arr, col)
+    return Box("mask", Ty(arr), Ty(arr.named(name or arr.name)),
+               (("row", r.name), ("col", c.name), ("pred", pred)), f"mask {pred.kind}")
+
+
+def index_bias_box(arr: Array, row: Axis, col: Axis, bias: IndexBias, name: str = "") -> Box:
+    if not isinstance(bias, IndexBias):
+        raise TypingError(f"index_bias needs an IndexBias (e.g. nc.alibi(0.5)), got {bias!r}")
+    r, c = _find(arr, row), _find(arr, col)
+    return Box("index_bias", Ty(arr), Ty(arr.named(name or arr.name)),
+               (("row", r.name), ("col", c.name), ("bias", bias)), f"bias {bias.kind}")
+
+
+def transpose_box(arr: Array, order: Sequence[Axis | str], name: str = "") -> Box:
+    new = tuple(_find(arr, a) for a in order)
+    if len(new) != len(arr.axes):
+        raise TypingError(f"transpose of {arr}: order {[getattr(a, 'name', a) for a in order]} "
+                          f"must name every axis")
+    return Box("reindex", Ty(arr), Ty(arr.with_axes(new).named(name or arr.name)),
+               (("op", "transpose"),), "transpose")
+
+
+def split_box(arr: Array, axis: Axis, outer: Axis, inner: Axis, name: str = "") -> Box:
+    ax = _find(arr, axis)
+    if not (ax.symbolic or outer.symbolic or inner.symbolic) and ax.size != outer.size * inner.size:
+        raise TypingError(f"split {ax.describe()} into {outer.describe()} x {inner.describe()}: sizes do not multiply")
+    new = []
+    for a in arr.axes:
+        new.extend((outer, inner) if a.name == ax.name else (a,))
+    return Box("reindex", Ty(arr), Ty(arr.with_axes(new).named(name or arr.name)),
+               (("op", "split"), ("axis", ax.name), ("outer", outer.name), ("inner", inner.name)),
+               f"split {ax.name}")
+
+
+def merge_box(arr: Array, outer: Axis, inner: Axis, merged: Axis, name: str = "") -> Box:
+    o, i = _find(arr, outer), _find(arr, inner)
+    names = arr.axis_names
+    if names.index(i.name) != names.index(o.name) + 1:
+        raise TypingError(f"merge needs {o.name} immediately before {i.name} in {arr}")
+    if not (o.symbolic or i.symbolic or merged.symbolic) and merged.size != o.size * i.size:
+        raise TypingError(f"merge {o.describe()} x {i.describe()} into {merged.describe()}: sizes do not multiply")
+    new = []
+    for a in arr.axes:
+        if a.name == o.name:
+            new.append(merged)
+        elif a.name != i.name:
+            new.append(a)
+    return Box("reindex", Ty(arr), Ty(arr.with_axes(new).named(name or arr.name)),
+               (("op", "merge"), ("outer", o.name), ("inner", i.name), ("axis", merged.name)), "merge")
+
+
+def slice_box(arr: Array, axis: Axis, start: int, stop: int, new: Axis, name: str = "") -> Box:
+    ax = _find(arr, axis)
+    if not new.symbolic and new.size != stop - start:
+        raise TypingError(f"slice {ax.name}[{start}:{stop}] has {stop - start} entries, new axis says {new.size}")
+    if not ax.symbolic and not (0 <= start < stop <= ax.size):
+        raise TypingError(f"slice {ax.name}[{start}:{stop}] out of range for size {ax.size}")
+    axes_ = tuple(new if a.name == ax.name else a for a in arr.axes)
+    return Box("reindex", Ty(arr), Ty(arr.with_axes(axes_).named(name or arr.name)),
+               (("op", "slice"), ("axis", ax.name), ("start", int(start)), ("stop", int(stop)),
+                ("new", new.name)), f"slice {ax.name}")
+
+
+def diagonal_box(arr: Array, a: Axis, b: Axis, name: str = "") -> Box:
+    x, y = _find(arr, a), _find(arr, b)
+    if x.size != y.size:
+        raise TypingError(f"diagonal of {x.describe()} and {y.describe()}: sizes differ")
+    return Box("reindex", Ty(arr), Ty(_drop(arr, y, name or arr.name)),
+               (("op", "diagonal"), ("keep", x.name), ("drop", y.name)), "diagonal")
+
+
+def param_box(arr: Array) -> Box:
+    return Box("param", Ty(), Ty(arr), (("pname", arr.name),), arr.name)
+
+
+def const_box(arr: Array, value: float) -> Box:
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        raise TypingError(f"const {arr.name}: value must be a real number, got {value!r}")
+    try:
+        value = float(value)  # +-inf is a legitimate constant (the initial running max)
+    except (TypeError, ValueError):
+        raise TypingError(f"const {arr.name}: value must be a real number, got {value!r}") from None
+    if math.isnan(value):
+        raise TypingError(f"const {arr.name}: value must not be NaN")
+    return Box("const", Ty(), Ty(arr), (("value", value),), f"const {value:g}")
+
+
+def cast_box(arr: Array, dtype: DType) -> Box:
+    _check_dtype(f"cast of {arr}", dtype)
+    return Box("cast", Ty(arr), Ty(arr.with_dtype(dtype)), (("dtype", dtype.name),), f"cast {dtype.name}")
+
+
+def softmax_contract_box(scores: Array, values: Array, axis: Axis, out_axes: Sequence[Axis],
+                         name: str = "O") -> Box:
+    ax = _find(scores, axis)
+    _find(values, ax)
+    union = _union_axes((scores, values))
+    if ax.name in [a.name for a in out_axes] or not set(a.name for a in out_axes) <= {a.name for a in union}:
+        raise TypingError("softmax_contract: output axes must come from the inputs and omit the contracted axis")
+    cod = Array(tuple(out_axes), values.dtype, name)
+    return Box("softmax_contract", Ty(scores, values), Ty(cod), (("axis", ax.name),),
+               f"softmax-contract[{ax.name}]")
+
+
+def norm_contract_box(scores: Array, values: Array, axis: Axis, out_axes: Sequence[Axis],
+                      a1: str, a2: str, b: str, eps: float, name: str = "O") -> Box:
+    ax = _find(scores, axis)
+    _find(values, ax)
+    cod = Array(tuple(out_axes), values.dtype, name)
+    return Box("norm_contract", Ty(scores, values), Ty(cod),
+               (("axis", ax.name), ("a1", a1), ("a2", a2), ("b", b), ("eps", float(eps))),
+               f"norm-contract[{ax.name}]")
+
+
+# --------------------------------------------------------------------------- weaving
+
+def weave_box(box: Box, axis: Axis, has: Sequence[bool]) -> Box:
+    """Re-type ``box`` for inputs that gained ``axis`` (``has[i]``): every output gets it first.
+
+    Valid for every kind because every kind is defined on named axes and broadcasts over the
+    axes it does not mention."""
+    if box.kind not in KINDS:
+        raise UnknownKindError(f"cannot weave box {box.name!r}: unknown kind {box.kind!r}")
+    dom = Ty(*(a.with_axes((axis, *a.axes)) if h else a for a, h in zip(box.dom, has)))
+    cod = Ty(*(a.with_axes((axis, *a.axes)) for a in box.cod))
+    return Box(box.kind, dom, cod, box.params, box.name)
+
+
