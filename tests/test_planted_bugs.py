@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import napkin_cat as nc
-from napkin_cat.relabel import accumulators, loopnest
+from napkin_cat.verify import executor as loopnest  # the tiled executor (chunk_starts)
+from napkin_cat.verify import accumulators
 from napkin_cat.verify.accumulators import ACC_STEPS
 
 q, x, d = nc.axes("q x d")

@@ -48,6 +48,17 @@ def _np_quiet():
     return np.errstate(divide="ignore", invalid="ignore", over="ignore")
 
 
+def _np_logsumexp(x, axis):
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return np.squeeze(m, axis) + np.log(np.sum(np.exp(x - m), axis=axis))
+
+
+def _np_as_index_result(value, like):
+    return np.asarray(value)
+
+
 NUMPY = _Namespace(
     "numpy", np,
     erf=_np_erf, sigmoid=_np_sigmoid, relu=lambda x: np.maximum(x, 0),
@@ -56,6 +67,10 @@ NUMPY = _Namespace(
     permute=np.transpose, stop_gradient=lambda x: x, quiet=_np_quiet,
     einsum=_np_einsum, letter=opt_einsum.get_symbol,
     narrow=lambda x, axis, start, length: x[(slice(None),) * axis + (slice(start, start + length),)],
+    indices_=lambda n, offset, like=None: np.arange(n) + offset,
+    broadcast_=lambda x, shape: np.broadcast_to(x, shape).copy(),
+    logsumexp_=_np_logsumexp, diagonal_=lambda x, a, b: np.diagonal(x, axis1=a, axis2=b),
+    as_index_result=_np_as_index_result,
 )
 
 _TORCH = None
@@ -81,6 +96,20 @@ def torch_namespace():
                                   f"{len(_LETTERS)} letters")
             return _LETTERS[k]
 
+        def indices(n, offset, like=None):
+            # a bias reads indices in the float dtype of its input: slope * (j - i) must not
+            # round through a narrower type; a mask reads int64
+            if like is not None:
+                dtype = like.dtype if like.dtype.is_floating_point else torch.float64
+            else:
+                dtype = torch.int64
+            return torch.arange(n, dtype=dtype) + offset
+
+        def as_index_result(value, like):
+            # a predicate written with NumPy functions may hand back an ndarray: accept it
+            dtype = torch.bool if like is None else (like.dtype if like.dtype.is_floating_point else torch.float64)
+            return value.to(dtype) if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=dtype)
+
         _TORCH = _Namespace(
             "torch", torch,
             erf=torch.erf, sigmoid=torch.sigmoid, relu=torch.relu,
@@ -89,5 +118,10 @@ def torch_namespace():
             permute=lambda x, perm: x.permute(perm), stop_gradient=lambda x: x.detach(),
             quiet=nullcontext, einsum=einsum, letter=letter,
             narrow=lambda x, axis, start, length: x.narrow(axis, start, length),
+            sum=lambda x, axis, keepdims=False: torch.sum(x, dim=axis, keepdim=keepdims),
+            mean=lambda x, axis: torch.mean(x, dim=axis),
+            indices_=indices, broadcast_=torch.broadcast_to, as_index_result=as_index_result,
+            logsumexp_=lambda x, axis: torch.logsumexp(x, dim=axis),
+            diagonal_=lambda x, a, b: torch.diagonal(x, dim1=a, dim2=b),
         )
     return _TORCH

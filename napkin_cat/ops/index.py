@@ -189,6 +189,9 @@ class IndexBias:
 class IntAlgebra:
     """:meth:`Predicate.support` on Python ints."""
 
+    max = staticmethod(max)
+    min = staticmethod(min)
+
     @staticmethod
     def sat_sub(a, k):
         return max(a - k, 0)

@@ -1,28 +1,30 @@
-"""NumPy semantics: the oracle every relabeling, cost claim and kernel is checked against.
+"""Reference semantics: one rule per box kind, written once over an array namespace.
 
-``evaluate(d, *arrays, sizes=...)`` runs a diagram equation by equation.  Each box kind has one
-rule in :data:`NUMPY_RULES`; a rule receives the box, its input arrays (axes in the order of
-the box's ``dom``) and a :class:`Ctx` (bound sizes, global index offsets of the axes, dtype
-mode), and returns arrays in the order of the box's ``cod``.  Rules use array shapes, not the
-declared sizes, so the tiled executor can run them on chunks; masks and index biases add the
-chunk's global offset to their indices.
+Each box kind has one rule in :data:`RULES`; a rule receives the box, its input arrays (axes
+in the order of the box's ``dom``) and a context (:class:`Ctx` for NumPy, ``TorchCtx`` in
+:mod:`.torch_semantics`), and returns arrays in the order of the box's ``cod``.  The context
+carries the array namespace ``ctx.xp`` (:mod:`.arrays`), so the same rule is the NumPy oracle
+every relabeling, cost claim and kernel is checked against, and the differentiable torch
+function of :func:`napkin_cat.to_torch`.  Elementwise functions come from their one
+definition in :mod:`.functions`, masks and biases from :mod:`.index`.
 
-Contractions go through ``opt_einsum`` (good contraction paths for any number of operands).
+Rules use array shapes, not the declared sizes, so the tiled executor can run them on chunks;
+masks and index biases add the chunk's global offset (``ctx.offsets``) to their indices.
 
 NaN, +-inf and empty axes follow one policy at every level (this oracle, the tiled executor,
-:mod:`napkin_cat.ops.torch_semantics`, generated kernels): see ``docs/NAN_POLICY.md``.  In short,
-a NaN propagates to every output that depends on it; infinities follow IEEE arithmetic of the
+the torch function, generated kernels): see ``docs/NAN_POLICY.md``.  In short, a NaN
+propagates to every output that depends on it; infinities follow IEEE arithmetic of the
 max-shifted reference formulas; a fully masked softmax row (every score -inf) gives zeros; an
 axis of size 0 is refused (:class:`~napkin_cat.core.errors.EmptyAxisError`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import opt_einsum
 
 from ..core.diagram import Array, Axis, Box, Diagram, DType, Ty
 from ..core.errors import EmptyAxisError, ShapeError, TypingError, UnknownKindError
@@ -34,215 +36,222 @@ from .kinds import NORMALISATIONS
 NP_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.float32, "fp8_e4m3": np.float32,
              "fp8_e5m2": np.float32, "i8": np.int8, "f64": np.float64}
 
+NEG_INF = -math.inf
+
 
 @dataclass
 class Ctx:
+    """The NumPy context: float64 everywhere (``reference``) or each wire's dtype."""
+
     sizes: dict = field(default_factory=dict)     # axis name -> int (global sizes)
     offsets: dict = field(default_factory=dict)   # axis name -> global index of position 0
     reference: bool = True                        # float64 everywhere
     params: dict = field(default_factory=dict)    # param name -> array
+    xp = NUMPY
 
     def dtype(self, dt: DType):
         return np.float64 if self.reference and dt.kind == "float" else NP_DTYPES[dt.name]
 
+    def convert(self, x, arr: Array):
+        """``x`` as a value of wire ``arr`` (its dtype)."""
+        return np.asarray(x, dtype=self.dtype(arr.dtype))
 
-# --------------------------------------------------------------------------- elementwise table
+    def full(self, shape, value, arr: Array):
+        return np.full(shape, value, dtype=self.dtype(arr.dtype))
 
-def _fn(name: str):
-    """The elementwise function ``name`` on NumPy arrays (its one definition: :mod:`.functions`)."""
-    f = FUNCTIONS[name]
-    return lambda *args, c=None: f(NUMPY, *args, c=c)
-
-
-FUNCTION_IMPLS: dict[str, Callable] = {name: _fn(name) for name in FUNCTIONS}
+    def param(self, value, arr: Array):
+        return np.asarray(value)
 
 
 # --------------------------------------------------------------------------- helpers on named arrays
 
-def align(x: np.ndarray, src: tuple[str, ...], dst: tuple[str, ...]) -> np.ndarray:
-    """Transpose ``x`` (axes ``src``) and insert unit axes so it broadcasts against ``dst``."""
-    x = np.transpose(x, [src.index(n) for n in dst if n in src])
+def align(xp, x, src: tuple[str, ...], dst: tuple[str, ...]):
+    """Permute ``x`` (axes ``src``) and insert unit axes so it broadcasts against ``dst``."""
+    x = xp.permute(x, [src.index(n) for n in dst if n in src])
     sizes = iter(x.shape)
     return x.reshape([next(sizes) if n in src else 1 for n in dst])
 
 
-def index_grid(box_arr: Array, shape, row: str, col: str, ctx: Ctx):
+def index_grid(xp, box_arr: Array, shape, row: str, col: str, offsets: dict, like=None):
+    """Global row / column indices shaped to broadcast against an array of ``shape``
+    (in ``like``'s float dtype where the namespace needs one for exact arithmetic)."""
     names = box_arr.axis_names
     ri, ci = names.index(row), names.index(col)
-    i = np.arange(shape[ri]) + ctx.offsets.get(row, 0)
-    j = np.arange(shape[ci]) + ctx.offsets.get(col, 0)
     ishape = [1] * len(shape); ishape[ri] = shape[ri]
     jshape = [1] * len(shape); jshape[ci] = shape[ci]
+    i = xp.indices_(shape[ri], offsets.get(row, 0), like)
+    j = xp.indices_(shape[ci], offsets.get(col, 0), like)
     return i.reshape(ishape), j.reshape(jshape)
 
 
-def safe_softmax(s: np.ndarray, ax: int) -> np.ndarray:
+def safe_softmax(xp, s, ax: int):
     """Softmax along ``ax`` (docs/NAN_POLICY.md): a fully masked row (every score -inf) gives
     zeros; a row holding a NaN or a +inf gives NaN everywhere (``exp(s - max s)`` in IEEE
     arithmetic: the max is NaN, or ``inf - inf``), never zeros."""
-    m = np.max(s, axis=ax, keepdims=True)
-    m = np.where(m == -np.inf, 0.0, m)  # only a row with no score above -inf is shifted by 0
-    with np.errstate(invalid="ignore", over="ignore"):
-        e = np.exp(s - m)
-    z = np.sum(e, axis=ax, keepdims=True)  # >= 1 unless fully masked (0), or NaN
-    with np.errstate(invalid="ignore"):
-        return np.where(z == 0, 0.0, e / np.where(z == 0, 1, z))
+    m = xp.amax(s, ax, keepdims=True)
+    # only a row with no score above -inf is shifted by 0 (NaN and +inf pass through); the
+    # shift is only for range (softmax is shift-invariant), so no gradient flows through it
+    m = xp.stop_gradient(xp.where(m == NEG_INF, 0.0, m))
+    with xp.quiet():
+        e = xp.exp(s - m)
+        z = xp.sum(e, ax, keepdims=True)   # >= 1 unless fully masked (0), or NaN
+        full = z == 0
+        # both branches finite, or a backward pass turns 0 * inf into NaN
+        return xp.where(full, 0.0, e / xp.where(full, 1.0, z))
 
 
-def normalise(x: np.ndarray, ax: int, a1: str, a2: str, b: str, eps: float) -> np.ndarray:
+def normalise(xp, x, ax: int, a1: str, a2: str, b: str, eps: float):
     if (a1, a2, b) == NORMALISATIONS["softmax"]:
-        return safe_softmax(x, ax)
-    f1, f2, fb = FUNCTION_IMPLS[a1], FUNCTION_IMPLS[a2], FUNCTION_IMPLS[b]
-    z = fb(np.sum(f2(x), axis=ax, keepdims=True)) + eps
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(z != 0, f1(x) / np.where(z != 0, z, 1), 0.0)
+        return safe_softmax(xp, x, ax)
+    f1, f2, fb = FUNCTIONS[a1], FUNCTIONS[a2], FUNCTIONS[b]
+    with xp.quiet():
+        z = fb(xp, xp.sum(f2(xp, x), ax, keepdims=True)) + eps
+        nz = z != 0
+        return xp.where(nz, f1(xp, x) / xp.where(nz, z, 1.0), 0.0)
+
+
+def einsum(xp, ins: list, dom: Ty, out_names: tuple[str, ...]):
+    """Contract named arrays: one letter per axis name, in order of first appearance."""
+    letters: dict[str, str] = {}
+    for a in dom:
+        for n in a.axis_names:
+            if n not in letters:
+                letters[n] = xp.letter(len(letters))
+    spec = ",".join("".join(letters[n] for n in a.axis_names) for a in dom)
+    return xp.einsum(spec + "->" + "".join(letters[n] for n in out_names), *ins)
+
+
+def _dim(box: Box, key: str = "axis") -> int:
+    return box.dom[0].axis_names.index(box.param(key))
 
 
 # --------------------------------------------------------------------------- rules
 
-def _einsum(ins: list[np.ndarray], dom: Ty, out_names: tuple[str, ...]) -> np.ndarray:
-    letters: dict[str, str] = {}
-    for a in dom:
-        for n in a.axis_names:
-            letters.setdefault(n, opt_einsum.get_symbol(len(letters)))
-    spec = ",".join("".join(letters[n] for n in a.axis_names) for a in dom)
-    spec += "->" + "".join(letters[n] for n in out_names)
-    return opt_einsum.contract(spec, *ins, optimize="auto") if len(ins) > 1 else np.einsum(spec, ins[0])
-
-
 def rule_contract(box: Box, ins, ctx):
-    return (_einsum(ins, box.dom, box.cod[0].axis_names),)
+    return (einsum(ctx.xp, ins, box.dom, box.cod[0].axis_names),)
 
 
 def rule_map(box: Box, ins, ctx):
-    fn = box.param("fn")
+    xp, f = ctx.xp, FUNCTIONS[box.param("fn")]
     out_names = box.cod[0].axis_names
-    args = [align(x, a.axis_names, out_names) for x, a in zip(ins, box.dom)]
+    args = [align(xp, x, a.axis_names, out_names) for x, a in zip(ins, box.dom)]
     c = box.param("c", None)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        res = FUNCTION_IMPLS[fn](*args, c=None if c is None else constant_value(c, ctx.sizes))
-    shape = np.broadcast_shapes(*(a.shape for a in args))
-    return (np.broadcast_to(res, shape).copy(),)
+    with xp.quiet():
+        res = f(xp, *args, c=None if c is None else constant_value(c, ctx.sizes))
+    return (xp.broadcast_(res, xp.broadcast_shapes(*(a.shape for a in args))),)
 
 
 def rule_reduce(box: Box, ins, ctx):
-    op, axis = box.param("op"), box.param("axis")
-    x = ins[0]
-    ax = box.dom[0].axis_names.index(axis)
+    xp, op, x, ax = ctx.xp, box.param("op"), ins[0], _dim(box)
     if op == "sum":
-        return (np.sum(x, axis=ax),)
+        return (xp.sum(x, ax),)
     if op == "max":
-        return (np.max(x, axis=ax),)
+        return (xp.amax(x, ax),)
     if op == "min":
-        return (np.min(x, axis=ax),)
+        return (xp.amin(x, ax),)
     if op == "mean":
-        return (np.mean(x, axis=ax),)
-    if op == "logsumexp":
-        m = np.max(x, axis=ax, keepdims=True)
-        m = np.where(np.isfinite(m), m, 0.0)
-        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-            return (np.squeeze(m, ax) + np.log(np.sum(np.exp(x - m), axis=ax)),)
-    raise UnknownKindError(f"no NumPy rule for reduction {op!r}")
+        return (xp.mean(x, ax),)
+    if op == "logsumexp":   # an all -inf row gives -inf
+        return (xp.logsumexp_(x, ax),)
+    raise UnknownKindError(f"no rule for reduction {op!r} (box {box.name})")
 
 
 def rule_softmax(box: Box, ins, ctx):
-    return (safe_softmax(ins[0], box.dom[0].axis_names.index(box.param("axis"))),)
+    return (safe_softmax(ctx.xp, ins[0], _dim(box)),)
 
 
 def rule_normalize(box: Box, ins, ctx):
-    ax = box.dom[0].axis_names.index(box.param("axis"))
-    return (normalise(ins[0], ax, box.param("a1"), box.param("a2"), box.param("b"), box.param("eps")),)
+    return (normalise(ctx.xp, ins[0], _dim(box), box.param("a1"), box.param("a2"), box.param("b"),
+                      box.param("eps")),)
 
 
 def rule_mask(box: Box, ins, ctx):
-    x = ins[0]
-    i, j = index_grid(box.dom[0], x.shape, box.param("row"), box.param("col"), ctx)
-    keep = np.broadcast_to(box.param("pred")(i, j), x.shape)
-    return (np.where(keep, x, -np.inf).astype(x.dtype),)
+    xp, x = ctx.xp, ins[0]
+    i, j = index_grid(xp, box.dom[0], x.shape, box.param("row"), box.param("col"), ctx.offsets)
+    keep = xp.as_index_result(box.param("pred")(i, j), None)
+    return (xp.where(keep, x, NEG_INF),)
 
 
 def rule_index_bias(box: Box, ins, ctx):
-    x = ins[0]
-    i, j = index_grid(box.dom[0], x.shape, box.param("row"), box.param("col"), ctx)
-    return ((x + box.param("bias")(i, j)).astype(x.dtype),)
+    xp, x = ctx.xp, ins[0]
+    i, j = index_grid(xp, box.dom[0], x.shape, box.param("row"), box.param("col"), ctx.offsets, like=x)
+    return (x + xp.as_index_result(box.param("bias")(i, j), x),)
 
 
 def rule_reindex(box: Box, ins, ctx):
-    x, src, dst = ins[0], box.dom[0], box.cod[0]
-    op = box.param("op")
-    names = src.axis_names
+    xp, x, src, dst = ctx.xp, ins[0], box.dom[0], box.cod[0]
+    op, names, shape = box.param("op"), src.axis_names, tuple(x.shape)
     if op == "transpose":
-        return (np.transpose(x, [names.index(n) for n in dst.axis_names]),)
+        return (xp.permute(x, [names.index(n) for n in dst.axis_names]),)
     if op == "split":
         k = names.index(box.param("axis"))
         inner = dst.axes[k + 1]
-        n_in = ctx.sizes.get(inner.name, inner.size)
-        return (x.reshape(x.shape[:k] + (-1, int(n_in)) + x.shape[k + 1:]),)
+        n_in = int(ctx.sizes.get(inner.name, inner.size))
+        return (x.reshape(shape[:k] + (-1, n_in) + shape[k + 1:]),)
     if op == "merge":
         k = names.index(box.param("outer"))
-        return (x.reshape(x.shape[:k] + (-1,) + x.shape[k + 2:]),)
+        return (x.reshape(shape[:k] + (-1,) + shape[k + 2:]),)
     if op == "slice":
         k = names.index(box.param("axis"))
-        sl = [slice(None)] * x.ndim
-        sl[k] = slice(box.param("start"), box.param("stop"))
-        return (x[tuple(sl)],)
+        start, stop = box.param("start"), box.param("stop")
+        return (xp.narrow(x, k, start, stop - start),)
     if op == "diagonal":
-        a, b = names.index(box.param("keep")), names.index(box.param("drop"))
-        d = np.diagonal(x, axis1=a, axis2=b)  # diagonal axis goes last
-        rest = [n for n in names if n not in (box.param("keep"), box.param("drop"))] + [box.param("keep")]
-        return (np.transpose(d, [rest.index(n) for n in dst.axis_names]),)
-    raise UnknownKindError(f"no NumPy rule for reindex op {op!r}")
+        keep, drop = box.param("keep"), box.param("drop")
+        dg = xp.diagonal_(x, names.index(keep), names.index(drop))  # the diagonal axis goes last
+        rest = [n for n in names if n not in (keep, drop)] + [keep]
+        return (xp.permute(dg, [rest.index(n) for n in dst.axis_names]),)
+    raise UnknownKindError(f"no rule for reindex op {op!r} (box {box.name})")
 
 
 def rule_param(box: Box, ins, ctx):
-    name = box.param("pname")
+    name, arr = box.param("pname"), box.cod[0]
     if name not in ctx.params:
-        raise ShapeError(f"parameter {box.cod[0]} has no value: pass params={{'{name}': array}}")
-    arr = np.asarray(ctx.params[name])
-    shape = concrete_shape(box.cod[0], ctx.sizes)
-    if arr.shape != shape:
-        raise ShapeError(f"parameter {box.cod[0]}: expected shape {shape}, got {arr.shape}")
-    return (arr.astype(ctx.dtype(box.cod[0].dtype)),)
+        raise ShapeError(f"parameter {arr} has no value: pass params={{'{name}': array}}")
+    value = ctx.param(ctx.params[name], arr)
+    shape = concrete_shape(arr, ctx.sizes)
+    if tuple(value.shape) != shape:
+        raise ShapeError(f"parameter {arr}: expected shape {shape}, got {tuple(value.shape)}")
+    return (value,)
 
 
 def rule_const(box: Box, ins, ctx):
-    shape = concrete_shape(box.cod[0], ctx.sizes)
-    return (np.full(shape, box.param("value"), dtype=ctx.dtype(box.cod[0].dtype)),)
+    arr = box.cod[0]
+    return (ctx.full(concrete_shape(arr, ctx.sizes), box.param("value"), arr),)
 
 
 def rule_cast(box: Box, ins, ctx):
-    return (ins[0].astype(ctx.dtype(box.cod[0].dtype)),)
+    # float -> float keeps the working precision; float -> i8 truncates toward zero
+    return (ctx.convert(ins[0], box.cod[0]),)
 
 
 def rule_softmax_contract(box: Box, ins, ctx):
     s, v = ins
-    ax = box.dom[0].axis_names.index(box.param("axis"))
-    p = safe_softmax(s, ax)
-    return (_einsum([p, v], box.dom, box.cod[0].axis_names),)
+    return (einsum(ctx.xp, [safe_softmax(ctx.xp, s, _dim(box)), v], box.dom, box.cod[0].axis_names),)
 
 
 def rule_norm_contract(box: Box, ins, ctx):
     s, v = ins
-    ax = box.dom[0].axis_names.index(box.param("axis"))
-    p = normalise(s, ax, box.param("a1"), box.param("a2"), box.param("b"), box.param("eps"))
-    return (_einsum([p, v], box.dom, box.cod[0].axis_names),)
+    p = normalise(ctx.xp, s, _dim(box), box.param("a1"), box.param("a2"), box.param("b"), box.param("eps"))
+    return (einsum(ctx.xp, [p, v], box.dom, box.cod[0].axis_names),)
 
 
-NUMPY_RULES: dict[str, Callable] = {
+RULES: dict[str, Callable] = {
     "contract": rule_contract, "map": rule_map, "reduce": rule_reduce, "softmax": rule_softmax,
     "normalize": rule_normalize, "mask": rule_mask, "index_bias": rule_index_bias,
     "reindex": rule_reindex, "param": rule_param, "const": rule_const, "cast": rule_cast,
     "softmax_contract": rule_softmax_contract, "norm_contract": rule_norm_contract,
 }
+NUMPY_RULES = RULES   # NumPy and torch read the same rules (through their namespaces)
 
 
-def apply_box(box: Box, ins: list[np.ndarray], ctx: Ctx) -> tuple[np.ndarray, ...]:
+def apply_box(box: Box, ins: list, ctx) -> tuple:
+    """Run one box: its kind's rule, then every output converted to its wire's dtype."""
     try:
-        rule = NUMPY_RULES[box.kind]
+        rule = RULES[box.kind]
     except KeyError:
-        raise UnknownKindError(f"no NumPy rule for box kind {box.kind!r} (box {box.name})") from None
-    outs = rule(box, ins, ctx)
-    return tuple(np.asarray(o, dtype=ctx.dtype(a.dtype)) for o, a in zip(outs, box.cod))
+        raise UnknownKindError(f"no rule for box kind {box.kind!r} (box {box.name}); "
+                               f"known kinds: {sorted(RULES)}") from None
+    return tuple(ctx.convert(o, a) for o, a in zip(rule(box, ins, ctx), box.cod))
 
 
 # --------------------------------------------------------------------------- evaluate

@@ -362,7 +362,11 @@ class FinalForm:
 # --------------------------------------------------------------------------- building
 
 def final_form(d: Diagram) -> FinalForm:
-    """Read the loop nest off ``d``'s relabelings."""
+    """Read the loop nest off ``d``'s relabelings (once per diagram: every stage reads the same one)."""
+    return d.memo("final_form", lambda: _final_form(d))
+
+
+def _final_form(d: Diagram) -> FinalForm:
     tiles = [r for r in d.schedule if r.op == "tile"]
     streams = [r for r in d.schedule if r.op == "stream"]
     order_r = [r for r in d.schedule if r.op == "order"]

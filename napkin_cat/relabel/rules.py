@@ -32,6 +32,7 @@ from ..core.diagram import Axis, Box, Diagram, Eqn, Relabel, Ty
 from ..core.errors import RelabelError
 from ..core.hierarchy import FULL
 from ..ops.boxes import norm_contract_box, softmax_contract_box
+from ..ops.kinds import normalises_along, spec
 
 DEFAULT_LEVEL = "SMEM"
 
@@ -83,7 +84,7 @@ def consumers(d: Diagram) -> dict[int, list[int]]:
 
 def acts_along(box: Box, axis: str) -> str | None:
     """Why ``box`` is not weaved over ``axis`` although its input and output carry it."""
-    if box.kind in ("softmax", "normalize") and box.param("axis") == axis:
+    if normalises_along(box, axis):
         return f"{box.name} normalises along {axis}"
     if box.kind == "reindex" and box.param("op") != "transpose":
         touched = {box.param(k, None) for k in ("axis", "outer", "inner", "keep", "drop", "new")}
@@ -128,7 +129,12 @@ class StreamPlan:
 
 
 def stream_plan(d: Diagram, axis: str) -> StreamPlan | str:
-    """The fusion theorem, read off the IR: the plan, or the reason ``axis`` cannot stream."""
+    """The fusion theorem, read off the IR: the plan, or the reason ``axis`` cannot stream
+    (computed once per diagram and axis)."""
+    return d.memo(("stream_plan", axis), lambda: _stream_plan(d, axis))
+
+
+def _stream_plan(d: Diagram, axis: str) -> StreamPlan | str:
     types = d.var_types()
     region: list[int] = []
     accs: list[Accumulator] = []
@@ -148,7 +154,7 @@ def stream_plan(d: Diagram, axis: str) -> StreamPlan | str:
                             f"used again): two passes over {axis}, not streamable")
                 why = acts_along(e.box, axis)
                 if why:
-                    if e.box.kind in ("softmax", "normalize"):
+                    if spec(e.box).shape == "normaliser":
                         got = derive_accumulator(e.box, k, axis)
                         return got if isinstance(got, str) else why
                     return why + f"; it cannot see {axis} a chunk at a time"
@@ -219,6 +225,10 @@ def _fusable(d: Diagram, axis: str, kind: str):
 def fuse_softmax_contract(d: Diagram, axis) -> Diagram:
     """``contract_x(softmax_x(S), V)`` -> ``softmax_contract_x(S, V)`` (online softmax)."""
     axis = _axis_name(d, axis)
+    return d.memo(("fuse", "softmax", axis), lambda: _fuse_softmax_contract(d, axis))
+
+
+def _fuse_softmax_contract(d: Diagram, axis: str) -> Diagram:
     for k, j, s, v in _fusable(d, axis, "softmax"):
         types = d.var_types()
         box = softmax_contract_box(types[s], types[v], d.axis(axis), d.eqns[j].box.cod[0].axes,
@@ -230,6 +240,10 @@ def fuse_softmax_contract(d: Diagram, axis) -> Diagram:
 def fuse_norm_contract(d: Diagram, axis) -> Diagram:
     """``contract_x(normalize_x(S), V)`` -> ``norm_contract_x(S, V)`` (normalisation family)."""
     axis = _axis_name(d, axis)
+    return d.memo(("fuse", "normalize", axis), lambda: _fuse_norm_contract(d, axis))
+
+
+def _fuse_norm_contract(d: Diagram, axis: str) -> Diagram:
     for k, j, s, v in _fusable(d, axis, "normalize"):
         types = d.var_types()
         nb = d.eqns[k].box

@@ -15,7 +15,8 @@ import numpy as np
 
 from ..core.diagram import Box
 from ..ops.functions import FUNCTIONS
-from ..ops.semantics import NUMPY, _einsum, align
+from ..ops.arrays import NUMPY
+from ..ops.semantics import align as _align, einsum as _einsum_xp
 from ..relabel.accumulators import ACC_RULES, Accumulator, stat_names
 
 
@@ -32,6 +33,14 @@ def _out_names(box: Box) -> tuple[str, ...]:
 
 def _red_axis(box: Box, axis: str) -> int:
     return box.dom[0].axis_names.index(axis)
+
+
+def _einsum(ins, dom, out_names):
+    return _einsum_xp(NUMPY, ins, dom, out_names)
+
+
+def align(x, src, dst):
+    return _align(NUMPY, x, src, dst)
 
 
 def _fn(name: str):

@@ -19,6 +19,8 @@ from ..ops.semantics import (Ctx, _as_numpy, apply_box, check_call_options, chec
 from ..relabel.accumulators import Accumulator
 from ..relabel.loopnest import Compute, Finalise, Init, Load, Loop, Store, Update, final_form
 from ..relabel.rules import check_blocks
+from ..relabel.skipping import chunk_skips, visited
+from ..ops.index import IntAlgebra
 from . import accumulators as acc_steps
 
 
@@ -125,7 +127,11 @@ def execute(d: Diagram, inputs: list[np.ndarray], ctx: Ctx) -> list[np.ndarray]:
                 if step < 1:
                     raise ShapeError(f"{n.kind} size for {n.axis} must be >= 1, got {step}")
                 start, stop = ranges[n.axis]
+                # chunks a mask removes for every row of the tile are skipped, as in the kernel
+                lo, hi = visited(chunk_skips(ff, n), ranges, stop, IntAlgebra)
                 for s in chunk_starts(start, stop, step):
+                    if s + step <= lo or s >= hi:
+                        continue
                     ranges[n.axis] = (s, min(s + step, stop))
                     run(n.body)
                 ranges[n.axis] = (start, stop)
