@@ -11,6 +11,13 @@ are medians of CUDA-event timings of back-to-back launches; extra memory is the 
 torch.cuda.max_memory_allocated above the inputs; predicted HBM bytes come from nc.cost of the
 kernel's relabelled diagram, and the roofline time from those bytes, the FLOPs, and the copy
 bandwidth and SGEMM rate measured here.  Writes benchmarks.json (and BENCHMARKS.md with --md).
+
+    python kernels/bench.py --repredict kernels/benchmarks.json && python kernels/report.py
+
+recomputes only the predictions of an earlier run (predicted HBM bytes, roofline times and the
+achieved bandwidth they imply, and the ``ncu_dram`` predictions) with the current cost model,
+on the CPU: the kernel's relabelled diagram is the schedule ``nc.lower`` chooses for the same
+tiles and threads; the measured fields are kept as they are.
 """
 
 from __future__ import annotations
@@ -116,11 +123,19 @@ def reference_rows(Q, K, V, causal, scale, rows, heads):
     return torch.matmul(torch.softmax(S, dim=-1), v)
 
 
+def attention_diagram(N, D, causal, B, H):
+    q, x, d, h, b = nc.axes("q x d h b")
+    return nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, causal=causal).bind(
+        {q: N, x: N, d: D, h: H, b: B})
+
+
+def attention_flops(N, D, causal, B, H) -> float:
+    return 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+
+
 def attention_case(N, D, causal, BH, tiles, threads, gen, machine, do_peers=True, prefetch=False):
     B, H = (2, BH // 2)
-    q, x, d, h, b = nc.axes("q x d h b")
-    dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, causal=causal).bind(
-        {q: N, x: N, d: D, h: H, b: B})
+    dia = attention_diagram(N, D, causal, B, H)
     t0 = time.perf_counter()
     # checked below against a float64 reference (a subset of rows: the full NumPy oracle at
     # these sizes would take minutes), before any timing
@@ -139,7 +154,7 @@ def attention_case(N, D, causal, BH, tiles, threads, gen, machine, do_peers=True
     assert not torch.isnan(O).any(), "kernel left NaNs in the output"
     ms = cuda_time(run)
     mem = peak_extra_mib(lambda: kernel(Q, K, V))
-    flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+    flops = attention_flops(N, D, causal, B, H)
     res = {"kind": "attention", "N": N, "d": D, "causal": causal, "B": B, "H": H, "tiles": tiles,
            "prefetch": prefetch,
            "threads": kernel.launch.block[0], "smem_bytes": kernel.launch.dynamic_smem_bytes,
@@ -174,9 +189,13 @@ def attention_case(N, D, causal, BH, tiles, threads, gen, machine, do_peers=True
 
 # ------------------------------------------------------------------------------ matmul
 
-def matmul_case(M, tiles, threads, gen, machine, do_peers=True, prefetch=False):
+def matmul_diagram(M):
     a, b, c = nc.axes("a b c")
-    dia = nc.library.matmul(a=a, b=b, c=c).bind({a: M, b: M, c: M})
+    return nc.library.matmul(a=a, b=b, c=c).bind({a: M, b: M, c: M})
+
+
+def matmul_case(M, tiles, threads, gen, machine, do_peers=True, prefetch=False):
+    dia = matmul_diagram(M)
     t0 = time.perf_counter()
     kernel = nc.lower(dia, tiles=tiles, threads=threads, prefetch=prefetch, verify=False)  # checked below
     A = torch.randn(M, M, device=DEV, generator=gen)
@@ -211,17 +230,54 @@ def matmul_case(M, tiles, threads, gen, machine, do_peers=True, prefetch=False):
 
 
 def predicted(kernel, flops, machine, ms) -> dict:
-    """HBM bytes from the cost model of the kernel's diagram, roofline time, and the achieved
-    fraction of it."""
+    return prediction(kernel.diagram, flops, machine, ms)
+
+
+def prediction(diagram, flops, machine, ms) -> dict:
+    """HBM bytes from the cost model of a kernel's relabelled diagram (fp32; the chunks a causal
+    mask skips are left out), roofline time, and the achieved fraction of it."""
     try:
-        c = nc.cost(kernel.diagram)
-        hbm = float(c.transfers["HBM"]) * 4
-    except Exception as e:  # noqa: BLE001
+        hbm = float(nc.cost(diagram).transfers["HBM"]) * 4
+    except nc.NapkinError as e:
         return {"cost_error": str(e)[:200]}
     t_mem = hbm / machine["copy_bytes_per_s"] * 1e3
     t_fma = flops / (machine["fp32_peak_flops"]) * 1e3
     return {"predicted_hbm_bytes": hbm, "roofline_ms": max(t_mem, t_fma), "roofline_mem_ms": t_mem,
             "roofline_fp32_ms": t_fma, "achieved_hbm_bytes_per_s": hbm / (ms * 1e-3)}
+
+
+def lowered_diagram(dia, tiles, threads):
+    """The relabelled diagram ``nc.lower(dia, tiles=tiles, threads=threads)`` compiles on a GPU
+    (its schedule; no code is generated)."""
+    from napkin_cat.lowering.schedule import choose
+    return choose(dia, tiles, threads, simulate=False).diagram
+
+
+def repredict(path: Path) -> None:
+    """Recompute the predictions of ``path`` (a benchmarks.json) with the current cost model."""
+    r = json.loads(path.read_text())
+    machine = r["machine"]
+    for row in r["attention"] + r["search"] + r["matmul"]:
+        if "ms" not in row:
+            continue
+        if row["kind"] == "attention":
+            N, D, causal, B, H = row["N"], row["d"], row["causal"], row["B"], row["H"]
+            dia, flops = attention_diagram(N, D, causal, B, H), attention_flops(N, D, causal, B, H)
+        else:
+            dia, flops = matmul_diagram(row["N"]), 2 * row["N"] ** 3
+        row.update(prediction(lowered_diagram(dia, row["tiles"], row["threads"]), flops, machine, row["ms"]))
+    # the kernels kernels/ncu_probe.py profiles: N = 4096, d = 64, B*H = 16; matmul 4096^3
+    chosen = r.get("chosen", {})
+    att = chosen.get("attention", {}).get("64", [[{"q": 256, "x": 64}, 256, False]])[0]
+    mm = chosen.get("matmul", [{"a": 128, "c": 128, "b": 8}, 256, "double"])
+    probes = {"napkin_attention": (attention_diagram(4096, 64, False, 2, 8), att),
+              "napkin_causal": (attention_diagram(4096, 64, True, 2, 8), att),
+              "napkin_matmul": (matmul_diagram(4096), mm)}
+    for name, v in r.get("ncu_dram", {}).items():
+        dia, (tiles, threads, _) = probes[name]
+        v["predicted"] = float(nc.cost(lowered_diagram(dia, tiles, threads)).transfers["HBM"]) * 4
+    path.write_text(json.dumps(r, indent=1, default=str))
+    print(f"re-predicted {path}")
 
 
 # ------------------------------------------------------------------------------ main
@@ -242,7 +298,11 @@ def main(argv=None):
     ap.add_argument("--search", action="store_true", help="measured search over a few tile choices")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="", help="attention or matmul")
+    ap.add_argument("--repredict", metavar="JSON", help="recompute the predictions of a benchmarks.json (CPU)")
     args = ap.parse_args(argv)
+    if args.repredict:
+        repredict(Path(args.repredict))
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=DEV).manual_seed(0)

@@ -107,6 +107,8 @@ def main(argv=None) -> int:
     p_demo.add_argument("--out", default="napkin_demo", help="folder for the pictures")
     p_gold = sub.add_parser("goldens", help="diff or rewrite the golden kernels in kernels/")
     p_gold.add_argument("--update", action="store_true")
+    p_imp = sub.add_parser("imports", help="check the package's import graph (stages, cycles, module lengths)")
+    p_imp.add_argument("--png", help="also draw the stage graph to this PNG")
     args = parser.parse_args(argv)
     if args.debug:
         return _run(args)
@@ -127,6 +129,9 @@ def _run(args) -> int:
     if args.cmd == "goldens":
         from .lowering.goldens import main as goldens_main
         return goldens_main(["--update"] if args.update else [])
+    if args.cmd == "imports":
+        from .imports import main as imports_main
+        return imports_main(["--png", args.png] if args.png else [])
     return 2
 
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 import sympy as sp
 
 import napkin_cat as nc
-from napkin_cat.costmodel.model import concurrent_groups
+from napkin_cat.costmodel import concurrent_groups
 from napkin_cat.core.hardware import H100, KB
 from napkin_cat.relabel.symbols import size_symbol
 

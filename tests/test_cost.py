@@ -12,9 +12,11 @@ import sympy as sp
 
 import napkin_cat as nc
 from napkin_cat.core import Box, Ty
-from napkin_cat.costmodel.model import COST_RULES, box_work
+from napkin_cat.costmodel import COST_RULES, box_work
 from napkin_cat.core.hardware import A100_SXM4, H100, H200
 from napkin_cat.core.hierarchy import hierarchy
+from napkin_cat.ops.index import IntAlgebra
+from napkin_cat.ops.kinds import SPECS
 from napkin_cat.ops.semantics import NUMPY_RULES
 from napkin_cat.relabel.symbols import size_symbol
 
@@ -50,6 +52,10 @@ def chain():
 
 def test_cost_rules_keys_match_numpy_rules():
     assert set(COST_RULES) == set(NUMPY_RULES)
+
+
+def test_cost_rules_keys_match_kind_specs():
+    assert list(COST_RULES) == list(SPECS)
 
 
 def test_unknown_kind_is_named():
@@ -338,3 +344,137 @@ def test_cost_entry_points_reject_bad_input_by_name():
         nc.cost("attention")
     with pytest.raises(nc.CostError, match=r"time needs every axis size: \['d', 'x'\]"):
         nc.cost(attn).time(hw=nc.hardware.H200, sizes={q: 10})
+
+
+# --------------------------------------------------------------------------- chunks a mask skips
+
+def _masked(pred, rows, cols, g, s):
+    """Attention (d = 8) with mask ``pred`` over q (``rows``, tiles of ``g``) and x (``cols``,
+    chunks of ``s``); ``rows = cols = None`` keeps q, x and d symbolic."""
+    if rows is None:
+        return nc.library.attention(q=Q, x=X, d=D, mask=pred).stream(X, s).tile(Q, g)
+    q_, x_, d_ = nc.axes("q x d", q=rows, x=cols, d=8)
+    return nc.library.attention(q=q_, x=x_, d=d_, mask=pred).stream(x_, s).tile(q_, g)
+
+
+def _visited(pred, N, X, g, s):
+    """Per row tile: its rows and the widths of the chunks it visits, iterating row tiles and
+    chunks as the tiled executor does, on plain ints (independent of the cost model's code)."""
+    out = []
+    for r0 in range(0, N, g):
+        r1 = min(r0 + g, N)
+        lo, hi = pred.support(r0, r1, IntAlgebra)
+        widths = [min(c + s, X) - c for c in range(0, X, s) if not (c + s <= lo or c >= hi)]
+        out.append((r1 - r0, widths))
+    return out
+
+
+def _kv_values(cost):
+    """Values of K and V loaded into SMEM: (model's continuous count, whole-tile count)."""
+    kv = [m for m in cost.moves if m.array in ("K", "V") and m.kind == "load"]
+    return sum(m.per_exec * m.execs for m in kv), sum(m.per_exec * m.ragged_execs for m in kv)
+
+
+SKIP_CASES = [  # (predicate, N rows, X columns, row tile g, chunk s): aligned and ragged
+    (nc.causal(), 64, 64, 16, 8),
+    (nc.causal(), 64, 64, 8, 16),
+    (nc.causal(), 100, 100, 24, 16),
+    (nc.causal(3), 50, 90, 16, 7),
+    (nc.causal(-7), 90, 50, 32, 10),
+    (nc.window(13), 100, 77, 32, 10),
+    (nc.window(0, 5), 70, 70, 8, 8),
+]
+
+
+@pytest.mark.parametrize("pred,N,X,g,s", SKIP_CASES)
+def test_skipped_chunks_are_counted_exactly_at_bound_sizes(pred, N, X, g, s):
+    cost = nc.cost(_masked(pred, N, X, g, s))
+    tiles = _visited(pred, N, X, g, s)
+    cols = [sum(w) for _, w in tiles]
+    cont, whole = _kv_values(cost)
+    # a K / V chunk is loaded whole by every tile that visits it (a short tile too) ...
+    assert whole == 2 * 8 * sum(cols)
+    # ... and the model's continuous count weighs a tile by its share of g rows, as elsewhere
+    assert cont == 2 * 8 * sum(sp.Rational(r, g) * c for (r, _), c in zip(tiles, cols))
+    # Q K^T and P V: 2 * rows * visited columns * d each, over the visited chunks only
+    assert cost.flops["tensor"] == sum(4 * r * c * 8 for (r, _), c in zip(tiles, cols))
+    dense = nc.cost(_masked(nc.predicate(lambda i, j: j >= 0), N, X, g, s))
+    assert cost.flops["tensor"] <= dense.flops["tensor"] == 4 * N * X * 8
+
+
+@pytest.mark.parametrize("pred,N,X,g,s", SKIP_CASES + [(nc.causal(), 8192, 8192, 128, 64),
+                                                     (nc.causal(), 8000, 8000, 96, 40),
+                                                     (nc.window(256), 8192, 8192, 128, 64),
+                                                     (nc.window(300), 5000, 6000, 64, 128)])
+def test_skipped_chunks_symbolic_form_within_its_error_bound(pred, N, X, g, s):
+    """The symbolic form (sizes as symbols, then substituted) against the exact count.  Its
+    error, in K columns summed over the tiles, is at most s per chunk-aligned bound (lo and hi)
+    per tile (the padding p = (s - Min(g, s))/2 is an average), g/8 per kink of a clipped bound,
+    and one tile of columns when g does not divide N (the partial last tile)."""
+    sym = nc.cost(_masked(pred, None, None, "g_q", "s_x"))
+    sub = {q: N, x: X, d: 8, g_q: g, s_x: s}
+    approx = _kv_values(sym)[0].subs(sub) / 16
+    exact = _kv_values(nc.cost(_masked(pred, N, X, g, s)))[0] / 16
+    tiles = math.ceil(N / g)
+    assert abs(approx - exact) <= 2 * s * tiles + g / 4 + (X if N % g else 0)
+    if N >= 5000 and all(a % min(g, s) == 0 for a in pred.args):
+        # long sequences, offsets on multiples of Min(g, s) (where p is the exact average): 1 %
+        assert abs(approx / exact - 1) < 0.01
+
+
+def test_causal_attention_costs_half_of_dense():
+    causal = nc.cost(nc.library.attention(q=Q, x=X, d=D, causal=True).stream(X, "s_x").tile(Q, "g_q"))
+    N = 1 << 16
+    sub = {q: N, x: N, d: 128, g_q: 128, s_x: 64}
+    kv = lambda c: c.transfers["HBM"] - 2 * q * d     # K and V: Q read once, O written once
+    assert float((kv(causal) / kv(flash())).subs(sub)) == pytest.approx(0.5, abs=0.002)
+    for unit in ("tensor", "exp"):
+        assert float((causal.flops[unit] / flash().flops[unit]).subs(sub)) == pytest.approx(0.5, abs=0.002)
+    # bound sizes, s dividing g: tile t visits (t + 1) g / s chunks of the dense n / s
+    q_, x_, d_ = nc.axes("q x d", q=4096, x=4096, d=64)
+    bound = lambda causal: nc.cost(nc.library.attention(q=q_, x=x_, d=d_, causal=causal).stream(x_, 64).tile(q_, 128))
+    T = 4096 // 128
+    assert bound(True).flops["tensor"] / bound(False).flops["tensor"] == sp.Rational(T + 1, 2 * T)
+
+
+def test_window_attention_scales_with_the_window_not_the_length():
+    win = {w: nc.cost(nc.library.attention(q=Q, x=X, d=D, window_size=w).stream(X, "s_x").tile(Q, "g_q"))
+           for w in (256, 512, 1024)}
+    N = 1 << 16
+    sub = {q: N, d: 64, g_q: 128, s_x: 64}
+    # keys beyond the last query row are never visited: the cost does not grow with x
+    for c in win.values():
+        at = [c.transfers["HBM"].subs({**sub, x: n}) for n in (N + 128, 2 * N, 1 << 24)]
+        assert at[0] == at[1] == at[2]
+        assert c.flops["tensor"].subs({**sub, x: 2 * N}) == c.flops["tensor"].subs({**sub, x: 1 << 24})
+    # ... and grows with w: every query tile visits w more columns of K and V (but the first
+    # w / g tiles, whose window the sequence start cuts)
+    kv = {w: c.transfers["HBM"].subs({**sub, x: N}) for w, c in win.items()}
+    per_column = 2 * 64 * N // 128
+    assert kv[512] - kv[256] == pytest.approx(256 * per_column, rel=0.01)
+    assert kv[1024] - kv[512] == pytest.approx(512 * per_column, rel=0.02)
+    assert float(kv[256] / flash().transfers["HBM"].subs({**sub, x: N})) < 0.01
+
+
+def test_diagrams_without_skipped_chunks_cost_as_before():
+    dense = flash()
+    assert dense.transfers["HBM"] == 2 * q * d + 2 * q * x * d / g_q
+    # a mask without a support, or a causal mask without a tile of its rows, bounds no chunk
+    custom = nc.cost(nc.library.attention(q=Q, x=X, d=D, mask=nc.predicate(lambda i, j: j <= i))
+                     .stream(X, "s_x").tile(Q, "g_q"))
+    untiled = nc.cost(nc.library.attention(q=Q, x=X, d=D, causal=True).stream(X, "s_x"))
+    streamed = nc.cost(nc.library.attention(q=Q, x=X, d=D).stream(X, "s_x"))
+    assert custom.transfers == dense.transfers
+    assert custom.flops["tensor"] == dense.flops["tensor"]
+    assert untiled.transfers == streamed.transfers
+    assert untiled.flops["tensor"] == streamed.flops["tensor"]
+
+
+def test_skipped_chunks_have_no_closed_form_but_optimize():
+    causal = nc.cost(nc.library.attention(q=Q, x=X, d=D, causal=True).stream(X, "s_x").tile(Q, "g_q"))
+    with pytest.raises(nc.CostError, match="no closed form"):
+        causal.closed_form("SMEM")
+    best = causal.optimize({Q: 8192, X: 8192, D: 128}, memory=65536, fixed={"s_x": 64})
+    dense = flash().optimize({Q: 8192, X: 8192, D: 128}, memory=65536, fixed={"s_x": 64})
+    assert best.bound is None and best.memory["SMEM"] <= 65536
+    assert best.objective < dense.objective

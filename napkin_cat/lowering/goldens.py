@@ -18,11 +18,11 @@ KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
 def canonical() -> dict:
     """name -> (diagram with sizes bound, tiles, threads)."""
-    import napkin_cat as nc
+    from .. import library as L
+    from ..core import axes
 
-    L = nc.library
-    q, x, d, h, g, b = nc.axes("q x d h g b")
-    a, k, c, t = nc.axes("a k c t")
+    q, x, d, h, g, b = axes("q x d h g b")
+    a, k, c, t = axes("a k c t")
     att = {q: 4096, x: 4096, d: 64}
     return {
         "matmul": (L.matmul(a=a, b=k, c=c).bind({a: 4096, k: 4096, c: 4096}),
@@ -40,11 +40,11 @@ def canonical() -> dict:
 
 
 def generate(name: str) -> str:
-    import napkin_cat as nc
+    from . import lower
     dia, tiles, threads = canonical()[name]
     # source snapshots at GPU sizes, for review: running them against the float64 oracle at these
     # sizes is the GPU benchmark's job (kernels/bench.py checks every kernel before timing it)
-    return nc.lower(dia, tiles=tiles, threads=threads, name=name, verify=False).source
+    return lower(dia, tiles=tiles, threads=threads, name=name, verify=False).source
 
 
 def diff(name: str, directory: Path = KERNELS_DIR) -> str:

@@ -86,6 +86,7 @@ class IndexRule:
     meaning: Callable                  # (i, j, *args) -> keep (mask) or bias value
     cuda: Callable | None = None       # (i, j, args, u) -> conditions (mask) / expression (bias)
     support: Callable | None = None    # (r0, r1, args, al) -> (lo, hi); masks only
+    examples: tuple = ()               # argument tuples the sync tests (tests/test_kinds.py) try
 
 
 def _causal_cuda(i, j, args, u):
@@ -112,14 +113,16 @@ def _window_support(r0, r1, args, al):
 
 
 PREDICATES: dict[str, IndexRule] = {r.name: r for r in (
-    IndexRule("causal", lambda i, j, off: j <= i + off, _causal_cuda, _causal_support),
-    IndexRule("window", lambda i, j, left, right: (j >= i - left) & (j <= i + right), _window_cuda, _window_support),
+    IndexRule("causal", lambda i, j, off: j <= i + off, _causal_cuda, _causal_support, ((0,), (2,), (-3,))),
+    IndexRule("window", lambda i, j, left, right: (j >= i - left) & (j <= i + right), _window_cuda, _window_support,
+              ((0, 0), (3, 0), (2, 1), (0, 4))),
     IndexRule("custom", None),
 )}
 
 BIASES: dict[str, IndexRule] = {r.name: r for r in (
     IndexRule("alibi", lambda i, j, slope: slope * (j - i),
-              lambda i, j, args, f: f"{f(args[0], 'SLOPE')} * (float32({j}) - float32({i}))"),
+              lambda i, j, args, f: f"{f(args[0], 'SLOPE')} * (float32({j}) - float32({i}))",
+              examples=((0.5,), (-1.25,))),
     IndexRule("custom", None),
 )}
 

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.diagram import Diagram
-from ..core.errors import EquivalenceError, LoweringError, NapkinError, TypingError
+from ..core.errors import EquivalenceError, NapkinError, TypingError
+from .reproduce import lowering_call  # noqa: F401 (part of this module's interface)
 
 # (rtol, atol) per kernel dtype, on top of the low-precision oracle's own error
 KERNEL_TOLERANCES: dict[str, tuple[float, float]] = {"f32": (2e-5, 2e-5)}
@@ -143,7 +144,7 @@ def compare_outputs(arrays, exact, low, got, rtol: float, atol: float,
                     factor: float = LOW_PRECISION_FACTOR) -> KernelDiff:
     """The kernel rule of the module docstring, output by output; the first failing entry.
     ``arrays``: the output types (names and axes for the report)."""
-    from .check import note_difference
+    from .compare import note_difference
     out = KernelDiff()
     for i, (arr, r, lo, k) in enumerate(zip(arrays, exact, low, got)):
         fr, fl, fk = np.isfinite(r), np.isfinite(lo), np.isfinite(k)
@@ -189,7 +190,8 @@ def self_check(kernel, examples: int) -> str:
     """Compare a freshly generated kernel with the oracle on ``examples`` inputs (regimes
     :data:`SELF_CHECK_REGIMES` in turn, seeds 0, 1, ...); raise :class:`EquivalenceError`
     with reproducing code on a difference, else return the note that says what was checked."""
-    from .check import REGIMES, reproducer_for_kernel
+    from .data import REGIMES
+    from .reproduce import reproducer_for_kernel
     oracle = kernel.diagram.unrelabelled()
     worst = 0.0
     regimes = []
@@ -222,11 +224,6 @@ def describe_failure(failure: dict) -> str:
     return (f"first difference: output {failure['output_name']} at ({coords}): oracle {failure['a_value']!r}, "
             f"kernel {failure['b_value']!r}{low} (allowed |a-b| <= {failure['allowed']:.3g}); "
             f"{failure['differing']} of {failure['total']} entries differ")
-
-
-def lowering_call(options: dict) -> str:
-    """``threads=32, prefetch=False``: the keyword arguments of a lower() call, as code."""
-    return "".join(f", {k}={v!r}" for k, v in options.items() if v is not None)
 
 
 __all__ = ["KERNEL_TOLERANCES", "kernel_outcome", "self_check", "bind_oracle", "is_kernel",

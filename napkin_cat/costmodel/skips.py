@@ -1,0 +1,216 @@
+"""Chunks a mask skips, counted: the trips of a stream loop that a mask bounds.
+
+A stream loop over ``c`` (chunks of ``s``, ``n`` columns) inside a grid loop over ``r`` (tiles
+of ``g``, ``N`` rows) whose :func:`~napkin_cat.relabel.skipping.chunk_skips` are not empty
+visits, for the rows ``[r0, r1)`` of a tile, only the chunks that meet ``[lo, hi) =``
+:func:`~napkin_cat.relabel.skipping.visited` (the predicate's ``support``): chunks
+``floor(lo/s) <= k < min(ceil(hi/s), ceil(n/s))``, as the tiled executor and the kernel do.  A
+node inside that loop runs once per visited chunk of each row tile, so the product of the two
+trip counts ``(N/g) (n/s)`` becomes
+
+    E = sum over row tiles t of  rows(t)/g * cols(t)/s
+
+with ``cols(t)`` the columns of the visited chunks (a last chunk may be ragged) and
+``rows(t)/g`` the share of a full tile: as everywhere in the model, ``per_exec * execs`` is
+the volume actually touched.  ``ragged_execs`` counts a tile whole for a buffer without the row
+axis (a K chunk is loaded whole by a short tile) and whole chunks for a buffer without the
+column axis.
+
+Bound sizes (``N``, the row steps, ``n`` and ``s`` all ints)
+    ``E`` is that sum, exactly: the row tiles and the chunks are iterated as the executor
+    iterates them, over :class:`~napkin_cat.ops.index.IntAlgebra`.
+Symbolic sizes
+    The tiles are full (``T = N/g`` of them, as the model's trip counts are) and the sum over
+    ``t`` is the integral over ``tau`` in ``[-1/2, T - 1/2]`` with ``r0 = g tau``,
+    ``r1 = g tau + g`` (the midpoint rule: exact while a bound is linear in the tile index; the
+    kink where a clipped bound reaches 0 or ``n`` costs at most ``g/8`` columns), the bounds
+    ``lo, hi`` coming from ``support`` over :class:`SympyAlgebra`::
+
+        E = (1/s) * integral of  C(hi) - C(lo) + p * ([0 < hi < n] + [0 < lo < n])  d tau
+        C(u) = Min(Max(u, 0), n),   p = (s - Min(g, s)) / 2
+
+    ``p`` is the padding a bound inside ``(0, n)`` adds on average (``hi`` rounds up to a
+    chunk end, ``lo`` down to a chunk start): over the tiles such a bound falls on the
+    multiples of ``gcd(g, s)`` inside a chunk, on average ``(s - gcd(g, s))/2`` columns from its
+    edge; ``gcd`` is taken as ``Min(g, s)``, exact for powers of two and offsets that are
+    multiples of ``Min(g, s)``.  A bound ``a tau + b`` integrates in closed form through
+    ``F(u) = C(u)^2/2 + n Max(u - n, 0)`` (``F' = C``): ``(F(a tau1 + b) - F(a tau0 + b)) / a``.
+
+    Causal (``j <= i``), ``N = n``: ``E = (N (N + g)/2 - g/8 + p (N - g/2)) / (g s)``
+    against the dense ``N^2 / (g s)``: a ratio ``(1 + g/N)/2 + p/N``, 1/2 for long sequences.
+    ``window(w)`` (``i - w <= j <= i``), ``N = n >> w``: about ``N (g + w + 2p) / (g s)``:
+    linear in ``w`` and independent of ``n`` once ``n >= N``.
+
+Error of the symbolic form against the exact count: at most ``s`` columns per bound per tile
+(the padding guess) plus ``g/8`` per kink, plus one tile's columns when ``g`` does not divide
+``N`` (the last, partial tile is taken with the slope of a full one); ``tests/test_cost.py``
+checks it at ragged and aligned sizes.  Not counted (the loop is costed dense, an upper
+bound): a support that is not piecewise linear in the row tile with one slope, a stream nested
+in another loop over its own axis, masks on a second row axis, and a second skipping stream
+around the same node.
+
+>>> import napkin_cat as nc
+>>> q, x, d = nc.axes("q x d", q=1024, x=1024, d=64)
+>>> dense = nc.library.attention(q=q, x=x, d=d).stream(x, 64).tile(q, 128)
+>>> causal = nc.library.attention(q=q, x=x, d=d, causal=True).stream(x, 64).tile(q, 128)
+>>> nc.cost(causal).flops["tensor"] / nc.cost(dense).flops["tensor"]
+9/16
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import sympy as sp
+
+from ..ops.index import IntAlgebra
+from ..relabel.loopnest import FinalForm, Loop
+from ..relabel.skipping import Skip, chunk_skips, visited
+from ..relabel.symbols import size_expr
+
+MAX_TILES = 1 << 20     # beyond this many row tiles, bound sizes are counted by the formula
+
+
+class SympyAlgebra:
+    """:meth:`~napkin_cat.ops.index.Predicate.support` on sympy expressions."""
+
+    max = staticmethod(sp.Max)
+    min = staticmethod(sp.Min)
+
+    @staticmethod
+    def sat_sub(a, k):
+        return sp.Max(a - k, 0)
+
+
+@dataclass(frozen=True)
+class SkippedTrips:
+    """For a node inside a stream loop that a mask bounds: the positions (in the node's loops)
+    of the row loops and the stream loop, and what replaces the product of their trips."""
+
+    loops: frozenset[int]
+    execs: sp.Expr
+    ragged_execs: sp.Expr
+
+
+class SkipCounter:
+    """Counts visited chunks for the nodes of one final form (cached per loop chain)."""
+
+    def __init__(self, ff: FinalForm):
+        self.ff = ff
+        self._skips: dict[int, tuple[Skip, ...]] = {}
+        self._trips: dict[tuple, SkippedTrips | None] = {}
+
+    def skips(self, loop: Loop) -> tuple[Skip, ...]:
+        if id(loop) not in self._skips:
+            self._skips[id(loop)] = chunk_skips(self.ff, loop)
+        return self._skips[id(loop)]
+
+    def trips(self, loops: tuple[Loop, ...], axes=None) -> SkippedTrips | None:
+        """The trips replaced for a node inside ``loops`` touching a buffer with ``axes``
+        (None: work, not a buffer), or None when no enclosing stream skips chunks."""
+        for i, lp in enumerate(loops):
+            skips = self.skips(lp)
+            if not skips:
+                continue
+            if any(outer.axis == lp.axis for outer in loops[:i]):
+                return None
+            row = skips[0].row
+            rows = tuple(j for j in range(i) if loops[j].axis == row)
+            row_in = axes is not None and row in axes
+            col_in = axes is not None and lp.axis in axes
+            key = (tuple(map(id, loops[:i + 1])), row_in, col_in)
+            if key not in self._trips:
+                self._trips[key] = self._count(tuple(s for s in skips if s.row == row), loops, rows, i,
+                                               row_in, col_in)
+            return self._trips[key]
+        return None
+
+    def _count(self, skips, loops, rows, i, row_in, col_in) -> SkippedTrips | None:
+        lp = loops[i]
+        N = size_expr(self.ff.diagram.axis(skips[0].row).size)
+        steps = [size_expr(loops[j].step) for j in rows]
+        n, s = self.ff.extent(lp.axis, loops[:i]), size_expr(lp.step)
+        sizes = [N, n, s, *steps]
+        if all(v.is_Integer for v in sizes) and int(N) // int(steps[-1]) <= MAX_TILES:
+            e, r = exact_visits(skips, int(N), [int(v) for v in steps], int(n), int(s), row_in, col_in)
+        else:
+            e = approximate_visits(skips, N, steps[-1], n, s)
+            if e is None:
+                return None
+            T = N / steps[-1]
+            r = e if row_in else e * sp.ceiling(T) / T
+        return SkippedTrips(frozenset(rows + (i,)), e, r)
+
+
+def _tiles(r0: int, r1: int, steps: list[int]):
+    """The row ranges of the innermost tiles of ``[r0, r1)`` tiled by ``steps`` (outer first)."""
+    if not steps:
+        yield r0, r1
+        return
+    for a in range(r0, r1, steps[0]):
+        yield from _tiles(a, min(a + steps[0], r1), steps[1:])
+
+
+def exact_visits(skips, N: int, steps: list[int], n: int, s: int, row_in: bool = True,
+                 col_in: bool = True) -> tuple[sp.Rational, sp.Rational]:
+    """``(E, ragged E)`` over the row tiles of ``[0, N)`` (tiled by ``steps``) and the chunks
+    of ``s`` of ``[0, n)``, iterated as the executor iterates them."""
+    g = steps[-1]
+    e = r = Fraction(0)
+    last = -(-n // s)
+    for r0, r1 in _tiles(0, N, steps):
+        lo, hi = visited(skips, {skips[0].row: (r0, r1)}, n, IntAlgebra)
+        k0, k1 = lo // s, min(-(-hi // s), last)
+        chunks = max(k1 - k0, 0)
+        cols = Fraction(min(k1 * s, n) - k0 * s if chunks else 0, s)
+        w = Fraction(r1 - r0, g)
+        e += w * cols
+        r += (w if row_in else 1) * (cols if col_in else chunks)
+    return sp.Rational(e.numerator, e.denominator), sp.Rational(r.numerator, r.denominator)
+
+
+def approximate_visits(skips, N, g, n, s) -> sp.Expr | None:
+    """``E`` for symbolic sizes: the integral of the module docstring (None: not linear)."""
+    tau = sp.Dummy("tau", real=True)
+    T = N / g
+    t0, t1 = sp.Rational(-1, 2), T - sp.Rational(1, 2)
+    lo, hi = visited(skips, {skips[0].row: (g * tau, g * tau + g)}, n, SympyAlgebra)
+    pad = (s - sp.Min(g, s)) / 2
+    cols = sp.Integer(0)
+    for bound, sign in ((hi, 1), (lo, -1)):
+        line = _affine(sp.sympify(bound), tau)
+        if line is None:
+            return None
+        area, inside = _clipped(*line, t0, t1, n, T)
+        cols += sign * area + pad * inside
+    return cols / s
+
+
+def _clipped(a, b, t0, t1, n, T):
+    """The integral over ``[t0, t1]`` of ``C(a tau + b)`` and the measure of ``0 < a tau + b < n``."""
+    C = lambda u: sp.Min(sp.Max(u, 0), n)
+    if a == 0:
+        return T * C(b), (0 if b == 0 or b == n else T)
+    F = lambda u: C(u) ** 2 / 2 + n * sp.Max(u - n, 0)
+    u0, u1 = a * t0 + b, a * t1 + b
+    return (F(u1) - F(u0)) / a, (C(u1) - C(u0)) / a
+
+
+def _affine(e: sp.Expr, tau) -> tuple | None:
+    """``(slope, intercept)`` of ``e``, a Max / Min of lines in ``tau`` with one slope; a 0 in
+    a Max is dropped (the bound is clipped at 0 where it is read, and clipping commutes with
+    Max and Min).  None when ``e`` is not of that form."""
+    if isinstance(e, (sp.Max, sp.Min)):
+        args = [a for a in e.args if not (isinstance(e, sp.Max) and a == 0)]
+        parts = [_affine(a, tau) for a in args]
+        if not parts or any(p is None for p in parts) or len({p[0] for p in parts}) > 1:
+            return None
+        return parts[0][0], type(e)(*(p[1] for p in parts))
+    try:
+        poly = sp.Poly(e, tau)
+    except sp.PolynomialError:
+        return None
+    if poly.degree() > 1:
+        return None
+    return poly.coeff_monomial(tau), poly.coeff_monomial(1)
