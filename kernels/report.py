@@ -25,7 +25,11 @@ def main(argv=None):
            "Produced by `python kernels/bench.py --search` on the GPU (numbers below from one run; "
            "`kernels/benchmarks.json` holds every field), DRAM bytes by `ncu` on `kernels/ncu_probe.py` "
            "(merged by `kernels/ncu_merge.py`), this file by `python kernels/report.py`; code-generator "
-           "variants are compared with `kernels/variants.py`.", "",
+           "variants are compared with `kernels/variants.py`.  The predictions (predicted HBM MB, roofline "
+           "ms, the cost-model column of the Nsight table) were recomputed with the current cost model, on "
+           "the CPU, by `python kernels/bench.py --repredict kernels/benchmarks.json` (causal rows leave out "
+           "the chunks the mask skips); the measured columns are those of the GPU run.",
+           "",
            f"- device: **{env['device']}** ({env['sm_count']} SMs); torch {env['torch']} (CUDA {env['cuda']}), "
            f"numba {env['numba']}, numba-cuda {env['numba_cuda']}, numpy {env['numpy']}, Python {env['python']}",
            f"- measured here: device-to-device copy {mach['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), "

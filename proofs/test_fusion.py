@@ -21,12 +21,26 @@ Y = sp.symbols("y1 y2 y3", real=True)
 CHECK = dict(examples=15, progress=False)
 
 
+def _nonzero(expr) -> bool:
+    """A numeric witness that ``expr`` is not identically 0: its value at one rational point.
+
+    (That sympy fails to simplify an expression to 0 proves nothing; a nonzero value does.)"""
+    symbols = sorted(expr.free_symbols, key=str)
+    point = {sym: sp.Rational(k + 2, 7) * (-1) ** k for k, sym in enumerate(symbols)}
+    return abs(float(expr.subs(point).evalf())) > 1e-9
+
+
 def test_precomposition_weaved_over_the_streamed_axis_keeps_streamability():
     # f = sum_c, g = exp weaved over c: g(x ++ y) = g(x) ++ g(y), so B(f(g(x)), g(y)) = f(g(x ++ y))
+    # (sympy adds flatten, so the identity itself is immediate: the content is that the same
+    # check fails for a g that is not weaved over the axis, which normalises each chunk)
     g = lambda chunk: [sp.exp(t) for t in chunk]
     f = lambda chunk: sp.Add(*chunk)
     assert sp.simplify(f(g(X)) + f(g(Y)) - f(g(X + Y))) == 0
-    print("proved: sum o exp: B(f(g(x)), g(y)) = f(g(x ++ y)) because exp is weaved over the axis")
+    not_weaved = lambda chunk: [sp.exp(t) / sp.Add(*map(sp.exp, chunk)) for t in chunk]
+    assert _nonzero(f(not_weaved(X)) + f(not_weaved(Y)) - f(not_weaved(X + Y)))
+    print("proved: sum o exp: B(f(g(x)), g(y)) = f(g(x ++ y)) because exp is weaved over the axis; "
+          "a chunk-normalising g breaks it")
 
     r, c = nc.axes("r c")
     b = nc.Builder()
@@ -57,10 +71,25 @@ def test_weaving_keeps_streamability():
 
 
 def test_postcomposition_keeps_streamability():
-    # h after the accumulator sees only the finalised f(x ++ y): h(f(x ++ y)) = h(B(f(x), y))
+    # h after the accumulator sees only the finalised state: h(finalise(B(state(x), y))) =
+    # h(f(x ++ y)), here for the online softmax-contraction (running max shift, rescale factors
+    # exp(m_old - m_new)) of one row streamed in chunks x = (x1, x2) and y = (y1, y2, y3).  The
+    # shifts are free symbols: the identity holds for any shifts, so for the running max too
+    # (with Max itself sympy would flatten Max(Max(x), y) and compare an expression with itself).
     h = sp.tanh
-    assert sp.simplify(h(sp.Max(sp.Max(*X), *Y)) - h(sp.Max(*(X + Y)))) == 0
-    print("proved: tanh o max: post-composition applies to the finalised state")
+    V = sp.Matrix(5, 1, sp.symbols("v1:6", real=True))
+    scores = X + Y
+    streamed = _row_softmax_contract_online(scores, V, [2], sp.symbols("m1 m2", real=True))[0, 0]
+    weights = [sp.exp(t) for t in scores]
+    whole = sp.Add(*(w * V[j, 0] for j, w in enumerate(weights))) / sp.Add(*weights)
+    assert sp.simplify(h(streamed) - h(whole)) == 0
+    # h inside the loop (on each chunk's finalised value, then combined) is not the same
+    per_chunk = [_row_softmax_contract_online(c, V[k:k + len(c), :], [], [0])[0, 0]
+                 for k, c in ((0, X), (2, Y))]
+    zx, zy = sp.Add(*weights[:2]), sp.Add(*weights[2:])
+    assert _nonzero((zx * h(per_chunk[0]) + zy * h(per_chunk[1])) / (zx + zy) - h(whole))
+    print("proved: tanh after the online softmax-contraction (with its rescale factors) = tanh of "
+          "the whole; tanh applied per chunk is not")
 
     q, x, dd = nc.axes("q x d")
     b = nc.Builder()

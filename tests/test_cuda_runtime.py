@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 
 from napkin_cat.core.errors import LoweringError  # noqa: E402
 from napkin_cat.lowering import runtime as rt  # noqa: E402
+from napkin_cat.lowering.typecheck import typecheck_kernel  # noqa: E402
 
 # What the code generator emits: two static shared arrays, each on its own line (on one line
 # the simulator would alias them), one dynamic buffer carved into two disjoint views (all
@@ -188,6 +189,19 @@ def test_device_limits_without_gpu_are_h100_defaults():
         assert rt.device_limits() == rt.H100_DEFAULTS
 
 
+def test_h100_defaults_come_from_the_hardware_profile():
+    """The H100's numbers are written once, in napkin_cat.core.hardware."""
+    from napkin_cat.core.hardware import H100, KB
+
+    lim = rt.H100_DEFAULTS
+    assert lim == rt.limits_of(H100) and not lim.from_device
+    assert (lim.sm_count, lim.compute_capability, lim.l2_bytes) == (H100.sms, (9, 0), H100.l2_bytes)
+    assert (lim.max_shared_per_block, lim.max_shared_per_block_optin, lim.max_shared_per_sm) == (
+        48 * KB, 227 * KB, 228 * KB)
+    assert (lim.max_threads_per_sm, lim.max_registers_per_sm, lim.max_registers_per_block) == (2048, 65536, 65536)
+    assert rt.DEFAULT_SHARED_PER_BLOCK == H100.smem_per_block_static
+
+
 def _skip_without_nvvm(err: LoweringError):
     text = str(err)
     if "TypingError" not in text and ("NVVM" in text or "nvvm" in text or "libdevice" in text):
@@ -198,7 +212,7 @@ def test_typecheck_kernel_catches_what_the_simulator_would_not():
     # the simulator would run this (Python ints go anywhere); numba's typing refuses it
     wrong = "void(float32[::1], float32[::1], int32, int64)"
     with pytest.raises(LoweringError) as info:
-        rt.typecheck_kernel(SMOKE_SOURCE, "smoke", wrong)
+        typecheck_kernel(SMOKE_SOURCE, "smoke", wrong)
     _skip_without_nvvm(info.value)
     assert "TypingError" in str(info.value) and "setitem" in str(info.value)
 
@@ -209,7 +223,8 @@ def test_numpy_shim_lets_numba_compile_without_row_stack():
               "if hasattr(numpy, 'row_stack'):\n    del numpy.row_stack\n"
               "from napkin_cat.lowering import runtime as rt\n"
               "from tests_source import SOURCE, SIGNATURE\n"
-              "ir = rt.typecheck_kernel(SOURCE, 'smoke', SIGNATURE)\n"
+              "from napkin_cat.lowering.typecheck import typecheck_kernel\n"
+              "ir = typecheck_kernel(SOURCE, 'smoke', SIGNATURE)\n"
               "print('compiled', numpy.row_stack is numpy.vstack, len(ir) > 0)\n")
     root = Path(rt.__file__).resolve().parents[2]
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(root))

@@ -7,7 +7,10 @@ import pytest
 
 import napkin_cat as nc
 from napkin_cat import drawing, ops
-from napkin_cat.core import Array, Diagram, Ty
+from napkin_cat.core import Array, Box, Diagram, Ty
+from napkin_cat.drawing import layout as drawing_layout
+from napkin_cat.drawing import styles
+from napkin_cat.ops.kinds import SPECS
 
 L = nc.library
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -156,8 +159,21 @@ def test_draw_into_given_axes():
 def test_layout_keeps_items_apart():
     """Items of a column never overlap, so wires and labels of different arrays cannot."""
     for d in LIBRARY.values():
-        lay = drawing._layout(d)
+        lay = drawing_layout.layout(d)
         for col in lay.columns:
             spans = sorted((it.top, it.top + it.height) for it in col)
             for (_, end), (start, _) in zip(spans, spans[1:]):
-                assert start >= end + drawing.GAP - 1e-9
+                assert start >= end + styles.GAP - 1e-9
+
+
+def test_kind_styles_cover_every_kind():
+    """One box style per kind of ops.kinds.SPECS, and no style for a kind that does not exist."""
+    assert set(drawing.KIND_STYLES) == set(SPECS)
+    for kind, style in drawing.KIND_STYLES.items():
+        assert style.outline in ("round", "square", "dashed", "trapezoid"), kind
+
+
+def test_unknown_kind_is_refused_by_name():
+    A = Array((nc.Axis("q"),), nc.f32, "A")
+    with pytest.raises(nc.NapkinError, match="frobnicate"):
+        drawing.to_svg(Box("frobnicate", Ty(A), Ty(A)).diagram())

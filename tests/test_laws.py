@@ -172,26 +172,76 @@ seeds = st.integers(0, 2**32 - 1)
 
 
 # --------------------------------------------------------------------------- associativity
+#
+# ``>>`` and ``@`` normalise, so ``(f >> g) >> h`` and ``f >> (g >> h)`` build the same
+# diagram: evaluating both would compare a value with itself.  The semantic half therefore
+# evaluates the two bracketings as two different computations, each composite evaluated as
+# one diagram and the rest applied to its results (F((f >> g) >> h) = F(h) . F(f >> g) and
+# F(f >> (g >> h)) = F(g >> h) . F(f)), and checks both against the whole composite.
+
+
+def _run(d: Diagram, *xs) -> tuple:
+    return as_tuple(nc.evaluate(d, *xs))
+
+
+def check_then_associative(f: Diagram, g: Diagram, h: Diagram, seed: int) -> None:
+    xs = random_inputs(f.dom, seed)
+    left = _run(h, *_run(f >> g, *xs))        # (f >> g) >> h
+    right = _run(g >> h, *_run(f, *xs))       # f >> (g >> h)
+    assert_all_close(left, right)
+    assert_all_close(_run((f >> g) >> h, *xs), left)
+    assert (f >> g) >> h == f >> (g >> h)
+
+
+def check_tensor_associative(f: Diagram, g: Diagram, h: Diagram, seed: int) -> None:
+    xs = random_inputs(f.dom @ g.dom @ h.dom, seed)
+    nf, ng = len(f.dom), len(g.dom)
+    left = _run(f @ g, *xs[:nf + ng]) + _run(h, *xs[nf + ng:])      # (f @ g) @ h
+    right = _run(f, *xs[:nf]) + _run(g @ h, *xs[nf:])              # f @ (g @ h)
+    assert_all_close(left, right)
+    assert_all_close(_run((f @ g) @ h, *xs), left)
+    assert (f @ g) @ h == f @ (g @ h)
+    assert ((f @ g) @ h).dom == f.dom @ g.dom @ h.dom and ((f @ g) @ h).cod == f.cod @ g.cod @ h.cod
+
 
 @given(diagram_sets(1), st.data(), seeds)
-def test_then_associative_structurally_and_semantically(fs, data, seed):
+def test_then_associative_semantically_and_structurally(fs, data, seed):
     sizes, (f,) = fs
     g = data.draw(diagrams(input_names(f), sizes))
     h = data.draw(diagrams(input_names(g), sizes))
-    left, right = (f >> g) >> h, f >> (g >> h)
-    assert left == right
-    xs = random_inputs(f.dom, seed)
-    assert_all_close(as_tuple(nc.evaluate(left, *xs)), as_tuple(nc.evaluate(right, *xs)))
+    check_then_associative(f, g, h, seed)
 
 
 @given(diagram_sets(3), seeds)
-def test_tensor_associative_structurally_and_semantically(fs, seed):
+def test_tensor_associative_semantically_and_structurally(fs, seed):
     _, (f, g, h) = fs
-    left, right = (f @ g) @ h, f @ (g @ h)
-    assert left == right
-    assert left.dom == f.dom @ g.dom @ h.dom and left.cod == f.cod @ g.cod @ h.cod
-    xs = random_inputs(left.dom, seed)
-    assert_all_close(as_tuple(nc.evaluate(left, *xs)), as_tuple(nc.evaluate(right, *xs)))
+    check_tensor_associative(f, g, h, seed)
+
+
+def _swap_same_typed() -> Diagram:
+    """Two inputs of one type, output in the other order: wiring bugs that only permute
+    same-typed wires type-check, so only values can show them."""
+    g = Builder(nc.f32)
+    a = Axis("a", 3)
+    x, y = g.input("X", a), g.input("Y", a)
+    return g.diagram(y, g.map("scale", x, c=2.0))
+
+
+def _difference() -> Diagram:
+    g = Builder(nc.f32)
+    a = Axis("a", 3)
+    return g.diagram(g.map("sub", g.input("P", a), g.input("Q", a)))
+
+
+def _negation() -> Diagram:
+    g = Builder(nc.f32)
+    return g.diagram(g.map("neg", g.input("D", Axis("a", 3))))
+
+
+def test_associativity_sees_wires_of_one_type_permuted():
+    f, sub, neg = _swap_same_typed(), _difference(), _negation()
+    check_then_associative(f, sub, neg, seed=1)
+    check_tensor_associative(f, sub, f, seed=2)
 
 
 # --------------------------------------------------------------------------- units

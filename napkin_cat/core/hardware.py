@@ -31,7 +31,9 @@ Sources (cited per field below):
            https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#compute-capabilities
            (48 KB static shared memory per block; opt-in maximum 227 KB per block on 9.0 and
            163 KB on 8.0; 228 KB / 164 KB per SM; 64K 32-bit registers per SM and per block;
-           64 resident warps per SM; 32 banks x 4 bytes of shared memory per clock; special
+           64 resident warps and 32 resident blocks per SM; 1024 threads per block; 1 KB of
+           shared memory reserved per block; warp size 32; compute capability 9.0 for H100 /
+           H200, 8.0 for A100; 32 banks x 4 bytes of shared memory per clock; special
            function unit: 16 results per clock per SM for exp2/log2/rsqrt/rcp/sin/cos).
 [NAPKIN]   FlashAttention on a Napkin (Abbott & Zardini, arXiv 2412.03317) App. B.1 / section
            5.7 as transcribed in ../shared/NAPKIN.md: H100 tensor clock 1.83 GHz, SFU 16/clk/SM,
@@ -47,6 +49,11 @@ Sources (cited per field below):
 (232448, 49152)
 >>> H200.bandwidth("HBM") / H100.bandwidth("HBM") > 1.4
 True
+>>> H100.compute_capability, H100.max_threads_per_sm, H100.registers_per_block // 4
+((9, 0), 2048, 65536)
+
+The launch limits the lowering sizes kernels against (``napkin_cat.lowering.devices``'s
+``H100_DEFAULTS``) are derived from these profiles, so each number is written once, here.
 """
 
 from __future__ import annotations
@@ -96,6 +103,12 @@ class Hardware:
     tensor_per_clk: Mapping[str, int]   # dense FLOP/clk/SM by dtype name
     vector_per_clk: Mapping[str, int]   # CUDA-core FLOP/clk/SM by dtype name (an add or a mul = 1)
     sfu_per_clk: int                    # special-function results/clk/SM
+    compute_capability: tuple[int, int]
+    warp_size: int                      # threads
+    max_threads_per_block: int
+    max_blocks_per_sm: int              # resident blocks
+    reserved_smem_per_block: int        # bytes of shared memory the system keeps per block
+    registers_per_block: int            # bytes (64K x 32-bit)
     cluster_bandwidth: Mapping[int, float] = field(default_factory=lambda: _ro({}))  # N -> bytes/s
     sources: tuple[str, ...] = ()
 
@@ -116,6 +129,11 @@ class Hardware:
             raise CostError(f"{self.name}: no CUDA-core rate for dtype {name}; "
                             f"known: {sorted(self.vector_per_clk)}")
         return self.sms * self.vector_per_clk[name] * self.clock_hz
+
+    @property
+    def max_threads_per_sm(self) -> int:
+        """Resident threads per SM: resident warps times the warp size."""
+        return self.max_warps_per_sm * self.warp_size
 
     @property
     def sfu_rate(self) -> float:
@@ -175,6 +193,12 @@ H100_SXM5 = Hardware(
                         "i8": 8192, "tf32": 2048, "f64": 128}),   # WP-H100 dense, per SM per clock
     vector_per_clk=_ro({"f32": 256, "f16": 512, "bf16": 512, "f64": 128}),  # WP-H100 / CUDA-PG
     sfu_per_clk=16,                            # CUDA-PG
+    compute_capability=(9, 0),                 # CUDA-PG
+    warp_size=32,                              # CUDA-PG
+    max_threads_per_block=1024,                # CUDA-PG
+    max_blocks_per_sm=32,                      # CUDA-PG cc 9.0
+    reserved_smem_per_block=1 * KB,            # CUDA-PG cc 9.0
+    registers_per_block=256 * KB,              # CUDA-PG: 64K x 32-bit
     cluster_bandwidth=_ro({1: 2.04e12, 2: 3.27e12, 4: 2.65e12}),   # LUO24 (measured, H800)
     sources=_SOURCES_H100,
 )
@@ -189,7 +213,9 @@ H200 = Hardware(
     smem_per_sm=228 * KB, smem_per_block_static=48 * KB, smem_per_block_optin=227 * KB,
     smem_bytes_per_clk_per_sm=128, registers_per_sm=256 * KB, max_warps_per_sm=64,
     tensor_per_clk=H100_SXM5.tensor_per_clk, vector_per_clk=H100_SXM5.vector_per_clk,
-    sfu_per_clk=16, cluster_bandwidth=H100_SXM5.cluster_bandwidth,
+    sfu_per_clk=16, compute_capability=(9, 0), warp_size=32, max_threads_per_block=1024,
+    max_blocks_per_sm=32, reserved_smem_per_block=1 * KB, registers_per_block=256 * KB,
+    cluster_bandwidth=H100_SXM5.cluster_bandwidth,
     sources=("DS-H200", "WP-H100", "CUDA-PG", "NAPKIN", "LUO24"),
 )
 
@@ -210,6 +236,12 @@ A100_SXM4 = Hardware(
     tensor_per_clk=_ro({"f16": 2048, "bf16": 2048, "i8": 4096, "tf32": 1024, "f64": 128}),  # DS/WP-A100
     vector_per_clk=_ro({"f32": 128, "f16": 512, "bf16": 512, "f64": 64}),                    # DS/WP-A100
     sfu_per_clk=16,
+    compute_capability=(8, 0),                 # CUDA-PG
+    warp_size=32,
+    max_threads_per_block=1024,
+    max_blocks_per_sm=32,                      # CUDA-PG cc 8.0
+    reserved_smem_per_block=1 * KB,            # CUDA-PG cc 8.0
+    registers_per_block=256 * KB,
     sources=("DS-A100", "WP-A100", "CUDA-PG"),
 )
 
