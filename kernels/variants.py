@@ -2,7 +2,7 @@
 
     python kernels/variants.py [--out DIR] [--only attention|matmul]
 
-Each variant is (diagram, tiles, prefetch, codegen switches); every kernel is checked against a
+Each variant is (diagram, tiles, prefetch, planner switches); every kernel is checked against a
 float64 reference on random inputs before it is timed, and PyTorch's SDPA / cuBLAS are timed in
 the same run.  Prints a table last and writes variants.json to ``--out`` (``$OUT`` on the device).
 """
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import codegen  # noqa: E402
+from napkin_cat.lowering import planner  # noqa: E402
 from bench import cuda_time, reference_rows, rel_err  # noqa: E402
 
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -61,9 +61,9 @@ MM = [
 
 
 def with_switches(sw):
-    old = {k: getattr(codegen, k) for k in SWITCHES}
+    old = {k: getattr(planner, k) for k in SWITCHES}
     for k, v in sw.items():
-        setattr(codegen, k, v)
+        setattr(planner, k, v)
     return old
 
 

@@ -146,7 +146,7 @@ FAMILIES = {"attention": attention_family, "fused_attention": fused_attention_fa
             "reduction": reduction_family, "library": library_family}
 
 # mappings each family must reach across its examples (the generator's thread mappings:
-# napkin_cat.lowering.codegen Micro / Flat / Coop / Rows and fused scores)
+# napkin_cat.lowering.plan Micro / Flat / Coop / Rows and fused scores)
 EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, "fused_attention": {"fused-scores"},
                      "score_chain": {"micro"}, "matmul": {"micro", "flat"}, "reduction": {"flat"},
                      "library": {"micro"}}
@@ -198,7 +198,7 @@ def _sizes(draw, diagram, steps, roles):
     return sizes
 
 
-# mapping descriptions of napkin_cat.lowering.codegen (Micro, Flat, Coop, Rows) -> feature name
+# mapping descriptions of napkin_cat.lowering.plan (Micro, Flat, Coop, Rows) -> feature name
 MAPPING_WORDS = {"register micro-tiles": "micro", "per thread": "flat", "lanes each": "lanes",
                  "row statistics": "rows"}
 

@@ -79,7 +79,7 @@ def test_function_means_the_same_in_numpy_and_torch(fn):
 
 def _cuda_value(fn: str, args, c):
     """The function's expression as the code generator renders it, run as Python on floats."""
-    from napkin_cat.lowering.emit_kinds import function_expression
+    from napkin_cat.lowering.emit_kinds import fn_expr as function_expression
     from napkin_cat.lowering.source import Constants, Names
     consts = Constants(Names())
     names = [f"a{k}" for k in range(len(args))]

@@ -20,7 +20,9 @@ import pytest  # noqa: E402
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.relabel.accumulators import ACC_RULES  # noqa: E402
 from napkin_cat.core.errors import LoweringError  # noqa: E402
-from napkin_cat.lowering import codegen, runtime as rt, schedule  # noqa: E402
+from napkin_cat.lowering import (codegen, emit, emit_acc, emit_kinds, emit_threads, plan as kplan,  # noqa: E402
+                                 planner, runtime as rt, schedule)
+from napkin_cat.ops.kinds import SPECS  # noqa: E402
 from napkin_cat.ops.semantics import NUMPY_RULES  # noqa: E402
 
 a, b, c, n = nc.axes("a b c n")
@@ -181,15 +183,31 @@ def test_batch_and_head_axes_become_grid_dimensions():
 
 
 def test_codegen_rules_cover_every_box_kind_and_accumulator():
-    assert set(codegen.CODEGEN_RULES) == set(NUMPY_RULES)
+    assert set(codegen.CODEGEN_RULES) == set(NUMPY_RULES) == set(SPECS)
     assert set(codegen.ACC_CODEGEN) == set(ACC_RULES)
+    assert set(emit_threads.CONTRACTION_ENGINES) == set(kplan.ENGINES)
 
 
 def test_codegen_is_keyed_on_box_kinds_not_algorithm_names():
-    for mod in (codegen, schedule):  # the generator and the planner; examples may name diagrams
+    # the generator, the planner and the schedule; examples may name diagrams
+    for mod in (codegen, kplan, planner, emit, emit_kinds, emit_acc, emit_threads, schedule):
         text = inspect.getsource(mod).lower()
         for word in ("attention", "matmul", "layernorm", "rmsnorm", "flash"):
             assert not re.search(rf"\b{word}\b", text), f"{mod.__name__} mentions {word}"
+
+
+def test_kernel_plan_is_frozen_and_names_its_engines():
+    import dataclasses
+    dia = L.attention(q=q, x=x, d=d, causal=True).stream(x, 3).tile(q, 4).bind(SZ)
+    p = planner.plan_kernel(dia, "k", 16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.threads = 32
+    with pytest.raises(TypeError):
+        p.buffers[("extra",)] = None            # read-only views
+    assert {a.engine for a in p.accs} == {"cuda_core"}
+    assert p.skips["x"] and p.launch.heavy_last == {"q"}
+    source, _ = emit.render(p)
+    assert source == emit.render(p)[0]           # rendering leaves the plan as it was
 
 
 def test_unbound_axes_are_refused_by_name():

@@ -7,6 +7,9 @@ dropped ragged tail, a missing guard for fully masked rows, a rescale applied tw
 normaliser not rescaled, an off-by-one mask).  The mutation must apply (the pattern is found in
 the source, so a codegen change cannot silently turn a test into one that cannot fail) and the
 check must raise :class:`~napkin_cat.EquivalenceError` whose reproducer names the kernel.
+The patterns match text written by the renderer (``napkin_cat.lowering.emit``,
+``emit_threads`` and ``emit_acc``: online-softmax rescale, state initialisation, normaliser
+guard, ragged chunk bounds) and ``emit_kinds`` (the causal mask).
 """
 
 from __future__ import annotations

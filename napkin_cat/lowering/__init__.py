@@ -18,13 +18,25 @@ What is generic and what is chosen is described in :mod:`napkin_cat.lowering.cod
 generator: one rule per box kind and per accumulator kind) and
 :mod:`napkin_cat.lowering.schedule` (tile, chunk and thread choices: given, cost model, or
 heuristic).
+
+Stages, imports pointing one way:
+``schedule``  completes the relabelling and builds the final form once (:class:`~.schedule.Schedule`);
+``planner``   turns it into a frozen kernel IR (:mod:`.plan`: :class:`~.plan.KernelPlan`);
+``emit``      renders the plan, with ``emit_threads`` (thread mappings, the CUDA-core contraction
+              engine), ``emit_kinds`` (one emitter per box kind) and ``emit_acc`` (one per
+              accumulator kind); ``codegen.generate`` runs planner then emitter.
+
+Tensor cores: a contraction's plan names its engine (``Target.engine``, ``AccPlan.engine``:
+``"cuda_core"`` today, :data:`~.plan.ENGINES`).  An ``emit_mma.py`` beside ``emit_threads.py``
+would add an entry to :data:`~.emit_threads.CONTRACTION_ENGINES` (``"mma": emit_mma.contract``,
+same arguments: mapping, accumulator, operands, reduced axes), the planner would choose
+``"mma"`` where the fragment shapes and dtypes fit, and nothing else changes.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 from ..core.diagram import Diagram
 from ..core.errors import LoweringError, ShapeError
@@ -63,7 +75,7 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     Raises :class:`~napkin_cat.core.errors.LoweringError` naming what cannot lower and why.
     """
     from . import runtime
-    from .codegen import KernelGen
+    from .codegen import generate
     from .schedule import choose
 
     if target not in TARGETS:
@@ -84,20 +96,18 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     simulate = not _gpu_present(runtime)
     sched = choose(d, tiles, threads, simulate=simulate, hw=hw)
     kname = name or _default_name(sched.diagram)
-    gen = KernelGen(sched.diagram, kname, sched.threads, sched.batch_axes, fastmath=fastmath, micro=micro,
-                    prefetch=prefetch)
-    gen.notes.append(f"Block sizes: {sched.how}.")
-    gen.notes.extend(sched.notes)   # what the schedule changed (loop order)
-    source = gen.emit()
+    # what the schedule chose and changed (loop order) follow the planner's notes
+    gen = generate(sched.diagram, kname, sched.threads, sched.batch_axes, fastmath=fastmath, micro=micro,
+                   prefetch=prefetch, ff=sched.final_form, notes=(f"Block sizes: {sched.how}.", *sched.notes))
     limits = runtime.device_limits() if "numba.cuda" in sys.modules else runtime.H100_DEFAULTS
     limit = limits.max_shared_per_block_optin
-    if gen.smem_bytes > limit:
-        bufs = ", ".join(f"{b.name} {4 * b.size} B" for b in gen.bufs.values())
-        raise LoweringError(f"{d.short()} with {sched.diagram._sched_str()} needs {gen.smem_bytes} bytes "
-                            f"of shared memory per block ({bufs}); the limit is {limit}: use smaller "
+    smem = gen.plan.smem_bytes
+    if smem > limit:
+        raise LoweringError(f"{d.short()} with {sched.diagram._sched_str()} needs {smem} bytes "
+                            f"of shared memory per block ({gen.buffers()}); the limit is {limit}: use smaller "
                             f"tiles or chunks")
-    launch = Launch(tuple(gen.grid), (sched.threads, 1, 1), gen.smem_bytes)
-    kernel = Kernel(sched.diagram, source, kname, launch, sched, gen)
+    launch = Launch(gen.plan.launch.grid, (sched.threads, 1, 1), smem)
+    kernel = Kernel(sched.diagram, gen.source, kname, launch, sched, gen)
     kernel.options = {"threads": sched.threads, "micro": micro, "fastmath": fastmath, "prefetch": prefetch,
                       "name": kname}
     if runs:
@@ -135,8 +145,8 @@ class Kernel:
         self.schedule = schedule
         self.in_shapes = tuple(tuple(a.size for a in arr.axes) for arr in diagram.dom)
         self.out_shapes = tuple(tuple(a.size for a in arr.axes) for arr in diagram.cod)
-        self.mappings = {gen.types[t.var].name: t.mapping.describe() for t in gen.targets.values()}
-        self.notes: tuple[str, ...] = tuple(gen.notes)   # what the generator chose, and what was verified
+        self.mappings = gen.mappings()
+        self.notes: tuple[str, ...] = gen.notes   # what the generator chose, and what was verified
         self.verified = False                            # compared with the oracle by lower()
         self.options: dict = {}                          # the lower() options that rebuild it
         self._dispatcher = None

@@ -38,8 +38,9 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from ..core.diagram import Axis, Diagram, Relabel
+from ..core.diagram import Axis, Diagram
 from ..core.errors import LoweringError, NapkinError
+from ..relabel.loopnest import FinalForm
 from ..relabel.rules import (check_blocks, fuse_norm_contract, fuse_softmax_contract, requirements, stream_plan,
                        tile_problem)
 
@@ -56,6 +57,7 @@ class Schedule:
     how: str                         # where the block sizes came from
     chosen: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)   # what the lowering changed (loop order), for the kernel
+    final_form: FinalForm | None = None          # of ``diagram``, built once for the planner
 
 
 def unbound_axes(d: Diagram) -> list[str]:
@@ -103,20 +105,31 @@ def _fused(d: Diagram, axis: str) -> Diagram:
     return fuse_norm_contract(fuse_softmax_contract(d, axis), axis)
 
 
+def _fused_plan(d0: Diagram, axis: str):
+    """The stream plan of ``axis`` after fusing its normalised contractions (or the error that
+    fusing raised), once per diagram: :func:`analyse` and :func:`_chunk` both read it."""
+    def compute():
+        try:
+            return stream_plan(_fused(d0, axis), axis)
+        except NapkinError as e:
+            return e
+    return d0.memo(("lowering.fused_stream_plan", axis), compute)
+
+
 def analyse(d0: Diagram):
     """(tileable axes, streamable axes, batch axes, main axes) of an unrelabelled diagram."""
+    return d0.memo(("lowering.analyse",), lambda: _analyse(d0))
+
+
+def _analyse(d0: Diagram):
     names = [a.name for a in d0.axes]
     tileable = [a for a in names if tile_problem(d0, a) is None]
     streamable = []
     for a in names:
         if a in tileable:
             continue
-        try:
-            fd = _fused(d0, a)
-        except NapkinError:
-            continue
-        plan = stream_plan(fd, a)
-        if not isinstance(plan, str) and plan.accumulators:
+        plan = _fused_plan(d0, a)
+        if not isinstance(plan, (str, NapkinError)) and plan.accumulators:
             streamable.append(a)
     main = []
     for arr in d0.cod:
@@ -150,9 +163,9 @@ def choose(d: Diagram, tiles: dict | None = None, threads: int | None = None,
     how = "given"
     chosen: dict[str, int] = {}
     if not has_blocks:
-        d, how, chosen = _build(d, tiles, tileable, streamable, main, simulate, T, hw)
+        d, how, chosen = _build(d, d0, tiles, tileable, streamable, main, simulate, T, hw)
     else:
-        d, how, chosen = _resolve_symbols(d, tiles, simulate, T, hw)
+        d, how, chosen = _resolve_symbols(d, d0, tiles, simulate, T, hw)
     tiled = {r.axis for r in d.schedule if r.op == "tile"}
     streamed = {r.axis for r in d.schedule if r.op == "stream"}
     added = []
@@ -174,8 +187,8 @@ def choose(d: Diagram, tiles: dict | None = None, threads: int | None = None,
         check_blocks(d, {})
     except NapkinError as e:
         raise LoweringError(f"cannot lower {d.short()}: {e}") from None
-    d, notes = _hoist_slice_streams(d)
-    return Schedule(d, tuple(added), T, how, chosen, notes)
+    d, notes, ff = _hoist_slice_streams(d)
+    return Schedule(d, tuple(added), T, how, chosen, notes, ff)
 
 
 def _loop_order(d: Diagram) -> list[str]:
@@ -188,14 +201,20 @@ def _loop_order(d: Diagram) -> list[str]:
     return list(dict.fromkeys(streams))
 
 
-def slice_streams(d: Diagram) -> list[tuple[str, str]]:
-    """``(inner, outer)`` stream axes where the ``inner`` loop, nested in the ``outer`` one,
-    updates an accumulator initialised outside it (one slice of its states per chunk)."""
-    from ..relabel.loopnest import Init, Loop, Update, final_form
+def _final_form(d: Diagram) -> FinalForm:
+    from ..relabel.loopnest import final_form
     try:
-        ff = final_form(d)
+        return final_form(d)
     except NapkinError as e:
         raise LoweringError(f"cannot lower {d.short()}: {e}") from None
+
+
+def slice_streams(d: Diagram, ff: FinalForm | None = None) -> list[tuple[str, str]]:
+    """``(inner, outer)`` stream axes where the ``inner`` loop, nested in the ``outer`` one,
+    updates an accumulator initialised outside it (one slice of its states per chunk);
+    ``ff``: the final form of ``d``, when the caller has it."""
+    from ..relabel.loopnest import Init, Update
+    ff = _final_form(d) if ff is None else ff
     init_at = {}
     for n, loops in ff.walk():
         if isinstance(n, Init):
@@ -214,14 +233,15 @@ def slice_streams(d: Diagram) -> list[tuple[str, str]]:
     return found
 
 
-def _hoist_slice_streams(d: Diagram) -> tuple[Diagram, list[str]]:
+def _hoist_slice_streams(d: Diagram) -> tuple[Diagram, list[str], FinalForm]:
     """Stream loops that update an enclosing accumulator slice by slice go outside it (see the
     module docstring); the numba.cuda kernel keeps accumulator states at the extent of the loops
-    around their initialisation."""
+    around their initialisation.  Returns the diagram, notes and its final form."""
     notes = []
     explicit = any(r.op == "order" for r in d.schedule)
     for _ in range(8):
-        pairs = slice_streams(d)
+        ff = _final_form(d)
+        pairs = slice_streams(d, ff)
         if not pairs:
             break
         inner, outer = pairs[0]
@@ -242,16 +262,13 @@ def _hoist_slice_streams(d: Diagram) -> tuple[Diagram, list[str]]:
                      f"nested inside, it would update a slice of {outer}'s accumulator per chunk.")
     else:  # pragma: no cover - each step moves one loop outwards
         raise LoweringError(f"cannot order the stream loops of {d.short()}")
-    if slice_streams(d):
-        inner, outer = slice_streams(d)[0]
-        raise LoweringError(f"stream {inner} inside stream {outer}: cannot order the loops so that every "
-                            f"accumulator state has the extent of its own loops")
-    return d, notes
+    return d, notes, ff
 
 
 def _chunk(d0: Diagram, axis: str, simulate: bool) -> int:
-    fd = _fused(d0, axis)
-    plan = stream_plan(fd, axis)
+    plan = _fused_plan(d0, axis)
+    if isinstance(plan, NapkinError):
+        raise plan
     rules = {a.rule for a in plan.accumulators}
     n = d0.axis(axis).size
     if simulate:
@@ -280,8 +297,7 @@ def _pow2_floor(v: int) -> int:
     return 1 << (max(1, int(v)).bit_length() - 1)
 
 
-def _build(d: Diagram, tiles: dict, tileable, streamable, main, simulate, T, hw):
-    d0 = d.unrelabelled()
+def _build(d: Diagram, d0: Diagram, tiles: dict, tileable, streamable, main, simulate, T, hw):
     req = requirements(d)
     chosen: dict[str, int] = {}
     out = d0
@@ -336,30 +352,28 @@ def _build(d: Diagram, tiles: dict, tileable, streamable, main, simulate, T, hw)
             for a in tileable:
                 if a in chosen:
                     cand = cand.tile(a, chosen[a])
-            final_form(cand)
+            ff = final_form(cand)
         except NapkinError as e:
             first_error = first_error or e
             continue
-        return _registers_for_states(cand), how, chosen
+        return _registers_for_states(cand, ff), how, chosen
     raise LoweringError(f"cannot relabel {d.short()} for lowering: {first_error}")
 
 
-def _registers_for_states(d: Diagram) -> Diagram:
+def _registers_for_states(d: Diagram, ff: FinalForm) -> Diagram:
     """Main accumulator states of streamed contractions stay in the registers of the threads
-    that own them (the update's thread mapping is fixed for the whole stream loop)."""
-    from ..relabel.loopnest import final_form
-    ff = final_form(d)
+    that own them (the update's thread mapping is fixed for the whole stream loop); ``ff``: the
+    final form of ``d``."""
     for acc in ff.accumulators:
         if acc.rule in ("sum_contract", "online_softmax", "normalized"):
             d = d.place(acc.box.cod[0].name, "registers")
     return d
 
 
-def _resolve_symbols(d: Diagram, tiles: dict, simulate, T, hw):
+def _resolve_symbols(d: Diagram, d0: Diagram, tiles: dict, simulate, T, hw):
     sched = []
     chosen = {}
     how = "given"
-    d0 = d.unrelabelled()
     req = requirements(d)
     _, _, _, main = analyse(d0)
     blocks = [r for r in d.schedule if r.op in ("tile", "stream")]
@@ -409,11 +423,8 @@ def _resolve_symbols(d: Diagram, tiles: dict, simulate, T, hw):
 def _cost_tiles(d0: Diagram, free, chosen, streamable, T, hw) -> dict | None:
     """Tile sizes from the cost model: fewest HBM->SMEM transfers with the SMEM memory under a
     per-block budget, then rounded down to powers of two the thread mapping covers."""
-    try:
-        from ..costmodel.model import cost
-        from ..core.hardware import H100
-    except ImportError:
-        return None
+    from ..core.hardware import H100
+    from ..costmodel.model import cost
     hw = hw or H100
     try:
         sym = d0

@@ -7,6 +7,9 @@ and NVVM can prove the alignment of neighbouring shared-memory loads and fuse th
 arithmetic signed (or, mixed with ``uint64``, into float64), so the writer hands out named
 constants instead: ``N_q = uint32(64)``.  Float constants are ``float32`` for the same reason
 (a Python float makes float32 arithmetic float64).
+
+:class:`Code` values are index arithmetic that renders as code: the chunk-skipping bounds are
+:meth:`napkin_cat.ops.index.Predicate.support` evaluated over :class:`CodeAlgebra`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 
 class Source:
@@ -150,3 +154,60 @@ def _float_literal(v: float) -> str:
     if math.isnan(v):
         return "math.nan"
     return repr(v)
+
+
+def paren(expr: str) -> str:
+    """``expr`` parenthesised unless it is a name, a call or already parenthesised."""
+    depth = 0
+    for ch in expr:
+        depth += ch in "(["
+        depth -= ch in ")]"
+        if depth == 0 and ch in "+-*/% ":
+            return f"({expr})"
+    return expr
+
+
+@dataclass(frozen=True)
+class Code:
+    """A value of :meth:`napkin_cat.ops.index.Predicate.support`'s algebra that renders as code:
+    ``a + k``, ``a * k``, ``a // k`` and :meth:`CodeAlgebra.sat_sub` by non-negative ints.
+
+    >>> render_code(CodeAlgebra.sat_sub(Code("q0 + len_q"), 2) + 0, lambda n: f"U{n}")
+    'max(q0 + len_q, U2) - U2'
+    >>> render_code(Code("q0") * 4 // 3, lambda n: f"U{n}")
+    '(q0 * U4) // U3'
+    """
+
+    text: str | None = None
+    op: str | None = None
+    args: tuple = ()
+
+    def __add__(self, k: int):
+        return self if k == 0 else Code(op="+", args=(self, k))
+
+    def __mul__(self, k: int):
+        return Code(op="*", args=(self, k))
+
+    def __floordiv__(self, k: int):
+        return Code(op="//", args=(self, k))
+
+
+class CodeAlgebra:
+    @staticmethod
+    def sat_sub(a, k: int):
+        return a if k == 0 else Code(op="sat_sub", args=(a, k))
+
+
+def render_code(c, u) -> str:
+    """``c`` as code; ``u(n)`` writes an unsigned constant (registered as it is rendered)."""
+    if not isinstance(c, Code):
+        return u(c)
+    if c.text is not None:
+        return c.text
+    a, k = c.args
+    a = render_code(a, u)
+    if c.op == "sat_sub":
+        return f"max({a}, {u(k)}) - {u(k)}"
+    if c.op == "+":
+        return f"{a} + {u(k)}"
+    return f"{paren(a)} {c.op} {u(k)}"

@@ -1,0 +1,561 @@
+"""Rendering a :class:`~.plan.KernelPlan` as numba.cuda source: :func:`render`.
+
+:class:`Emitter` walks the final form's loop nest inside the grid loops and writes each node
+with the plan's decisions: loads (global -> shared, fixed trip counts), stream loops (chunk
+skipping, prefetch into registers, double buffering), computes (a target's phase, on its thread
+mapping: :mod:`.emit_threads`), accumulators (:data:`.emit_acc.ACC_CODEGEN`) and stores.  The
+renderer's own state is the source being written: identifiers and constants
+(:mod:`.source`), the barrier owed before the next shared read, and the copy of each
+double-buffered chunk in use.
+"""
+
+from __future__ import annotations
+
+import keyword
+import math
+from dataclasses import dataclass, replace
+
+from ..core.errors import LoweringError
+from ..relabel.loopnest import Compute, Finalise, Init, Load, Loop, Store, Update
+from .emit_acc import ACC_CODEGEN
+from .emit_kinds import CODEGEN_RULES
+from .emit_threads import GROUP_HELPERS, Phases
+from .plan import Buffer, KernelPlan, Target
+from .source import Code, CodeAlgebra, Constants, Names, Source, paren as _paren, render_code
+
+RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lane", "e", "i", "j",
+            "u", "k", "ty", "tx", "acc", "val", "SIMULATOR", "SMEM_ALIGN", "WARP_SHUFFLE",
+            "FULL_MASK", "simulator_active", "red_s"}
+
+SKIP_COMMENTS = {   # (past the support's end, before its start), by predicate kind
+    None: ("later chunks are masked for every row of the tile", "earlier chunks are masked for every row"),
+    "window": ("later chunks are outside every row's window", "earlier chunks are outside every window"),
+}
+
+
+def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict]:
+    """(source, buffer key -> identifier) of ``plan``; ``notes`` go into the docstring."""
+    em = Emitter(plan, notes)
+    source = em.emit()
+    return source, {key: b.name for key, b in em.bufs.items()}
+
+
+@dataclass(frozen=True)
+class AxisView:
+    """An axis with its identifiers: ``size_c`` / ``cap_c`` constants (global size, extent in a
+    block), ``start`` (global index of local index 0), ``count`` (valid extent here: a constant
+    or, ragged, a variable), ``index`` (stem of its local index variables)."""
+
+    name: str
+    size: int
+    role: str
+    cap: int
+    size_c: str
+    cap_c: str
+    start: str | None
+    count: str
+    index: str
+
+    @property
+    def ragged(self) -> bool:
+        return self.role in ("grid", "stream") and self.size % self.cap != 0
+
+
+class Emitter(Phases):
+    """The renderer of one plan (see the module docstring)."""
+
+    def __init__(self, plan: KernelPlan, notes: tuple[str, ...] = ()):
+        self.plan = plan
+        self.notes = tuple(notes)
+        self.d, self.ff, self.dd = plan.d, plan.ff, plan.dd
+        self.types, self.n_in, self.T = plan.types, plan.n_in, plan.threads
+        self.st, self.cls, self.targets, self.accs = plan.structure, plan.cls, plan.targets, plan.accs
+        self.fused_targets, self.norm_stats, self.unroll = plan.fused_targets, plan.norm_stats, plan.unroll
+        self.sizes = {a.name: a.size for a in self.dd.axes}
+        self.names = Names(RESERVED | set(keyword.kwlist))
+        self.consts = Constants(self.names)
+        self.ax: dict[str, AxisView] = {}       # identifiers of each axis (_bind_names)
+        self.bufs: dict[tuple, Buffer] = {}     # the plan's buffers with their identifiers
+        self.cur: dict[tuple, str] = {}         # copy in use of a double-buffered chunk
+        self.state_names: dict[int, dict] = {}  # accumulator -> state -> identifier
+        self.pending_sync = False               # a shared write not yet behind a barrier
+        self.arg_names: dict = {}
+        self.out_args: list[str] = []
+
+    def _bind_names(self):
+        """Constants and identifiers of the axes, then of the shared buffers (in plan order)."""
+        k = self.consts
+        k.u(self.T, "NTHREADS", comment="threads per block")
+        for a in self.plan.axes.values():
+            size_c = k.u(a.size, f"N_{a.name}", comment=f"size of axis {a.name}")
+            if a.role == "grid":
+                cap_c = k.u(a.cap, f"TILE_{a.name}", comment=f"tile of {a.name}")
+            elif a.role == "stream":
+                cap_c = k.u(a.cap, f"CHUNK_{a.name}", comment=f"chunk of {a.name}")
+            elif a.role == "batch":
+                cap_c = k.u(1, "U1")
+            else:
+                cap_c = size_c
+            start = self.names.fresh(f"{a.name}0") if a.role in ("grid", "batch", "stream") else None
+            count = self.names.fresh(f"len_{a.name}") if a.ragged else cap_c
+            self.ax[a.name] = AxisView(a.name, a.size, a.role, a.cap, size_c, cap_c, start, count,
+                                       self.names.fresh(f"i_{a.name}"))
+        for key, b in self.plan.buffers.items():
+            self.bufs[key] = replace(b, name=b.base if key == ("red",) else self.names.fresh(b.base))
+
+    def red_offset(self) -> str:
+        b = self.bufs[("red",)]
+        return b.name if b.offset else self.consts.u(0, "U0")
+
+    # ------------------------------------------------------------------ index helpers
+    def gidx(self, axis: str, env: dict) -> str:
+        """Global index of ``axis`` at the local index in ``env``."""
+        a = self.ax[axis]
+        local = env.get(axis) if a.cap > 1 else None
+        if a.start is None:
+            return local if local is not None else self.consts.u(0, "U0")
+        return f"({a.start} + {local})" if local is not None else a.start
+
+    def sidx(self, b: Buffer, env: dict) -> str:
+        if b.key == ("red",):
+            return env["_lanes"]
+        if not b.axes:
+            return self.consts.u(0, "U0")
+        expr = env[b.axes[0]]
+        for pos, a in enumerate(b.axes[1:], 1):
+            mult = self.ax[a].cap_c
+            if pos == len(b.axes) - 1 and b.pad:
+                mult = self.consts.u(b.ld, f"LD_{b.name}", comment=f"padded row of {b.name}")
+            expr = f"{_paren(expr)} * {mult} + {env[a]}"
+        return expr
+
+    def sread(self, key, env) -> str:
+        b = self.bufs[key]
+        idx = self.sidx(b, env)
+        cur = self.cur.get(key)
+        if cur:
+            return f"smem[{cur} + {idx}]"
+        return f"smem[{b.name} + {idx}]" if b.offset else f"smem[{idx}]"
+
+    def garg(self, v: int) -> str:
+        return self.arg_names[v]
+
+    def gindex(self, arr, env) -> str:
+        expr = None
+        for a in arr.axis_names:
+            g = self.gidx(a, env)
+            expr = g if expr is None else f"{_paren(expr)} * {self.ax[a].size_c} + {g}"
+        return expr if expr is not None else self.consts.u(0, "U0")
+
+    def valid(self, axes, env) -> str | None:
+        """Bounds checks for the ragged axes among ``axes``."""
+        conds = [f"{env[a]} < {self.ax[a].count}" for a in axes
+                 if self.ax[a].ragged and self.ax[a].cap > 1 and a in env]
+        return " and ".join(conds) if conds else None
+
+    # ------------------------------------------------------------------ values
+    def value(self, v: int, env: dict, src: Source, memo: dict, regs: dict | None = None,
+              define: int | None = None) -> str:
+        """An expression for variable ``v`` at ``env``; inline boxes become temporaries.
+        ``define``: the target being computed (read from its definition, not its buffer)."""
+        regs = regs or {}
+        if v in regs:
+            return regs[v]
+        if v in memo:
+            return memo[v]
+        st = "inline" if v == define else self.plan.storage(v)
+        if st in ("load", "smem"):
+            expr = self.sread(("var", v), env)
+        elif st == "inline" and self.plan.var_cls(v) == "elementwise":
+            k = self.st.eqn_of[v]
+            e = self.dd.eqns[k]
+            args = [self.value(a, env, src, memo, regs, define) for a in e.ins]
+            expr = CODEGEN_RULES[e.box.kind].expr(self, e.box, args, env)
+            tmp = self.names.fresh(f"{self.types[v].name}_{v}")
+            src(f"{tmp} = {expr}")
+            expr = tmp
+        elif st == "inline" and self.plan.var_cls(v) == "normaliser":
+            expr = self._normalised_value(self.st.eqn_of[v], env, src, memo, regs, define)
+        else:
+            raise LoweringError(f"internal: {self.types[v]} (storage {st}) is not readable here")
+        memo[v] = expr
+        return expr
+
+    # ------------------------------------------------------------------ emission
+    def emit(self) -> str:
+        """The kernel's source text."""
+        try:
+            self._bind_names()
+        except ValueError as e:   # a constant beyond uint32 (Constants.u)
+            raise LoweringError(f"{self.d.short()}: {e} (tiles, chunks and buffers must stay below "
+                                f"2**32 elements)") from None
+        self.arg_names = {}
+        argn = Names(RESERVED | set(keyword.kwlist) | {a.start for a in self.ax.values() if a.start})
+        for i, arr in enumerate(self.dd.dom):
+            self.arg_names[i] = argn.fresh(arr.name)
+        self.out_args = []
+        for pos, v in enumerate(self.dd.outs):
+            name = argn.fresh(self.dd.cod[pos].name if v >= self.n_in else self.dd.cod[pos].name + "_out")
+            self.out_args.append(name)
+            self.arg_names.setdefault(v, name)
+            if v < self.n_in:
+                self.arg_names[("out", pos)] = name
+        self.names.used |= argn.used
+        body = Source(1)
+        self.pending_sync = False
+        try:
+            self._emit_prologue(body)
+            self._emit_nodes(self.plan.inner, body)
+            return self._assemble(body)
+        except LoweringError:
+            raise
+        except ValueError as e:   # a constant beyond uint32 (Constants.u)
+            raise LoweringError(f"{self.d.short()}: {e} (tiles, chunks and buffers must stay below "
+                                f"2**32 elements)") from None
+
+    def _assemble(self, body: Source) -> str:
+        head = [f'"""{self.plan.name}: generated by napkin_cat.lower (numba.cuda, fp32); do not edit.', "",
+                f"Diagram: {self.d}", "", "Loop nest:"]
+        head += ["    " + ln for ln in self.ff.pseudocode(memory=False).splitlines()]
+        head += ["", f"Launch: grid {self.plan.launch.grid}, block ({self.T}, 1, 1), dynamic shared memory "
+                 f"{self.plan.smem_bytes} bytes"]
+        head += ["Shared memory: " + ", ".join(f"{b.name}[{' x '.join(map(str, b.caps)) or '1'}] ({b.what})"
+                                                for b in self.bufs.values())]
+        for note in self.notes:
+            head.append(note)
+        head.append('"""')
+        lines = head + ["", "import math", "", "from numba import cuda, float32, uint32", "",
+                        "from napkin_cat.lowering.runtime import simulator_active", "",
+                        "SIMULATOR = simulator_active()",
+                        "SMEM_ALIGN = None if SIMULATOR else 16  # 16-byte aligned shared memory "
+                        "(128-bit loads); the simulator takes no alignment",
+                        "WARP_SHUFFLE = not SIMULATOR  # the simulator has no warp shuffles: it "
+                        "reduces through shared memory",
+                        "FULL_MASK = 0xFFFFFFFF", ""]
+        lines += self.consts.header()
+        lines += [""]
+        if self.plan.needs_scratch():
+            lines += GROUP_HELPERS.splitlines() + [""]
+        args = [self.arg_names[i] for i in range(self.n_in)] + self.out_args
+        blocks = self.plan.launch.blocks_per_sm
+        lines += [f"# launch bounds: {blocks} block(s) of {self.T} threads per SM (shared memory "
+                  f"{self.plan.smem_bytes} B per block, about {self.plan.launch.registers} registers per thread "
+                  f"estimated)",
+                  f"LAUNCH_BOUNDS = {{}} if SIMULATOR else {{\"launch_bounds\": ({self.T}, {blocks})}}"]
+        lines += ["", f"@cuda.jit(fastmath={self.plan.fastmath}, **LAUNCH_BOUNDS)", f"def {self.plan.name}({', '.join(args)}):"]
+        lines += body.lines
+        return "\n".join(lines) + "\n"
+
+    def _emit_prologue(self, src: Source):
+        src("tid = uint32(cuda.threadIdx.x)")
+        if self.bufs:
+            src("smem = cuda.shared.array(0, dtype=float32, alignment=SMEM_ALIGN)")
+            for b in self.bufs.values():   # views are offsets: NVVM then sees aligned addresses
+                if b.offset:
+                    self.consts.reserved(b.name, b.offset, comment=f"shared offset of {b.what}"
+                                         + (f", layout [{' '.join(b.axes)}]" if b.axes and b.key != ('red',) else "")
+                                         + f", {b.size} floats")
+        launch = self.plan.launch
+        if launch.x_axes:
+            src("bx = uint32(cuda.blockIdx.x)")
+            self._decode_blocks(src, "bx", [self.ax[a] for a in launch.x_axes])
+        if launch.y_axes:
+            src("by = uint32(cuda.blockIdx.y)")
+            self._decode_blocks(src, "by", [self.ax[a] for a in launch.y_axes])
+
+    def _decode_blocks(self, src, var, axes):
+        k = self.consts
+        rest = var
+        for pos, a in enumerate(reversed(axes)):
+            tiles = -(-a.size // a.cap)
+            tiles_c = k.u(tiles, f"TILES_{a.name}", comment=f"tiles along {a.name}") if a.role == "grid" else a.size_c
+            last = pos == len(axes) - 1
+            idx = rest if last else f"{rest} % {tiles_c}"
+            if a.name in self.plan.launch.heavy_last and a.role == "grid":
+                idx = f"({k.u(tiles - 1)} - {_paren(idx)})"   # the most chunks first
+            src(f"{a.start} = {idx} * {a.cap_c}" if a.role == "grid" else f"{a.start} = {idx}")
+            if a.ragged:
+                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
+            if not last:
+                nxt = self.names.fresh(f"{var}_rest")
+                src(f"{nxt} = {rest} // {tiles_c}")
+                rest = nxt
+
+    def sync(self, src: Source):
+        if self.pending_sync:
+            src("cuda.syncthreads()")
+            self.pending_sync = False
+
+    def _emit_nodes(self, nodes, src: Source):
+        for n in nodes:
+            if isinstance(n, Load):
+                self._emit_load(n.var, src)
+            elif isinstance(n, Compute):
+                self._emit_compute(n.eqn, src)
+            elif isinstance(n, Loop):
+                self._emit_stream_loop(n, src)
+            elif isinstance(n, Init):
+                ACC_CODEGEN[self.ff.accumulators[n.acc].rule].init(self, self.accs[n.acc], src)
+            elif isinstance(n, Update):
+                ACC_CODEGEN[self.ff.accumulators[n.acc].rule].update(self, self.accs[n.acc], src)
+            elif isinstance(n, Finalise):
+                p = self.accs[n.acc]
+                ACC_CODEGEN[p.acc.rule].publish(self, p, src)
+                (v,) = self.dd.eqn_outputs(p.acc.eqn)
+                if v in self.targets:
+                    self._emit_target(self.targets[v], src)
+            elif isinstance(n, Store):
+                if n.var < self.n_in:
+                    self._emit_input_store(n.var, src)
+            else:  # pragma: no cover
+                raise LoweringError(f"internal: unknown loop-nest node {n!r}")
+
+    # ---- stream loops
+    def _emit_stream_loop(self, lp: Loop, src: Source):
+        if self.plan.prefetch == "double" and any(isinstance(n, Load) for n in lp.body):
+            return self._emit_double_buffered_loop(lp, src)
+        a = self.ax[lp.axis]
+        lo, hi = self._stream_bounds(lp, src)
+        loads = [n for n in lp.body if isinstance(n, Load)] if self.plan.prefetch else []
+        if loads:
+            src.comment(f"stream {a.name} in chunks of {a.cap}; each chunk's inputs are fetched into "
+                        f"registers one chunk ahead, so the global loads overlap the compute")
+            regs = {n.var: self.names.fresh(f"{self.types[n.var].name}_next") for n in loads}
+            for n in loads:
+                src(f"{regs[n.var]} = cuda.local.array({self.plan.load_plan(n.var)[1]}, float32)")
+            # a mask may start the loop past the axis (lo >= hi): then there is nothing to fetch
+            with src.maybe(None if lo == self.consts.u(0, "U0") else f"{lo} < {hi}"):
+                self._emit_fetch(loads, regs, lo, src, lp.axis)
+        else:
+            src.comment(f"stream {a.name} in chunks of {a.cap}")
+        with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
+            if a.ragged:
+                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
+            if loads:
+                for n in loads:
+                    self._emit_load(n.var, src, regs[n.var])
+                self.sync(src)
+                nxt = self.names.fresh(f"{a.name}_next")
+                src(f"{nxt} = {a.start} + {a.cap_c}")
+                with src.block(f"if {nxt} < {hi}:"):
+                    self._emit_fetch(loads, regs, nxt, src, lp.axis)
+            body = [n for n in lp.body if not (loads and isinstance(n, Load))]
+            self._emit_nodes(body, src)
+            self.pending_sync = True
+            self.sync(src)
+
+    def _emit_double_buffered_loop(self, lp: Loop, src: Source):
+        k = self.consts
+        a = self.ax[lp.axis]
+        lo, hi = self._stream_bounds(lp, src)
+        loads = [n for n in lp.body if isinstance(n, Load)]
+        bufs = [self.bufs[("var", n.var)] for n in loads]
+        src.comment(f"stream {a.name} in chunks of {a.cap}, double-buffered: chunk c + 1 is fetched into "
+                    f"registers while chunk c is computed from one shared buffer, then stored into the "
+                    f"other; one barrier per chunk")
+        regs = {n.var: self.names.fresh(f"{self.types[n.var].name}_next") for n in loads}
+        for n in loads:
+            src(f"{regs[n.var]} = cuda.local.array({self.plan.load_plan(n.var)[1]}, float32)")
+        with src.block(f"if {lo} < {hi}:"):
+            self._emit_fetch(loads, regs, lo, src, lp.axis)
+            for n, b in zip(loads, bufs):
+                self.cur[b.key] = b.name if b.offset else k.u(0, "U0")
+                self._emit_load(n.var, src, regs[n.var])
+        self.pending_sync = True
+        self.sync(src)
+        par = self.names.fresh(f"buf_{a.name}")
+        src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
+        with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
+            if a.ragged:
+                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
+            stride = {}
+            for b in bufs:
+                stride[b.name] = k.u(b.stride, f"STRIDE_{b.name}", comment=f"floats per copy of {b.name}")
+                self.cur[b.key] = self.names.fresh(f"{b.name}_cur")
+                base = b.name if b.offset else k.u(0, "U0")
+                src(f"{self.cur[b.key]} = {base} + {par} * {stride[b.name]}")
+            nxt = self.names.fresh(f"{a.name}_next")
+            src(f"{nxt} = {a.start} + {a.cap_c}")
+            with src.block(f"if {nxt} < {hi}:"):
+                self._emit_fetch(loads, regs, nxt, src, lp.axis)
+            body = [n for n in lp.body if not isinstance(n, Load)]
+            self._emit_nodes(body, src)
+            with src.block(f"if {nxt} < {hi}:"):
+                cur = [self.cur[b.key] for b in bufs]
+                for n, b in zip(loads, bufs):
+                    base = b.name if b.offset else k.u(0, "U0")
+                    self.cur[b.key] = self.names.fresh(f"{b.name}_other")
+                    src(f"{self.cur[b.key]} = {base} + ({k.u(1, 'U1')} - {par}) * {stride[b.name]}")
+                    self._emit_load(n.var, src, regs[n.var])
+                for b, c in zip(bufs, cur):
+                    self.cur[b.key] = c
+            self.pending_sync = True
+            self.sync(src)
+            src(f"{par} = {k.u(1, 'U1')} - {par}")
+        for b in bufs:
+            del self.cur[b.key]
+
+    def _emit_fetch(self, loads, regs, start: str, src: Source, axis: str):
+        """Global -> registers for the chunk starting at ``start`` (a prefetch)."""
+        k = self.consts
+        for n in loads:
+            arr = self.types[n.var]
+            names, _ = self.plan.caps(arr.axis_names)
+            order = self._load_order(n.var)
+            total, per = self.plan.load_plan(n.var)
+            ax = saved = self.ax[axis]
+            ax = self.ax[axis] = replace(ax, start=start)   # the chunk being fetched
+            if ax.ragged:
+                cnt = self.names.fresh(f"len_{ax.name}")
+                src(f"{cnt} = min({ax.cap_c}, {ax.size_c} - {start})")
+                self.ax[axis] = replace(ax, count=cnt)
+            with src.block(f"for u in range({k.u(per)}):"):
+                src("e = tid + u * NTHREADS")
+                with src.maybe(f"e < {k.u(total)}" if total % self.T else None):
+                    env = {}
+                    self._decode(src, "e", order, env)
+                    g = f"{self.garg(n.var)}[{self.gindex(arr, env)}]"
+                    cond = self.valid(names, env)
+                    src(f"{regs[n.var]}[u] = {g} if {cond} else {k.f(0.0, 'ZERO')}" if cond
+                        else f"{regs[n.var]}[u] = {g}")
+            self.ax[axis] = saved
+
+    def _stream_bounds(self, lp: Loop, src: Source) -> tuple[str, str]:
+        """Chunks every score of which a mask sends to -inf contribute nothing to an online
+        softmax (or max / logsumexp): skip them.  The bounds are the supports of the masks
+        (:func:`napkin_cat.relabel.skipping.chunk_skips`) over the rows of the block's tile."""
+        k = self.consts
+        lo, hi = k.u(0, "U0"), self.ax[lp.axis].size_c
+        a = self.ax[lp.axis]
+        for s in self.plan.skips[lp.axis]:
+            r = self.ax[s.row]
+            first, end = s.pred.support(Code(r.start), Code(f"{r.start} + {r.count}"), CodeAlgebra)
+            later, earlier = SKIP_COMMENTS.get(s.pred.kind, SKIP_COMMENTS[None])
+            end = render_code(end, k.u)
+            name = self.names.fresh(f"{a.name}_end")
+            src(f"{name} = min({hi}, {end})  # {later}")
+            hi = name
+            if first != 0:
+                first = render_code(first, k.u)
+                start = self.names.fresh(f"{a.name}_begin")
+                src(f"{start} = {_paren(first)} // {a.cap_c} * {a.cap_c}  # {earlier}")
+                lo = start
+        return lo, hi
+
+    # ---- loads and stores
+    def _emit_load(self, v: int, src: Source, from_regs: str | None = None):
+        arr = self.types[v]
+        b = self.bufs[("var", v)]
+        k = self.consts
+        names, caps = self.plan.caps(arr.axis_names)
+        order = self._load_order(v)
+        n = max(1, math.prod(caps))
+        env = {}
+        if from_regs:
+            src.comment(f"chunk of {arr}: registers -> shared {b.name} [{' '.join(b.axes)}]")
+            with src.block(f"for u in range({k.u(-(-n // self.T))}):"):
+                src("e = tid + u * NTHREADS")
+                with src.maybe(f"e < {k.u(n)}" if n % self.T else None):
+                    self._decode(src, "e", order, env)
+                    src(f"{self.sread(b.key, env)} = {from_regs}[u]")
+            self.pending_sync = True
+            return
+        src.comment(f"load {arr} -> shared {b.name} [{' '.join(b.axes)}]  (a fixed trip count: "
+                    f"the loop unrolls and every load is in flight before the first store)")
+        with src.block(f"for u in range({k.u(-(-n // self.T))}):"):
+            src("e = tid + u * NTHREADS")
+            with src.maybe(f"e < {k.u(n)}" if n % self.T else None):
+                self._decode(src, "e", order, env)
+                g = f"{self.garg(v)}[{self.gindex(arr, env)}]"
+                cond = self.valid(names, env)
+                if cond:
+                    src(f"{self.sread(b.key, env)} = {g} if {cond} else {k.f(0.0, 'ZERO')}")
+                else:
+                    src(f"{self.sread(b.key, env)} = {g}")
+        self.pending_sync = True
+
+    def _load_order(self, v: int) -> tuple[str, ...]:
+        """Axes in the order consecutive threads walk an input's elements: global order
+        (coalesced reads) unless the buffer is transposed and unpadded, then shared order
+        (conflict-free stores; such a buffer is loaded once, outside the stream loops)."""
+        names, _ = self.plan.caps(self.types[v].axis_names)
+        b = self.bufs[("var", v)]
+        if b.axes and names and b.axes[-1] != names[-1] and not b.pad:
+            return b.axes
+        return names
+
+    def _emit_input_store(self, v: int, src: Source):
+        pos = self.dd.outs.index(v)
+        arr = self.types[v]
+        self.sync(src)
+        m = self.plan.flat_for(arr.axis_names)
+        src.comment(f"store {arr} (an input passed through)")
+        with self.flat_elements(m, src) as env:
+            cond = self.valid(m.axes, env)
+            with src.maybe(cond):
+                src(f"{self.arg_names[('out', pos)]}[{self.gindex(arr, env)}] = {self.sread(('var', v), env)}")
+
+    def _decode(self, src, var, axes, env):
+        rest = var
+        for pos, a in enumerate(reversed(axes)):
+            idx = self.names.fresh(self.ax[a].index) if a in env else self.ax[a].index
+            last = pos == len(axes) - 1
+            cap = self.ax[a].cap_c
+            src(f"{idx} = {rest}" if last else f"{idx} = {rest} % {cap}")
+            env[a] = idx
+            if not last:
+                nxt = self.names.fresh(f"{var}_{a}")
+                src(f"{nxt} = {rest} // {cap}")
+                rest = nxt
+
+    # ---- computes
+    def _emit_compute(self, k: int, src: Source):
+        c = self.cls[k]
+        (v,) = self.dd.eqn_outputs(k)
+        if c == "normaliser":
+            self._emit_norm_stats(k, src)
+        if v in self.targets and v not in self.fused_targets:
+            self._emit_target(self.targets[v], src)
+
+    # ---- writing a target's value
+    def write_target(self, t: Target, env, val: str, src: Source):
+        arr = self.types[t.var]
+        if t.to_smem:
+            src(f"{self.sread(('var', t.var), env)} = {val}")
+        if t.to_global:
+            cond = self.valid(self.plan.caps(arr.axis_names)[0], env)
+            with src.maybe(cond):
+                for pos, ov in enumerate(self.dd.outs):
+                    if ov == t.var:
+                        src(f"{self.out_args[pos]}[{self.gindex(arr, env)}] = {val}")
+
+    def _emit_target(self, t: Target, src: Source):
+        self.sync(src)
+        arr = self.types[t.var]
+        m = t.mapping
+        if t.source is None:
+            src.comment(f"{arr} = {self.describe_chain(t.var)}  ({m.describe()})")
+            with self.elements(m, src) as env:
+                memo = {}
+                val = self.value(t.var, env, src, memo, define=t.var)
+                self.write_target(t, env, val, src)
+        elif t.source in self.st.acc_of_var:
+            p = self.accs[self.st.acc_of_var[t.source]]
+            src.comment(f"{arr} = {self.describe_chain(t.var)}: finalise {p.acc.rule}  ({m.describe()})")
+            with self.mapping_begin(m, src):
+                with self.elements(m, src) as env:
+                    memo = {}
+                    fin = ACC_CODEGEN[p.acc.rule].final_value(self, p, env, src)
+                    val = self.value(t.var, env, src, memo, {t.source: fin}, define=t.var)
+                    self.write_target(t, env, val, src)
+        else:
+            self._emit_reduction_target(t, src)
+        if t.to_smem:
+            self.pending_sync = True
+
+    def describe_chain(self, v: int) -> str:
+        if v < self.n_in or v in self.st.acc_of_var:
+            return self.types[v].name
+        e = self.dd.eqns[self.st.eqn_of[v]]
+        return f"{e.box.name}({', '.join(self.describe_chain(a) if self.plan.storage(a) in ('inline', 'regs') else self.types[a].name for a in e.ins)})"
+

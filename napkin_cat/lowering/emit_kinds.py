@@ -1,0 +1,147 @@
+"""Per-box-kind emitters: :data:`CODEGEN_RULES`, keyed exactly like
+:data:`napkin_cat.ops.kinds.SPECS` (and :data:`napkin_cat.ops.semantics.NUMPY_RULES`).
+
+Elementwise expressions come from the function table (:data:`napkin_cat.ops.functions.FUNCTIONS`,
+its ``cuda`` templates), masks and biases from the index rules (:mod:`napkin_cat.ops.index`);
+nothing here re-derives a function or a predicate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from ..core.errors import LoweringError
+from ..ops.functions import CUDA_CONSTANTS, FUNCTIONS
+from ..ops.index import constant_value
+from ..ops.kinds import NORMALISATIONS
+
+
+@dataclass(frozen=True)
+class KindRule:
+    """How one box kind lowers.  ``cls``: ``elementwise`` (an expression evaluated wherever the
+    value is read), ``reduction`` (a phase with inner loops), ``normaliser`` (row statistics,
+    then an expression) or ``unsupported``; ``check(box)`` gives the reason a particular box
+    cannot lower (or None); ``expr(em, box, args, env)`` renders an elementwise value;
+    ``contraction``: a reduction over the product of its inputs (run on a contraction engine);
+    ``norm(box)``: a normaliser's ``(a1, a2, b, eps)``."""
+
+    cls: str
+    check: Callable | None = None
+    expr: Callable | None = None
+    contraction: bool = False
+    norm: Callable | None = None
+
+
+def fn_expr(consts, fn: str, args: list[str], c: str | None = None) -> str:
+    """``fn`` applied to the argument expressions ``args`` (and the constant named ``c``), from its
+    ``cuda`` template; the float32 constants it names are registered in order of appearance."""
+    try:
+        f = FUNCTIONS[fn]
+    except KeyError:
+        raise LoweringError(f"no numba.cuda expression for elementwise function {fn!r}") from None
+    named = {n: consts.f(CUDA_CONSTANTS[n], n) for n in f.cuda_constants()}
+    a = args[0] if args else ""
+    b = args[1] if len(args) > 1 else ""
+    return f.cuda.format(a=a, b=b, c=c, **named)
+
+
+def compound(x: str) -> bool:
+    return any(ch in x for ch in " +-*/") and not (x.startswith("(") and x.endswith(")"))
+
+
+def _expr_map(em, box, args, env):
+    fn = box.param("fn")
+    c = None
+    if fn in FUNCTIONS and FUNCTIONS[fn].constant:
+        value = constant_value(box.param("c"), em.sizes)
+        c = em.consts.f(value, f"C_{fn.upper()}", comment=f"{box.name} constant")
+    return fn_expr(em.consts, fn, [f"({x})" if compound(x) else x for x in args], c)
+
+
+def _check_mask(box):
+    if box.param("pred").rule.cuda is None:
+        return (f"{box.name}: a custom predicate is a Python function on index arrays; only "
+                f"causal(offset) and window(left, right) lower to numba.cuda")
+    return None
+
+
+def _expr_mask(em, box, args, env):
+    i = em.gidx(box.param("row"), env)
+    j = em.gidx(box.param("col"), env)
+    conds = box.param("pred").cuda(i, j, em.consts.u)
+    if conds is None:
+        raise LoweringError(f"{box.name}: its predicate has no numba.cuda code (a custom predicate)")
+    return f"{args[0]} if {' and '.join(conds)} else {em.consts.f(-math.inf, 'NEG_INF')}"
+
+
+def _check_index_bias(box):
+    if box.param("bias").rule.cuda is None:
+        return f"{box.name}: a custom index bias is a Python function; only alibi(slope) lowers"
+    return None
+
+
+def _expr_index_bias(em, box, args, env):
+    i = em.gidx(box.param("row"), env)
+    j = em.gidx(box.param("col"), env)
+    bias = box.param("bias").cuda(i, j, lambda value, name: em.consts.f(
+        value, name, comment=f"{box.name} {name.lower()}"))
+    if bias is None:
+        raise LoweringError(f"{box.name}: its bias has no numba.cuda code (a custom bias)")
+    return f"{args[0]} + {bias}"
+
+
+def _check_reindex(box):
+    if box.param("op") != "transpose":
+        return (f"{box.name}: reindexing ({box.param('op')}) changes the index space; only "
+                f"transposes (renamings of the same named axes) lower")
+    return None
+
+
+def _expr_identity(em, box, args, env):
+    return args[0]
+
+
+def _check_cast(box):
+    if box.cod[0].dtype.name not in ("f32", "f64"):
+        return (f"{box.name}: cast to {box.cod[0].dtype.name}; the numba.cuda target computes "
+                f"and stores fp32 only")
+    return None
+
+
+def _expr_const(em, box, args, env):
+    return em.consts.f(box.param("value"), comment=f"{box.name}")
+
+
+def _streamed_only(then: str):
+    return lambda box: (f"{box.name} is only lowered as a streamed accumulator: stream axis "
+                        f"{box.param('axis')} (or write {then} followed by contract)")
+
+
+CODEGEN_RULES: dict[str, KindRule] = {
+    "contract": KindRule("reduction", contraction=True),
+    "map": KindRule("elementwise", None, _expr_map),
+    "reduce": KindRule("reduction"),
+    "softmax": KindRule("normaliser", norm=lambda box: (*NORMALISATIONS["softmax"], 0.0)),
+    "normalize": KindRule("normaliser", norm=lambda box: (box.param("a1"), box.param("a2"), box.param("b"),
+                                                          box.param("eps"))),
+    "mask": KindRule("elementwise", _check_mask, _expr_mask),
+    "index_bias": KindRule("elementwise", _check_index_bias, _expr_index_bias),
+    "reindex": KindRule("elementwise", _check_reindex, _expr_identity),
+    "param": KindRule("unsupported", lambda box: (
+        f"parameter {box.param('pname')!r} is a value bound at evaluation time; pass it to the "
+        f"kernel as an input of the diagram instead")),
+    "const": KindRule("elementwise", None, _expr_const),
+    "cast": KindRule("elementwise", _check_cast, _expr_identity),
+    "softmax_contract": KindRule("unsupported", _streamed_only("softmax")),
+    "norm_contract": KindRule("unsupported", _streamed_only("normalize")),
+}
+
+# reductions: identity, binary combine, group (cross-thread) helper
+REDUCE_OPS = {
+    "sum": (0.0, "{a} + {b}", "_group_sum"),
+    "mean": (0.0, "{a} + {b}", "_group_sum"),
+    "max": (-math.inf, "max({a}, {b})", "_group_max"),
+    "min": (math.inf, "min({a}, {b})", "_group_min"),
+}

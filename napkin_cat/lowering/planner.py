@@ -1,0 +1,538 @@
+"""Planning one kernel: a final form in, a frozen :class:`~.plan.KernelPlan` out.
+
+:func:`plan_kernel` is a short list of named passes; each reads the results of the earlier ones
+(passed explicitly) and returns its own:
+
+    1. :func:`plan_axes`        role of every axis: grid, batch (grid of size 1), stream or full;
+    2. :func:`read_structure`   where each variable is defined and read in the loop nest;
+    3. :func:`classify`         each equation through its kind's rule (:data:`.emit_kinds.CODEGEN_RULES`):
+       elementwise (inlined where it is read), reduction, normaliser, or an accumulator;
+    4. :func:`plan_targets`     what is materialised: a reduction's value is computed in
+       registers and the chain of elementwise boxes after it is fused into its epilogue; the
+       end of the chain is written once, to shared memory or straight to the output;
+    5. :func:`plan_accumulators` / :func:`plan_mappings`  threads per phase (:class:`Threads`):
+       register micro-tiles for contractions with two output axes, groups of lanes per output
+       for reductions with few outputs, else a flat element loop;
+    6. :func:`fuse_scores`      scores kept in registers (:class:`~.plan.FusedScores`);
+    7. :func:`plan_layouts` / :func:`plan_buffers`  shared-memory layouts and offsets;
+    8. :func:`plan_launch`      grid, chunk skipping, launch bounds.
+
+The tunables below are read at each call (``kernels/variants.py`` switches them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ..core.diagram import Diagram
+from ..core.errors import LoweringError
+from ..ops.index import IntAlgebra
+from ..relabel.loopnest import Compute, Finalise, FinalForm, Init, Load, Loop, Update, final_form
+from ..relabel.skipping import chunk_skips
+from .emit_acc import ACC_CODEGEN
+from .emit_kinds import CODEGEN_RULES, REDUCE_OPS
+from .threads import Threads, _check_micro
+from .plan import (AccPlan, AxisPlan, Buffer, Coop, FusedScores, KernelPlan, LaunchPlan, Micro, Rows,
+                   Structure, Target, axes_set, frozen_map, load_plan, reduced_axes, storage, var_cls)
+
+TRANSPOSE_PAD = 4
+"""Floats added to each row of a shared buffer written transposed from global memory."""
+
+FUSE_SCORES = True
+"""Keep a normalising accumulator's scores in registers where :class:`~.plan.FusedScores` applies."""
+
+REGISTER_FLOOR = 128
+"""Registers per thread below which the launch bounds never push the compiler."""
+
+REGISTER_SLACK = 16
+"""Registers for indices and addresses in :func:`register_estimate`."""
+
+CONTRACTION_UNROLL = 8
+"""Steps of a contraction's innermost reduction loop written out per iteration of the emitted
+loop (when the step count is static and divisible; 1 turns it off)."""
+
+MAX_THREADS = 1024
+"""Threads per block on every CUDA device."""
+
+PREFETCH_MODES = (False, True, "double")
+
+ENGINE = "cuda_core"
+"""The engine contractions are planned on (see :data:`.plan.ENGINES`)."""
+
+
+def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath: bool = True,
+                micro: tuple[int, int] | None = None, prefetch: bool | str = False,
+                unroll: int | None = None, ff: FinalForm | None = None) -> KernelPlan:
+    """The plan of one kernel for ``d`` (relabelled, every size bound); ``ff``: its final form,
+    when the caller has it already."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise LoweringError(f"threads must be an int from 1 to {MAX_THREADS} (threads per block), "
+                            f"got {threads!r}")
+    micro = _check_micro(micro)
+    if prefetch not in PREFETCH_MODES or not isinstance(prefetch, (bool, str)):
+        raise LoweringError(f"prefetch must be one of {PREFETCH_MODES} (False: no prefetch, True: into "
+                            f"registers one chunk ahead, 'double': two shared buffers per chunk), "
+                            f"got {prefetch!r}")
+    ff = final_form(d) if ff is None else ff
+    ax, grid_loops, inner = plan_axes(ff, tuple(batch_axes))
+    st = read_structure(ff, ax)
+    cls = classify(ff)
+    targets, absorbed = plan_targets(ff, ax, st, cls)
+    threads_ = Threads(threads, micro, ax)
+    accs = plan_accumulators(ff, threads_)
+    targets, norm_stats = plan_mappings(ff, ax, st, cls, targets, accs, threads_)
+    accs, targets, fused = fuse_scores(ff, ax, st, targets, accs, threads_) if FUSE_SCORES else (accs, targets, {})
+    prefs = plan_layouts(ff, st, targets, absorbed, accs, ax)
+    buffers, accs = plan_buffers(ff, ax, st, targets, absorbed, accs, norm_stats, prefs, threads, prefetch)
+    skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
+             for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
+    launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch)
+    return KernelPlan(name, d, ff, threads, fastmath, prefetch,
+                      CONTRACTION_UNROLL if unroll is None else int(unroll), frozen_map(ax), tuple(grid_loops),
+                      tuple(inner), st, frozen_map(cls), frozen_map(targets), frozen_map(absorbed), tuple(accs),
+                      frozen_map(fused), frozen_map(norm_stats), frozen_map(buffers), frozen_map(skips), launch,
+                      tuple(threads_.notes))
+
+
+# --------------------------------------------------------------------------- 1. axes
+
+def plan_axes(ff: FinalForm, batch_axes: tuple) -> tuple[dict, tuple, tuple]:
+    """(axis plans, the grid loops outermost first, the nodes inside them)."""
+    dd = ff.diagram
+    grid = []
+    nodes = ff.body
+    while len(nodes) == 1 and isinstance(nodes[0], Loop) and nodes[0].kind == "grid":
+        grid.append(nodes[0])
+        nodes = nodes[0].body
+    for n, _ in ff.walk():
+        if isinstance(n, Loop) and n.kind == "grid" and n not in grid:
+            raise LoweringError(f"grid loop over {n.axis} inside another loop: tiles must be "
+                                f"outermost")
+    ax: dict[str, AxisPlan] = {}
+    for a in dd.axes:
+        if not isinstance(a.size, int):
+            raise LoweringError(f"axis {a.name} has no size")
+        ax[a.name] = AxisPlan(a.name, a.size, "full", a.size)
+    for lp in grid:
+        ax[lp.axis] = replace(ax[lp.axis], role="batch" if lp.axis in batch_axes else "grid", cap=int(lp.step))
+    streamed = set()
+    for n, loops in ff.walk():
+        if isinstance(n, Loop) and n.kind == "stream":
+            if n.axis in streamed or any(lp.axis == n.axis for lp in loops):
+                raise LoweringError(f"axis {n.axis} is streamed twice (a sub-stream); the "
+                                    f"numba.cuda lowering streams each axis once")
+            if ax[n.axis].role != "full":
+                raise LoweringError(f"axis {n.axis} is both tiled and streamed; the numba.cuda "
+                                    f"lowering needs one partition per axis")
+            streamed.add(n.axis)
+            ax[n.axis] = replace(ax[n.axis], role="stream", cap=int(n.step))
+    init_loops = {n.acc: loops for n, loops in ff.walk() if isinstance(n, Init)}
+    for n, loops in ff.walk():
+        if isinstance(n, Update):
+            acc = ff.accumulators[n.acc]
+            for lp in loops[len(init_loops.get(n.acc, ())):]:
+                if lp.kind == "stream" and lp.axis != acc.axis:
+                    # every buffer has one extent per axis (tile, chunk or whole): a state of
+                    # the whole axis updated a chunk at a time has two
+                    raise LoweringError(
+                        f"stream {lp.axis} nests inside stream {acc.axis} and updates "
+                        f"{acc.box.name}'s accumulator one {lp.axis}-chunk slice at a time; the "
+                        f"numba.cuda lowering keeps accumulator states at the extent of the loops "
+                        f"around them: use order({lp.axis!r}, {acc.axis!r})")
+    return ax, tuple(grid), tuple(nodes)
+
+
+# --------------------------------------------------------------------------- 2. structure
+
+def read_structure(ff: FinalForm, ax: dict) -> Structure:
+    dd = ff.diagram
+    types = dd.var_types()
+    loops_of, scope_of, def_node, load_of = {}, {}, {}, {}
+    for n, loops in ff.walk():
+        loops_of[id(n)] = loops
+        scope = tuple(lp for lp in loops if lp.kind == "stream")
+        scope_of[id(n)] = scope
+        if isinstance(n, Load):
+            if n.var in load_of:
+                raise LoweringError(f"input {types[n.var]} is loaded twice")
+            load_of[n.var] = n
+            def_node[n.var] = n
+            for a in types[n.var].axis_names:
+                if ax[a].role == "stream" and not any(lp.axis == a for lp in scope):
+                    raise LoweringError(f"input {types[n.var]} is read outside the "
+                                        f"stream loop over {a}; load it inside")
+        elif isinstance(n, Compute):
+            for v in dd.eqn_outputs(n.eqn):
+                def_node[v] = n
+        elif isinstance(n, Finalise):
+            for v in dd.eqn_outputs(ff.accumulators[n.acc].eqn):
+                def_node[v] = n
+    consumers: dict[int, list] = {v: [] for v in range(len(types))}
+    for n, _ in ff.walk():
+        if isinstance(n, Compute):
+            for v in dd.eqns[n.eqn].ins:
+                consumers[v].append(("eqn", n.eqn))
+        elif isinstance(n, Update):
+            for v in dd.eqns[ff.accumulators[n.acc].eqn].ins:
+                consumers[v].append(("acc", n.acc))
+    for v in dd.outs:
+        consumers[v].append(("out",))
+    eqn_of = {v: k for k in range(len(dd.eqns)) for v in dd.eqn_outputs(k)}
+    acc_of_var = {v: i for i, acc in enumerate(ff.accumulators) for v in dd.eqn_outputs(acc.eqn)}
+    for arr in list(dd.dom) + list(dd.cod):
+        if arr.dtype.name != "f32":
+            raise LoweringError(f"wire {arr} has dtype {arr.dtype.name}; the numba.cuda target "
+                                f"takes and returns fp32 arrays")
+        n = math.prod(a.size for a in arr.axes)
+        if n >= 2 ** 32:
+            raise LoweringError(f"wire {arr} has {n} elements; the numba.cuda kernels index "
+                                f"arrays with 32-bit unsigned integers (fewer than 2**32 elements)")
+    return Structure(frozen_map(loops_of), frozen_map(scope_of), frozen_map(def_node), frozen_map(load_of),
+                     frozen_map({v: tuple(c) for v, c in consumers.items()}), frozen_map(eqn_of),
+                     frozen_map(acc_of_var))
+
+
+# --------------------------------------------------------------------------- 3. classify
+
+def classify(ff: FinalForm) -> dict[int, str]:
+    dd = ff.diagram
+    out: dict[int, str] = {}
+    acc_rule = {a.eqn: a.rule for a in ff.accumulators}
+    for k, e in enumerate(dd.eqns):
+        if k in acc_rule:
+            if acc_rule[k] == "reduce" and e.box.param("op") not in REDUCE_OPS:
+                raise LoweringError(f"{e.box.name}: no numba.cuda accumulator for {e.box.param('op')}")
+            out[k] = "accumulator"
+            continue
+        rule = CODEGEN_RULES.get(e.box.kind)
+        if rule is None:
+            raise LoweringError(f"no numba.cuda rule for box kind {e.box.kind!r} (box {e.box.name})")
+        why = rule.check(e.box) if rule.check else None
+        if rule.cls == "unsupported" or why:
+            raise LoweringError(f"cannot lower {e.box.name}: {why}")
+        if len(e.box.cod) != 1:
+            raise LoweringError(f"{e.box.name} has {len(e.box.cod)} outputs; lowered boxes have one")
+        out[k] = rule.cls
+    return out
+
+
+# --------------------------------------------------------------------------- 4. materialisation
+
+def _chain_top(c: int, dd, ax, st: Structure, cls) -> int:
+    """Follow single-consumer elementwise boxes from ``c`` while they keep its axes."""
+    types = dd.var_types()
+    u = c
+    scope = st.scope_of[id(st.def_node[c])]
+    while u not in dd.outs:
+        cons = st.consumers[u]
+        if len(cons) != 1 or cons[0][0] != "eqn":
+            break
+        k = cons[0][1]
+        if cls[k] != "elementwise":
+            break
+        (out,) = dd.eqn_outputs(k)
+        if axes_set(types[out], ax) != axes_set(types[c], ax) or st.scope_of[id(st.def_node[out])] != scope:
+            break
+        u = out
+    return u
+
+
+def plan_targets(ff: FinalForm, ax, st: Structure, cls) -> tuple[dict, dict]:
+    """(targets without mappings, reduction outputs absorbed into a chain's target)."""
+    dd = ff.diagram
+    n_in = len(dd.dom)
+    targets: dict[int, Target] = {}
+    absorbed: dict[int, int] = {}
+    sources = [v for v in sorted(st.eqn_of) if var_cls(v, n_in, cls, st) == "reduction"]
+    sources += sorted(st.acc_of_var)
+    for c in sorted(sources):
+        u = _chain_top(c, dd, ax, st, cls)
+        if u != c and u in targets:
+            u = c
+        targets[u] = Target(u, c, False, False)
+        if u != c:
+            absorbed[c] = u
+    for v in dd.outs:
+        if v >= n_in and v not in targets:
+            targets[v] = Target(v, None, False, False)
+    return {v: replace(t, to_global=t.var in dd.outs,
+                       to_smem=any(c[0] != "out" for c in st.consumers[t.var]))
+            for v, t in targets.items()}, absorbed
+
+
+# --------------------------------------------------------------------------- 5. thread mappings
+
+def plan_accumulators(ff: FinalForm, th: Threads) -> list[AccPlan]:
+    init_loops = {n.acc: loops for n, loops in ff.walk() if isinstance(n, Init)}
+    plans = []
+    for i, acc in enumerate(ff.accumulators):
+        if acc.rule not in ACC_CODEGEN:
+            raise LoweringError(f"no numba.cuda code for accumulator {acc.rule!r} ({acc.box.name})")
+        loops = init_loops[i]
+        out_axes = acc.box.cod[0].axis_names
+        kind = ACC_CODEGEN[acc.rule]
+        main = (th.micro_for(out_axes) if kind.contraction else None) or th.flat_for(out_axes)
+        plan = AccPlan(i, acc, main, ff.state_level(acc, "main", loops) == "registers",
+                       ff.state_level(acc, "stat", loops) == "registers",
+                       engine=ENGINE if kind.contraction else None)
+        if kind.stats:
+            stat_axes = tuple(a for a in acc.box.dom[0].axis_names if a != acc.axis)
+            plan = replace(plan, stat_axes=stat_axes, stat=th.coop_for(stat_axes))
+        plans.append(plan)
+    return plans
+
+
+def plan_mappings(ff: FinalForm, ax, st: Structure, cls, targets: dict, accs, th: Threads):
+    """(targets with their mappings, row-statistics mappings of the normalisers)."""
+    dd = ff.diagram
+    types = dd.var_types()
+    out = {}
+    for v, t in targets.items():
+        out_axes = types[t.var].axis_names
+        engine = None
+        if t.source is None:
+            m = th.flat_for(out_axes)
+        elif t.source in st.acc_of_var:
+            m = accs[st.acc_of_var[t.source]].main
+        else:
+            k = st.eqn_of[t.source]
+            box = dd.eqns[k].box
+            red = reduced_axes(box)
+            red_n = math.prod(ax[a].cap for a in red)
+            n_out = math.prod(ax[a].cap for a in out_axes if ax[a].cap > 1)
+            contraction = CODEGEN_RULES[box.kind].contraction
+            engine = ENGINE if contraction else None
+            m = th.micro_for(out_axes) if contraction and red else None
+            if m is None and (2 * n_out <= th.T and red_n > 1 or box.param("op", "") == "logsumexp"):
+                m = th.coop_for(out_axes)
+            m = m or th.flat_for(out_axes)
+        out[v] = replace(t, mapping=m, engine=engine)
+    norm_stats = {}
+    for k, c in cls.items():
+        if c == "normaliser":
+            box = dd.eqns[k].box
+            stat = tuple(a for a in box.dom[0].axis_names if a != box.param("axis"))
+            norm_stats[k] = th.coop_for(stat)
+    return out, norm_stats
+
+
+# --------------------------------------------------------------------------- 6. scores in registers
+
+def fuse_scores(ff: FinalForm, ax, st: Structure, targets: dict, accs: list, th: Threads):
+    """A normalising accumulator (row statistics, weights, contraction with the weights) fed
+    by a contraction whose only reader it is keeps the scores in registers when one thread
+    mapping serves both contractions: rows of the statistics axis owned by the same thread
+    in both micro-tiles, the lanes of a row an aligned group inside one warp, every thread
+    active.  Then the statistics are lane reductions (warp shuffles), the rescale is applied
+    to the main state in registers, and the weights go through a warp-private staging area
+    (``syncwarp``, no block barrier): the scores never make a round trip through a shared
+    buffer that the whole block synchronises on.  Returns (accs, targets, fused score vars)."""
+    dd = ff.diagram
+    targets, accs = dict(targets), list(accs)
+    fused: dict[int, int] = {}
+    updates = {n.acc: n for n, _ in ff.walk() if isinstance(n, Update)}
+    for p in list(accs):
+        kind = ACC_CODEGEN[p.acc.rule]
+        if not (kind.stats and p.main_regs and p.stat_regs and isinstance(p.main, Micro)):
+            continue
+        s, v = dd.eqns[p.acc.eqn].ins
+        t = targets.get(s)
+        if (t is None or t.source is None or t.source in st.acc_of_var or t.to_global
+                or not isinstance(t.mapping, Micro)):
+            continue
+        if not CODEGEN_RULES[dd.eqns[st.eqn_of[t.source]].box.kind].contraction:
+            continue
+        if st.consumers[s] != (("acc", p.index),):
+            continue
+        if st.scope_of[id(st.def_node[s])] != st.scope_of[id(updates[p.index])]:
+            continue
+        rows = [a for a in p.stat_axes if ax[a].cap > 1]
+        x = p.acc.axis
+        if len(rows) != 1 or {t.mapping.row, t.mapping.col} != {rows[0], x}:
+            continue
+        r = rows[0]
+        if r not in (p.main.row, p.main.col):
+            continue
+        dcol = p.main.col if p.main.row == r else p.main.row
+        joint = th.joint_micro(r, x, dcol)
+        if joint is None:
+            continue
+        ms, mo = joint
+        targets[s] = replace(t, mapping=ms, to_smem=False)
+        accs[p.index] = replace(p, main=mo, stat=Rows(ms), fused=FusedScores(s, t.source, ms))
+        fused[s] = p.index
+        for v2, tt in targets.items():
+            if tt.source is not None and st.acc_of_var.get(tt.source) == p.index:
+                targets[v2] = replace(tt, mapping=mo)
+    return accs, targets, fused
+
+
+# --------------------------------------------------------------------------- 7. layouts and buffers
+
+def plan_layouts(ff: FinalForm, st: Structure, targets, absorbed, accs, ax) -> dict[tuple, str]:
+    """Shared buffers read by a micro-tile along one axis put that axis last (contiguous)."""
+    dd = ff.diagram
+    types = dd.var_types()
+    n_in = len(dd.dom)
+    pref: dict[tuple, str] = {}
+
+    def prefer(v, m: Micro):
+        key = ("var", v)
+        if storage(v, n_in, targets, absorbed) not in ("load", "smem") or key in pref:
+            return
+        axes = axes_set(types[v], ax)
+        has_r, has_c = m.row in axes, m.col in axes
+        if has_r != has_c:
+            pref[key] = m.row if has_r else m.col
+
+    for t in targets.values():
+        if isinstance(t.mapping, Micro) and t.source is not None and t.source not in st.acc_of_var:
+            for v in dd.eqns[st.eqn_of[t.source]].ins:
+                prefer(v, t.mapping)
+    for p in accs:
+        if isinstance(p.main, Micro) and ACC_CODEGEN[p.acc.rule].contraction:
+            ins = dd.eqns[p.acc.eqn].ins
+            # with row statistics the weights keep the scores' layout: the statistics read them
+            # along the streamed axis (contiguous), the micro-tile reads them as broadcasts
+            for v in (ins[1:] if p.stat is not None else ins):
+                prefer(v, p.main)
+    return pref
+
+
+def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list, norm_stats, pref,
+                 T: int, prefetch) -> tuple[dict[tuple, Buffer], list[AccPlan]]:
+    """(every shared buffer with its layout and its 16-byte aligned offset, the accumulator
+    plans with the buffers of their weights: ``p_buf``)."""
+    dd = ff.diagram
+    accs = list(accs)
+    types = dd.var_types()
+    n_in = len(dd.dom)
+    bufs: dict[tuple, Buffer] = {}
+
+    def buf(key, base: str, axes, what: str, **kw) -> Buffer:
+        names = [a for a in axes if ax[a].cap > 1]
+        last = pref.get(key)
+        if last in names:
+            names = [a for a in names if a != last] + [last]
+        bufs[key] = Buffer(key, base, tuple(names), tuple(ax[a].cap for a in names), what, **kw)
+        return bufs[key]
+
+    chunked = {m.var for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"
+               for m in n.body if isinstance(m, Load)}
+    double = chunked if prefetch == "double" else set()
+    for v in sorted(st.load_of):
+        arr = types[v]
+        b = buf(("var", v), f"{arr.name}_s", arr.axis_names, f"input {arr.name}")
+        names = [a for a in arr.axis_names if ax[a].cap > 1]
+        if len(b.axes) >= 2 and names and b.axes[-1] != names[-1] and v in chunked:
+            # a chunk written transposed (global order in, threads along the global last
+            # axis): a row of 4 more floats keeps 16-byte alignment and spreads the stores
+            b = bufs[b.key] = replace(b, pad=TRANSPOSE_PAD,
+                                      what=b.what + f" (transposed, rows padded by {TRANSPOSE_PAD})")
+        if v in double:
+            bufs[b.key] = replace(b, copies=2, what=b.what + " (two chunk buffers)")
+    for t in sorted(targets.values(), key=lambda t: t.var):
+        if t.to_smem:
+            arr = types[t.var]
+            buf(("var", t.var), f"{arr.name}_s", arr.axis_names, f"{arr.name} (materialised)")
+    for k in norm_stats:
+        box = dd.eqns[k].box
+        stat = tuple(a for a in box.dom[0].axis_names if a != box.param("axis"))
+        buf(("norm_m", k), f"{box.cod[0].name}_max_s", stat, f"row max of {box.name}")
+        buf(("norm_z", k), f"{box.cod[0].name}_sum_s", stat, f"row normaliser of {box.name}")
+    for p in list(accs):
+        acc, kind = p.acc, ACC_CODEGEN[p.acc.rule]
+        oname = acc.box.cod[0].name
+        for sname, axes, role in acc.states():
+            if not (p.main_regs if role == "main" else p.stat_regs):
+                buf(("state", p.index, sname), f"{oname}_{sname}_s", axes, f"state {sname} of {oname}")
+        if p.fused is not None:
+            # weights staged by the warp that owns their rows, laid out [streamed, rows] so
+            # the main micro-tile reads a thread's rows as one vector
+            ms = p.fused.ms
+            key = ("p", p.index)
+            bufs[key] = Buffer(key, f"{oname}_p_s", (acc.axis, ms.row), (ms.cc, ms.cr),
+                               f"weights of {oname} (warp-private rows)")
+            accs[p.index] = replace(p, p_buf=key)
+        elif p.stat is not None:
+            s, _ = dd.eqns[acc.eqn].ins
+            p_axes = (*p.stat_axes, acc.axis)
+            if (storage(s, n_in, targets, absorbed) == "smem" and len(st.consumers[s]) == 1
+                    and axes_set(types[s], ax) == frozenset(a for a in p_axes if ax[a].cap > 1)):
+                accs[p.index] = replace(p, p_buf=("var", s))   # overwrite the scores with the weights
+            else:
+                buf(("p", p.index), f"{oname}_p_s", p_axes, f"weights of {oname}")
+                accs[p.index] = replace(p, p_buf=("p", p.index))
+            if kind.rescales:
+                buf(("delta", p.index), f"{oname}_delta_s", p.stat_axes, f"per-row rescale of {oname}")
+            if p.stat_regs:
+                buf(("zpub", p.index), f"{oname}_z_s", p.stat_axes, f"normaliser of {oname} at the end")
+    if norm_stats or any(p.stat is not None for p in accs) or any(
+            isinstance(t.mapping, Coop) for t in targets.values()):
+        bufs[("red",)] = Buffer(("red",), "red_s", ("_lanes",), (T,), "reduction scratch")
+    off = 0
+    for key, b in bufs.items():
+        bufs[key] = replace(b, offset=off)
+        off += -(-b.size // 4) * 4   # 16-byte aligned offsets
+    return bufs, accs
+
+
+# --------------------------------------------------------------------------- 8. launch
+
+def plan_launch(ff: FinalForm, ax, grid_loops, targets, accs, bufs, skips, T: int, prefetch) -> LaunchPlan:
+    grid = [lp.axis for lp in grid_loops if ax[lp.axis].role == "grid"]
+    batch = [lp.axis for lp in grid_loops if ax[lp.axis].role == "batch"]
+    gx = math.prod(-(-ax[a].size // ax[a].cap) for a in grid)
+    gy = math.prod(ax[a].size for a in batch)
+    heavy = frozenset(s.row for ss in skips.values() for s in ss if _grows_with_rows(s.pred))
+    if gy > 65535 or (heavy and batch):
+        # one grid dimension, tiled axes slowest: with heavy_last, blocks are launched in
+        # decreasing order of work (the longest first keeps the last wave short)
+        grid, batch = grid + batch, []
+        gx, gy = gx * gy, 1
+    smem_floats = sum(-(-b.size // 4) * 4 for b in bufs.values())
+    regs = register_estimate(ff, ax, targets, accs, T, prefetch)
+    return LaunchPlan((gx, gy, 1), tuple(grid), tuple(batch), heavy, smem_floats, regs,
+                      blocks_per_sm(4 * smem_floats, T, regs))
+
+
+def _grows_with_rows(pred) -> bool:
+    """The first column a tile of rows needs never moves (later tiles only stream more chunks)."""
+    far = 2 ** 31
+    return pred.support(far, far + 1, IntAlgebra)[0] == 0
+
+
+def register_estimate(ff: FinalForm, ax, targets, accs, T: int, prefetch) -> int:
+    """Registers a thread needs, roughly: values live across a stream loop (accumulator
+    states, scores kept in registers, chunks prefetched into registers), the largest
+    fragment pair of a micro-tile, and ``REGISTER_SLACK`` for indices and addresses."""
+    types = ff.diagram.var_types()
+    live, frag = 0, 0
+    for p in accs:
+        live += math.prod(p.main.shape)
+        if p.stat is not None:
+            live += len(p.acc.states()) - 1 if not isinstance(p.stat, Rows) else \
+                (len(p.acc.states()) - 1) * p.stat.micro.RY
+        if p.fused is not None:
+            live += p.fused.ms.RY * p.fused.ms.RX
+    for t in targets.values():
+        if isinstance(t.mapping, Micro):
+            frag = max(frag, t.mapping.RY + t.mapping.RX)
+    if prefetch:
+        for n, _ in ff.walk():
+            if isinstance(n, Loop) and n.kind == "stream":
+                live += sum(load_plan(types[m.var], ax, T)[1] for m in n.body if isinstance(m, Load))
+    return live + frag + REGISTER_SLACK
+
+
+def blocks_per_sm(smem_bytes: int, T: int, registers: int) -> int:
+    """Blocks per SM for the launch bounds: as many as shared memory and threads allow when
+    the :func:`register_estimate` fits the registers that leaves (never fewer than
+    ``REGISTER_FLOOR``); else 1, so the compiler keeps every value in registers (H100 / H200
+    limits: the source does not depend on the machine)."""
+    from .runtime import H100_DEFAULTS as lim
+    by_smem = lim.max_shared_per_sm // (smem_bytes + lim.reserved_shared_per_block)
+    by_threads = lim.max_threads_per_sm // T
+    by_regs = lim.max_registers_per_sm // (T * max(REGISTER_FLOOR, registers))
+    return max(1, min(by_smem, by_threads, by_regs, lim.max_blocks_per_sm))
