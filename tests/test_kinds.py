@@ -200,3 +200,23 @@ def test_index_bias_means_the_same_in_numpy_torch_and_generated_code(bias):
     ns = {**consts.ints, **consts.floats, "float32": float}
     got = np.vectorize(lambda a, b: eval(expr, {**ns, "i": int(a), "j": int(b)}))(i, j)
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+SUPPORTED = [index.Predicate(name, rule.examples[-1]) for name, rule in index.PREDICATES.items()
+             if rule.cuda and rule.support]
+
+
+@pytest.mark.parametrize("pred", SUPPORTED, ids=repr)
+def test_a_predicate_rule_is_all_a_new_mask_needs(pred):
+    """One rule in ops/index.py: the executor skips its chunks (checked against the oracle), the
+    kernel skips them and passes its self-check, the cost model counts fewer tensor FLOPs."""
+    q, x, d = nc.axes("q x d")
+    att = nc.library.attention(q=q, x=x, d=d, mask=pred)
+    flash = att.stream(x, "s_x").tile(q, "g_q")
+    nc.check_equivalent(att, flash, examples=12)
+    sizes = {q: 24, x: 24, d: 4}
+    kernel = nc.lower(att.bind(sizes), tiles={"q": 8, "x": 4}, threads=32)   # verify=True: self-checked
+    assert kernel.verified and "_end = min(" in kernel.source
+    bound = {**sizes, "s_x": 4, "g_q": 8}
+    dense = nc.library.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q").bind(bound)
+    assert nc.cost(flash.bind(bound)).flops["tensor"] < nc.cost(dense).flops["tensor"]

@@ -171,3 +171,19 @@ def test_bug_from_the_fourth_chunk_on_is_caught(case, monkeypatch):
     concrete = {ax: cx["blocks"][blk] if isinstance(blk, str) else blk for ax, blk in blocks.items()}
     assert any(cx["axis_sizes"][ax] > 3 * blk for ax, blk in concrete.items()), cx
     _reproduces(err)
+
+
+def test_a_support_too_narrow_is_caught(monkeypatch):
+    """A predicate's support drives chunk skipping in the executor, the cost model and the
+    kernels; one that leaves out a kept column (causal: ``hi = r1 - 1`` instead of ``r1``) skips
+    a chunk that matters, and the executor's check against the oracle finds it."""
+    from napkin_cat.ops import index
+
+    def narrow(r0, r1, args, al):
+        return 0, al.sat_sub(r1, 1)
+
+    monkeypatch.setitem(index.PREDICATES, "causal", dataclasses.replace(index.PREDICATES["causal"], support=narrow))
+    q, x, d = nc.axes("q x d")
+    att = nc.library.attention(q=q, x=x, d=d, causal=True)
+    with pytest.raises(nc.EquivalenceError):
+        nc.check_equivalent(att, att.stream(x, "s_x").tile(q, "g_q"), examples=40)

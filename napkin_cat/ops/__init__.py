@@ -5,7 +5,7 @@ Imports only :mod:`napkin_cat.core`.
 """
 
 from .functions import BINARY, FUNCTIONS, UNARY, Function
-from .index import (AxisPower, IndexBias, IndexRule, Predicate, alibi, causal, constant_value, predicate,
+from .index import (AxisPower, IndexBias, IndexRule, Predicate, alibi, block_diagonal, causal, constant_value, predicate,
                     real_number, window)
 from .kinds import KINDS, NORMALISATIONS, REDUCTIONS, SPECS, KindSpec, spec
 from .boxes import (cast_box, const_box, contract_box, diagonal_box, index_bias_box, map_box, mask_box,

@@ -112,10 +112,18 @@ def _window_support(r0, r1, args, al):
     return (al.sat_sub(r0, left) if left else r0), (r1 + right if right else r1)
 
 
+def _block_diagonal_support(r0, r1, args, al):
+    b = args[0]
+    return r0 // b * b, (r1 + (b - 1)) // b * b
+
+
 PREDICATES: dict[str, IndexRule] = {r.name: r for r in (
     IndexRule("causal", lambda i, j, off: j <= i + off, _causal_cuda, _causal_support, ((0,), (2,), (-3,))),
     IndexRule("window", lambda i, j, left, right: (j >= i - left) & (j <= i + right), _window_cuda, _window_support,
               ((0, 0), (3, 0), (2, 1), (0, 4))),
+    IndexRule("block_diagonal", lambda i, j, b: i // b == j // b,
+              lambda i, j, args, u: [f"{i} // {u(args[0])} == {j} // {u(args[0])}"], _block_diagonal_support,
+              ((1,), (3,), (4,))),
     IndexRule("custom", None),
 )}
 
@@ -210,6 +218,11 @@ def causal(offset: int = 0) -> Predicate:
 def window(left: int, right: int = 0) -> Predicate:
     """Keep ``i - left <= j <= i + right``; ``window(0)`` is the diagonal (only ``j == i``)."""
     return Predicate("window", (int_arg("window left size", left, 0), int_arg("window right size", right, 0)))
+
+
+def block_diagonal(block: int) -> Predicate:
+    """Keep ``i // block == j // block``: independent blocks of ``block`` positions (packed sequences)."""
+    return Predicate("block_diagonal", (int_arg("block_diagonal block size", block, 1),))
 
 
 def predicate(fn: Callable, name: str = "custom") -> Predicate:
