@@ -12,6 +12,7 @@ from .core.diagram import (DTYPES, Array, Axis, Box, Diagram, DType, Eqn, Relabe
                            f64, fp8_e4m3, fp8_e5m2, i8)
 from .core.errors import (CostError, DrawingError, EmptyAxisError, EquivalenceError, LoweringError, NapkinError,
                           RelabelError, ShapeError, TypingError, UnknownKindError, UnverifiedError)
+from .ops.grad import grad
 from .ops import AxisPower, Builder, IndexBias, Predicate, alibi, block_diagonal, causal, predicate, window
 from . import library, relabel
 from .relabel import RULES

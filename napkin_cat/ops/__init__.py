@@ -12,6 +12,7 @@ from .boxes import (cast_box, const_box, contract_box, diagonal_box, index_bias_
                     merge_box, norm_contract_box, normalize_box, param_box, reduce_box, slice_box,
                     softmax_box, softmax_contract_box, split_box, transpose_box, weave_box)
 from .builder import Builder, Wire, contract, op
+from .grad import VJP_RULES, Tracer, grad
 from ..core import registry as _registry
 
 _registry.register("weave_box", weave_box)

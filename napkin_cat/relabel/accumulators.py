@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..core.diagram import Box
-from ..ops.kinds import NORMALISATIONS
+from ..ops.kinds import NORMALISATIONS, spec
 
 REDUCING_KINDS = ("contract", "reduce", "softmax_contract", "norm_contract")
 
@@ -103,7 +103,7 @@ def derive_accumulator(box: Box, eqn: int, axis: str) -> Accumulator | str:
     if box.kind == "reduce":
         op = box.param("op")
         return Accumulator("logsumexp" if op == "logsumexp" else "reduce", eqn, box, axis)
-    if box.kind in ("softmax_contract", "norm_contract"):
+    if spec(box).fused:
         if box.param("axis") != axis:
             return f"{box.name} contracts {box.param('axis')}, not {axis}"
         stat = set(stat_names(box, axis))
@@ -113,7 +113,7 @@ def derive_accumulator(box: Box, eqn: int, axis: str) -> Accumulator | str:
         if box.kind == "softmax_contract" or is_softmax_family(box):
             return Accumulator("online_softmax", eqn, box, axis)
         return Accumulator("normalized", eqn, box, axis)
-    if box.kind in ("softmax", "normalize"):
+    if spec(box).shape == "normaliser":
         return (f"{box.name} normalises along {axis} and keeps it: each output needs the whole "
                 f"row; it streams only when followed by a contraction over {axis} "
                 f"(softmax-contraction), and the probabilities must not be an output")

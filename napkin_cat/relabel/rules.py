@@ -86,7 +86,7 @@ def acts_along(box: Box, axis: str) -> str | None:
     """Why ``box`` is not weaved over ``axis`` although its input and output carry it."""
     if normalises_along(box, axis):
         return f"{box.name} normalises along {axis}"
-    if box.kind == "reindex" and box.param("op") != "transpose":
+    if spec(box).shape == "reindex" and box.param("op") != "transpose":
         touched = {box.param(k, None) for k in ("axis", "outer", "inner", "keep", "drop", "new")}
         if axis in touched:
             return f"{box.name} reindexes axis {axis}"

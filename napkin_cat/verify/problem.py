@@ -73,7 +73,7 @@ class _Problem:
         masks = []
         for d in (a, b):
             for e in d.eqns:
-                if e.box.kind in ("mask", "index_bias"):
+                if spec(e.box).indexed:
                     rs, cs = axis_symbol[e.box.param("row")], axis_symbol[e.box.param("col")]
                     if isinstance(rs, str) and isinstance(cs, str) and rs != cs and (rs, cs) not in masks:
                         masks.append((rs, cs))
