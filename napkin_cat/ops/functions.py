@@ -142,6 +142,10 @@ _ENTRIES = (
     Function("silu", 1, "exp", lambda xp, x: x * xp.sigmoid(x), _SILU, derivative=_d_silu),
     Function("sigmoid", 1, "exp", lambda xp, x: xp.sigmoid(x), _SIGMOID,
              derivative=lambda t, g, y, x, c: (t("mul", g, t("mul", y, _one_minus(t, y))),)),
+    # softplus(x) = log(1 + e^x), written so that e^x never overflows; softplus' = sigmoid
+    Function("softplus", 1, "exp", lambda xp, x: xp.relu(x) + xp.log1p(xp.exp(-xp.abs(x))),
+             "max({a}, {ZERO}) + math.log1p(math.exp(-abs({a})))",
+             derivative=lambda t, g, y, x, c: (t("mul", g, t("sigmoid", x)),)),
     Function("tanh", 1, "exp", lambda xp, x: xp.tanh(x), "math.tanh({a})",
              derivative=lambda t, g, y, x, c: (t("mul", g, _one_minus(t, t("square", y))),)),
     Function("scale", 1, "fma", lambda xp, x, c: x * c, "{a} * {c}", constant=True,
