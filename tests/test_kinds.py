@@ -220,3 +220,12 @@ def test_a_predicate_rule_is_all_a_new_mask_needs(pred):
     bound = {**sizes, "s_x": 4, "g_q": 8}
     dense = nc.library.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q").bind(bound)
     assert nc.cost(flash.bind(bound)).flops["tensor"] < nc.cost(dense).flops["tensor"]
+
+
+@pytest.mark.parametrize("fn", sorted(FUNCTIONS))
+def test_a_function_calling_math_is_costed_on_the_special_function_unit(fn):
+    """exp, log, erf, tanh, sqrt run on the SFU: a function whose code calls one of them has
+    unit ``exp`` (dropping ``silu`` to ``fma`` would under-cost every SiLU MLP)."""
+    f = FUNCTIONS[fn]
+    if "math." in f.cuda:
+        assert f.unit == "exp", f"{fn} calls {f.cuda!r} but is costed as {f.unit}"
