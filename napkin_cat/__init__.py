@@ -4,7 +4,19 @@ Pipeline: ``diagram -> relabel -> final form (loop nest) -> {NumPy check, cost, 
 The package is a house of stages, each importing only the ones before it
 (docs/ARCHITECTURE.md): core <- ops <- {library, relabel} <- {verify, costmodel} <-
 {lowering, drawing} <- this face (``__init__``, ``cli``, ``imports``).
+
+``import napkin_cat`` is light: it imports core, ops and library (no NumPy, no sympy), so
+``napkin --help`` answers at once.  The later stages are imported on first use of one of their
+names (``nc.cost``, ``nc.lower``, ``nc.check_equivalent``, ``nc.RULES``, ...: module
+``__getattr__``, PEP 562) or of a verb (``d.stream(...)``, ``d.draw()``: stubs installed in the
+registry below, replaced by the stage's own functions when it is imported).
+
+>>> import napkin_cat as nc
+>>> callable(nc.cost) and callable(nc.lower) and "check_equivalent" in dir(nc)
+True
 """
+
+import importlib as _importlib
 
 from . import core, ops
 from .core import hardware, hierarchy, registry as _registry
@@ -14,15 +26,49 @@ from .core.errors import (CostError, DrawingError, EmptyAxisError, EquivalenceEr
                           RelabelError, ShapeError, TypingError, UnknownKindError, UnverifiedError)
 from .ops.grad import grad
 from .ops import AxisPower, Builder, IndexBias, Predicate, alibi, block_diagonal, causal, predicate, window
-from . import library, relabel
-from .relabel import RULES
-from .verify import check_equivalent, derive, evaluate
-# functions named like their stage would shadow it; the stage folders are named differently
-# (costmodel, lowering, drawing), so ``import napkin_cat.lowering.runtime`` always works
-from .costmodel import cost
-from .lowering import lower  # numba.cuda itself is imported on the first lowering, not here
+from . import library
 
 __version__ = "0.1.0"
+
+# name -> (stage module, attribute or None for the module itself).  Functions named like their
+# stage would shadow it, so the stage folders are named differently (costmodel, lowering,
+# drawing): ``import napkin_cat.lowering.runtime`` always works.
+_LAZY = {
+    "relabel": ("relabel", None), "RULES": ("relabel", "RULES"),
+    "verify": ("verify", None), "check_equivalent": ("verify", "check_equivalent"),
+    "derive": ("verify", "derive"), "evaluate": ("verify", "evaluate"),
+    "costmodel": ("costmodel", None), "cost": ("costmodel", "cost"),
+    "lowering": ("lowering", None), "lower": ("lowering", "lower"),
+}
+# the verification stage reads kernels through a table the lowering stage fills when imported
+# (verify/backend.py); numba.cuda itself is imported on the first lowering, not here
+_WITH = {"verify": ("lowering",)}
+
+
+def _stage(name: str):
+    module = _importlib.import_module(f"{__name__}.{name}")
+    for other in _WITH.get(name, ()):
+        _importlib.import_module(f"{__name__}.{other}")
+    return module
+
+
+def __getattr__(name: str):
+    try:
+        stage, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    module = _stage(stage)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+_HELPERS = {"_importlib", "_LAZY", "_WITH", "_HELPERS", "_stage", "_lazy_verb", "__getattr__", "__dir__"}
+
+
+def __dir__():
+    """The public names, the lazy ones included (they appear before their stage is imported)."""
+    return sorted((set(globals()) - _HELPERS) | set(_LAZY))
 
 
 def to_torch(d):
@@ -42,6 +88,24 @@ def _to_svg(d):
     return to_svg(d)
 
 
-# the drawing stage is heavy (matplotlib): its verbs are registered lazily
+def _lazy_verb(name: str, stage: str):
+    """A stand-in for verb ``name`` until ``stage`` is imported: the first call imports the stage
+    (which registers the real function in its place) and calls it."""
+    def stub(*args, **kwargs):
+        _stage(stage)
+        fn = _registry.VERBS.get(name)
+        if fn is None or fn is stub:
+            raise NapkinError(f"{name}: importing napkin_cat.{stage} did not register it")
+        return fn(*args, **kwargs)
+    stub.__name__ = stub.__qualname__ = name
+    stub.__doc__ = f"``Diagram.{name}``: imports :mod:`napkin_cat.{stage}` on first use, then calls its {name}."
+    return stub
+
+
+# the verbs of the later stages (core/registry.py); ``weave_box`` is registered by ops, above
+for _name in ("tile", "stream", "place", "require", "order", "loop_nest"):
+    _registry.VERBS.setdefault(_name, _lazy_verb(_name, "relabel"))
 _registry.register("draw", draw)
 _registry.register("to_svg", _to_svg)
+_registry.VERBS.setdefault("final_form_html", _lazy_verb("final_form_html", "drawing"))  # FinalForm in notebooks
+del _name

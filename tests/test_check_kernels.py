@@ -78,6 +78,7 @@ def test_check_kernel_finds_a_planted_bug_with_runnable_code(kernel):
     assert ns["_shown"][0] == cx["a_value"]
 
 
+@pytest.mark.slow
 def test_check_lowered_draws_sizes_blocks_and_threads():
     report = nc.check_equivalent(ATTN, ATTN.stream(x, 2).tile(q, "g_q"), lowered=True, examples=5,
                                  max_size=6, lower_options={"threads": (16, 32), "prefetch": (False, "double")})
@@ -85,6 +86,7 @@ def test_check_lowered_draws_sizes_blocks_and_threads():
     assert report.examples == 5
 
 
+@pytest.mark.slow
 def test_check_lowered_reports_a_wrong_kernel_with_its_options(kernel, monkeypatch):
     from napkin_cat.lowering import Kernel
     real = Kernel.__init__

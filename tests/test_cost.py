@@ -200,7 +200,7 @@ def _brute(cost, sizes, memory):
 
 @pytest.mark.parametrize("sizes,memory", [({"a": 24, "b": 16, "c": 40}, 200), ({"a": 30, "b": 7, "c": 9}, 57)])
 def test_exact_search_matches_brute_force(sizes, memory):
-    best = matmul_cost().optimize(sizes, memory=memory)
+    best = matmul_cost().optimize(sizes, memory=memory, usable=False)
     assert best.exhaustive
     assert float(best.objective) == pytest.approx(_brute(matmul_cost(), sizes, memory), rel=1e-12)
     assert best.memory["SMEM"] <= memory
@@ -210,7 +210,7 @@ def test_optimize_respects_require():
     A, B, C = nc.axes("a b c")
     dg = nc.library.matmul(a=A, b=B, c=C).require(A, 64).require(C, 32)
     cost = nc.cost(dg.tile(A, "g_a").tile(C, "g_c").stream(B, "s_b"))
-    best = cost.optimize({A: 4096, B: 4096, C: 4096}, memory=65536)
+    best = cost.optimize({A: 4096, B: 4096, C: 4096}, memory=65536, usable=False)
     assert best.tiles["g_a"] % 64 == 0 and best.tiles["g_c"] % 32 == 0
     # the best over multiples: brute force on the multiples with s_b = 1
     brute = min((4096 ** 3 * (sp.Rational(1, ga) + sp.Rational(1, gc)), ga, gc)
@@ -231,7 +231,7 @@ def test_optimize_divides_and_ragged_transfers():
 
 
 def test_optimize_with_hardware_capacity_in_bytes():
-    best = flash().optimize({Q: 8192, X: 8192, D: 128}, hw=H100, dtype=nc.f16, fixed={"s_x": 64})
+    best = flash().optimize({Q: 8192, X: 8192, D: 128}, hw=H100, dtype=nc.f16, fixed={"s_x": 64}, usable=False)
     assert best.memory_bytes["SMEM"] <= H100.smem_per_block_optin
     assert best.tiles["g_q"] == (227 * 1024 // 2 - 2 * 128 * 64) // (2 * 128)
     assert best.unit == "bytes" and best.gap >= 1
@@ -251,7 +251,7 @@ def test_closed_form_exponents_and_bound_is_below_every_optimum():
 # --------------------------------------------------------------------------- quantization
 
 def _tiling(cost, sizes, dtype):
-    best = cost.optimize(sizes, hw=H100, dtype=dtype)
+    best = cost.optimize(sizes, hw=H100, dtype=dtype, usable=False)   # the paper's optimum: every integer
     alphas, betas = cost.closed_form("SMEM")
     fixed = float(alphas[0].subs({size_symbol(k): v for k, v in sizes.items()}))
     return (float(best.objective) - fixed * dtype.bytes)
@@ -478,3 +478,136 @@ def test_skipped_chunks_have_no_closed_form_but_optimize():
     dense = flash().optimize({Q: 8192, X: 8192, D: 128}, memory=65536, fixed={"s_x": 64})
     assert best.bound is None and best.memory["SMEM"] <= 65536
     assert best.objective < dense.objective
+
+
+# --------------------------------------------------------------------------- parameters are costed
+
+DM, F = nc.axes("dm f")
+dm, f = size_symbol("dm"), size_symbol("f")
+g_t, s_f, g_c = size_symbol("g_t"), size_symbol("s_f"), size_symbol("g_c")
+
+
+def mlp(weights_as_params: bool = True):
+    """Y[t dm] = gelu(X W1) W2, the weights declared with Builder.param (or as inputs)."""
+    T = nc.Axis("t")
+    g = nc.Builder()
+    X = g.input("X", T, DM)
+    if weights_as_params:
+        W1, W2 = g.param("W1", DM, F), g.param("W2", F, DM)
+    else:
+        W1, W2 = g.input("W1", DM, F), g.input("W2", F, DM)
+    H_ = g.contract(X, W1, out=(T, F), name="H")
+    return g.diagram(g.contract(g.map("gelu", H_, name="A"), W2, out=(T, DM), name="Y")), T
+
+
+def test_params_are_in_the_signature():
+    dg, _ = mlp()
+    assert str(dg) == "X[t dm] f32; params W1[dm f] f32, W2[f dm] f32 -> Y[t dm] f32"
+    assert dg.short() == "[X[t dm] f32; params W1[dm f] f32, W2[f dm] f32 -> Y[t dm] f32]"
+    assert [a.name for a in dg.params] == ["W1", "W2"] and len(dg.dom) == 1
+    assert "params" not in str(nc.library.matmul())
+
+
+def test_mlp_cost_includes_the_weights():
+    dg, T = mlp()
+    # unrelabelled, every box reads its operands from HBM and writes its result back:
+    # H = X W1 reads X (t dm) and W1 (dm f), writes H (t f); gelu reads H, writes A (2 t f);
+    # Y = A W2 reads A (t f) and W2 (f dm), writes Y (t dm)
+    plain = nc.cost(dg)
+    assert plain.transfers["HBM"] == 2 * t * dm + 2 * dm * f + 4 * t * f
+    # tiled over t, streamed over f: X read and Y written once; W1 and W2 are shared by the
+    # t / g_t row tiles, so each tile re-reads them (dm f values each), a chunk of s_f at a time
+    fused = dg.tile(T, "g_t").stream(F, "s_f")
+    c = nc.cost(fused)
+    assert c.transfers["HBM"] == 2 * t * dm + 2 * dm * f * t / g_t
+    assert c.memory["SMEM"] == 2 * dm * g_t + 2 * dm * s_f       # X tile, Y state, a chunk of W1 and of W2
+    text = fused.loop_nest().pseudocode(memory=False)
+    assert "load param W1[dm s_f] -> SMEM" in text and "load param W2[s_f dm] -> SMEM" in text
+    # a parameter costs what an input costs
+    inputs, _ = mlp(weights_as_params=False)
+    assert nc.cost(inputs.tile(T, "g_t").stream(F, "s_f")).transfers == c.transfers
+    assert nc.cost(inputs).transfers == plain.transfers
+    # at any size the weights cross HBM at least once: dm f + f dm
+    at = c.subs({"t": 4096, "dm": 1024, "f": 4096, "g_t": 4096, "s_f": 64})
+    assert at.transfers["HBM"] == 2 * 4096 * 1024 + 2 * 1024 * 4096
+
+
+def test_params_of_a_tiled_matmul_are_reread_per_tile():
+    A_, B_, C_ = nc.axes("a b c")
+    g = nc.Builder()
+    X = g.input("X", A_, B_)
+    dg = g.diagram(g.contract(X, g.param("W", B_, C_), out=(A_, C_), name="Y"))
+    tiled = nc.cost(dg.tile(A_, "g_a").tile(C_, "g_c").stream(B_, "s_b"))
+    # as for C = A B: X once per column tile of W, W once per row tile of X
+    assert tiled.transfers["HBM"] == a * b * c / g_c + a * b * c / g_a + a * c
+    assert tiled.transfers == matmul_cost().transfers
+    rows = nc.cost(dg.tile(A_, "g_a"))
+    assert rows.transfers["HBM"] == a * b + b * c * a / g_a + a * c
+    # the relabelled loop nest still computes the diagram with the parameter passed by name
+    import numpy as np
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((5, 7)), rng.standard_normal((7, 6))
+    sizes = {"c": 6}
+    out = nc.evaluate(dg.tile(A_, 2).tile(C_, 4).stream(B_, 3), x, params={"W": w}, sizes=sizes)
+    assert np.allclose(out, x @ w)
+
+
+# --------------------------------------------------------------------------- usable tiles
+
+def test_optimize_returns_usable_tiles_for_attention_at_h100_sizes():
+    best = flash().optimize({Q: 8192, X: 8192, D: 128}, hw=H100, dtype=nc.f16)
+    assert best.usable and all(v % 16 == 0 for v in best.tiles.values())
+    assert best.tiles == {"s_x": 16, "g_q": 128}
+    # o[g_q d] over 256 threads is a micro-tile of 64 accumulators per thread: g_q = 144 is not
+    assert best.registers["micro per thread"] == 128 * 128 // 256 == best.register_capacity["micro per thread"]
+    assert all(best.registers[k] <= best.register_capacity[k] for k in best.registers)
+    # the unconstrained optimum (every integer, no register check) and the gap to it
+    free = best.unconstrained
+    assert free.tiles == {"s_x": 1, "g_q": 453} and not free.usable
+    assert best.usable_gap == pytest.approx(float(best.objective) / float(free.objective))
+    assert best.usable_gap > 3                # the usable tiles move 3.4 times more into SMEM
+    assert free.objective <= best.objective
+    assert flash().optimize({Q: 8192, X: 8192, D: 128}, hw=H100, dtype=nc.f16, usable=False).tiles == free.tiles
+
+
+def test_optimize_returns_usable_tiles_for_matmul_at_h100_sizes():
+    sizes = {"a": 4096, "b": 4096, "c": 4096}
+    best = matmul_cost().optimize(sizes, hw=H100, dtype=nc.f16)
+    assert best.tiles == {"g_a": 128, "g_c": 128, "s_b": 16}
+    free = best.unconstrained
+    assert any(v % 16 for v in free.tiles.values())          # no kernel runs those
+    assert best.usable_gap == pytest.approx(float(best.objective) / float(free.objective))
+    assert best.usable_gap > 1 and best.gap >= best.usable_gap * 0.99
+    # a require() on top of the granule: multiples of lcm(16, 48) = 48
+    A_, B_, C_ = nc.axes("a b c")
+    req = nc.cost(nc.library.matmul(a=A_, b=B_, c=C_).require(A_, 48)
+                  .tile(A_, "g_a").tile(C_, "g_c").stream(B_, "s_b"))
+    assert req.optimize(sizes, hw=H100, dtype=nc.f16).tiles["g_a"] % 48 == 0
+
+
+def test_registers_refuse_an_impossible_micro_tile():
+    sizes = {"a": 4096, "b": 4096, "c": 4096}
+    # a 256 x 256 accumulator over 256 threads: 256 values per thread, a 16 x 16 micro-tile
+    with pytest.raises(nc.CostError, match="nothing fits the registers") as err:
+        matmul_cost().optimize(sizes, hw=H100, dtype=nc.f16, fixed={"g_a": 256, "g_c": 256})
+    assert "'micro per thread': 256" in str(err.value) and "usable=False" in str(err.value)
+    # over 1024 threads it is 8 x 8 per thread, which fits
+    ok = matmul_cost().optimize(sizes, hw=H100, dtype=nc.f16, fixed={"g_a": 256, "g_c": 256}, threads=1024)
+    assert ok.registers["micro per thread"] == 64
+    # usable=False searches every size and checks no registers
+    assert matmul_cost().optimize(sizes, hw=H100, dtype=nc.f16, fixed={"g_a": 256, "g_c": 256},
+                                  usable=False).registers is None
+
+
+def test_cost_and_optimum_html_show_the_levels():
+    page = flash()._repr_html_()
+    for part in ("<td>HBM</td>", "<td>SMEM</td>", "<td>registers</td>", "capacity", "transfers", "memory",
+                 "<td>tensor</td>", "<td>exp</td>", "232,448"):
+        assert part in page
+    best = flash().optimize({Q: 8192, X: 8192, D: 128}, hw=H100, dtype=nc.f16)
+    page = best._repr_html_()
+    for part in ("<td>g_q</td><td>128</td><td>453</td>", "<td>SMEM</td>", "<td>registers</td>",
+                 "unconstrained", "usable / unconstrained", "micro per thread"):
+        assert part in page
+    assert "unconstrained optimum s_x=1, g_q=453" in str(best) and repr(best).startswith("<optimum at SMEM")
+    assert str(flash()).startswith("transfers (values):") and repr(flash()).startswith("<Cost of Q[q d]")

@@ -13,6 +13,7 @@ import os
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+import copy  # noqa: E402
 import linecache  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -208,6 +209,7 @@ def _skip_without_nvvm(err: LoweringError):
         pytest.skip(f"numba-cuda cannot find libNVVM here: {text.splitlines()[0]}")
 
 
+@pytest.mark.slow
 def test_typecheck_kernel_catches_what_the_simulator_would_not():
     # the simulator would run this (Python ints go anywhere); numba's typing refuses it
     wrong = "void(float32[::1], float32[::1], int32, int64)"
@@ -217,6 +219,7 @@ def test_typecheck_kernel_catches_what_the_simulator_would_not():
     assert "TypingError" in str(info.value) and "setitem" in str(info.value)
 
 
+@pytest.mark.slow
 def test_numpy_shim_lets_numba_compile_without_row_stack():
     # numpy 2.5 has no row_stack; numba-cuda 0.30.4 then fails at its first compilation
     script = ("import numpy\n"
@@ -301,3 +304,203 @@ def test_noncontiguous_numpy_results_are_copied_back(gpu):
     view = base[::2]
     rt.Launcher(rt.compile_kernel(source, "twice"), 1, 4)(rt.as_device_array(view))
     assert base.tolist() == [0, 1, 4, 3, 8, 5, 12, 7]
+
+
+# ---- the Kernel's call path: return types and the packed launch ----------------------------
+
+@pytest.fixture(scope="module")
+def small_kernel():
+    import napkin_cat as nc
+    q, x, d = nc.axes("q x d")
+    flash = nc.library.attention(q=q, x=x, d=d).stream(x, 3).tile(q, 4)
+    return nc.lower(flash.bind({q: 5, x: 7, d: 4}), threads=16, verify=False)
+
+
+def _reference(kernel, *xs):
+    import napkin_cat as nc
+    return np.asarray(nc.evaluate(kernel.diagram, *(np.asarray(x, np.float64) for x in xs)))
+
+
+def _qkv_for(kernel, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in kernel.in_shapes]
+
+
+def test_kernel_returns_the_type_it_was_given_at_every_call(small_kernel, cuda_mode):
+    torch = pytest.importorskip("torch")
+    xs = _qkv_for(small_kernel)
+    want = _reference(small_kernel, *xs)
+    for _ in range(2):   # the first call compiles and builds caches; the second uses them
+        got = small_kernel(*xs)
+        assert type(got) is np.ndarray
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    ts = [torch.from_numpy(x.copy()) for x in xs]
+    for _ in range(2):
+        got = small_kernel(*ts)
+        assert type(got) is torch.Tensor and got.device == ts[0].device and got.dtype == torch.float32
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+    mixed = small_kernel(xs[0], ts[1], xs[2])   # any torch input makes the output torch
+    assert type(mixed) is torch.Tensor
+    out = torch.empty(small_kernel.out_shapes[0])
+    for _ in range(2):
+        assert small_kernel(*ts, out=out) is out
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-5)
+    cuda = rt.import_cuda()
+    devs = [cuda.to_device(x) for x in xs]
+    for _ in range(2):   # numba device arrays in, a device array out (the simulator's own there)
+        got = small_kernel(*devs)
+        assert getattr(got, "__cuda_ndarray__", False)
+        np.testing.assert_allclose(got.copy_to_host(), want, rtol=1e-4, atol=1e-5)
+
+
+class _FakeDriver:
+    """Stands in for cuLaunchKernel: records each launch, with the parameters read back through
+    the pointer array the driver would receive."""
+
+    def __init__(self, packed_values=None, result=0):
+        self.calls, self.result = [], result
+
+    def __call__(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        import ctypes
+        n = self.n_params
+        pointers = (ctypes.c_void_p * n).from_address(params)
+        values = [ctypes.c_int64.from_address(p).value for p in pointers]
+        self.calls.append(dict(func=func, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
+                               stream=stream, values=values, extra=extra))
+        return (self.result,)
+
+
+def _packed(layouts, result=0):
+    fake = _FakeDriver(result=result)
+    fake.n_params = sum(5 + 2 * len(shape) for _, _, shape, _ in layouts)
+    return rt.PackedLaunch("FUNC", (3, 1, 1), (64, 1, 1), 1024, layouts, fake), fake
+
+
+def test_packed_launch_passes_numbas_array_parameters_and_only_pointers_change():
+    packed, fake = _packed([(20, 4, (20,), (4,)), (6, 4, (2, 3), (12, 4))])
+    assert packed([0x1000, 0x2000], stream=7)
+    assert packed([0x3000, 0x4000])
+    first, second = fake.calls
+    # meminfo, parent, nitems, itemsize, data, shape..., strides... (numba's ABI for an array)
+    assert first["values"] == [0, 0, 20, 4, 0x1000, 20, 4, 0, 0, 6, 4, 0x2000, 2, 3, 12, 4]
+    assert second["values"] == [0, 0, 20, 4, 0x3000, 20, 4, 0, 0, 6, 4, 0x4000, 2, 3, 12, 4]
+    assert (first["func"], first["grid"], first["block"], first["smem"], first["stream"], first["extra"]) == (
+        "FUNC", (3, 1, 1), (64, 1, 1), 1024, 7, 0)
+    assert second["stream"] == 0
+    refused, _ = _packed([(4, 4, (4,), (4,))], result=1)
+    assert refused([0x1000]) is False   # the caller then launches through numba
+
+
+def test_packed_launch_is_not_used_in_the_simulator(cuda_mode):
+    if cuda_mode != "simulator":
+        pytest.skip("simulator only")
+    kernel = rt.compile_kernel(SMOKE_SOURCE, "smoke", SMOKE_DYN_BYTES)
+    x, y = smoke_inputs()
+    assert rt.Launcher(kernel, 2, BLOCK).pack((x, y, np.zeros_like(x))) is None
+
+
+def _fast_path(kernel, result=0):
+    """The torch fast path of ``kernel`` with a recording driver, on CPU tensors (device -1)."""
+    torch = pytest.importorskip("torch")
+    from napkin_cat.lowering import _TorchFastPath
+    layouts = [(int(np.prod(s)), 4, (int(np.prod(s)),), (4,)) for s in kernel.in_shapes + kernel.out_shapes]
+    packed, fake = _packed(layouts, result=result)
+    return _TorchFastPath(packed, kernel.in_shapes, kernel.out_shapes, torch.device("cpu"), torch,
+                          kernel.dispatcher), fake
+
+
+def test_torch_fast_path_launches_on_the_tensors_it_checked(small_kernel):
+    torch = pytest.importorskip("torch")
+    fast, fake = _fast_path(small_kernel)
+    fast.raw_stream = lambda index: 0
+    ts = [torch.from_numpy(x) for x in _qkv_for(small_kernel)]
+    got = fast(ts, None)
+    assert type(got) is torch.Tensor and tuple(got.shape) == small_kernel.out_shapes[0]
+    data = [v for i, v in enumerate(fake.calls[0]["values"]) if i % 7 == 4]
+    assert data == [t.data_ptr() for t in ts] + [got.data_ptr()]
+    out = torch.empty(small_kernel.out_shapes[0])
+    assert fast(ts, out) is out and fake.calls[1]["values"][-3] == out.data_ptr()
+
+
+def test_torch_fast_path_leaves_what_it_does_not_check_to_the_general_path(small_kernel):
+    torch = pytest.importorskip("torch")
+    fast, fake = _fast_path(small_kernel)
+    fast.raw_stream = lambda index: 0
+    Q, K, V = (torch.from_numpy(x) for x in _qkv_for(small_kernel))
+    q_shape = small_kernel.in_shapes[0]
+    declined = {
+        "float64": [Q.double(), K, V],
+        "strided": [torch.empty(q_shape[::-1]).T, K, V],
+        "shape": [Q[:-1], K, V],
+        "too few": [Q, K],
+        "subclass": [torch.nn.Parameter(Q), K, V],
+        "not a tensor": [Q.numpy(), K, V],
+    }
+    for why, arrays in declined.items():
+        assert fast(arrays, None) is None, why
+    out_shape = small_kernel.out_shapes[0]
+    for why, out in {"out requires grad": torch.empty(out_shape, requires_grad=True),
+                     "out float64": torch.empty(out_shape, dtype=torch.float64),
+                     "out count": (torch.empty(out_shape),) * 2}.items():
+        assert fast([Q, K, V], out) is None, why
+    assert fake.calls == []
+    refused, _ = _fast_path(small_kernel, result=1)
+    refused.raw_stream = lambda index: 0
+    assert refused([Q, K, V], None) is None
+
+
+def test_kernel_takes_the_general_path_when_the_fast_path_declines(small_kernel, cuda_mode):
+    torch = pytest.importorskip("torch")
+    fast, fake = _fast_path(small_kernel)
+    fast.raw_stream = lambda index: 0
+    xs = _qkv_for(small_kernel, seed=1)
+    saved = small_kernel._fast
+    small_kernel._fast = fast
+    try:
+        got = small_kernel(*(torch.from_numpy(x).double() for x in xs))   # declined: float64
+        assert fake.calls == [] and type(got) is torch.Tensor
+        np.testing.assert_allclose(got.numpy(), _reference(small_kernel, *xs), rtol=1e-4, atol=1e-5)
+        small_kernel(*(torch.from_numpy(x) for x in xs))                   # taken
+        assert len(fake.calls) == 1
+        with pytest.raises(Exception, match="expected shape"):
+            small_kernel(torch.from_numpy(xs[0])[:-1], *(torch.from_numpy(x) for x in xs[1:]))
+        mutant = copy.copy(small_kernel)   # what the planted-bug tests do: new source, new dispatcher
+        mutant._dispatcher, mutant._launchers = None, {}
+        mutant(*(torch.from_numpy(x) for x in xs))
+        assert len(fake.calls) == 1, "a copy with a new dispatcher launched the original through the fast path"
+    finally:
+        small_kernel._fast = saved
+
+
+@pytest.mark.gpu
+def test_torch_cuda_calls_after_the_first_take_the_packed_launch(gpu, small_kernel):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    xs = _qkv_for(small_kernel, seed=2)
+    want = _reference(small_kernel, *xs)
+    ts = [torch.from_numpy(x).cuda() for x in xs]
+    first = small_kernel(*ts)
+    assert small_kernel._fast.packed, "no packed launch after a call on float32 CUDA tensors"
+    for _ in range(3):
+        got = small_kernel(*ts)
+        assert type(got) is torch.Tensor and got.is_cuda
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(first.cpu().numpy(), want, rtol=1e-4, atol=1e-5)
+    out = torch.empty(small_kernel.out_shapes[0], device="cuda")
+    assert small_kernel(*ts, out=out) is out
+    strided = torch.empty(small_kernel.in_shapes[0][::-1], device="cuda").T
+    strided.copy_(ts[0])
+    np.testing.assert_allclose(small_kernel(strided, *ts[1:]).cpu().numpy(), want, rtol=1e-4, atol=1e-5)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            got = small_kernel(*ts)
+    side.synchronize()
+    np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4, atol=1e-5)
+    run = small_kernel.prepare(*ts, out=out)
+    out.zero_()
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-4, atol=1e-5)

@@ -177,3 +177,67 @@ def test_unknown_kind_is_refused_by_name():
     A = Array((nc.Axis("q"),), nc.f32, "A")
     with pytest.raises(nc.NapkinError, match="frobnicate"):
         drawing.to_svg(Box("frobnicate", Ty(A), Ty(A)).diagram())
+
+
+def test_intermediates_have_their_own_names():
+    """No two wires of a picture carry one name: a box's output named like an input, an output
+    or an earlier intermediate gets primes; inputs and outputs keep theirs."""
+    assert drawing_layout.display_names(L.attention()) == ("Q", "K", "V", "S", "S′", "P", "O")
+    assert drawing_layout.display_names(L.rmsnorm()) == ("X", "gamma", "X′", "ms", "ms′", "ms″", "X″", "Y")
+    for name, d in LIBRARY.items():
+        names = drawing_layout.display_names(d)
+        inner = [names[v] for v in range(len(d.dom), len(names)) if v not in d.outs]
+        ends = {names[v] for v in range(len(d.dom))} | {names[v] for v in d.outs}
+        assert len(set(inner)) == len(inner) and not set(inner) & ends, name
+    text = _svg_text(drawing.to_svg(L.rmsnorm())).split()
+    assert "X′" in text and "X″" in text
+
+
+def test_legend_explains_the_symbols_drawn():
+    text = _svg_text(drawing.to_svg(L.attention()))
+    for meaning in ("weaved axis", "summed or reduced axis", "axis normalised along"):
+        assert meaning in text
+    assert "index read" not in text and "copied wire" not in text   # only what the picture uses
+    text = _svg_text(drawing.to_svg(L.attention(causal=True)))
+    assert "index read (mask, bias)" in text
+    mm = L.matmul()
+    text = _svg_text(drawing.to_svg(mm >> Diagram.copy(mm.cod[0])))
+    assert "copied wire" in text
+    text = _svg_text(drawing.to_svg(Diagram.discard(Ty(Array((nc.Axis("q"),), nc.f32, "A")))))
+    assert "discarded wire" in text
+
+
+def test_relabelled_legend_names_the_levels_wires_live_at():
+    """FlashAttention: Q, K, V are loaded into SMEM whole (every axis), the scores live in
+    registers; no wire is called HBM, the caps are (in / out of HBM)."""
+    q, x, d = nc.axes("q x d")
+    flash = L.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q")
+    svg = drawing.to_svg(flash)
+    legend = _svg_text(svg)
+    assert "SMEM" in legend and "registers" in legend and "in / out of HBM" in legend
+    assert drawing.LEVEL_COLOURS["HBM"] not in svg
+    colours = styles.Colours(flash, {})
+    for v in range(3):   # Q, K, V: every wire at SMEM, partitioned or not
+        assert {colours.level(v, a.name) for a in flash.var_types()[v].axes} == {"SMEM"}
+    assert colours.level(3, "q") == "registers"
+
+
+def test_place_is_labelled_with_its_array_and_level():
+    q, x, d = nc.axes("q x d")
+    flash = L.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q").place("O", "registers")
+    assert styles.schedule_text(flash) == "stream(x, s_x), tile(q, g_q), place(O, registers)"
+    text = _svg_text(drawing.to_svg(flash))
+    assert "place(O, registers)" in text and "place()" not in text
+    assert styles.relabel_text(nc.Relabel("tile", "q", 32, "L2")) == "tile(q, 32, L2)"
+    assert styles.relabel_text(nc.Relabel("require", "q", 16)) == "require(q, 16)"
+
+
+def test_docs_pictures_regenerate(tmp_path):
+    from napkin_cat.drawing import plots
+
+    paths = plots.diagram_pictures(str(tmp_path))
+    assert len(paths) == 8
+    for p in paths:
+        data = open(p, "rb").read()
+        assert data.startswith(PNG_MAGIC) if p.endswith(".png") else b"<svg" in data
+    assert "FlashAttention derived: stream(x, s_x), tile(q, g_q)" in open(tmp_path / "attention_relabelled.svg").read()

@@ -254,6 +254,7 @@ def fuzz_one(family: str, data, stats: Counter):
                                   + kernel.source)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_kernel_fuzz_matches_oracle(family):
     stats: Counter = Counter()

@@ -92,7 +92,8 @@ def _check(dia, tiles, threads=16, seed=0, **kw):
     return kernel
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)   # the two largest: the slow tier
+                                  if n in ("attention_heads_batch", "attention_gqa") else n for n in sorted(CASES)])
 def test_lowered_kernel_matches_numpy_on_ragged_shapes(name, cuda_mode):
     build, tiles = CASES[name]
     _check(build(), tiles)
@@ -121,6 +122,7 @@ def test_scores_stay_in_registers_when_a_row_lives_in_one_warp(name, prefetch, c
     assert kernel.mappings["S"].split(" on ")[1] == kernel.mappings["O"].split(" on ")[1]
 
 
+@pytest.mark.slow
 def test_scores_in_registers_with_interleaved_micro_tile_rows(cuda_mode):
     # 8 x 8 micro-tiles: rows in groups of 4 spread over the tile, 2 lanes per row, three chunks
     kernel = _check(L.attention(q=q, x=x, d=d, causal=True).bind({q: 70, x: 37, d: 16}), {"q": 64, "x": 16},
@@ -174,6 +176,7 @@ def test_source_is_readable_and_names_the_plan():
     assert kernel.launch.grid == (2, 1, 1) and kernel.launch.block == (16, 1, 1)
 
 
+@pytest.mark.slow
 def test_batch_and_head_axes_become_grid_dimensions():
     kernel = nc.lower(L.attention(q=q, x=x, d=d, heads=h, batch=bb).bind({**SZ, h: 3, bb: 2}),
                       tiles=ATT, threads=16)

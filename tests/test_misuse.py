@@ -470,7 +470,8 @@ def test_cli_napkin_error_is_one_line_and_debug_shows_it(monkeypatch, capsys):
 
     def boom(out):
         raise nc.RelabelError("cannot stream c: softmax normalises along c\n  second line")
-    monkeypatch.setattr(cli, "demo", boom)
+    from napkin_cat import cli_demo
+    monkeypatch.setattr(cli_demo, "demo", boom)
     assert cli.main(["demo"]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "cannot stream c" in err and "second line" in err

@@ -1,6 +1,7 @@
 """Loop nests across several memory levels: a tile at L2 stages inputs there once per group,
 the SMEM groups inside reload from L2, and the cost splits transfers by the level they cross."""
 
+import numpy as np
 import pytest
 import sympy as sp
 
@@ -35,6 +36,7 @@ def test_l2_tile_of_matmul_rows_reads_b_once_per_row_panel():
     assert sp.simplify(t["L2"] - (A * B * C / S("g_c") + A * B * C / S("g_a") + A * C)) == 0
 
 
+@pytest.mark.slow
 def test_multilevel_nest_executes_like_the_diagram():
     q, x, d, h = nc.axes("q x d h")
     attn = nc.library.attention(q=q, x=x, d=d, heads=h, causal=True)
@@ -48,3 +50,27 @@ def test_levels_above_smem_do_not_lower():
     f = nc.library.attention(q=q, x=x, d=d, heads=h).tile(h, 2, level="L2").stream(x, 4).tile(q, 4)
     with pytest.raises(nc.LoweringError, match="level L2"):
         nc.lower(f.bind({q: 8, x: 8, d: 4, h: 4}))
+
+
+def test_params_are_staged_through_l2_like_inputs():
+    t, dm, f = nc.axes("t dm f")
+    g = nc.Builder()
+    X = g.input("X", t, dm)
+    W1, W2 = g.param("W1", dm, f), g.param("W2", f, dm)
+    mlp = g.diagram(g.contract(g.map("gelu", g.contract(X, W1, out=(t, f))), W2, out=(t, dm), name="Y"))
+    staged = mlp.tile(t, "G", level="L2").tile(t, "g_t").stream(f, "s_f")
+    c = nc.cost(staged)
+    T, DM, F, G, g_t = S("t"), S("dm"), S("f"), S("G"), S("g_t")
+    # the weights cross HBM once per L2 group of G rows, and L2 once per SMEM tile of g_t rows
+    assert sp.simplify(c.transfers["HBM"] - (2 * T * DM + 2 * DM * F * T / G)) == 0
+    assert sp.simplify(c.transfers["L2"] - (2 * T * DM + 2 * DM * F * T / g_t)) == 0
+    # an L2 group holds its X rows, its staged Y rows and both weights whole
+    assert sp.simplify(c.memory["L2"] - (2 * G * DM + 2 * DM * F)) == 0
+    text = staged.loop_nest().pseudocode(memory=False)
+    assert "load param W1[dm f] -> L2" in text and "load param W1[dm s_f] L2 -> SMEM" in text
+    rng = np.random.default_rng(1)
+    x, w1, w2 = rng.standard_normal((9, 4)), rng.standard_normal((4, 6)), rng.standard_normal((6, 4))
+    want = nc.evaluate(mlp, x, params={"W1": w1, "W2": w2}, sizes={"f": 6})
+    got = nc.evaluate(mlp.tile(t, 4, level="L2").tile(t, 2).stream(f, 4), x, params={"W1": w1, "W2": w2},
+                      sizes={"f": 6})
+    assert np.allclose(got, want)

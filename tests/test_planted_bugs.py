@@ -143,6 +143,7 @@ def test_counterexample_message_shows_the_shrunk_example(monkeypatch):
     assert "rng = np.random.default_rng(" in text and "nc.evaluate(b, Q, K, V, sizes=sizes)" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["concrete", "causal"])
 def test_rescale_skipped_on_moderate_jumps_is_caught(case, monkeypatch):
     """The running max must jump by 20-1e4 between chunks: the ``jumps`` regime makes such jumps

@@ -3,6 +3,8 @@ random sequences of relabelings on the library diagrams stay equivalent (a state
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -135,7 +137,7 @@ class Relabelling(RuleBasedStateMachine):
 
 
 Relabelling.TestCase.settings = settings(
-    max_examples=30, stateful_step_count=5, deadline=None,
+    max_examples=30 if os.environ.get("NAPKIN_TEST_TIER") == "full" else 10, stateful_step_count=5, deadline=None,
     phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),   # no slow "explain"
     suppress_health_check=[HealthCheck.nested_given, HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestRelabelling = Relabelling.TestCase

@@ -276,7 +276,11 @@ class Diagram:
 
         ``inputs`` lists the inputs mapped over ``axis`` (default: all); the others are shared
         by every ``j`` (inner broadcasting).  The new axis goes first on every array it
-        reaches; an axis already present is refused.
+        reaches; an axis already present is refused.  Weave before relabelling.
+
+        >>> import napkin_cat as nc
+        >>> print(nc.library.matmul().weave(nc.Axis("h", 8), inputs=[0]))
+        A[h=8 a b] f32, B[b c] f32 -> C[h=8 a c] f32
         """
         weave_box = registry.verb("weave_box")  # box kinds (ops) own their weaving rule
 
@@ -309,7 +313,13 @@ class Diagram:
 
     # ---- sizes
     def bind(self, sizes: dict) -> "Diagram":
-        """Substitute sizes: keys are Axis values, axis names, or symbol names."""
+        """Substitute sizes: keys are Axis values, axis names, or the names of symbolic tile and
+        stream sizes (``"g_q"``); a key the diagram does not have is an error.
+
+        >>> import napkin_cat as nc
+        >>> print(nc.library.matmul().bind({"a": 4, "b": 8, "c": 2}))
+        A[a=4 b=8] f32, B[b=8 c=2] f32 -> C[a=4 c=2] f32
+        """
         check_size_keys(self, sizes, "bind")
         return Diagram(self.dom.bind(sizes), self.cod.bind(sizes),
                        tuple(Eqn(e.box.bind(sizes), e.ins) for e in self.eqns), self.outs,
@@ -330,21 +340,61 @@ class Diagram:
 
     # ---- relabelings (the relabel stage registers them; methods for the fluent API)
     def tile(self, axis, size, level: str | None = None) -> "Diagram":
+        """Tile ``axis`` across cores: groups of ``size`` indices, one per block of the grid,
+        their arrays held at ``level`` (default ``"SMEM"``).
+
+        ``axis``: an :class:`Axis` or its name; ``size``: an int, or a name for a symbolic tile
+        size (``"g_q"``) that :func:`napkin_cat.cost` keeps as a symbol.  Returns a new diagram
+        (this one is unchanged); an axis that cannot be tiled raises
+        :class:`~napkin_cat.core.errors.RelabelError` with the reason.
+
+        >>> import napkin_cat as nc
+        >>> print(nc.library.attention().tile("q", "g_q"))
+        Q[q d] f32, K[x d] f32, V[x d] f32 -> O[q d] f32  | tile(q, g_q)
+        """
         return registry.verb('tile')(self, axis, size, level)
 
     def stream(self, axis, size, level: str | None = None) -> "Diagram":
+        """Stream ``axis`` through fast memory: a loop over chunks of ``size`` staged at ``level``
+        (default ``"SMEM"``).
+
+        A softmax (or streamable normalisation) followed by a contraction over ``axis`` is first
+        fused into an accumulator (online softmax); anything else that needs the whole axis is
+        refused with a :class:`~napkin_cat.core.errors.RelabelError` naming the reason.  ``size``
+        is an int or a symbol name (``"s_x"``).  Returns a new diagram.
+
+        >>> import napkin_cat as nc
+        >>> print(nc.library.attention().stream("x", 64))
+        Q[q d] f32, K[x d] f32, V[x d] f32 -> O[q d] f32  | stream(x, 64)
+        """
         return registry.verb('stream')(self, axis, size, level)
 
     def place(self, array: str, level: str) -> "Diagram":
+        """Keep the wire(s) named ``array`` at memory ``level`` (``"SMEM"``, ``"registers"``,
+        ...; :mod:`napkin_cat.core.hierarchy`).  Returns a new diagram; an unknown wire name
+        is a :class:`~napkin_cat.core.errors.RelabelError` listing the names."""
         return registry.verb('place')(self, array, level)
 
     def require(self, axis, multiple_of: int) -> "Diagram":
+        """Require the tile and stream sizes of ``axis`` to be multiples of ``multiple_of`` (the
+        least common multiple of every requirement on ``axis``); :meth:`Cost.optimize` and
+        ``lower`` respect it.  Returns a new diagram."""
         return registry.verb('require')(self, axis, multiple_of)
 
     def order(self, *axes_) -> "Diagram":
+        """Nest the stream loops over ``axes_`` in this order, outer first (each must be
+        streamed); loops not named keep their order.  Returns a new diagram."""
         return registry.verb('order')(self, *axes_)
 
     def loop_nest(self):
+        """The final form of this relabelled diagram: the loop nest (grid, stream loops, loads,
+        stores, accumulator init / update / finalise) that evaluation, cost and lowering read.
+        Computed once per diagram; ``.pseudocode()`` prints it.
+
+        >>> import napkin_cat as nc
+        >>> print(nc.library.matmul().tile("a", 64).loop_nest().pseudocode(memory=False).splitlines()[0])
+        for a in tiles of 64  (grid, SMEM)
+        """
         return registry.verb("loop_nest")(self)
 
     def unrelabelled(self) -> "Diagram":
@@ -352,20 +402,37 @@ class Diagram:
 
     # ---- drawing
     def draw(self, path: str | None = None, **kwargs):
+        """Draw this diagram as a Neural Circuit Diagram and return the matplotlib figure.
+
+        ``path`` saves it in the format its extension names (``.svg``, ``.png``, ``.pdf``);
+        keyword arguments (``levels``, ``title``, ``ax``, ``weaved``) are those of
+        :func:`napkin_cat.drawing.draw`.  matplotlib is imported on the first drawing.
+        Example: ``nc.library.attention().draw("attention.svg")``."""
         return registry.verb("draw")(self, path, **kwargs)
 
     def _repr_svg_(self) -> str:
         return registry.verb("to_svg")(self)
 
     # ---- printing
+    @property
+    def params(self) -> Ty:
+        """The parameters: arrays of boxes without inputs that name a value bound at evaluation
+        (``Builder.param``; ``params={name: array}`` to ``nc.evaluate``), in equation order.
+        They belong to the signature as the inputs do: ``str(d)`` lists them after the inputs."""
+        return Ty(*(e.box.cod[0] for e in self.eqns
+                    if not e.box.dom and e.box.param("pname", None) is not None))
+
     def short(self) -> str:
-        return f"[{errors.describe_ty(self.dom)} -> {errors.describe_ty(self.cod)}]"
+        """``[inputs; params ... -> outputs]``: the signature, for messages."""
+        params = self.params
+        extra = f"; params {errors.describe_ty(params)}" if len(params) else ""
+        return f"[{errors.describe_ty(self.dom)}{extra} -> {errors.describe_ty(self.cod)}]"
 
     def _sched_str(self) -> str:
         return ", ".join(f"{r.op}({r.axis}{', ' + str(r.size) if r.size is not None else ''})" for r in self.schedule)
 
     def __str__(self) -> str:
-        s = f"{errors.describe_ty(self.dom)} -> {errors.describe_ty(self.cod)}"
+        s = self.short()[1:-1]
         if self.schedule:
             s += "  | " + self._sched_str()
         return s

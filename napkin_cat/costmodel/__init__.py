@@ -2,7 +2,9 @@
 
 Imports core, ops and relabel.  Modules: :mod:`.rules` (the work of each box kind),
 :mod:`.skips` (chunks a mask skips), :mod:`.model` (:func:`cost`: the walk over the final
-form), :mod:`.report` (:class:`Cost`: bytes, closed forms, optima, time) and :mod:`.records`.
+form), :mod:`.report` (:class:`Cost`: bytes, closed forms, optima, time), :mod:`.search` (the
+integer search of an optimum), :mod:`.usable` (the tiles a kernel can use, the register level),
+:mod:`.display` (the notebook tables) and :mod:`.records`.
 """
 
 from .model import concurrent_groups, cost

@@ -49,7 +49,7 @@ import sympy as sp
 from ..core.diagram import Diagram, DType, f32
 from ..core.errors import CostError
 from ..core.hierarchy import Hierarchy
-from ..relabel.loopnest import Compute, Init, Load, Loop, Store, Update
+from ..relabel.loopnest import Compute, Init, Load, Loop, Store, Update, param_vars
 from .records import ZERO, Move, Op, Resident, frozen
 from .report import Cost
 from .rules import UNITS, box_work
@@ -68,6 +68,7 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
     bottom = h.names[-1]
     dd = ff.diagram
     types = dd.var_types()
+    params = set(param_vars(dd).values())
     moves: list[Move] = []
     ops: list[Op] = []
     alias: dict[tuple, tuple] = {}
@@ -142,6 +143,13 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
             if node.level != node.dst:
                 key, b = buf(("copy", node.var, node.level) if node.flush else ("var", node.var), loops)
                 move("store", key, b, node.dst, node.level, loops)
+        elif isinstance(node, Compute) and node.eqn in params:
+            # a parameter lives at the top level like an input: its Compute is its load (one
+            # that nothing reads has no load, and costs nothing)
+            (v,) = dd.eqn_outputs(node.eqn)
+            if node.src is not None and node.level != node.src:
+                key, b = buf(("var", v) if node.final else ("copy", v, node.level), loops)
+                move("load", key, b, node.src, node.level, loops)
         elif isinstance(node, Compute):
             e = dd.eqns[node.eqn]
             touch("read", e.ins, loops, clevel)
@@ -174,7 +182,7 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
         rows = []
         for b in col.live:
             name, dt, stat = ident(b.key)
-            rows.append(Resident(b.level, b.size, name, dt, stat))
+            rows.append(Resident(b.level, b.size, name, dt, stat, b.key[0] == "state"))
         columns.append(tuple(rows))
     transfers: dict[str, sp.Expr] = {}
     for m in moves:

@@ -65,13 +65,15 @@ class Op:
 @dataclass(frozen=True)
 class Resident:
     """A buffer live at one program point; ``stat`` marks an accumulator's statistic (row max,
-    row sum), which stays f32 whatever dtype the arrays are given."""
+    row sum), which stays f32 whatever dtype the arrays are given, ``state`` any state of an
+    accumulator."""
 
     level: str
     size: sp.Expr
     array: str
     dtype: DType
     stat: bool = False
+    state: bool = False      # an accumulator's state (a kernel holds it in registers)
 
 
 def resolve_dtype(name: str, dtype: DType, dtypes, stat: bool = False) -> DType:
@@ -157,7 +159,14 @@ class ClosedForm:
 
 @dataclass(frozen=True)
 class Optimum:
-    """Integer tile/stream sizes minimising the transfers into ``level`` under its capacity."""
+    """Integer tile/stream sizes minimising the transfers into ``level`` under its capacity.
+
+    ``gap`` is ``objective / bound`` (the closed form ``H*(M)``).  With ``usable`` the sizes are
+    ones a kernel can use (``rule``; :mod:`napkin_cat.costmodel.usable`): ``unconstrained`` is the
+    optimum over every integer and ``usable_gap`` what the usable choice costs against it
+    (``objective / unconstrained.objective``, at least 1).  ``registers`` and
+    ``register_capacity`` (values per thread and per SM, with a hardware profile) and
+    ``capacities`` (per level, in ``unit``) are the capacities the search checked."""
 
     tiles: Mapping[str, int]
     transfers: Mapping[str, int | Fraction]
@@ -173,12 +182,35 @@ class Optimum:
     capacity: int
     unit: str                          # "values" or "bytes"
     exhaustive: bool
+    usable: bool = False
+    rule: str = ""
+    capacities: Mapping[str, int] | None = None
+    registers: Mapping[str, int] | None = None
+    register_capacity: Mapping[str, int] | None = None
+    threads: int | None = None
+    unconstrained: "Optimum | None" = None
+    usable_gap: float | None = None
 
     def __str__(self) -> str:
         tiles = ", ".join(f"{k}={v}" for k, v in self.tiles.items())
         gap = f", gap {self.gap:.4f}" if self.gap is not None else ""
-        return (f"optimum at {self.level} (capacity {self.capacity} {self.unit}): {tiles}; "
+        text = (f"optimum at {self.level} (capacity {self.capacity} {self.unit}): {tiles}; "
                 f"transfers {dict(self.transfers)}, bound {self.bound}{gap}")
+        if self.unconstrained is not None:
+            free = ", ".join(f"{k}={v}" for k, v in self.unconstrained.tiles.items())
+            text += (f"\n  usable tiles ({self.rule}); unconstrained optimum {free}, "
+                     f"usable/unconstrained {self.usable_gap:.4f}")
+        if self.registers is not None:
+            text += (f"\n  registers {dict(self.registers)} of {dict(self.register_capacity)} "
+                     f"({self.threads} threads)")
+        return text
+
+    def __repr__(self) -> str:
+        return f"<{self}>"
+
+    def _repr_html_(self) -> str:
+        from .display import optimum_html
+        return optimum_html(self)
 
 
 @dataclass(frozen=True)

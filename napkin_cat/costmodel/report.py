@@ -26,6 +26,8 @@ from .records import (ZERO, ClosedForm, Move, MultiLevel, Occupancy, Op, Optimum
                       leading, number, positive_int, powers, product, resolve_dtype, sparse,
                       uniform_bytes)
 from .rules import UNITS
+from .search import search
+from .usable import THREADS
 
 
 @dataclass(frozen=True, repr=False)
@@ -51,8 +53,8 @@ class Cost:
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __repr__(self) -> str:
-        return (f"Cost({self.diagram}, transfers={dict(self.transfers)}, memory={dict(self.memory)}, "
-                f"flops={dict(self.flops)})")
+        return (f"<Cost of {self.diagram}: transfers {dict(self.transfers)}, memory {dict(self.memory)}, "
+                f"flops {dict(self.flops)}>")
 
     # ---- symbols
     @property
@@ -169,6 +171,15 @@ class Cost:
 
     __str__ = table
 
+    def html(self, hw=None, dtype=None) -> str:
+        """An HTML table per level (transfers, peak memory, ``hw``'s capacity; bytes at
+        ``dtype`` beside the values) and the FLOPs per unit: the notebook view."""
+        from .display import cost_html
+        return cost_html(self, hw, dtype)
+
+    def _repr_html_(self) -> str:
+        return self.html()
+
     # ---- closed form
     def closed_form(self, level: str = "SMEM", bytes: bool = False, dtypes=None) -> ClosedForm:
         """``H*(M) = sum_t alpha_t M^(-beta_t)``: the transfers into ``level`` with tile sizes
@@ -230,163 +241,40 @@ class Cost:
     # ---- optimisation
     def optimize(self, sizes: Mapping, hw=None, dtype=None, level: str = "SMEM",
                  fixed: Mapping | None = None, memory: int | None = None,
-                 divides: bool = False) -> Optimum:
+                 divides: bool = False, usable: bool = True, threads: int = THREADS) -> Optimum:
         """Exact integer search for the symbolic tile/stream sizes minimising the transfers into
         ``level`` subject to ``memory(level) <= capacity`` and ``require`` divisibility.
 
         Capacity: ``memory`` values if given (the paper's M), else ``hw.capacity(level)`` bytes
         with array sizes in bytes (``dtype``: a DType or ``{array: DType}``).  ``divides=True``
         keeps only tiles dividing their axis.  Transfers use the model's trip counts
-        (``axis / tile``); ``transfers_ragged`` counts whole ragged last tiles."""
-        check_level(level, "optimize")
-        check_dtypes(dtype, "optimize")
-        if fixed is not None and not hasattr(fixed, "items"):
-            raise CostError(f"optimize: fixed must be a dict {{tile or stream size: int}}, got {fixed!r}")
-        for name, v in (fixed or {}).items():
-            positive_int(v, f"optimize: fixed {name}")
-        subs = self._subs(sizes)
-        subs.update(self._subs(fixed or {}))
-        in_bytes = memory is None
-        if memory is not None and hw is not None:
-            raise CostError(f"optimize: give hw (capacity from {getattr(hw, 'name', hw)}) or memory={memory!r} "
-                            f"(capacity in values), not both: one of them would be ignored")
-        if in_bytes:
-            if hw is None:
-                raise CostError("optimize needs hw (a hardware profile) or memory=<capacity in values>")
-            check_hw(hw, "optimize")
-            cap = hw.capacity(level)
-            mem_e = sp.sympify(self.memory_bytes(level, dtype)).subs(subs)
-            obj_e = self.objective(level, dtype, True).subs(subs)
-        else:
-            cap = positive_int(memory, "optimize: memory (capacity in values)")
-            mem_e = sp.sympify(self.memory.get(level, ZERO)).subs(subs)
-            obj_e = self.objective(level).subs(subs)
-        blocks = self.blocks
-        free = [size_symbol(n) for n in blocks if size_symbol(n) not in subs]
-        missing = (mem_e.free_symbols | obj_e.free_symbols) - set(free)
-        if missing:
-            raise CostError(f"sizes missing for {sorted(map(str, missing))} (given: "
-                            f"{sorted(str(k) for k in subs)})")
-        cands, req = {}, requirements(self.diagram)
-        for s in free:
-            k, bound = 1, None
-            for op, axis in blocks[s.name]:
-                k = math.lcm(k, req.get(axis, 1))
-                n = size_expr(self.diagram.axis(axis).size).subs(subs)
-                if not n.is_Integer:
-                    raise CostError(f"size of axis {axis} is needed to bound {s}")
-                bound = int(n) if bound is None else min(bound, int(n))
-            cand = list(range(k, bound + 1, k))
-            if divides:
-                cand = [v for v in cand if bound % v == 0]
-            if not cand:
-                raise CostError(f"no size for {s} is a multiple of {k} and at most {bound}")
-            cands[s] = cand
-        for name in (fixed or {}):
-            if name not in blocks:
-                raise CostError(f"fixed {name!r} is not a tile or stream size of this diagram "
-                                f"(those are {sorted(blocks)})")
-            for op, axis in blocks[name]:
-                k = req.get(axis, 1)
-                if int(fixed[name]) % k:
-                    raise CostError(f"fixed {name}={fixed[name]} is not a multiple of {k} (require on {axis})")
-                n = size_expr(self.diagram.axis(axis).size).subs(subs)
-                if n.is_Integer and int(fixed[name]) > int(n):
-                    raise CostError(f"fixed {name}={fixed[name]} is larger than axis {axis}={n}")
-        mem_f = sp.lambdify(free, mem_e, "math")
-        obj_f = sp.lambdify(free, obj_e, "math")
-        unit = "bytes" if in_bytes else "values"
+        (``axis / tile``); ``transfers_ragged`` counts whole ragged last tiles.
 
-        def fits(assign) -> bool:
-            return mem_f(*[assign[s] for s in free]) <= cap
+        Usable tiles (``usable=True``, the default): every size left free is a multiple of 16 up
+        to its axis (powers of two from 16 and multiples of a warp's 32 among them; an axis
+        shorter than 16 is one block), the granule of the lowering's thread mappings; with
+        ``hw`` the register level is a capacity too: a group's register-resident buffers and
+        accumulator states, over ``threads`` threads, fit one micro-tile per thread (64 values),
+        255 registers per thread and the SM's register file (:mod:`napkin_cat.costmodel.usable`).
+        ``fixed`` sizes are taken as given.  The result also holds the optimum over every integer
+        (``unconstrained``) and ``usable_gap``, what the usable choice costs against it;
+        ``usable=False`` searches every integer (the paper's optimum) and checks no registers.
 
-        base = {s: cands[s][0] for s in free}
-        if not fits(base):
-            what = f"{cap} {unit}" + (f" ({hw.name}, {dtype_name(dtype)})" if in_bytes else "")
-            shown = {str(k): int(v) for k, v in subs.items()}
-            need = number(mem_e.subs(base)) if free else number(mem_e)
-            raise CostError(f"nothing fits {level}: capacity {what}, sizes {shown}; the smallest "
-                            f"blocks {({str(k): v for k, v in base.items()})} need {need} {unit} "
-                            f"(memory at {level} = {self.memory.get(level, ZERO)})")
-        obj_syms = [s for s in free if s in obj_e.free_symbols]
-        mono = [s for s in obj_syms if (-sp.diff(obj_e, s)).is_nonnegative]
-        inner = mono[-1] if mono else None
-        outer = [s for s in obj_syms if s is not inner]
-        exhaustive = True
-        if math.prod(len(cands[s]) for s in outer) > 200_000:
-            exhaustive = False
-            for s in outer:
-                cands[s] = sparse(cands[s])
-        found: list[tuple[float, dict]] = []
-
-        def record(assign):
-            found.append((float(obj_f(*[assign[s] for s in free])), dict(assign)))
-
-        def visit(i, assign):
-            if i == len(outer):
-                if inner is not None:
-                    lo, hi = 0, len(cands[inner]) - 1
-                    while lo < hi:
-                        mid = (lo + hi + 1) // 2
-                        assign[inner] = cands[inner][mid]
-                        if fits(assign):
-                            lo = mid
-                        else:
-                            hi = mid - 1
-                    assign[inner] = cands[inner][lo]
-                record(assign)
-                if inner is not None:
-                    assign[inner] = cands[inner][0]
-                return
-            s = outer[i]
-            for v in cands[s]:
-                assign[s] = v
-                if not fits(assign):
-                    break
-                visit(i + 1, assign)
-            assign[s] = cands[s][0]
-
-        visit(0, dict(base))
-        best = min(f for f, _ in found)
-        close = [a for f, a in found if f <= best * (1 + 1e-9) + 1e-12]
-        exact = sorted(close, key=lambda a: (obj_e.subs(a), mem_e.subs(a), tuple(a[s] for s in free)))
-        choice = exact[0]
-        tiles = {n: int(choice.get(size_symbol(n), subs.get(size_symbol(n)))) for n in blocks}
-        return self._optimum(tiles, subs, choice, level, cap, unit, dtype, exhaustive, obj_e)
-
-    def _optimum(self, tiles, subs, choice, level, cap, unit, dtype, exhaustive, obj_e) -> Optimum:
-        allsubs = {**subs, **{size_symbol(k): sp.Integer(v) for k, v in tiles.items()}}
-        at = lambda e: number(sp.sympify(e).subs(allsubs))
-        transfers = {lv: at(e) for lv, e in self.transfers.items()}
-        ragged: dict[str, sp.Expr] = {}
-        for m in self.moves:
-            ragged[m.upper] = ragged.get(m.upper, ZERO) + m.per_exec * m.ragged_execs
-        objective = at(obj_e.subs(choice))
-        bound, gap = None, None
-        try:
-            if unit == "values":
-                cf, M_val, obj_v = self.closed_form(level), sp.Integer(cap), objective
-            else:
-                q = uniform_bytes(self, level, dtype)
-                if q is not None:
-                    cf, M_val = self.closed_form(level), sp.Rational(cap, q)
-                    obj_v = at(self.objective(level))
-                else:
-                    cf, M_val, obj_v = self.closed_form(level, True, dtype), sp.Integer(cap), objective
-            b = cf.at(M_val, allsubs)
-            bound = number(b)
-            gap = float(sp.nsimplify(obj_v) / b) if b != 0 else None
-        except CostError:
-            pass
-        return Optimum(
-            tiles=frozen(tiles), transfers=frozen(transfers),
-            transfers_ragged=frozen({lv: int(sp.ceiling(e.subs(allsubs))) for lv, e in ragged.items()}),
-            bytes=frozen({lv: at(e) for lv, e in self.bytes(None, dtype).items()}),
-            memory=frozen({lv: int(at(e)) for lv, e in self.memory.items()}),
-            memory_bytes=frozen({lv: int(at(e)) for lv, e in self.memory_bytes(None, dtype).items()}),
-            flops=frozen({u: at(e) for u, e in self.flops.items()}),
-            objective=objective, bound=bound, gap=gap, level=level, capacity=cap, unit=unit,
-            exhaustive=exhaustive)
+        >>> import napkin_cat as nc
+        >>> q, x, d = nc.axes("q x d")
+        >>> c = nc.cost(nc.library.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q"))
+        >>> best = c.optimize({q: 8192, x: 8192, d: 128}, hw=nc.hardware.H100, dtype=nc.f16)
+        >>> best.tiles, best.unconstrained.tiles, round(best.usable_gap, 2)
+        ({'s_x': 16, 'g_q': 128}, {'s_x': 1, 'g_q': 453}, 3.41)
+        >>> best.registers                       # o[g_q d], two score chunks, the row max and sum
+        {'micro per thread': 64, 'per thread': 81, 'per SM': 20736}
+        """
+        best = search(self, sizes, hw, dtype, level, fixed, memory, divides, usable, threads)
+        if not usable:
+            return best
+        free = search(self, sizes, hw, dtype, level, fixed, memory, divides, False, threads)
+        ratio = float(sp.nsimplify(best.objective) / sp.nsimplify(free.objective)) if free.objective else 1.0
+        return replace(best, unconstrained=free, usable_gap=ratio)
 
     # ---- occupancy and time
     def occupancy(self, hw, sizes: Mapping, dtype=None, level: str = "SMEM", stages: int = 1,
@@ -520,9 +408,9 @@ class Cost:
         ``cluster``) prices ``H*(N M_c)`` at the outer bandwidth and the rest at the cluster's
         (Theorem 3), with the profile's measured cluster figures (``cluster_bandwidth[N]``, and
         ``[1]`` for the outer price when present, from the same measurements).  Each ``H*(M_l)``
-        is the exact integer optimum (tiles capped at their axes); ``closed_seconds`` uses the
-        closed form, which beyond the size where a tile covers its axis undercuts the
-        compulsory traffic."""
+        is the exact integer optimum over every size (``usable=False``; tiles capped at their
+        axes); ``closed_seconds`` uses the closed form, which beyond the size where a tile covers
+        its axis undercuts the compulsory traffic."""
         check_hw(hw, "multilevel")
         check_level(level, "multilevel")
         check_dtypes(dtype, "multilevel")
@@ -541,7 +429,7 @@ class Cost:
         subs = self._subs(sizes)
 
         def H(M_values: int):
-            opt = self.optimize(sizes, memory=M_values, level=level)
+            opt = self.optimize(sizes, memory=M_values, level=level, usable=False)
             closed = number(cf.at(M_values, subs)) if cf is not None else None
             return opt.objective, closed
 

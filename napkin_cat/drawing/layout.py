@@ -85,6 +85,33 @@ def contracts(box) -> bool:
     return s.shape == "reduction" and (s.axis is None or s.fused)
 
 
+def display_names(d: Diagram) -> tuple[str, ...]:
+    """The name each variable is drawn with: inputs and outputs keep theirs; an intermediate
+    whose name an input, an output or an earlier intermediate already has gets primes
+    (``S``, ``S′``, ``S″``), so no two wires of the picture carry the same name.
+
+    >>> import napkin_cat as nc
+    >>> display_names(nc.library.attention())
+    ('Q', 'K', 'V', 'S', 'S′', 'P', 'O')
+    """
+    names = list(d.var_names())
+    ends = set(range(len(d.dom))) | set(d.outs)
+    taken = {names[v] for v in ends}
+    for v in range(len(names)):
+        if v in ends:
+            continue
+        base, k, name = names[v], 0, names[v]
+        while name in taken:
+            k += 1
+            name = base + (_PRIMES[k - 1] if k <= len(_PRIMES) else f"_{k}")
+        names[v] = name
+        taken.add(name)
+    return tuple(names)
+
+
+_PRIMES = ("′", "″", "‴")
+
+
 def _box_name_lines(box) -> tuple[tuple[str, bool], ...]:
     """Lines of a box's label as ``(text, is_note)``: its name, broken at its first bracket
     when long, then a note in small type: the summed axes of a contraction, the constant of

@@ -13,7 +13,7 @@ from matplotlib.path import Path
 
 from ..core.diagram import Diagram
 from ..ops.kinds import axis_of, spec
-from .layout import Item, Layout, axis_links, contracts, place_columns, wire_count
+from .layout import Item, Layout, axis_links, contracts, display_names, place_columns, wire_count
 from .styles import (APPROACH, BOX_FONT, BOX_PAD, DY, FAMILY, FONT, HDR, HEADER_FONT, LEVEL_COLOURS,
                      NAME_LINE, PAD, WEAVE_EDGE, WEAVE_FRAME, WEAVE_HALO, WEAVE_TEXT, WIRE_LW, Colours,
                      kind_style, text_width)
@@ -35,6 +35,8 @@ class Painter:
         self.d, self.lay, self.col, self.woven, self.title = d, lay, colours, set(woven), title
         self.woven_order = tuple(woven)
         self.types = lay.types
+        self.names = display_names(d)
+        self.marks: set[str] = set()   # the symbols drawn, each explained in the legend
         self.ax = None
         self.strokes: dict[tuple, list[tuple[Path, str]]] = {}
         place_columns(lay, self.label_width)
@@ -46,14 +48,14 @@ class Painter:
         return max(widths)
 
     def header(self, v: int) -> str:
-        arr = self.types[v]
-        return f"{arr.name} : {arr.dtype.name}"
+        return f"{self.names[v]} : {self.types[v].dtype.name}"
 
     # ---- wires
     def wire(self, v: int, i: int, path: Path) -> None:
         arr = self.types[v]
         axis = arr.axes[i].name if arr.axes else None
         if axis in self.woven:
+            self.marks.add("halo")
             self.stroke(path, WEAVE_HALO, lw=5.5, alpha=0.65, zorder=1)
         self.stroke(path, self.col.colour(v, axis), lw=WIRE_LW, dashed=not arr.axes, zorder=2)
 
@@ -96,6 +98,8 @@ class Painter:
 
     # ---- the whole picture
     def paint(self, ax) -> Figure:
+        """Everything, then the legend: it explains only the levels and symbols drawn, so it is
+        laid out last and the figure is sized to hold it."""
         lay = self.lay
         items = [it for col in lay.columns for it in col]
         top = min((it.top for it in items), default=0.0)
@@ -106,26 +110,19 @@ class Painter:
             head += 0.30
         if self.title:
             head += 0.35
-        legend_rows = self.legend_rows(xmax - xmin)
-        foot = 0.12 + 0.2 * len(legend_rows)
-        width = max(xmax - xmin, max((sum(w for w, _ in row) for row in legend_rows), default=0) + 0.3,
-                    text_width(self.title or "", 10, bold=True) + 0.3)
-        xmin -= (width - (xmax - xmin)) / 2  # a long title or legend: centre the diagram under it
-        xmax = xmin + width
-        ymin, ymax = top - head - 0.15, bottom + foot
-        if ax is None:
-            fig = Figure(figsize=(width, ymax - ymin))
+        ymin = top - head - 0.15
+        own = ax is None
+        if own:
+            fig = Figure(figsize=(max(xmax - xmin, 1.0), max(bottom - ymin, 1.0)))
             FigureCanvasAgg(fig)
             ax = fig.add_axes((0, 0, 1, 1))
         else:
             fig = ax.figure
             ax.set_aspect("equal")
         self.ax = ax
-        ax.set_xlim(xmin, xmax)
-        ax.set_ylim(ymax, ymin)
         ax.set_axis_off()
 
-        if self.title:
+        if self.title:  # centred: a wider legend or title widens both sides alike
             self.text((xmin + xmax) / 2, ymin + 0.12, self.title, 10, ha="center", va="top", weight="bold")
         if self.woven_order and self.d.eqns:
             self.weave_frame()
@@ -140,6 +137,18 @@ class Painter:
                 else:
                     self.paint_output(it)
         self.separators(lay.columns[-1], lay.left[-1], lay.right[-1])
+
+        legend_rows = self.legend_rows(xmax - xmin)
+        foot = 0.12 + 0.2 * len(legend_rows)
+        width = max(xmax - xmin, max((sum(w for w, _ in row) for row in legend_rows), default=0) + 0.3,
+                    text_width(self.title or "", 10, bold=True) + 0.3)
+        xmin -= (width - (xmax - xmin)) / 2  # a long title or legend: centre the diagram under it
+        xmax = xmin + width
+        ymax = bottom + foot
+        if own:
+            fig.set_size_inches(width, ymax - ymin)
+        ax.set_xlim(xmin, xmax)
+        ax.set_ylim(ymax, ymin)
         self.legend(legend_rows, xmin + 0.15, bottom + 0.2)
         self.flush_strokes()
         return fig
@@ -175,8 +184,10 @@ class Painter:
                 for i in range(wire_count(self.types[p.var])):
                     colour = self.col.colour(p.var, self._axis(p.var, i))
                     if n == 0:
+                        self.marks.add("discard")
                         self.dot(end, y + i * DY, filled=False, r=0.032, colour=colour)
                     elif n > 1:
+                        self.marks.add("copy")
                         self.dot(end, y + i * DY, colour=colour)
 
     def _axis(self, v: int, i: int) -> str | None:
@@ -261,13 +272,15 @@ class Painter:
                 for y_in, v in sources:
                     self.inner(_bend(lo, y_in, hi, y_out), self.col.colour(v, self._in_axis(v, y_in, it)))
                 if not sources:
+                    self.marks.add("new")
                     self.inner(_bend(xm, y_out, hi, y_out), "#555555")
                     self.dot(xm, y_out, filled=False, r=0.028, colour="#555555")
                 if name in marked:  # the axis a softmax / normalisation runs along
-                    self.ax.plot([xm], [y_out], marker="D", markersize=3.2, color="#2e7d32", zorder=5)
+                    self.marks.add("diamond")
+                    self.ax.plot([xm], [y_out], zorder=5, **_SYMBOLS["diamond"])
                 if name in indexed:  # the row and column indices a mask / bias reads
-                    self.ax.plot([xm], [y_out], marker="x", markersize=3.5, mew=1.1, color="#c62828",
-                                 zorder=5)
+                    self.marks.add("x")
+                    self.ax.plot([xm], [y_out], zorder=5, **_SYMBOLS["x"])
         for name, sources in ins.items():
             if name in kept:
                 continue
@@ -275,6 +288,7 @@ class Painter:
             xd = xm if contracts(box) else xm + 0.08
             for y_in, v in sources:
                 self.inner(_bend(lo, y_in, xd, yd), self.col.colour(v, name))
+            self.marks.add("sum")
             self.dot(xd, yd, r=0.036)
 
     def _in_axis(self, v: int, y: float, it: Item) -> str | None:
@@ -310,36 +324,78 @@ class Painter:
         self.text(x0 + 0.05, top - 0.05, "weaved over " + ", ".join(self.woven_order), FONT + 0.5,
                   va="bottom", color=WEAVE_TEXT, style="italic")
 
-    def legend_rows(self, width: float) -> list[list[tuple[float, tuple[str, str | None]]]]:
-        """Legend entries (level swatches, relabelings) wrapped into rows of ``width`` inches."""
+    def legend_rows(self, width: float) -> list[list[tuple[float, tuple[str, str, str | None]]]]:
+        """Legend entries wrapped into rows of ``width`` inches: the levels of the wires, the
+        symbols drawn, the relabelings.  An entry is ``(text, swatch, colour)``, the swatch a
+        level's line, a symbol of :data:`LEGEND_SYMBOLS` or ``"note"`` (text alone)."""
         for v, arr in enumerate(self.types):  # colour every wire once so the used levels are known
             for i in range(wire_count(arr)):
                 self.col.colour(v, arr.axes[i].name if arr.axes else None)
-        entries: list[tuple[str, str | None]] = []
+        entries: list[tuple[str, str, str | None]] = []
         if len(self.col.used) > 1 or self.d.schedule or self.col.levels:
             rank = {name: i for i, name in enumerate(LEVEL_COLOURS)}
             used = sorted(self.col.used.items(), key=lambda kv: rank.get(kv[0], len(rank)))
-            entries += [(name, colour) for name, colour in used]
-        entries += [(note, None) for note in self.col.notes]
+            entries += [(name, "level", colour) for name, colour in used]
+        if self.col.derived and self.d.dom:
+            self.marks.add("cap")
+        entries += [(text, mark, None) for mark, text in LEGEND_SYMBOLS.items() if mark in self.marks]
+        entries += [(note, "note", None) for note in self.col.notes]
         rows: list[list] = [[]]
-        used = 0.0
-        for text, colour in entries:
-            w = text_width(text, FONT + 0.5) + (0.32 if colour else 0.0) + 0.25
-            if rows[-1] and used + w > max(width, 3.0):
+        used_w = 0.0
+        for text, swatch, colour in entries:
+            w = text_width(text, FONT + 0.5) + _SWATCH_W.get(swatch, 0.2) + 0.25
+            if rows[-1] and used_w + w > max(width, 3.0):
                 rows.append([])
-                used = 0.0
-            rows[-1].append((w, (text, colour)))
-            used += w
+                used_w = 0.0
+            rows[-1].append((w, (text, swatch, colour)))
+            used_w += w
         return [r for r in rows if r]
 
     def legend(self, rows, x: float, y: float) -> None:
         for r, row in enumerate(rows):
             xx = x
             yy = y + 0.2 * r
-            for w, (text, colour) in row:
-                if colour:
-                    self.ax.plot([xx, xx + 0.25], [yy, yy], color=colour, lw=2.2, zorder=6)
-                    self.text(xx + 0.32, yy, text, FONT + 0.5, va="center")
-                else:
+            for w, (text, swatch, colour) in row:
+                if swatch == "note":
                     self.text(xx, yy, text, FONT + 0.5, va="center", color="#333333")
+                    xx += w
+                    continue
+                self.swatch(swatch, colour, xx, yy)
+                self.text(xx + _SWATCH_W.get(swatch, 0.2), yy, text, FONT + 0.5, va="center")
                 xx += w
+
+    def swatch(self, kind: str, colour: str | None, x: float, y: float) -> None:
+        """The legend's sample of a level's wire or of a symbol, drawn as in the picture."""
+        if kind == "level":
+            self.ax.plot([x, x + 0.25], [y, y], color=colour, lw=2.2, zorder=6)
+        elif kind == "halo":
+            self.stroke(Path([(x, y), (x + 0.25, y)]), WEAVE_HALO, lw=5.5, alpha=0.65, zorder=1)
+            self.stroke(Path([(x, y), (x + 0.25, y)]), "#555555", lw=WIRE_LW, zorder=2)
+        elif kind in ("sum", "copy"):
+            self.dot(x + 0.07, y, r=0.036 if kind == "sum" else 0.03)
+        elif kind in ("new", "discard"):
+            self.dot(x + 0.07, y, filled=False, r=0.03, colour="#555555")
+        elif kind == "cap":
+            self.stroke(Path([(x + 0.07, y - 0.05), (x + 0.07, y + 0.05)]), "#555555", lw=0.8, zorder=3)
+            self.stroke(Path([(x + 0.07, y), (x + 0.16, y)]), "#555555", lw=WIRE_LW, zorder=2)
+        else:
+            self.ax.plot([x + 0.07], [y], zorder=6, **_SYMBOLS[kind])
+
+
+LEGEND_SYMBOLS = {
+    "cap": "in / out of HBM",
+    "halo": "weaved axis",
+    "sum": "summed or reduced axis",
+    "copy": "copied wire",
+    "new": "axis a box creates",
+    "discard": "discarded wire",
+    "diamond": "axis normalised along",
+    "x": "index read (mask, bias)",
+}
+"""What each symbol of a picture means: the legend lists those the picture uses."""
+
+_SYMBOLS = {
+    "diamond": dict(marker="D", markersize=3.2, color="#2e7d32", linestyle="none"),
+    "x": dict(marker="x", markersize=3.5, mew=1.1, color="#c62828", linestyle="none"),
+}
+_SWATCH_W = {"level": 0.32, "halo": 0.32, "note": 0.0}

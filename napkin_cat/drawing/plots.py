@@ -1,7 +1,10 @@
 """Pictures of the cost model, drawn from costed diagrams (matplotlib, Agg backend).
 
-``python -m napkin_cat.drawing.plots`` regenerates ``docs/cost_curves.png``,
-``docs/derivation_costs.png`` and ``docs/derivation_costs.md``.
+``python -m napkin_cat.drawing.plots`` regenerates every picture in ``docs/``: the diagrams
+(``attention``, ``attention_relabelled``, ``multihead_attention``, ``matmul``, as ``.png`` and
+``.svg``), ``docs/cost_curves.png``, ``docs/derivation_costs.png`` and ``docs/derivation_costs.md``.
+
+* :func:`diagram_pictures`: the Neural Circuit Diagrams the README and the docs show.
 
 * :func:`cost_curves`: optimal transfers against the memory size M (log-log) for the tiled
   matmul and the streamed, tiled attention, from exact integer optimisation at each M, with
@@ -25,7 +28,7 @@ from ..core.errors import CostError
 from ..core.hardware import H100
 from ..relabel.symbols import size_symbol
 
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs")
 
 
 def _plt():
@@ -57,13 +60,17 @@ def curves(memories=None) -> dict:
         cf = cst.closed_form("SMEM")
         subs = {size_symbol(k): v for k, v in sizes.items()}
         base = float(cf.alphas[0].subs(subs)) if cf.betas[0] == 0 else 0.0
-        exact, closed = [], []
+        ms, exact, closed = [], [], []
         for M in memories:
-            best = cst.optimize(sizes, memory=M)
+            try:
+                best = cst.optimize(sizes, memory=M, usable=False)  # the paper optimises over every integer
+            except CostError:  # the smallest blocks the search allows do not fit M
+                continue
+            ms.append(M)
             exact.append(float(best.objective) - base)
             closed.append(float(cf.at(M, subs)) - base)
-        out[name] = {"M": list(memories), "exact": exact, "closed": closed,
-                     "beta": float(cf.betas[-1]), "slope": _slope(memories, exact)}
+        out[name] = {"M": ms, "exact": exact, "closed": closed,
+                     "beta": float(cf.betas[-1]), "slope": _slope(ms, exact)}
     return out
 
 
@@ -145,18 +152,47 @@ def derivation_costs(md_path: str | None = None, png_path: str | None = None) ->
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 5))
     Ns = [2 ** k for k in range(6, 16)]
-    styles = (dict(marker="s"), dict(marker="^", markersize=11, fillstyle="none", linewidth=2.5),
-              dict(marker="v", markersize=8, fillstyle="none", linestyle="--"), dict(marker="o"))
+    # Tiling alone, streaming alone and FlashAttention move the same bytes while all of them
+    # fit: the two short curves are drawn above FlashAttention's, hollow, dashed, shifted
+    # sideways (by a factor 0.8 and 1.25 in N) and labelled at their ends, so no curve hides.
+    styles = (dict(marker="s", color="tab:blue", zorder=2),
+              dict(marker="^", markersize=9, fillstyle="none", linestyle="--", linewidth=1.6,
+                   color="tab:orange", zorder=4, dodge=0.8, tag="tiled"),
+              dict(marker="v", markersize=9, fillstyle="none", linestyle=":", linewidth=2.0,
+                   color="tab:green", zorder=4, dodge=1.25, tag="streamed"),
+              dict(marker="o", markersize=5, linewidth=2.2, color="tab:red", zorder=3))
+    series = {}
     for (name, cst), style in zip(costs, styles):
+        style = dict(style)
+        dodge, tag = style.pop("dodge", 1.0), style.pop("tag", None)
         xs, ys = [], []
         for N in Ns:
             val, _ = _at(cst, {"q": N, "x": N, "d": 128})
             if val is not None:
                 xs.append(N)
                 ys.append(float(val))
-        if xs:
-            ax.loglog(xs, ys, label=name + ("" if len(xs) == len(Ns) else
-                                            f" (fits SMEM only up to N={xs[-1]})"), **style)
+        if not xs:
+            continue
+        series[name] = dict(zip(xs, ys))
+        short = len(xs) != len(Ns)
+        label = name + (f" (fits SMEM only up to N={xs[-1]}; drawn shifted x{dodge:g} in N)" if short else "")
+        ax.loglog([v * dodge for v in xs], ys, label=label, **style)
+        if short:
+            above = dodge < 1
+            ax.annotate(tag, xy=(xs[-1] * dodge, ys[-1]), xytext=(-6 if above else 8, 10 if above else -14),
+                        textcoords="offset points", ha="right" if above else "left", fontsize=8,
+                        color=style["color"])
+    flash = series.get(costs[-1][0], {})
+    notes = []
+    for (name, _), style in zip(costs[1:-1], styles[1:-1]):
+        pts = series.get(name)
+        if pts:
+            same = all(abs(v - flash.get(N, -1)) <= 1e-9 * v for N, v in pts.items())
+            notes.append(f"{style['tag']} alone fits up to N = {max(pts)}"
+                         + (", moving the same bytes as FlashAttention" if same else ""))
+    if notes:
+        ax.text(0.98, 0.04, ";\n".join(notes), transform=ax.transAxes, ha="right", va="bottom", fontsize=8,
+                color="#333333")
     ax.set_xlabel("sequence length N = q = x  (d = 128)")
     ax.set_ylabel("HBM bytes at the best tiles (f16, H100 SMEM per block)")
     ax.set_title("Attention: HBM traffic per derivation step")
@@ -168,8 +204,36 @@ def derivation_costs(md_path: str | None = None, png_path: str | None = None) ->
     return text
 
 
+def diagram_pictures(folder: str | None = None) -> list[str]:
+    """Draw the docs' diagrams into ``folder`` (default ``docs/``), each as PNG and SVG; returns
+    the paths written."""
+    from .diagram import draw
+    from .styles import schedule_text
+    folder = folder or DOCS
+    q, x, d, h = axes("q x d h")
+    a, b, c = axes("a b c")
+    att = library.attention(q=q, x=x, d=d)
+    flash = att.stream(x, "s_x").tile(q, "g_q")
+    pictures = {
+        "attention": (att, "attention  O = softmax_x(Q Kᵀ / √d) V"),
+        "attention_relabelled": (flash, f"FlashAttention derived: {schedule_text(flash)}"),
+        "multihead_attention": (library.attention(q=q, x=x, d=d, heads=h),
+                                "multi-head attention = attention weaved over h"),
+        "matmul": (library.matmul(a=a, b=b, c=c), "matmul  C[a c] = Σ_b A[a b] B[b c]"),
+    }
+    paths = []
+    for name, (dg, title) in pictures.items():
+        for ext in ("png", "svg"):
+            path = os.path.join(folder, f"{name}.{ext}")
+            draw(dg, path, title=title)
+            paths.append(path)
+    return paths
+
+
 def main() -> None:
     os.makedirs(DOCS, exist_ok=True)
+    for path in diagram_pictures():
+        print("drawn:", os.path.relpath(path))
     data = cost_curves()
     for name, row in data.items():
         print(f"{name}: fitted slope {row['slope']:.4f} (beta = {row['beta']:g})")

@@ -123,12 +123,13 @@ def text_width(text: str, size: float, bold: bool = False) -> float:
 # --------------------------------------------------------------------------- wire colours: memory levels
 
 def _final_form_levels(d: Diagram) -> dict[int, str]:
-    """Levels of the intermediates computed inside the loop nest (e.g. score chunks in
-    registers), so the picture shows what the final form allocates.  Inputs and outputs keep
-    the colour of their partitioned axes."""
+    """Where each array is resident inside the loop nest: an input at the level its last load
+    brings it to (``Q`` tiled over ``q`` sits in SMEM, all of its wires), an intermediate or
+    output at the level the final form allocates it (score chunks in registers).  The arrays
+    start and end in the top level (HBM): the caps at the picture's edges."""
     if not any(r.op in ("tile", "stream") for r in d.schedule):
         return {}
-    from ..relabel.loopnest import Compute, final_form
+    from ..relabel.loopnest import Compute, Finalise, Load, final_form
     try:
         ff = final_form(d)
     except NapkinError:  # an unfinished schedule (e.g. needing order()) still draws
@@ -137,19 +138,48 @@ def _final_form_levels(d: Diagram) -> dict[int, str]:
         return {}
     out = {}
     for node, loops in ff.walk():
-        if isinstance(node, Compute):
+        if isinstance(node, Load) and node.final:
+            out[node.var] = node.level
+        elif isinstance(node, Compute):
             for v in ff.diagram.eqn_outputs(node.eqn):
-                if v not in d.outs:
-                    out[v] = ff.var_level(v, loops)
+                out[v] = ff.var_level(v, loops)
+        elif isinstance(node, Finalise):
+            for v in ff.diagram.eqn_outputs(ff.accumulators[node.acc].eqn):
+                out[v] = ff.var_level(v, loops)
     return out
+
+
+def relabel_text(r) -> str:
+    """A relabeling as the call that made it: ``stream(x, s_x)``, ``tile(q, 32, L2)``,
+    ``place(S, registers)``, ``require(q, 16)``, ``order(x, b)`` (SMEM, the default level of
+    ``tile`` and ``stream``, is left out).
+
+    >>> from napkin_cat.core.types import Relabel
+    >>> relabel_text(Relabel("place", "", None, "registers", ("S",)))
+    'place(S, registers)'
+    """
+    if r.op in ("tile", "stream"):
+        args = [r.axis, str(r.size)] + ([r.level] if r.level and r.level != "SMEM" else [])
+    elif r.op == "place":
+        args = [str(r.axis or (r.extra[0] if r.extra else "?")), str(r.level)]
+    elif r.op == "require":
+        args = [r.axis, str(r.size)]
+    else:
+        args = [str(a) for a in (r.extra or (r.axis,)) if a != ""]
+    return f"{r.op}({', '.join(args)})"
+
+
+def schedule_text(d: Diagram) -> str:
+    """Every relabeling of ``d``, in order, as calls: ``stream(x, s_x), tile(q, g_q)``."""
+    return ", ".join(relabel_text(r) for r in d.schedule)
 
 
 class Colours:
     """Wire colour of (variable, axis): the memory level it lives at.
 
     Precedence, most specific first: the caller's ``levels`` (by variable id, then array
-    name), a ``place`` relabeling of the array, a ``tile``/``stream`` relabeling of the axis,
-    and HBM."""
+    name), a ``place`` relabeling of the array, the level the final form keeps the array at
+    (:func:`_final_form_levels`), a ``tile``/``stream`` relabeling of the axis, and HBM."""
 
     def __init__(self, d: Diagram, levels: Mapping):
         self.types = d.var_types()
@@ -159,21 +189,15 @@ class Colours:
         self.axis_label: dict[str, str] = {}
         self.notes: list[str] = []
         for r in d.schedule:
-            size = "" if r.size is None else f"={r.size}"
             if r.op in ("tile", "stream"):
                 letter = "g" if r.op == "tile" else "s"
                 self.axis_level[r.axis] = r.level or "SMEM"
                 self.axis_label[r.axis] = f"{r.axis}→{letter}_{r.axis}"
-                self.notes.append(f"{r.axis}→{letter}_{r.axis}{size} ({r.op}, {r.level or 'SMEM'})")
-            elif r.op == "place":
-                target = r.axis or (r.extra[0] if r.extra else "")
-                self.placed[str(target)] = r.level
-                self.notes.append(f"place {target} in {r.level}")
-            elif r.op == "require":
-                self.notes.append(f"{r.axis} multiple of {r.size}")
+                self.notes.append(f"{r.axis}→{letter}_{r.axis}: {relabel_text(r)}")
             else:
-                what = " ".join(map(str, r.extra)) if r.extra else r.axis
-                self.notes.append(f"{r.op} {what}".strip())
+                if r.op == "place":
+                    self.placed[str(r.axis or (r.extra[0] if r.extra else ""))] = r.level
+                self.notes.append(relabel_text(r))
         self.used: dict[str, str] = {}
         self.derived = _final_form_levels(d)
 

@@ -151,6 +151,7 @@ class Kernel:
         self.options: dict = {}                          # the lower() options that rebuild it
         self._dispatcher = None
         self._launchers: dict = {}
+        self._fast = None   # _TorchFastPath after a first call on torch CUDA tensors (GPU)
 
     def __repr__(self) -> str:
         return (f"Kernel({self.name}: {self.diagram}, grid={self.launch.grid}, "
@@ -176,33 +177,70 @@ class Kernel:
         return lc[0]
 
     def __call__(self, *arrays, out=None, stream=None):
+        """Run the kernel; the outputs have the type of the inputs (torch in, torch out on the
+        same device; numpy in, numpy out; numba device arrays in, device arrays out), at every
+        call.  On a GPU, after the first call on torch CUDA tensors, calls with float32,
+        contiguous tensors of the kernel's shapes on that device (and ``stream=None``) take
+        :class:`_TorchFastPath`: the same checks, done cheaply, and a packed driver launch."""
+        fast = self._fast
+        if fast is not None and stream is None and fast.dispatcher is self._dispatcher and fast.packed:
+            result = fast(arrays, out)
+            if result is not None:
+                return result
         from . import runtime
 
         kinds = self._check_call(arrays, stream)
         sim = runtime.simulator_active()
-        args = []
-        for x, kind in zip(arrays, kinds):
-            args.append(_flat_input(x, kind, sim, stream))
+        keep = []   # converted copies of torch inputs: alive until the launch
+        args = [_flat_input(x, kind, sim, stream, keep) for x, kind in zip(arrays, kinds)]
         outs = self._outputs(arrays, kinds, out, sim)
-        for o in outs:
-            args.append(_flat_output(o, _kind(o), sim))
+        out_kinds = [_kind(o) for o in outs]
+        for o, kind in zip(outs, out_kinds):
+            args.append(_flat_output(o, kind, sim))
         if stream is None and "torch_cuda" in kinds and not sim:
-            stream = runtime.stream_from_torch()
-            stream = None if stream == 0 else stream
-        self._launcher(stream)(*args)
+            launcher = self._torch_launcher(runtime)
+        else:
+            launcher = self._launcher(stream)
+        launcher(*args)
+        del keep   # torch frees them in stream order: after the launch on torch's stream
+        if (stream is None and not sim and (fast is None or fast.dispatcher is not self._dispatcher)
+                and all(k == "torch_cuda" for k in kinds + out_kinds)):
+            self._fast = _TorchFastPath.build(self, launcher, args, arrays)
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _torch_launcher(self, runtime):
+        """The Launcher for torch's current stream: one per stream handle (a new numba stream
+        object per call would be a new Launcher per call)."""
+        import torch
+        handle = int(torch.cuda.current_stream().cuda_stream)
+        if handle == 0:
+            return self._launcher(None)
+        key = ("torch", handle)
+        lc = self._launchers.get(key)
+        if lc is None:
+            from .runtime import Launcher
+            numba_stream = runtime.stream_from_torch()
+            lc = (Launcher(self.dispatcher, self.launch.grid, self.launch.block, numba_stream,
+                           self.launch.dynamic_smem_bytes), numba_stream)
+            self._launchers[key] = lc
+        return lc[0]
 
     def prepare(self, *arrays, out=None, stream=None):
         """A zero-argument callable that launches on these arrays (converted once): for timing
-        loops, where the per-call conversions would be host time in every measurement."""
+        loops, where the per-call conversions would be host time in every measurement.  On a
+        GPU, with nothing to copy back and the default stream, calls after the first go
+        through a :class:`~.runtime.PackedLaunch`."""
         from . import runtime
         kinds = self._check_call(arrays, stream)
         sim = runtime.simulator_active()
-        args = [_flat_input(x, k, sim, stream) for x, k in zip(arrays, kinds)]
+        keep = []   # converted copies of torch inputs
+        args = [_flat_input(x, k, sim, stream, keep) for x, k in zip(arrays, kinds)]
         outs = self._outputs(arrays, kinds, out, sim)
         args += [_flat_output(o, _kind(o), sim) for o in outs]
         launcher = self._launcher(stream)
-        return lambda: launcher(*args)
+        packable = not (sim or stream is not None
+                        or any(getattr(a, runtime.HOST_ATTR, None) is not None for a in args))
+        return _Prepared(launcher, args, keep + outs, packable)   # outputs too: views keep nothing alive
 
     def _check_call(self, arrays, stream) -> list[str]:
         """Refuse what the kernel cannot read, before anything is converted or launched: the
@@ -285,7 +323,10 @@ def _check_array(what: str, x, kind: str) -> None:
         raise ShapeError(f"{what}: expected a real (float or integer) array, got dtype {x.dtype}")
 
 
-def _flat_input(x, kind, sim, stream):
+def _flat_input(x, kind, sim, stream, keep):
+    """``x`` as a flat float32 kernel argument; a converted copy of a torch tensor is appended to
+    ``keep`` (the numba view of a CUDA tensor does not keep it alive, and a copy freed before the
+    launch could be handed to the outputs by torch's allocator)."""
     import numpy as np
     from .runtime import as_device_array, import_cuda
     if kind in ("torch_cuda", "torch_cpu"):
@@ -294,6 +335,7 @@ def _flat_input(x, kind, sim, stream):
         if x.dtype != torch.float32:
             x = x.float()
         x = x.contiguous().reshape(-1)
+        keep.append(x)
         if kind == "torch_cpu":
             x = x.numpy()
             kind = "numpy"
@@ -328,15 +370,110 @@ def _flat_output(o, kind, sim):
 
 
 def _empty_like(like, shape, sim):
+    """An output for an input of the same type: a torch tensor on ``like``'s device, a device
+    array for a device array (the simulator's own under the simulator), numpy otherwise."""
     import numpy as np
-    if like is None or sim:
+    if like is None:
         return np.empty(shape, np.float32)
-    import sys
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(like, torch.Tensor):
         return torch.empty(shape, dtype=torch.float32, device=like.device)
+    if sim and not getattr(like, "__cuda_ndarray__", False):
+        return np.empty(shape, np.float32)   # another CUDA array: the simulator has none
     from .runtime import import_cuda
     return import_cuda().device_array(shape, np.float32)
+
+
+class _Prepared:
+    """What :meth:`Kernel.prepare` returns: a launch on arguments converted once.  With
+    ``packable`` (a GPU, the default stream, nothing to copy back) the calls after the first,
+    which numba makes, go through a :class:`~.runtime.PackedLaunch` on the same addresses."""
+
+    __slots__ = ("launcher", "args", "keep", "packed", "pointers")
+
+    def __init__(self, launcher, args, keep, packable):
+        self.launcher, self.args, self.keep = launcher, args, keep   # keep: converted inputs, alive
+        self.packed = None if packable else False
+        self.pointers = [int(a.__cuda_array_interface__["data"][0]) for a in args] if packable else None
+
+    def __call__(self) -> None:
+        packed = self.packed
+        if packed and packed(self.pointers):
+            return
+        self.launcher(*self.args)
+        if packed is None:
+            self.packed = self.launcher.pack(tuple(self.args)) or False
+
+
+class _TorchFastPath:
+    """A :class:`Kernel` called again on torch CUDA tensors (GPU only): the checks of the
+    general path, done with a few attribute reads, and a :class:`~.runtime.PackedLaunch`.
+
+    Each input must be a ``torch.Tensor`` (not a subclass), float32, contiguous, of the
+    kernel's shape, on the device of the first call; ``out=`` (when given) the same and not
+    requiring grad.  Nothing is cached about the tensors themselves: their addresses are read
+    at every call, so there is nothing to invalidate.  What is cached (the overload, the
+    launch configuration, the parameter layout, the stream query) depends only on the kernel
+    and the device.  Anything else (another dtype, a strided tensor, a CPU tensor, an
+    explicit stream, a wrong shape) returns None and the call takes the general path, which
+    converts what it can and raises the usual errors for what it cannot.
+
+    It belongs to one dispatcher: a copy of the kernel given other source (and a fresh
+    dispatcher, as the planted-bug tests make) never launches the original's code through
+    it.  ``packed`` is None where packing does not apply; the general path then serves every
+    call."""
+
+    __slots__ = ("dispatcher", "packed", "in_shapes", "out_shapes", "device", "device_index",
+                 "tensor", "float32", "empty", "raw_stream")
+
+    def __init__(self, packed, in_shapes, out_shapes, device, torch, dispatcher=None):
+        self.dispatcher = dispatcher
+        self.packed = packed
+        self.in_shapes = tuple(torch.Size(s) for s in in_shapes)
+        self.out_shapes = tuple(torch.Size(s) for s in out_shapes)
+        self.device = device
+        self.device_index = device.index if device.index is not None else -1
+        self.tensor = torch.Tensor
+        self.float32 = torch.float32
+        self.empty = torch.empty
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # what triton launches on
+        self.raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
+
+    @classmethod
+    def build(cls, kernel, launcher, args, arrays):
+        """After a general call on torch CUDA tensors: the fast path for the next ones."""
+        import torch
+        packed = launcher.pack(tuple(args))
+        if packed is not None and packed.n_arrays != len(args):
+            packed = None
+        return cls(packed, kernel.in_shapes, kernel.out_shapes, arrays[0].device, torch,
+                   kernel._dispatcher)
+
+    def _fits(self, t, shape) -> bool:
+        return (type(t) is self.tensor and t.dtype is self.float32 and t.get_device() == self.device_index
+                and t.shape == shape and t.is_contiguous())
+
+    def __call__(self, arrays, out):
+        if len(arrays) != len(self.in_shapes):
+            return None
+        pointers = []
+        for t, shape in zip(arrays, self.in_shapes):
+            if not self._fits(t, shape):
+                return None
+            pointers.append(t.data_ptr())
+        if out is None:
+            outs = [self.empty(shape, dtype=self.float32, device=self.device) for shape in self.out_shapes]
+        else:
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            if len(outs) != len(self.out_shapes):
+                return None
+            for o, shape in zip(outs, self.out_shapes):
+                if not self._fits(o, shape) or o.requires_grad:
+                    return None
+        pointers += [o.data_ptr() for o in outs]
+        if not self.packed(pointers, self.raw_stream(self.device_index)):
+            return None
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _simulator_active() -> bool:

@@ -5,6 +5,7 @@ kernel and launches it, on a real GPU and under numba's CUDA simulator alike:
 
 :func:`compile_kernel`     exec generated source, return the ``cuda.jit`` dispatcher
 :class:`Launcher`          a launch configuration fixed once, called many times
+:class:`PackedLaunch`      one overload's parameters packed once, launched by the driver
 :func:`set_max_dynamic_shared`  opt a kernel in to > 48 KB of dynamic shared memory
 :func:`kernel_function`    numba's loaded kernel (handle, attributes) for one signature
 :data:`GPU_MATH`           :mod:`math` with the GPU's IEEE results, for simulated kernels
@@ -22,11 +23,13 @@ relies on in numba-cuda 0.30.4, and what was measured on a GPU, is in docs/RUNTI
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import itertools
 import linecache
 import math
 import operator
+import threading
 from typing import Any
 
 from ..core.errors import LoweringError
@@ -40,6 +43,7 @@ __all__ = [
     "H100_DEFAULTS",
     "DeviceLimits",
     "Launcher",
+    "PackedLaunch",
     "as_device_array",
     "clear_array_cache",
     "compile_kernel",
@@ -345,3 +349,120 @@ class Launcher:
             if "CUDA_ERROR_INVALID_VALUE" not in str(e) or not self._optin_for(args):
                 raise
             self._configured(*args)
+
+    def pack(self, args: tuple) -> "PackedLaunch | None":
+        """A :class:`PackedLaunch` of this configuration for arguments laid out like ``args``,
+        which this Launcher has launched with already (so their overload is compiled, loaded
+        and opted in to its shared memory); None where packing does not apply."""
+        return PackedLaunch.of(self, args)
+
+
+# --------------------------------------------------------------------------------------------
+# Launching without numba's per-call work
+
+
+class PackedLaunch:
+    """One overload of a kernel, its launch configuration and its parameters, packed once:
+    a call writes the data pointers of the array arguments into the packed parameters and
+    calls the driver's ``cuLaunchKernel``; nothing else is computed per call.
+
+    numba spends 12 us plus 4-5 us per array argument on the host for every launch (typing
+    the arguments, selecting the overload, marshalling each array, building a cuda.core
+    launch configuration: docs/RUNTIME_NOTES.md).  A generated kernel's arguments keep their
+    types and shapes from call to call, only the addresses move, so all of that is done once
+    here.  The parameters follow numba's ABI for an array argument (numba-cuda 0.30.4,
+    ``_Kernel._prepare_args``): ``meminfo, parent, nitems, itemsize, data, shape[ndim],
+    strides[ndim]``, each pointer-sized.
+
+    ``packed(pointers, stream)`` launches with the data pointers of the array arguments, in
+    order, on ``stream`` (a raw ``CUstream`` handle, 0 for the legacy default stream).  The
+    caller guarantees that the arrays have exactly the packed dtypes, shapes and strides
+    (:class:`~napkin_cat.lowering.Kernel` checks them before each call).  It returns False,
+    having launched nothing, when the driver refuses the launch (a thread where no context
+    is current, for one): the caller then launches through numba, which says why in its
+    own words.  Calls from several threads are serialised around the shared parameter
+    buffer (the driver copies the parameters before ``cuLaunchKernel`` returns).
+
+    :meth:`of` builds one from a launch numba made (:meth:`Launcher.pack`), or returns None
+    where packing does not apply: under the simulator, for an argument that is not a device
+    array, or an overload with argument extensions, debug checks, cooperative launch or a
+    launch-config-sensitive body.
+    """
+
+    __slots__ = ("func", "grid", "block", "dynamic_smem_bytes", "n_arrays", "_driver_launch",
+                 "_values", "_pointers", "_params", "_slots", "_lock")
+
+    ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data")  # then shape, strides
+
+    def __init__(self, func: Any, grid: tuple, block: tuple, dynamic_smem_bytes: int,
+                 layouts: list[tuple[int, int, tuple, tuple]], driver_launch: Any):
+        self.func = func
+        self.grid = tuple(grid)
+        self.block = tuple(block)
+        self.dynamic_smem_bytes = int(dynamic_smem_bytes)
+        self.n_arrays = len(layouts)
+        values, slots = [], []
+        for nitems, itemsize, shape, strides in layouts:
+            if len(shape) != len(strides):
+                raise LoweringError(f"PackedLaunch: shape {shape} and strides {strides} differ in rank")
+            slots.append(len(values) + 4)   # where the data pointer goes
+            values += [0, 0, int(nitems), int(itemsize), 0, *map(int, shape), *map(int, strides)]
+        n = len(values)
+        self._values = (ctypes.c_int64 * n)(*values)
+        base, size = ctypes.addressof(self._values), ctypes.sizeof(ctypes.c_int64)
+        self._pointers = (ctypes.c_void_p * max(n, 1))(*(base + i * size for i in range(n)))
+        self._params = ctypes.addressof(self._pointers) if n else 0
+        self._slots = tuple(slots)
+        self._driver_launch = driver_launch
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (f"PackedLaunch(grid={self.grid}, block={self.block}, "
+                f"dynamic_smem_bytes={self.dynamic_smem_bytes}, arrays={self.n_arrays})")
+
+    def parameters(self) -> list[int]:
+        """The packed parameter values, in order (for tests and debugging)."""
+        return list(self._values)
+
+    def __call__(self, pointers: Any, stream: int = 0) -> bool:
+        (gx, gy, gz), (bx, by, bz) = self.grid, self.block
+        with self._lock:
+            values = self._values
+            for slot, ptr in zip(self._slots, pointers):
+                values[slot] = ptr
+            err = self._driver_launch(self.func, gx, gy, gz, bx, by, bz, self.dynamic_smem_bytes,
+                                      stream, self._params, 0)[0]
+        return err == 0   # CUresult.CUDA_SUCCESS (an int enum)
+
+    @classmethod
+    def of(cls, launcher: "Launcher", args: tuple) -> "PackedLaunch | None":
+        """Pack ``launcher``'s configuration for arguments laid out like ``args`` (see above)."""
+        if launcher._simulated or not args:
+            return None
+        if not all(getattr(a, "__cuda_ndarray__", False) for a in args):
+            return None
+        dispatcher = launcher.kernel
+        if getattr(dispatcher, "_launch_config_sensitive", False):
+            return None
+        try:
+            argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
+            overload = dispatcher.overloads.get(argtypes)
+        except Exception:  # noqa: BLE001 -- anything numba cannot type here is left to numba
+            return None
+        if (overload is None or getattr(overload, "extensions", None) or getattr(overload, "debug", False)
+                or getattr(overload, "cooperative", False)
+                or getattr(overload, "launch_config_sensitive", False)):
+            return None
+        layouts = []
+        for a in args:
+            itemsize = int(a.dtype.itemsize)
+            strides = tuple(a.strides) if len(a.strides) == len(a.shape) else None
+            if strides is None:
+                return None
+            layouts.append((int(a.size), itemsize, tuple(a.shape), strides))
+        from cuda.bindings import driver as binding
+
+        library = getattr(overload, "library", None) or overload._codelibrary
+        handle = library.get_cufunc().handle   # a CUkernel (library API) or a CUfunction
+        return cls(handle, launcher.grid, launcher.block, launcher.dynamic_smem_bytes, layouts,
+                   binding.cuLaunchKernel)

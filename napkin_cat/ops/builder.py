@@ -26,6 +26,8 @@ class Builder:
 
     # wires
     def input(self, name: str, *axes_: Axis, dtype: DType | None = None) -> "Wire":
+        """Declare an input array ``name`` with these axes (dtype: the Builder's unless given).
+        Inputs come first: declaring one after an operation is a :class:`TypingError`."""
         if self._eqns:
             raise TypingError("declare every input before the first operation")
         if dtype is not None:
@@ -47,6 +49,8 @@ class Builder:
         return tuple(Wire(self, v) for v in range(start, len(self._types)))
 
     def box(self, box: Box, *wires: "Wire"):
+        """Apply a ready-made :class:`Box` to ``wires`` (their types must match its dom): one
+        wire back, or a tuple when the box has several outputs."""
         outs = self._apply(box, *wires)
         return outs[0] if len(outs) == 1 else outs
 
@@ -56,46 +60,76 @@ class Builder:
                 raise TypingError(f"{what}: expected a wire of this Builder (from b.input or an operation), got {w!r}")
 
     def ty(self, w: "Wire") -> Array:
+        """The array type (axes, dtype, name) carried by wire ``w``."""
         self._wires("Builder", (w,))
         return self._types[w.var]
 
     # operations
     def contract(self, *wires: "Wire", out: Sequence[Axis], name: str = "C") -> "Wire":
+        """Einsum-style contraction of ``wires``: axes not in ``out`` are summed over.
+
+        >>> import napkin_cat as nc
+        >>> a, b, c = nc.axes("a b c"); g = nc.Builder()
+        >>> A, B = g.input("A", a, b), g.input("B", b, c)
+        >>> print(g.diagram(g.contract(A, B, out=(a, c))))
+        A[a b] f32, B[b c] f32 -> C[a c] f32
+        """
         return self.box(contract_box([self.ty(w) for w in wires], out, name), *wires)
 
     def map(self, fn: str, *wires: "Wire", c=None, name: str = "", out=None) -> "Wire":
+        """Elementwise function ``fn`` (a name in :data:`napkin_cat.ops.FUNCTIONS`: ``"exp"``,
+        ``"relu"``, ``"add"``, ``"scale"``...) over ``wires``, broadcasting on shared axis names.
+        ``c``: the constant of a function that has one (``scale``, ``shift``; an
+        :class:`AxisPower` such as ``AxisPower(d)`` for ``1/sqrt(d)``); ``out``: the order of the
+        output axes; ``name``: the output's name (default: the first input's)."""
         return self.box(map_box(fn, [self.ty(w) for w in wires], name, c, out), *wires)
 
     def reduce(self, op: str, w: "Wire", axis: Axis, name: str = "") -> "Wire":
+        """Reduce ``w`` along ``axis`` with ``op`` (``sum``, ``max``, ``min``, ``mean``,
+        ``logsumexp``); the axis is dropped."""
         return self.box(reduce_box(op, self.ty(w), axis, name), w)
 
     def softmax(self, w: "Wire", axis: Axis, name: str = "P") -> "Wire":
+        """Softmax of ``w`` along ``axis`` (the axis is kept)."""
         return self.box(softmax_box(self.ty(w), axis, name), w)
 
     def normalize(self, w: "Wire", axis: Axis, a1: str, a2: str, b: str, name: str = "N", eps: float = 0.0) -> "Wire":
+        """A streamable normalisation along ``axis``: ``a1(s) / b(eps + sum a2(s))`` with unary
+        functions ``a1``, ``a2``, ``b`` (softmax is ``exp, exp, identity``, l2 is ``identity, square, sqrt``; see
+        :data:`napkin_cat.ops.NORMALISATIONS`)."""
         return self.box(normalize_box(self.ty(w), axis, a1, a2, b, name, eps), w)
 
     def mask(self, w: "Wire", row: Axis, col: Axis, pred: Predicate) -> "Wire":
+        """Set the entries ``(i, j)`` of ``w`` (``i`` along ``row``, ``j`` along ``col``) where
+        ``pred`` is false to ``-inf``: ``nc.causal()``, ``nc.window(n)``, ``nc.predicate(fn)``."""
         return self.box(mask_box(self.ty(w), row, col, pred), w)
 
     def index_bias(self, w: "Wire", row: Axis, col: Axis, bias: IndexBias) -> "Wire":
+        """Add a bias computed from the indices ``(i, j)`` along ``row`` and ``col`` to ``w``
+        (e.g. ``nc.alibi(0.5)``)."""
         return self.box(index_bias_box(self.ty(w), row, col, bias), w)
 
     def param(self, name: str, *axes_: Axis, dtype: DType | None = None) -> "Wire":
+        """A named parameter array (a source box, not an input of the diagram)."""
         if dtype is not None:
             _check_dtype(f"param {name}", dtype)
         return self.box(param_box(Array(tuple(axes_), dtype or self.dtype, name)))
 
     def const(self, value: float, *axes_: Axis, name: str = "c") -> "Wire":
+        """An array of these axes filled with ``value`` (``float("-inf")`` allowed)."""
         return self.box(const_box(Array(tuple(axes_), self.dtype, name), value))
 
     def transpose(self, w: "Wire", *order: Axis) -> "Wire":
+        """``w`` with its axes in ``order`` (every axis named once)."""
         return self.box(transpose_box(self.ty(w), order), w)
 
     def cast(self, w: "Wire", dtype: DType) -> "Wire":
+        """``w`` converted to ``dtype`` (e.g. ``nc.f16``)."""
         return self.box(cast_box(self.ty(w), dtype), w)
 
     def diagram(self, *outs: "Wire", names: Sequence[str] | None = None) -> Diagram:
+        """Close the trace: the diagram from the declared inputs to ``outs``, which are
+        renamed to ``names`` if given (one per output)."""
         self._wires("diagram", outs)
         if names is not None and (isinstance(names, str) or len(names) != len(outs)):
             raise TypingError(f"diagram: names={names!r} must give one name per output ({len(outs)})")

@@ -42,6 +42,7 @@ from .accumulators import Accumulator
 from ..core.diagram import Axis, Diagram, Size
 from ..core.errors import RelabelError, ShapeError
 from ..core.hierarchy import FULL, Hierarchy, hierarchy
+from ..ops.kinds import spec
 from .rules import StreamPlan, check_blocks, stream_plan
 from .symbols import size_expr
 
@@ -82,7 +83,13 @@ class Store:
 
 @dataclass(frozen=True)
 class Compute:
+    """Apply equation ``eqn``.  A parameter lives at the top level like an input: its Compute is
+    its ``Load`` (``src``, ``level``, ``final`` as there); ``src`` is None for other equations."""
+
     eqn: int
+    src: str | None = None
+    level: str | None = None
+    final: bool = True
 
 
 @dataclass(frozen=True)
@@ -186,12 +193,12 @@ class FinalForm:
     def var_level(self, var: int, loops: tuple[Loop, ...]) -> str:
         """Inputs and outputs live at the level of the innermost loop around them; other
         intermediates one level lower (registers), unless placed."""
-        arr = self.diagram.var_types()[var]
-        placed = self._placed(arr.name)
+        d = self.diagram
+        placed = self._placed(d.var_types()[var].name)
         if placed:
             return placed
         home = self._home(loops)
-        if var < len(self.diagram.dom) or var in self.diagram.outs or home == FULL.top:
+        if var < len(d.dom) or var in param_vars(d) or var in d.outs or home == FULL.top:
             return home
         return self.hierarchy.below(home)
 
@@ -217,6 +224,12 @@ class FinalForm:
                 return Buffer(key, f"{sname}", tuple(axes_), tuple(self.extent(a, loops) for a in axes_),
                               self.state_level(acc, role, loops), dt)
         raise AssertionError(key)
+
+    def loaded(self, node) -> int | None:
+        """The variable ``node`` loads: a ``Load``'s, or a parameter's (its Compute); else None."""
+        if isinstance(node, Load):
+            return node.var
+        return self.diagram.eqn_outputs(node.eqn)[0] if isinstance(node, Compute) and node.src else None
 
     # ---- liveness
     def columns(self) -> list[Column]:
@@ -250,10 +263,10 @@ class FinalForm:
         d = self.diagram
         alias: dict[tuple, tuple] = {}
         for i, (n, loops) in enumerate(points):
-            if isinstance(n, Load):
+            if (v := self.loaded(n)) is not None:
                 if n.src != FULL.top:
-                    use(("copy", n.var, n.src), i, loops)
-                defs[("var", n.var) if n.final else ("copy", n.var, n.level)] = (i, loops)
+                    use(("copy", v, n.src), i, loops)
+                defs[("var", v) if n.final else ("copy", v, n.level)] = (i, loops)
             elif isinstance(n, Compute):
                 for v in d.eqns[n.eqn].ins:
                     use(alias.get(("var", v), ("var", v)), i, loops)
@@ -312,10 +325,10 @@ class FinalForm:
             if isinstance(n, Loop):
                 what = "tiles" if n.kind == "grid" else "chunks"
                 text = f"for {n.axis} in {what} of {n.step}  ({n.kind}, {n.level})"
-            elif isinstance(n, Load):
-                b = self.buffer(("var", n.var) if n.final else ("copy", n.var, n.level), loops)
+            elif (v := self.loaded(n)) is not None:
+                b = self.buffer(("var", v) if n.final else ("copy", v, n.level), loops)
                 src = "" if n.src == FULL.top else f"{n.src} "
-                text = f"load {b.describe()} {src}-> {b.level}"
+                text = f"load {'' if isinstance(n, Load) else 'param '}{b.describe()} {src}-> {b.level}"
             elif isinstance(n, Store):
                 b = self.buffer(("copy", n.var, n.level) if n.flush else ("var", n.var), loops)
                 text = f"{'flush' if n.flush else 'store'} {b.describe()} -> {n.dst}"
@@ -470,28 +483,41 @@ def _defines(ff: FinalForm, node) -> tuple[int, ...]:
     return ()
 
 
+def param_vars(d: Diagram) -> dict[int, int]:
+    """``{variable: equation}`` of the parameters of ``d`` (``source`` boxes naming a value bound
+    at evaluation): they live at the top level, like inputs."""
+    return d.memo("loopnest.param_vars", lambda: {
+        v: k for k, e in enumerate(d.eqns) if spec(e.box).shape == "source" and e.box.param("pname", None)
+        is not None for v in d.eqn_outputs(k)})
+
+
 def _insert_moves(ff: FinalForm) -> tuple:
     """Insert the colour changes.  An input enters each level at the innermost loop of that
     level which partitions it (a grid loop, or a loop over one of its own axes) among the
     loops enclosing all its uses; an output leaves after its definition and is flushed from
-    each outer level at the end of that level's innermost partitioning loop."""
+    each outer level at the end of that level's innermost partitioning loop.  A parameter is
+    loaded as an input is (:class:`Compute`); one nothing reads stays where it was."""
     d = ff.diagram
     n_in = len(d.dom)
     h = ff.hierarchy
+    params = param_vars(d)
+    source = lambda v: v < n_in or v in params
     uses: dict[int, list[tuple[Loop, ...]]] = {}
     defined_in: dict[int, tuple[Loop, ...]] = {}
     for node, loops in ff.walk():
         for v in _uses(ff, node):
-            if v < n_in:
+            if source(v):
                 uses.setdefault(v, []).append(loops)
         for v in _defines(ff, node):
-            defined_in[v] = loops
+            if v not in params:
+                defined_in[v] = loops
     loads: dict[tuple, list[Load]] = {}   # enclosing loops -> loads at the top of that body
     flushes: dict[tuple, list[Store]] = {}  # enclosing loops -> flushes at the end of that body
     inner_store: dict[int, Store] = {}
-    for v in sorted(uses) + [v for v in d.outs if v < n_in and v not in uses]:
+    loaded = sorted(uses) + [v for v in dict.fromkeys(d.outs) if source(v) and v not in uses]
+    for v in loaded:
         chain = _common_prefix(uses.get(v) or [_grid_chain(ff)])
-        axes_ = d.dom[v].axis_names
+        axes_ = d.var_types()[v].axis_names
         depth = {}
         for k, lp in enumerate(chain):
             if lp.kind == "grid" or lp.axis in axes_:
@@ -519,12 +545,17 @@ def _insert_moves(ff: FinalForm) -> tuple:
         for lv, dst in zip(outer, dsts[1:]):
             flushes.setdefault(chain[:depth[lv]], []).append(Store(v, lv, dst, flush=True))
 
+    moved = {params[v] for v in loaded if v in params}
+    load = lambda ld: Compute(params[ld.var], ld.src, ld.level, ld.final) if ld.var in params else ld
+
     def rebuild(nodes, loops):
-        out = list(loads.get(loops, []))
+        out = [load(ld) for ld in loads.get(loops, [])]
         out += [inner_store[ld.var] for ld in loads.get(loops, []) if ld.final and ld.var in inner_store]
         for n in nodes:
             if isinstance(n, Loop):
                 out.append(Loop(n.axis, n.step, n.kind, n.level, rebuild(n.body, loops + (n,))))
+            elif isinstance(n, Compute) and n.eqn in moved:
+                continue
             else:
                 out.append(n)
                 out += [inner_store[v] for v in _defines(ff, n) if v in inner_store]
@@ -550,3 +581,20 @@ def _grid_chain(ff: FinalForm) -> tuple[Loop, ...]:
         chain.append(nodes[0])
         nodes = nodes[0].body
     return tuple(chain)
+
+
+def _final_form_html(self) -> str:
+    """Jupyter's view of a final form: the pseudocode with its memory columns as an HTML table,
+    rendered by the drawing stage (registered as ``final_form_html``); without it, the text."""
+    from html import escape
+
+    from ..core import registry
+    from ..core.errors import NapkinError
+    try:
+        render = registry.verb("final_form_html")
+    except NapkinError:
+        return f"<pre>{escape(self.pseudocode())}</pre>"
+    return render(self)
+
+
+FinalForm._repr_html_ = _final_form_html

@@ -85,6 +85,27 @@ class EquivalenceReport:
                 f"max abs error {self.max_abs_error:.3g}, max rel error {self.max_rel_error:.3g}; "
                 f"{sizes}; data {regimes}{self._kernel_str()}")
 
+    def _repr_html_(self) -> str:
+        """The report as a small HTML table (Jupyter): verdict, errors, sizes, data regimes,
+        kernels run; self-contained, every value escaped."""
+        from html import escape
+        budget = " (stopped by the time budget)" if self.stopped_by_time else ""
+        rows = [("examples", f"{self.examples}{budget}"),
+                ("max abs error", f"{self.max_abs_error:.3g}"),
+                ("max rel error", f"{self.max_rel_error:.3g}"),
+                ("time", f"{self.seconds:.2f} s"),
+                ("sizes tried", ", ".join(f"{s} in {lo}..{hi}" for s, lo, hi in self.sizes_tried) or "fixed sizes"),
+                ("data regimes", ", ".join(f"{r} ×{n}" for r, n in self.regimes_tried) or "-")]
+        if self.kernels or self.refused:
+            rows.append(("kernels run", str(self.kernels)))
+        if self.refused:
+            rows.append(("refused by lower()", "; ".join(self.refused)))
+        body = "".join(f'<tr><th style="text-align:left;padding-right:1em">{escape(k)}</th>'
+                       f'<td style="text-align:left">{escape(v)}</td></tr>' for k, v in rows)
+        return (f'<div class="napkin-report"><b style="color:#2e7d32">✓ equivalent</b> '
+                f'<span style="color:#555">(checked against the NumPy oracle, float64)</span>'
+                f'<table style="border-collapse:collapse;font-size:90%">{body}</table></div>')
+
 
 @dataclass
 class _Outcome:

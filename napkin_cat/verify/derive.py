@@ -23,10 +23,12 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from html import escape
 
 from .check import EquivalenceReport, check_equivalent
+from ..core import registry
 from ..core.diagram import Axis, Diagram
-from ..core.errors import EquivalenceError, RelabelError, UnverifiedError
+from ..core.errors import EquivalenceError, NapkinError, RelabelError, UnverifiedError
 from ..relabel.rules import RULES
 
 _PREFIX = {"stream": "s", "tile": "g"}
@@ -57,6 +59,15 @@ class Step:
             how = "not verified"
         return f"{call:<32} {how}"
 
+    @property
+    def call(self) -> str:
+        """The step as the call that made it: ``stream(x, s_x)``, ``place(O, SMEM)``."""
+        return f"{self.name}({', '.join(map(str, self.args))})"
+
+    def _repr_html_(self) -> str:
+        """The step's diagram drawn, under its call and its check result (Jupyter)."""
+        return _step_html(self.call, self.diagram, self.verified, self.report)
+
 
 @dataclass(frozen=True)
 class Derivation:
@@ -80,6 +91,37 @@ class Derivation:
             lines.append(f"  {i}. {s}")
         lines.append(f"final: {self.final}")
         return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """One picture per step (Jupyter): the original, then each step's diagram with the call
+        that made it and its check against the original; self-contained HTML."""
+        parts = [_step_html("original", self.original, None, None)]
+        parts += [_step_html(f"{i}. {s.call}", s.diagram, s.verified, s.report) for i, s in enumerate(self.steps, 1)]
+        head = f"derivation of {self.original} in {len(self.steps)} step(s)"
+        return f'<div class="napkin-derivation"><p><b>{escape(head)}</b></p>{"".join(parts)}</div>'
+
+
+def _step_html(title: str, d: Diagram, verified: bool | None, report: EquivalenceReport | None) -> str:
+    if verified is None:
+        verdict = ""
+    elif verified and report is not None:
+        verdict = (f'<span style="color:#2e7d32">✓ verified on {report.examples} examples '
+                   f"(max abs error {report.max_abs_error:.2g}, {report.seconds:.2f} s)</span>")
+    else:
+        verdict = '<span style="color:#b26a00">not verified (verify=False)</span>'
+    return (f'<div style="margin:0.5em 0"><div><b>{escape(title)}</b> <code>{escape(str(d))}</code> {verdict}</div>'
+            f"{_svg(d)}</div>")
+
+
+def _svg(d: Diagram) -> str:
+    """The diagram's picture as inline SVG (the drawing stage registers ``to_svg``); without it,
+    nothing: the text above names the diagram."""
+    try:
+        svg = d.memo("repr_svg", lambda: registry.verb("to_svg")(d))  # a notebook re-displays
+    except NapkinError:
+        return ""
+    start = svg.find("<svg")
+    return f'<div style="max-width:100%;overflow-x:auto">{svg[start:] if start >= 0 else ""}</div>'
 
 
 def _name(a) -> str:
