@@ -79,3 +79,13 @@ def test_final_form_html_is_the_pseudocode_with_memory_columns():
 def test_final_form_html_of_an_unrelabelled_diagram(name):
     html = final_form(getattr(nc.library, name)())._repr_html_()
     assert "<table" in html and "HBM" in html
+
+
+def test_kernel_notebook_view_shows_launch_notes_and_source():
+    import napkin_cat as nc
+    q, x, d = nc.axes("q x d")
+    k = nc.lower(nc.library.attention(q=q, x=x, d=d).bind({q: 6, x: 5, d: 4}), threads=32)
+    html = k._repr_html_()
+    assert f"kernel {k.name}" in html and str(k.launch.grid) in html and "verified against the oracle" in html
+    assert "<details><summary>source (" in html
+    assert k.notes and all(n.split()[0] in html for n in k.notes)

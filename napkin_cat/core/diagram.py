@@ -429,7 +429,7 @@ class Diagram:
         return f"[{errors.describe_ty(self.dom)}{extra} -> {errors.describe_ty(self.cod)}]"
 
     def _sched_str(self) -> str:
-        return ", ".join(f"{r.op}({r.axis}{', ' + str(r.size) if r.size is not None else ''})" for r in self.schedule)
+        return ", ".join(_relabel_str(r) for r in self.schedule)
 
     def __str__(self) -> str:
         s = self.short()[1:-1]
@@ -451,6 +451,17 @@ class Diagram:
                          f"({', '.join(names[v] for v in e.ins)})")
         lines.append(f"out {', '.join(names[v] for v in self.outs)}")
         return "\n".join(lines)
+
+
+def _relabel_str(r: Relabel) -> str:
+    """``stream(x, s_x)``, ``place(O, SMEM)``, ``require(x, 4)``, ``order(x, c)``."""
+    if r.op == "place":
+        args = [str(r.extra[0]), r.level]
+    elif r.op == "order":
+        args = [str(a) for a in r.extra]
+    else:
+        args = [r.axis] + ([str(r.size)] if r.size is not None else [])
+    return f"{r.op}({', '.join(args)})"
 
 
 def _check_diagram(other, op: str, d: "Diagram", left: bool = False) -> None:

@@ -157,6 +157,27 @@ class Kernel:
         return (f"Kernel({self.name}: {self.diagram}, grid={self.launch.grid}, "
                 f"block={self.launch.block}, smem={self.launch.dynamic_smem_bytes} B)")
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the launch configuration, the notes (what was chosen and verified)
+        and the source, highlighted with pygments when it is installed."""
+        from html import escape
+        try:
+            from pygments import highlight
+            from pygments.formatters import HtmlFormatter
+            from pygments.lexers import PythonLexer
+            code = highlight(self.source, PythonLexer(), HtmlFormatter(noclasses=True, nowrap=False))
+        except ImportError:
+            code = f"<pre>{escape(self.source)}</pre>"
+        rows = [("diagram", str(self.diagram)), ("grid", str(self.launch.grid)), ("block", str(self.launch.block)),
+                ("dynamic shared memory", f"{self.launch.dynamic_smem_bytes} B"),
+                ("verified against the oracle", "yes" if self.verified else "no")]
+        table = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{escape(k)}</th><td>{escape(v)}</td></tr>"
+                        for k, v in rows)
+        notes = "".join(f"<li>{escape(n)}</li>" for n in self.notes)
+        return (f"<div class='napkin-kernel'><p><b>kernel {escape(self.name)}</b></p><table>{table}</table>"
+                f"<ul>{notes}</ul><details><summary>source ({len(self.source.splitlines())} lines)</summary>"
+                f"{code}</details></div>")
+
     @property
     def dispatcher(self):
         """The ``cuda.jit`` dispatcher (compiled at the first call)."""
