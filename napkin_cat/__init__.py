@@ -25,6 +25,7 @@ from .core.diagram import (DTYPES, Array, Axis, Box, Diagram, DType, Eqn, Relabe
 from .core.errors import (CostError, DrawingError, EmptyAxisError, EquivalenceError, LoweringError, NapkinError,
                           RelabelError, ShapeError, TypingError, UnknownKindError, UnverifiedError)
 from .ops.grad import grad
+from .ops.residuals import grad_with_residuals
 from .ops import AxisPower, Builder, IndexBias, Predicate, alibi, block_diagonal, causal, predicate, window
 from . import library
 

@@ -174,3 +174,15 @@ def test_kernel_outcome_follows_fp32_where_fp32_overflows():
     assert kernelcheck.compare_outputs(names, exact, low, (np.array([np.inf, 1.0]),), 1e-5, 1e-5).failure is None
     bad = kernelcheck.compare_outputs(names, exact, low, (np.array([3.0, 1.0]),), 1e-5, 1e-5).failure
     assert bad is not None and bad["coordinates"] == {"r": 0}
+
+
+def test_where_both_oracles_are_non_finite_the_kernel_follows_one_of_them():
+    """float64 inf where fp32 gives NaN (an exp that overflows before a product): a kernel that
+    gives NaN (fp32) or inf (float64) passes; a finite value, or the other infinity, does not."""
+    import numpy as np
+    from napkin_cat.verify.kernelcheck import compare_outputs
+    arr = [nc.Array((nc.Axis("r", 1),), nc.f32, "Y")]
+    exact, low = [np.array([np.inf])], [np.array([np.nan])]
+    for got, ok in ((np.nan, True), (np.inf, True), (1.0, False), (-np.inf, False)):
+        diff = compare_outputs(arr, exact, low, [np.array([got], dtype=np.float32)], 2e-5, 2e-5)
+        assert (diff.failure is None) == ok, (got, diff.failure)

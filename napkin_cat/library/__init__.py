@@ -106,7 +106,7 @@ def attention(q: Axis | None = None, x: Axis | None = None, d: Axis | None = Non
               dv: Axis | None = None, heads: Axis | None = None, batch: Axis | None = None,
               groups: Axis | None = None, causal: bool = False, window_size: int | None = None,
               mask: Predicate | None = None, bias: str | IndexBias | None = None,
-              scale: float | None = None, dtype: DType = f32) -> Diagram:
+              scale: float | None = None, logsumexp: bool = False, dtype: DType = f32) -> Diagram:
     """``O = softmax(Q K^T * scale + bias, masked) V``, one head, then weaved.
 
     ``scale`` defaults to ``1/sqrt(d)``.  ``heads`` weaves every input over a head axis;
@@ -115,10 +115,15 @@ def attention(q: Axis | None = None, x: Axis | None = None, d: Axis | None = Non
     ``window_size`` / ``mask`` add an index-predicate mask; ``bias="input"`` adds an input
     ``B[q x]`` (shared by heads and batch), an :class:`IndexBias` (e.g. ``alibi(0.5)``) adds a
     bias computed from indices.  ``window_size=w`` keeps keys ``i - w <= j <= i``: ``0`` keeps
-    only the diagonal ``j == i``; ``None`` (default) is no window.
+    only the diagonal ``j == i``; ``None`` (default) is no window.  ``logsumexp=True`` also
+    returns ``L[q] = logsumexp_x`` of the scaled, biased, masked scores (``-inf`` on a fully
+    masked row): the residual FlashAttention saves for its backward
+    (:func:`napkin_cat.ops.residuals.grad_with_residuals`).
     """
     if not isinstance(causal, bool):
         raise TypingError(f"attention causal must be True or False, got {causal!r}")
+    if not isinstance(logsumexp, bool):
+        raise TypingError(f"attention logsumexp must be True or False, got {logsumexp!r}")
     if window_size is not None:
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 0:
             raise TypingError(f"attention window_size must be an int >= 0 (0 keeps only the diagonal "
@@ -146,7 +151,8 @@ def attention(q: Axis | None = None, x: Axis | None = None, d: Axis | None = Non
         S = g.mask(S, q, x, pred)
     P = g.softmax(S, x, name="P")
     O = g.contract(P, V, out=(q, dv), name="O")
-    out = g.diagram(O, names=["O"])
+    out = g.diagram(O, g.reduce("logsumexp", S, x, name="L"), names=["O", "L"]) if logsumexp else \
+        g.diagram(O, names=["O"])
     shared = (0, 1, 2)  # the bias input, if any, is shared by groups, heads and batch
     if groups is not None:
         out = out.weave(_ax(groups, "g"), inputs=(0,))
