@@ -40,6 +40,7 @@ _LAZY = {
     "derive": ("verify", "derive"), "evaluate": ("verify", "evaluate"),
     "costmodel": ("costmodel", None), "cost": ("costmodel", "cost"),
     "lowering": ("lowering", None), "lower": ("lowering", "lower"),
+    "torch_op": ("lowering.torch_op", "torch_op"),
 }
 # the verification stage reads kernels through a table the lowering stage fills when imported
 # (verify/backend.py); numba.cuda itself is imported on the first lowering, not here

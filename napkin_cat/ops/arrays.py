@@ -55,7 +55,7 @@ def _np_logsumexp(x, axis):
         return np.squeeze(m, axis) + np.log(np.sum(np.exp(x - m), axis=axis))
 
 
-def _np_as_index_result(value, like):
+def _np_as_index_result(value, like, on=None):
     return np.asarray(value)
 
 
@@ -67,7 +67,7 @@ NUMPY = _Namespace(
     permute=np.transpose, stop_gradient=lambda x: x, quiet=_np_quiet,
     einsum=_np_einsum, letter=opt_einsum.get_symbol,
     narrow=lambda x, axis, start, length: x[(slice(None),) * axis + (slice(start, start + length),)],
-    indices_=lambda n, offset, like=None: np.arange(n) + offset,
+    indices_=lambda n, offset, like=None, on=None: np.arange(n) + offset,
     broadcast_=lambda x, shape: np.broadcast_to(x, shape).copy(),
     logsumexp_=_np_logsumexp, diagonal_=lambda x, a, b: np.diagonal(x, axis1=a, axis2=b),
     as_index_result=_np_as_index_result,
@@ -96,19 +96,24 @@ def torch_namespace():
                                   f"{len(_LETTERS)} letters")
             return _LETTERS[k]
 
-        def indices(n, offset, like=None):
+        def indices(n, offset, like=None, on=None):
             # a bias reads indices in the float dtype of its input: slope * (j - i) must not
             # round through a narrower type; a mask reads int64
             if like is not None:
                 dtype = like.dtype if like.dtype.is_floating_point else torch.float64
             else:
                 dtype = torch.int64
-            return torch.arange(n, dtype=dtype) + offset
+            # on the device of the array the indices are compared with (``on``)
+            return torch.arange(n, dtype=dtype, device=None if on is None else on.device) + offset
 
-        def as_index_result(value, like):
-            # a predicate written with NumPy functions may hand back an ndarray: accept it
+        def as_index_result(value, like, on=None):
+            # a predicate written with NumPy functions may hand back an ndarray: accept it; the
+            # result lives on the device of the array it is combined with (``on``)
             dtype = torch.bool if like is None else (like.dtype if like.dtype.is_floating_point else torch.float64)
-            return value.to(dtype) if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=dtype)
+            device = None if on is None else on.device
+            if isinstance(value, torch.Tensor):
+                return value.to(dtype=dtype, device=device)
+            return torch.as_tensor(value, dtype=dtype, device=device)
 
         _TORCH = _Namespace(
             "torch", torch,

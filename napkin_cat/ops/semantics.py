@@ -72,15 +72,15 @@ def align(xp, x, src: tuple[str, ...], dst: tuple[str, ...]):
     return x.reshape([next(sizes) if n in src else 1 for n in dst])
 
 
-def index_grid(xp, box_arr: Array, shape, row: str, col: str, offsets: dict, like=None):
+def index_grid(xp, box_arr: Array, shape, row: str, col: str, offsets: dict, like=None, on=None):
     """Global row / column indices shaped to broadcast against an array of ``shape``
     (in ``like``'s float dtype where the namespace needs one for exact arithmetic)."""
     names = box_arr.axis_names
     ri, ci = names.index(row), names.index(col)
     ishape = [1] * len(shape); ishape[ri] = shape[ri]
     jshape = [1] * len(shape); jshape[ci] = shape[ci]
-    i = xp.indices_(shape[ri], offsets.get(row, 0), like)
-    j = xp.indices_(shape[ci], offsets.get(col, 0), like)
+    i = xp.indices_(shape[ri], offsets.get(row, 0), like, on)
+    j = xp.indices_(shape[ci], offsets.get(col, 0), like, on)
     return i.reshape(ishape), j.reshape(jshape)
 
 
@@ -167,15 +167,15 @@ def rule_normalize(box: Box, ins, ctx):
 
 def rule_mask(box: Box, ins, ctx):
     xp, x = ctx.xp, ins[0]
-    i, j = index_grid(xp, box.dom[0], x.shape, box.param("row"), box.param("col"), ctx.offsets)
-    keep = xp.as_index_result(box.param("pred")(i, j), None)
+    i, j = index_grid(xp, box.dom[0], x.shape, box.param("row"), box.param("col"), ctx.offsets, on=x)
+    keep = xp.as_index_result(box.param("pred")(i, j), None, on=x)
     return (xp.where(keep, x, NEG_INF),)
 
 
 def rule_index_bias(box: Box, ins, ctx):
     xp, x = ctx.xp, ins[0]
-    i, j = index_grid(xp, box.dom[0], x.shape, box.param("row"), box.param("col"), ctx.offsets, like=x)
-    return (x + xp.as_index_result(box.param("bias")(i, j), x),)
+    i, j = index_grid(xp, box.dom[0], x.shape, box.param("row"), box.param("col"), ctx.offsets, like=x, on=x)
+    return (x + xp.as_index_result(box.param("bias")(i, j), x, on=x),)
 
 
 def rule_reindex(box: Box, ins, ctx):

@@ -1,0 +1,253 @@
+"""``torch_op``: a relabelled diagram as a torch.autograd operation, against ``nc.to_torch`` autograd.
+
+The oracle is torch's gradient of the reference semantics (``nc.to_torch`` in float64).  Paths:
+the tiled NumPy executor (float64: gradcheck; float32 on the CPU with ``simulate=False``), the
+generated kernel under numba's CUDA simulator (float32 CPU tensors, tiny sizes), and a real GPU
+(skipped without one; ``NUMBA_ENABLE_CUDASIM=0 pytest tests/test_torch_op.py`` on a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # as the other kernel tests: one choice per process
+
+import pytest
+import torch
+
+import napkin_cat as nc
+from napkin_cat import Builder
+from napkin_cat.core.errors import NapkinError, ShapeError, TypingError
+from napkin_cat.lowering.devices import simulator_active
+from napkin_cat.lowering.torch_op import backward_plan, torch_op
+
+q, x, d = nc.axes("q x d")
+SIZES = {"q": 5, "x": 7, "d": 4}   # ragged against the simulator's tiles (4) and chunks (3)
+
+
+def flash(causal: bool = False):
+    return nc.library.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
+
+
+def mlp():
+    return nc.library.mlp().tile("t", "g_t")
+
+
+def inputs(diagram, sizes, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*(sizes[a.name] for a in arr.axes), generator=g, dtype=dtype).requires_grad_()
+            for arr in diagram.dom]
+
+
+def reference(diagram, tensors, cot):
+    """Output and input gradients of the oracle, in float64 on the CPU."""
+    ts = [t.detach().cpu().double().requires_grad_() for t in tensors]
+    out = nc.to_torch(diagram)(*ts)
+    grads = torch.autograd.grad(out, ts, cot.cpu().double())
+    return out.detach(), grads
+
+
+def check_against_reference(op, tensors, tol):
+    out = op(*tensors)
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype).to(out.device)
+    got = torch.autograd.grad(out, tensors, cot)
+    want_out, want = reference(op.diagram, tensors, cot)
+    assert (out.dtype, out.device) == (tensors[0].dtype, tensors[0].device)
+    torch.testing.assert_close(out.cpu().double(), want_out, rtol=tol, atol=tol)
+    for g, w, arr in zip(got, want, op.diagram.dom):
+        assert (g.dtype, g.device) == (tensors[0].dtype, tensors[0].device), arr
+        torch.testing.assert_close(g.cpu().double(), w, rtol=tol, atol=tol, msg=lambda m: f"d{arr.name}: {m}")
+
+
+# --------------------------------------------------------------------------- executor path
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_torch_op_attention_executor_matches_to_torch(causal, dtype, tol):
+    op = torch_op(flash(causal), simulate=False)
+    check_against_reference(op, inputs(op.diagram, SIZES, dtype), tol)
+    assert (op.last_path, op.last_backward_path) == ("executor", "executor")
+    assert op.notes == []
+
+
+def test_torch_op_mlp_gradients_flow_into_weights():
+    op = torch_op(mlp(), simulate=False)
+    sizes = {"t": 6, "d": 4, "f": 8}
+    tensors = inputs(op.diagram, sizes)
+    check_against_reference(op, tensors, 1e-10)
+    op(*tensors).pow(2).sum().backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in tensors)   # X, W1, b1, W2, b2
+
+
+@pytest.mark.parametrize("diagram,sizes", [(flash(causal=True), {"q": 3, "x": 4, "d": 2}),
+                                           (mlp(), {"t": 3, "d": 2, "f": 3})], ids=["causal_attention", "mlp"])
+def test_torch_op_gradcheck_float64(diagram, sizes):
+    op = torch_op(diagram, simulate=False)
+    assert torch.autograd.gradcheck(op, inputs(diagram, sizes))
+    assert op.last_path == "executor"
+
+
+def test_torch_op_several_outputs_and_an_unused_one():
+    r, c = nc.axes("r c")
+    g = Builder()
+    X = g.input("X", r, c)
+    two = g.diagram(g.softmax(X, c), g.reduce("sum", g.map("exp", X), c), names=["P", "S"])
+    op = torch_op(two, simulate=False)
+    X = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    P, S = op(X)
+    assert (P.shape, S.shape) == ((3, 5), (3,))
+    P[:, 0].sum().backward()   # S unused: its cotangent is zero
+    want = torch.autograd.grad(nc.to_torch(two)(X)[0][:, 0].sum(), X)[0]
+    torch.testing.assert_close(X.grad, want)
+    assert torch.autograd.gradcheck(op, [X.detach().requires_grad_()])
+
+
+def test_torch_op_bound_diagram_and_sizes_cache():
+    op = torch_op(flash().bind(SIZES), simulate=False)
+    op(*inputs(op.diagram, SIZES)).sum().backward()
+    op(*inputs(op.diagram, SIZES, seed=2))
+    assert sum(k[0] == "schedule" for k in op._cache) == 1
+    grow = torch_op(flash(), simulate=False)
+    grow(*inputs(grow.diagram, SIZES))
+    grow(*inputs(grow.diagram, {"q": 3, "x": 5, "d": 4}))
+    assert sum(k[0] == "schedule" for k in grow._cache) == 2
+
+
+def test_torch_op_backward_only_for_inputs_that_need_it():
+    op = torch_op(flash(), simulate=False)
+    Q, K, V = inputs(op.diagram, SIZES)
+    Q.requires_grad_(False)
+    V.requires_grad_(False)
+    op(Q, K, V).sum().backward()
+    assert Q.grad is None and V.grad is None and K.grad is not None
+    assert ("plan", (1,)) in op._cache
+
+
+def test_backward_plan_saves_the_inputs():
+    plan = backward_plan(flash())
+    assert plan.saves == ("Q", "K", "V") and plan.wrt == (0, 1, 2)
+    assert [a.name for a in plan.diagram.dom] == ["Q", "K", "V", "dO"]   # saved arrays, then cotangents
+    assert [a.name for a in plan.diagram.cod] == ["dQ", "dK", "dV"]
+
+
+def test_torch_op_two_optimisation_steps_lower_the_loss():
+    """A tiny attention layer: projections in torch, attention through the op (float32 executor)."""
+    torch.manual_seed(0)
+    X = torch.randn(6, 4)
+    target = torch.randn(6, 4)
+    W = [torch.nn.Parameter(torch.randn(4, 4) * 0.5) for _ in range(3)]
+    op = torch_op(flash(causal=True), simulate=False)
+    opt = torch.optim.SGD(W, lr=0.5)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = (op(X @ W[0], X @ W[1], X @ W[2]) - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[2] < losses[1] < losses[0]
+
+
+# --------------------------------------------------------------------------- simulator path
+
+needs_sim = pytest.mark.skipif(not simulator_active(), reason="numba.cuda is not its simulator in this process")
+
+
+@needs_sim
+def test_torch_op_simulator_path_attention():
+    op = torch_op(flash(causal=True), simulate=True)
+    check_against_reference(op, inputs(op.diagram, SIZES, torch.float32), 1e-4)
+    assert (op.last_path, op.last_backward_path) == ("simulator", "executor")
+    assert sum(k[0] == "kernel" for k in op._cache) == 1
+    op(*inputs(op.diagram, SIZES, torch.float32, seed=3))   # the cached kernel
+    assert sum(k[0] == "kernel" for k in op._cache) == 1
+
+
+@needs_sim
+def test_torch_op_simulator_path_mlp():
+    op = torch_op(mlp(), simulate=True)
+    check_against_reference(op, inputs(op.diagram, {"t": 5, "d": 3, "f": 4}, torch.float32), 1e-4)
+    assert op.last_path == "simulator"
+
+
+@needs_sim
+def test_torch_op_float64_takes_the_reference_path_under_the_simulator():
+    op = torch_op(flash())
+    op(*inputs(op.diagram, SIZES))
+    assert op.last_path == "executor"
+
+
+# --------------------------------------------------------------------------- GPU path
+
+needs_gpu = pytest.mark.skipif(simulator_active() or not torch.cuda.is_available(),
+                               reason="needs a CUDA GPU with NUMBA_ENABLE_CUDASIM=0")
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_op_gpu_path(causal):
+    op = torch_op(flash(causal))
+    sizes = {"q": 70, "x": 90, "d": 16}
+    tensors = [t.detach().cuda().requires_grad_() for t in inputs(op.diagram, sizes, torch.float32)]
+    check_against_reference(op, tensors, 1e-4)
+    assert op.last_path == "gpu"
+    assert op.last_backward_path == "gpu" or any("not lowered" in n for n in op.notes)
+
+
+@needs_gpu
+def test_torch_op_gpu_backward_refused_is_noted_and_float64_runs_the_executor():
+    op = torch_op(flash())
+    tensors = [t.detach().cuda().requires_grad_() for t in inputs(op.diagram, {"q": 1024, "x": 1024, "d": 64},
+                                                                  torch.float32)]
+    op(*tensors).sum().backward()
+    assert (op.last_path, op.last_backward_path) == ("gpu", "executor")   # shared memory refused
+    assert any("not lowered" in n and "shared memory" in n for n in op.notes), op.notes
+    assert all(t.grad.is_cuda for t in tensors)
+    ref = torch_op(flash())
+    check_against_reference(ref, [t.detach().cuda().requires_grad_() for t in inputs(ref.diagram, SIZES)], 1e-10)
+    assert (ref.last_path, ref.last_backward_path) == ("executor", "executor")
+    assert any("float64 CUDA tensors" in n for n in ref.notes)
+
+
+# --------------------------------------------------------------------------- refusals
+
+def _refused(op, tensors, err, *words):
+    before = [t.detach().clone() for t in tensors if isinstance(t, torch.Tensor)]
+    with pytest.raises(err) as info:
+        op(*tensors)
+    assert isinstance(info.value, NapkinError)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    assert op._cache == {} and op.last_path is None and op.notes == []
+    for b, t in zip(before, [t for t in tensors if isinstance(t, torch.Tensor)]):
+        assert torch.equal(b, t)
+
+
+def test_torch_op_refuses_wrong_inputs_and_mutates_nothing():
+    op = torch_op(flash(), simulate=False)
+    Q, K, V = inputs(op.diagram, SIZES)
+    _refused(op, (Q, K), ShapeError, "takes 3 tensors", "got 2")
+    _refused(op, (Q, K, V.detach().numpy()), ShapeError, "V[x d]", "ndarray")
+    _refused(op, (Q, K, V[None]), ShapeError, "V[x d]", "expected 2 axes")
+    _refused(op, (Q, K[:, :3], V), ShapeError, "axis d has size 3", "Q gave d = 4")
+    _refused(op, (Q, K, V[:6]), ShapeError, "axis x has size 6")
+    bound = torch_op(flash().bind(SIZES), simulate=False)
+    _refused(bound, (Q[:4], K, V), ShapeError, "axis q is bound to 5")
+    for half in (torch.bfloat16, torch.float16):
+        _refused(op, (Q.to(half), K.to(half), V.to(half)), TypingError, str(half), "tensor-core")
+    _refused(op, (Q, K.float(), V), TypingError, "torch.float32", "one dtype")
+    _refused(op, (Q, K, V.long()), TypingError, "torch.int64")
+    assert Q.grad is None and K.grad is None and V.grad is None
+
+
+def test_torch_op_refuses_params_and_bad_options():
+    t, i, o = nc.axes("t i o")
+    g = Builder()
+    X, W = g.input("X", t, i), g.param("W", i, o)
+    with_param = g.diagram(g.contract(X, W, out=(t, o)), names=["Y"])
+    with pytest.raises(TypingError, match="W.*Builder.param.*make them inputs"):
+        torch_op(with_param)
+    with pytest.raises(TypingError, match="simulate"):
+        torch_op(flash(), simulate="yes")
+    with pytest.raises(TypingError, match="needs a Diagram"):
+        torch_op("attention")
