@@ -20,6 +20,7 @@ import torch
 
 import napkin_cat as nc
 from napkin_cat import Axis
+from napkin_cat.core.errors import RelabelError, TypingError
 from napkin_cat.ops.grad import grad
 from napkin_cat.ops.residuals import grad_with_residuals, saved_softmaxes
 
