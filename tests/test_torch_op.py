@@ -12,6 +12,7 @@ import os
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # as the other kernel tests: one choice per process
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from napkin_cat import Builder
 from napkin_cat.core.errors import NapkinError, ShapeError, TypingError
 from napkin_cat.lowering.devices import simulator_active
 from napkin_cat.lowering.torch_op import backward_plan, torch_op
+from napkin_cat.ops.residuals import saved_softmaxes, with_logsumexp
 
 q, x, d = nc.axes("q x d")
 SIZES = {"q": 5, "x": 7, "d": 4}   # ragged against the simulator's tiles (4) and chunks (3)
@@ -66,7 +68,7 @@ def check_against_reference(op, tensors, tol):
 def test_torch_op_attention_executor_matches_to_torch(causal, dtype, tol):
     op = torch_op(flash(causal), simulate=False)
     check_against_reference(op, inputs(op.diagram, SIZES, dtype), tol)
-    assert (op.last_path, op.last_backward_path) == ("executor", "executor")
+    assert (op.last_path, op.last_backward_path) == ("executor", "executor-fa2")
     assert op.notes == []
 
 
@@ -123,11 +125,108 @@ def test_torch_op_backward_only_for_inputs_that_need_it():
     assert ("plan", (1,)) in op._cache
 
 
-def test_backward_plan_saves_the_inputs():
+def test_backward_plan_recomputing_saves_the_inputs():
+    plan = backward_plan(mlp())
+    assert not plan.residual and plan.parts == ()
+    assert plan.saves == ("X", "W1", "b1", "W2", "b2") and plan.wrt == (0, 1, 2, 3, 4)
+    assert [a.name for a in plan.diagram.dom] == ["X", "W1", "b1", "W2", "b2", "dY"]   # saved, then cotangents
+    assert [a.name for a in plan.diagram.cod] == ["dX", "dW1", "db1", "dW2", "db2"]
+
+
+def test_backward_plan_residuals_save_inputs_output_and_logsumexp():
     plan = backward_plan(flash())
-    assert plan.saves == ("Q", "K", "V") and plan.wrt == (0, 1, 2)
-    assert [a.name for a in plan.diagram.dom] == ["Q", "K", "V", "dO"]   # saved arrays, then cotangents
-    assert [a.name for a in plan.diagram.cod] == ["dQ", "dK", "dV"]
+    assert plan.residual and plan.notes == ()
+    assert plan.saves == ("Q", "K", "V", "O", "L") and plan.wrt == (0, 1, 2)
+    assert [a.name for a in plan.diagram.dom] == ["Q", "K", "V", "O", "L", "dO"]
+    assert plan.forward.schedule == flash().schedule   # relabelled like the user's diagram
+    assert [[a.name for a in p.cod] for p in plan.parts] == [["dK", "dV"], ["dQ"]]
+    assert [p._sched_str() for p in plan.parts] == ["tile(x, g_x), stream(q, s_q)", "tile(q, g_q), stream(x, s_x)"]
+    only_k = backward_plan(flash(), wrt=(1,))
+    assert [[a.name for a in p.cod] for p in only_k.parts] == [["dK"]]
+
+
+def test_backward_plan_falls_back_when_the_relabelings_do_not_apply():
+    from dataclasses import replace
+    from napkin_cat.core.types import Relabel
+    forged = replace(nc.library.attention(q=q, x=x, d=d), schedule=(Relabel("tile", "x", "g_x", "SMEM"),))
+    plan = backward_plan(forged)
+    assert not plan.residual and plan.saves == ("Q", "K", "V")
+    assert len(plan.notes) == 1 and "cannot tile x: softmax[x] normalises along x" in plan.notes[0], plan.notes
+
+
+# --------------------------------------------------------------------------- residuals: with_logsumexp
+
+VARIANTS = {"plain": {}, "causal": {"causal": True}, "heads": {"heads": nc.Axis("h")}}
+RSIZES = {**SIZES, "h": 2}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_with_logsumexp_is_the_library_logsumexp_forward(name):
+    kw = VARIANTS[name]
+    lib = nc.library.attention(q=q, x=x, d=d, logsumexp=True, **kw)
+    user = nc.library.attention(q=q, x=x, d=d, **kw)
+    assert with_logsumexp(user) == lib
+    relabelled = user.stream(x, "s_x").tile(q, "g_q")
+    aug = with_logsumexp(relabelled)
+    assert aug == lib.stream(x, "s_x").tile(q, "g_q").unrelabelled() and not aug.schedule
+    assert len(saved_softmaxes(aug)) == 1
+    ins = [t.detach().numpy() for t in inputs(user, RSIZES)]
+    for got, want in zip(nc.evaluate(aug, *ins), nc.evaluate(lib, *ins)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_with_logsumexp_nothing_to_save():
+    assert with_logsumexp(mlp()) is None
+    lib = nc.library.attention(q=q, x=x, d=d, logsumexp=True)
+    assert with_logsumexp(lib) == lib   # the logsumexp is there already: nothing added
+
+
+# --------------------------------------------------------------------------- residuals: torch_op
+
+def _saved_names_and_values(op, tensors):
+    out = op(*tensors)
+    outs = out if isinstance(out, tuple) else (out,)
+    return out, [t for t in outs[0].grad_fn.saved_tensors]
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_torch_op_residual_plan_executor(name, dtype, tol):
+    user = nc.library.attention(q=q, x=x, d=d, **VARIANTS[name]).stream(x, "s_x").tile(q, "g_q")
+    op = torch_op(user, simulate=False)
+    tensors = inputs(user, RSIZES, dtype)
+    check_against_reference(op, tensors, tol)
+    assert (op.last_path, op.last_backward_path) == ("executor", "executor-fa2") and op.notes == []
+    out, saved = _saved_names_and_values(op, tensors)
+    assert op.last_saves == ("Q", "K", "V", "O", "L")
+    O, L = nc.evaluate(with_logsumexp(user), *(t.detach().double().numpy() for t in tensors))
+    assert [tuple(t.shape) for t in saved] == [*(tuple(t.shape) for t in tensors), O.shape, L.shape]
+    for t, want in zip(saved, (*tensors, out)):
+        assert torch.equal(t, want)
+    torch.testing.assert_close(saved[4].double(), torch.from_numpy(L), rtol=tol, atol=tol)
+
+
+def test_torch_op_user_logsumexp_output_gets_its_cotangent():
+    lib = nc.library.attention(q=q, x=x, d=d, logsumexp=True, causal=True).stream(x, "s_x").tile(q, "g_q")
+    op = torch_op(lib, simulate=False)
+    tensors = inputs(lib, SIZES)
+    O, L = op(*tensors)
+    (O.sum() + L.pow(2).sum()).backward()
+    ts = [t.detach().requires_grad_() for t in tensors]
+    rO, rL = nc.to_torch(lib)(*ts)
+    (rO.sum() + rL.pow(2).sum()).backward()
+    for t, r in zip(tensors, ts):
+        torch.testing.assert_close(t.grad, r.grad, rtol=1e-10, atol=1e-10)
+    assert op.last_saves == ("Q", "K", "V", "O", "L") and op.last_backward_path == "executor-fa2"
+
+
+def test_torch_op_mlp_keeps_the_recomputing_plan():
+    op = torch_op(mlp(), simulate=False)
+    tensors = inputs(op.diagram, {"t": 3, "d": 2, "f": 3})
+    out, saved = _saved_names_and_values(op, tensors)
+    assert op.last_saves == ("X", "W1", "b1", "W2", "b2") and len(saved) == 5
+    out.sum().backward()
+    assert op.last_backward_path == "executor"
 
 
 def test_torch_op_two_optimisation_steps_lower_the_loss():
@@ -153,14 +252,44 @@ def test_torch_op_two_optimisation_steps_lower_the_loss():
 needs_sim = pytest.mark.skipif(not simulator_active(), reason="numba.cuda is not its simulator in this process")
 
 
+@pytest.mark.slow   # 9 s: a forward and two verified backward kernels in the simulator
 @needs_sim
 def test_torch_op_simulator_path_attention():
     op = torch_op(flash(causal=True), simulate=True)
     check_against_reference(op, inputs(op.diagram, SIZES, torch.float32), 1e-4)
-    assert (op.last_path, op.last_backward_path) == ("simulator", "executor")
-    assert sum(k[0] == "kernel" for k in op._cache) == 1
+    assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2"), op.notes
+    assert op.last_saves == ("Q", "K", "V", "O", "L") and op.notes == []
+    assert sum(k[0] == "kernel" for k in op._cache) == 1   # the forward with L: one kernel, two outputs
+    assert sum(k[0] == "backward kernel" for k in op._cache) == 2   # (dK, dV) and dQ
     op(*inputs(op.diagram, SIZES, torch.float32, seed=3))   # the cached kernel
     assert sum(k[0] == "kernel" for k in op._cache) == 1
+
+
+@needs_sim
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["plain", "heads"])
+def test_torch_op_simulator_residual_plan(name):
+    user = nc.library.attention(q=q, x=x, d=d, **VARIANTS[name]).stream(x, "s_x").tile(q, "g_q")
+    op = torch_op(user, simulate=True)
+    check_against_reference(op, inputs(user, RSIZES, torch.float32), 1e-4)
+    assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2"), op.notes
+
+
+@needs_sim
+def test_torch_op_simulator_forward_without_two_outputs_falls_back(monkeypatch):
+    from napkin_cat.core.errors import LoweringError
+    op = torch_op(flash(), simulate=True, verify=False)
+    real = type(op)._kernel
+
+    def refuse(self, sizes, device, d=None, tag="forward"):
+        if tag == "residuals":
+            raise LoweringError("refused for the test")
+        return real(self, sizes, device, d, tag)
+    monkeypatch.setattr(type(op), "_kernel", refuse)
+    check_against_reference(op, inputs(op.diagram, SIZES, torch.float32), 1e-4)
+    assert op.last_path == "simulator" and op.last_saves == ("Q", "K", "V", "O", "L")
+    assert any("kernel of" in n and "the NumPy executor the logsumexp" in n and "refused for the test" in n
+               for n in op.notes), op.notes
 
 
 @needs_sim
@@ -191,7 +320,7 @@ def test_torch_op_gpu_path(causal):
     tensors = [t.detach().cuda().requires_grad_() for t in inputs(op.diagram, sizes, torch.float32)]
     check_against_reference(op, tensors, 1e-4)
     assert op.last_path == "gpu"
-    assert op.last_backward_path == "gpu" or any("not lowered" in n for n in op.notes)
+    assert op.last_backward_path == "gpu-fa2" or any("not lowered" in n for n in op.notes), op.notes
 
 
 @needs_gpu
@@ -200,12 +329,13 @@ def test_torch_op_gpu_backward_refused_is_noted_and_float64_runs_the_executor():
     tensors = [t.detach().cuda().requires_grad_() for t in inputs(op.diagram, {"q": 1024, "x": 1024, "d": 64},
                                                                   torch.float32)]
     op(*tensors).sum().backward()
-    assert (op.last_path, op.last_backward_path) == ("gpu", "executor")   # shared memory refused
-    assert any("not lowered" in n and "shared memory" in n for n in op.notes), op.notes
+    assert op.last_path == "gpu" and op.last_saves == ("Q", "K", "V", "O", "L")
+    # FlashAttention-2's parts lower where nc.grad's backward did not (shared memory); a refusal is noted
+    assert op.last_backward_path == "gpu-fa2" or any("not lowered" in n for n in op.notes), op.notes
     assert all(t.grad.is_cuda for t in tensors)
     ref = torch_op(flash())
     check_against_reference(ref, [t.detach().cuda().requires_grad_() for t in inputs(ref.diagram, SIZES)], 1e-10)
-    assert (ref.last_path, ref.last_backward_path) == ("executor", "executor")
+    assert (ref.last_path, ref.last_backward_path) == ("executor", "executor-fa2")
     assert any("float64 CUDA tensors" in n for n in ref.notes)
 
 

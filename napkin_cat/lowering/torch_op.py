@@ -8,7 +8,7 @@
 >>> O = op(Q, K, V)
 >>> O.sum().backward()
 >>> op.last_path, op.last_backward_path, tuple(K.grad.shape)
-('executor', 'executor', (7, 4))
+('executor', 'executor-fa2', (7, 4))
 
 **Forward.**  The diagram is bound at the tensors' sizes and run by one of three paths, which
 ``op.last_path`` names after every call (never silently):
@@ -27,14 +27,25 @@
 Kernels, schedules and backward diagrams are cached per (sizes, dtype, device).
 
 **Backward.**  :func:`backward_plan` is the seam: given the diagram (and the inputs that need a
-gradient) it returns the backward diagram and what the forward must save for it.  Today that is
-:func:`napkin_cat.grad` (which recomputes the forward values it needs) and the inputs only;
-saving residuals (the output and the softmax's logsumexp) is a change to that one function and
-to the diagram it returns.  The backward diagram runs through the NumPy executor (float64
-inside, cast to the inputs' dtype); on float32 CUDA tensors it is first lowered with
-:func:`napkin_cat.lower`, and a :class:`~napkin_cat.core.errors.LoweringError` is recorded in
-``op.notes`` before falling back to the executor (``op.last_backward_path``: ``"gpu"`` or
-``"executor"``).
+gradient) it returns the backward diagram and what the forward must save for it.
+
+* The residual plan, when :func:`~napkin_cat.ops.residuals.with_logsumexp` finds a softmax feeding
+  a contraction over its axis (attention): the forward runs the diagram with each row logsumexp
+  ``L`` as an extra output (``d``'s relabelings re-applied to it), saves the inputs, ``O`` and
+  ``L`` (``op.last_saves``), and the backward is FlashAttention-2's
+  (:func:`~napkin_cat.ops.residuals.grad_with_residuals`), split into ``(dK, dV)`` relabelled
+  ``tile(x, g_x).stream(q, s_q)`` and ``dQ`` relabelled ``tile(q, g_q).stream(x, s_x)``.  On the
+  ``"gpu"`` and ``"simulator"`` paths each part is lowered (:func:`napkin_cat.lower` picks the
+  block sizes) and ``op.last_backward_path`` is ``"gpu-fa2"`` / ``"simulator-fa2"``; otherwise,
+  or when a part refuses to lower (the refusal in ``op.notes``), the NumPy executor runs it in
+  float64: ``"executor-fa2"``.  A forward with ``L`` that does not lower is replaced by the
+  kernel of ``d`` for its outputs and the executor for ``L`` (said in ``op.notes``).
+* Otherwise (an MLP; or the relabelings do not apply to the augmented diagram, said in
+  ``op.notes``): :func:`napkin_cat.grad`, which recomputes the forward values it needs, so only
+  the inputs are saved.  It runs through the NumPy executor (float64 inside, cast to the inputs'
+  dtype); on float32 CUDA tensors it is first lowered, and a
+  :class:`~napkin_cat.core.errors.LoweringError` is recorded in ``op.notes`` before falling back
+  to the executor (``op.last_backward_path``: ``"gpu"`` or ``"executor"``).
 
 **Dtypes.**  float32 (what the kernels compute in) and float64 (the reference path).  bfloat16
 and float16 are refused: the kernels run on CUDA cores in float32, and bf16/fp16 inputs belong to
@@ -48,20 +59,23 @@ the float32 kernels.  All inputs share one dtype and one device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from ..core.diagram import Diagram
-from ..core.errors import LoweringError, ShapeError, TypingError
+from ..core.diagram import Diagram, Eqn
+from ..core.errors import LoweringError, NapkinError, RelabelError, ShapeError, TypingError
+from ..core.types import Ty
 from ..ops.grad import grad
+from ..ops.residuals import grad_with_residuals, saved_softmaxes, with_logsumexp
 
-__all__ = ["torch_op", "TorchOp", "BackwardPlan", "backward_plan"]
+__all__ = ["torch_op", "TorchOp", "BackwardPlan", "backward_plan", "relabel_like"]
 
 KERNEL_DTYPE = torch.float32       # what the generated kernels compute in
 REFERENCE_DTYPE = torch.float64    # the executor's reference path (gradcheck)
 PATHS = ("gpu", "simulator", "executor")
+BACKWARD_PATHS = (*PATHS, "gpu-fa2", "simulator-fa2", "executor-fa2")
 
 
 # --------------------------------------------------------------------------- the backward seam
@@ -71,26 +85,140 @@ class BackwardPlan:
     """What the backward pass runs and what the forward keeps for it.
 
     ``diagram``: ``(saved arrays in the order of saves, one cotangent per output of d) ->
-    (one cotangent per input in wrt)``.  ``saves``: names of the forward's arrays saved for it
-    (inputs of ``d`` today; residuals such as ``O`` and a logsumexp later).  ``wrt``: indices of
-    the inputs of ``d`` that get a cotangent."""
+    (one cotangent per input in wrt)``, unrelabelled (the executor's reference).  ``saves``:
+    names of the forward's arrays saved for it.  ``wrt``: indices of the inputs of ``d`` that
+    get a cotangent.  The residual plan adds ``forward``: the diagram the forward runs instead
+    of ``d`` (``d``'s outputs first, then the logsumexps; relabelled like ``d``), and ``parts``:
+    the backward split FlashAttention-2's way, each part relabelled and reading its inputs by
+    name from ``diagram.dom``.  ``notes``: why the residual plan was not taken, or was cut."""
 
     diagram: Diagram
     saves: tuple[str, ...]
     wrt: tuple[int, ...]
+    forward: Diagram | None = None
+    parts: tuple[Diagram, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def residual(self) -> bool:
+        return self.forward is not None
+
+    def bind(self, sizes: dict) -> "BackwardPlan":
+        def b(dg):
+            names = {a.name for a in dg.axes}
+            got = {k: n for k, n in sizes.items() if k in names}
+            return dg.bind(got) if got else dg
+        return BackwardPlan(b(self.diagram), self.saves, self.wrt,
+                            None if self.forward is None else b(self.forward),
+                            tuple(b(p) for p in self.parts), self.notes)
 
 
 def backward_plan(d: Diagram, wrt: tuple[int, ...] | None = None) -> BackwardPlan:
-    """The backward diagram of ``d`` and what the forward must save: today ``nc.grad(d, wrt)``,
-    which recomputes what it needs from the inputs, so the inputs are all that is saved.
+    """The backward diagram of ``d`` and what the forward must save.
+
+    When :func:`~napkin_cat.ops.residuals.with_logsumexp` finds a softmax-contraction in ``d``
+    (attention), the residual plan: the forward also computes each row logsumexp ``L`` (``d``'s
+    relabelings re-applied to the augmented diagram), saves the inputs, ``O`` and ``L`` (what the
+    backward reads), and the backward is :func:`~napkin_cat.ops.residuals.grad_with_residuals`,
+    split into ``(dK, dV)`` relabelled ``tile(x, g_x).stream(q, s_q)`` and ``dQ`` relabelled
+    ``tile(q, g_q).stream(x, s_x)``.  Otherwise ``nc.grad(d, wrt)``, which recomputes what it
+    needs from the inputs, so the inputs are all that is saved.
 
     >>> import napkin_cat as nc
     >>> plan = backward_plan(nc.library.matmul(*nc.axes("a b c")), wrt=(1,))
-    >>> plan.saves, plan.wrt, [a.name for a in plan.diagram.cod]
-    (('A', 'B'), (1,), ['dB'])
+    >>> plan.saves, plan.wrt, [a.name for a in plan.diagram.cod], plan.residual
+    (('A', 'B'), (1,), ['dB'], False)
+    >>> plan = backward_plan(nc.library.attention().stream("x", "s_x").tile("q", "g_q"))
+    >>> plan.saves, str(plan.forward)
+    (('Q', 'K', 'V', 'O', 'L'), 'Q[q d] f32, K[x d] f32, V[x d] f32 -> O[q d] f32, L[q] f32  | stream(x, s_x), tile(q, g_q)')
+    >>> for part in plan.parts:
+    ...     print([a.name for a in part.dom], [a.name for a in part.cod], part._sched_str())
+    ['Q', 'K', 'V', 'O', 'L', 'dO'] ['dK', 'dV'] tile(x, g_x), stream(q, s_q)
+    ['Q', 'K', 'V', 'O', 'L', 'dO'] ['dQ'] tile(q, g_q), stream(x, s_x)
     """
     wrt = tuple(i for i, a in enumerate(d.dom) if a.dtype.kind == "float") if wrt is None else tuple(wrt)
-    return BackwardPlan(grad(d, wrt), tuple(a.name for a in d.dom), wrt)
+    recompute = BackwardPlan(grad(d, wrt), tuple(a.name for a in d.dom), wrt)
+    aug = with_logsumexp(d)
+    if aug is None or not wrt:
+        return recompute
+    try:
+        forward = relabel_like(aug, d.schedule)
+    except NapkinError as e:
+        return replace(recompute, notes=(f"the forward with its logsumexp could not be relabelled like "
+                                         f"{d.short()} ({d._sched_str()}), so the backward recomputes "
+                                         f"from the inputs: {e}",))
+    cts = [a.name for a in d.cod]
+    whole = grad_with_residuals(aug, wrt, cotangents=cts)
+    whole = _read_only(whole, keep=cts)
+    saves = tuple(a.name for a in whole.dom)[: len(whole.dom) - len(cts)]
+    parts, notes = _fa2_parts(aug, wrt, cts)
+    return BackwardPlan(whole, saves, wrt, forward, parts, notes)
+
+
+def relabel_like(d: Diagram, schedule) -> Diagram:
+    """``d`` relabelled by ``schedule`` (another diagram's ``Relabel`` values), verb by verb;
+    a relabeling ``d`` refuses raises its :class:`~napkin_cat.core.errors.RelabelError`."""
+    for r in schedule:
+        if r.op == "tile":
+            d = d.tile(r.axis, r.size, r.level or None)
+        elif r.op == "stream":
+            d = d.stream(r.axis, r.size, r.level or None)
+        elif r.op == "place":
+            d = d.place(r.extra[0], r.level)
+        elif r.op == "require":
+            d = d.require(r.axis, r.size)
+        elif r.op == "order":
+            d = d.order(*r.extra)
+        else:
+            raise RelabelError(f"relabel_like: unknown relabeling {r.op!r} in {r!r}")
+    return d
+
+
+def _fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts) -> tuple[tuple[Diagram, ...], tuple[str, ...]]:
+    """The backward of ``aug`` split as FlashAttention-2 does: the inputs with the normalised
+    axis ``x`` (K, V) on key tiles streaming the queries, the others (Q) on query tiles streaming
+    the keys.  One softmax-contraction, and one row axis the other operand lacks (``q``), or no
+    split (``()``, the reason in the notes)."""
+    saved = saved_softmaxes(aug)
+    if len(saved) != 1:
+        return (), (f"the backward of {aug.short()} is not split FlashAttention-2's way: it has "
+                    f"{len(saved)} softmax-contractions (the split takes one)",)
+    (sv,) = saved
+    types = aug.var_types()
+    x = sv.axis
+    rows = [n for n in types[sv.s].axis_names if n != x and not types[sv.v].has(n)]
+    if len(rows) != 1:
+        return (), (f"the backward of {aug.short()} is not split: the scores' row axes {rows} are not "
+                    f"one query axis",)
+    qn = rows[0]
+    groups = ([i for i in wrt if aug.dom[i].has(x)], "tile", x, "g_" + x, qn, "s_" + qn), \
+             ([i for i in wrt if not aug.dom[i].has(x)], "tile", qn, "g_" + qn, x, "s_" + x)
+    parts, notes = [], []
+    for idx, _, tiled, g, streamed, s_ in groups:
+        if not idx:
+            continue
+        part = _read_only(grad_with_residuals(aug, idx, cotangents=cts), keep=cts)
+        try:
+            parts.append(part.tile(tiled, g).stream(streamed, s_))
+        except NapkinError as e:
+            notes.append(f"backward part -> {', '.join(a.name for a in part.cod)} not relabelled "
+                         f"tile({tiled}).stream({streamed}), so it runs unrelabelled: {e}")
+            parts.append(part)
+    return tuple(parts), tuple(notes)
+
+
+def _read_only(d: Diagram, keep=()) -> Diagram:
+    """``d`` without the inputs nothing reads (the names in ``keep`` stay): the arrays the forward
+    need not save."""
+    read = set(d.outs) | {v for e in d.eqns for v in e.ins}
+    mine = [i for i, a in enumerate(d.dom) if i in read or a.name in keep]
+    if len(mine) == len(d.dom):
+        return d
+    new = {v: k for k, v in enumerate(mine)}
+    shift = len(d.dom) - len(mine)
+    renum = lambda v: new[v] if v < len(d.dom) else v - shift   # noqa: E731
+    eqns = tuple(Eqn(e.box, tuple(renum(v) for v in e.ins)) for e in d.eqns)
+    return Diagram(Ty(*(d.dom[i] for i in mine)), d.cod, eqns, tuple(renum(v) for v in d.outs), d.schedule)
 
 
 # --------------------------------------------------------------------------- the op
@@ -126,7 +254,8 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
 class TorchOp:
     """A diagram as a torch operation: ``op(*tensors)`` returns one tensor (or a tuple, one per
     output) that autograd differentiates.  ``last_path`` / ``last_backward_path``: the path the
-    last forward / backward took (:data:`PATHS`); ``notes``: why a path was not the fast one
+    last forward / backward took (:data:`PATHS`, :data:`BACKWARD_PATHS`); ``last_saves``: the
+    names of the arrays the last forward saved for the backward; ``notes``: why a path was not the fast one
     (a refused lowering, a copy to the host), each said once."""
 
     def __init__(self, d: Diagram, tiles: dict, threads, simulate, verify):
@@ -134,6 +263,7 @@ class TorchOp:
         self.tiles, self.threads, self.simulate, self.verify = tiles, threads, simulate, verify
         self.last_path: str | None = None
         self.last_backward_path: str | None = None
+        self.last_saves: tuple[str, ...] = ()
         self.notes: list[str] = []
         self._cache: dict = {}   # (what, sizes, ...) -> kernel, schedule, bound plan, or an error text
 
@@ -205,27 +335,28 @@ class TorchOp:
             self._cache[key] = make()
         return self._cache[key]
 
-    def _bound(self, sizes: tuple) -> Diagram:
-        return self._cached(("bound", sizes), lambda: self.diagram.bind(dict(sizes)) if sizes else self.diagram)
+    def _bound(self, sizes: tuple, d: Diagram | None = None, tag: str = "forward") -> Diagram:
+        d = self.diagram if d is None else d
+        return self._cached(("bound", tag, sizes), lambda: d.bind(dict(sizes)) if sizes else d)
 
-    def _kernel(self, sizes: tuple, device: torch.device):
+    def _kernel(self, sizes: tuple, device: torch.device, d: Diagram | None = None, tag: str = "forward"):
         from . import lower
-        return self._cached(("kernel", sizes, str(device)), lambda: lower(
-            self._bound(sizes), tiles=self.tiles or None, threads=self.threads, verify=self.verify))
+        return self._cached(("kernel", tag, sizes, str(device)), lambda: lower(
+            self._bound(sizes, d, tag), tiles=self.tiles or None, threads=self.threads, verify=self.verify))
 
-    def _scheduled(self, sizes: tuple) -> Diagram:
+    def _scheduled(self, sizes: tuple, d: Diagram | None = None, tag: str = "forward") -> Diagram:
         """The bound diagram with every block size an int, as the lowering would choose them."""
         from .schedule import choose
-        return self._cached(("schedule", sizes), lambda: choose(
-            self._bound(sizes), self.tiles or None, self.threads, simulate=False).diagram)
+        return self._cached(("schedule", tag, sizes), lambda: choose(
+            self._bound(sizes, d, tag), self.tiles or None, self.threads, simulate=False).diagram)
 
     def backward_plan(self, wrt: tuple[int, ...], sizes: tuple = ()) -> BackwardPlan:
         """:func:`backward_plan` of this op's diagram, bound at ``sizes`` (cached)."""
         def make():
             plan = self._cached(("plan", wrt), lambda: backward_plan(self.diagram, wrt))
-            names = {a.name for a in plan.diagram.axes}
-            bind = {k: n for k, n in sizes if k in names}
-            return BackwardPlan(plan.diagram.bind(bind) if bind else plan.diagram, plan.saves, plan.wrt)
+            for n in plan.notes:
+                self._note(n)
+            return plan.bind(dict(sizes))
         return self._cached(("plan", wrt, sizes), make)
 
     # ---- forward
@@ -251,19 +382,40 @@ class TorchOp:
             return "executor"
         return "simulator" if sim and self.simulate is not False else "executor"
 
-    def forward(self, sizes: tuple, tensors) -> tuple[torch.Tensor, ...]:
+    def forward(self, sizes: tuple, tensors, plan: BackwardPlan | None = None) -> tuple[torch.Tensor, ...]:
+        """The outputs of ``d``, then (with a residual ``plan``) the logsumexps its backward reads."""
         first = tensors[0]
         path = self._forward_path(first.dtype, first.device)
+        d, tag = (self.diagram, "forward") if plan is None or not plan.residual else (plan.forward, "residuals")
         if path == "executor":
             from ..verify.executor import evaluate
-            outs = evaluate(self._scheduled(sizes), *_host(tensors), reference=first.dtype == REFERENCE_DTYPE)
+            outs = evaluate(self._scheduled(sizes, d, tag), *_host(tensors), reference=first.dtype == REFERENCE_DTYPE)
             outs = _to_torch(outs, first.dtype, first.device)
         else:
-            kernel = self._kernel(sizes, first.device)
-            outs = kernel(*(t.detach() for t in tensors))
-            outs = outs if isinstance(outs, tuple) else (outs,)
+            outs = self._kernel_forward(sizes, tensors, d, tag)
         self.last_path = path
         return outs
+
+    def _kernel_forward(self, sizes, tensors, d: Diagram, tag: str) -> tuple[torch.Tensor, ...]:
+        first = tensors[0]
+        if tag == "residuals":
+            try:
+                kernel = self._kernel(sizes, first.device, d, tag)
+            except LoweringError as e:
+                self._note(f"the forward with its logsumexp ({d.short()}) was not lowered, so the kernel of "
+                           f"{self.diagram.short()} computed its outputs and the NumPy executor the logsumexp "
+                           f"(on host copies): {e}")
+                outs = self._kernel_forward(sizes, tensors, self.diagram, "forward")
+                extra = Diagram(d.dom, Ty(*d.cod[len(outs):]), d.eqns, d.outs[len(outs):])
+                from ..ops.grad import prune
+                from ..verify.executor import evaluate
+                rest = evaluate(prune(extra.unrelabelled()).bind(dict(sizes)) if sizes else prune(extra.unrelabelled()),
+                                *_host(tensors), reference=True)
+                return (*outs, *_to_torch(rest, first.dtype, first.device))
+        else:
+            kernel = self._kernel(sizes, first.device)
+        outs = kernel(*(t.detach() for t in tensors))
+        return outs if isinstance(outs, tuple) else (outs,)
 
     # ---- backward
     def backward(self, sizes: tuple, wrt: tuple[int, ...], saved, cotangents) -> tuple[torch.Tensor, ...]:
@@ -272,8 +424,11 @@ class TorchOp:
         cts = tuple(torch.zeros(_shape(a), dtype=first.dtype, device=first.device) if g is None else g
                     for g, a in zip(cotangents, self._bound(sizes).cod))
         args = (*saved, *cts)
-        if self._forward_path(first.dtype, first.device) == "gpu":
-            kernel = self._backward_kernel(plan, wrt, sizes, first.device)
+        path = self._forward_path(first.dtype, first.device)
+        if plan.residual:
+            return self._residual_backward(plan, wrt, sizes, args, path)
+        if path == "gpu":
+            kernel = self._backward_kernel(plan.diagram, wrt, sizes, first.device)
             if kernel is not None:
                 outs = kernel(*(t.detach() for t in args))
                 self.last_backward_path = "gpu"
@@ -283,29 +438,60 @@ class TorchOp:
         self.last_backward_path = "executor"
         return _to_torch(outs, first.dtype, first.device)
 
-    def _backward_kernel(self, plan: BackwardPlan, wrt, sizes, device):
+    def _residual_backward(self, plan: BackwardPlan, wrt, sizes, args, path: str):
+        """The FlashAttention-2 parts as kernels on the kernel paths (a part that does not lower
+        runs in the executor, noted), the whole residual backward in the executor otherwise."""
+        from ..verify.executor import evaluate
+        first = args[0]
+        named = dict(zip((a.name for a in plan.diagram.dom), args))
+        if path == "executor" or not plan.parts:
+            outs = evaluate(plan.diagram, *_host(args), reference=True)
+            self.last_backward_path = "executor-fa2"
+            return _to_torch(outs, first.dtype, first.device)
+        got, fell = {}, False
+        for part in plan.parts:
+            ins = [named[a.name].detach().contiguous() for a in part.dom]
+            kernel = self._backward_kernel(part, wrt, sizes, first.device)
+            if kernel is None:
+                outs, fell = _to_torch(evaluate(part.unrelabelled(), *_host(ins), reference=True),
+                                       first.dtype, first.device), True
+            else:
+                outs = kernel(*ins)
+                outs = outs if isinstance(outs, tuple) else (outs,)
+            got.update(zip((a.name for a in part.cod), outs))
+        self.last_backward_path = "executor-fa2" if fell else f"{path}-fa2"
+        return tuple(got[a.name] for a in plan.diagram.cod)
+
+    def _backward_kernel(self, diagram: Diagram, wrt, sizes, device):
         """The lowered backward diagram, or None (the refusal recorded in ``notes``)."""
         from . import lower
 
         def make():
             try:
-                return lower(plan.diagram, threads=self.threads, verify=self.verify)
+                return lower(diagram, threads=self.threads, verify=self.verify)
             except LoweringError as e:
-                self._note(f"backward of {self.diagram.short()} at {dict(sizes)} was not lowered, so it ran "
-                           f"in the NumPy executor on host copies: {e}")
+                self._note(f"backward {diagram.short()} of {self.diagram.short()} at {dict(sizes)} was not "
+                           f"lowered, so it ran in the NumPy executor on host copies: {e}")
                 return None
-        return self._cached(("backward kernel", wrt, sizes, str(device)), make)
+        return self._cached(("backward kernel", diagram.short(), wrt, sizes, str(device)), make)
 
 
 class _DiagramFunction(torch.autograd.Function):
-    """``apply(op, sizes, *tensors)``: saves the inputs (the backward recomputes from them)."""
+    """``apply(op, sizes, *tensors)``: saves what the backward plan reads (the inputs, and with
+    a residual plan the outputs and logsumexps too); ``op.last_saves`` names them."""
 
     @staticmethod
     def forward(ctx, op: TorchOp, sizes: tuple, *tensors):
-        outs = op.forward(sizes, tensors)
-        ctx.op, ctx.sizes = op, sizes
-        ctx.save_for_backward(*tensors)
-        return outs
+        wrt = tuple(i for i, n in enumerate(ctx.needs_input_grad[2:]) if n)
+        plan = op.backward_plan(wrt, sizes) if wrt else None
+        outs = op.forward(sizes, tensors, plan)
+        ctx.op, ctx.sizes, ctx.n_in = op, sizes, len(tensors)
+        names = [a.name for a in op.diagram.dom] + ([a.name for a in plan.forward.cod] if plan and plan.residual else [])
+        by_name = dict(zip(names, (*tensors, *outs)))
+        saves = plan.saves if plan is not None else tuple(names[: len(tensors)])
+        ctx.save_for_backward(*(by_name[n] for n in saves))
+        op.last_saves = saves
+        return outs[: len(op.diagram.cod)]
 
     @staticmethod
     def backward(ctx, *cotangents):
@@ -313,7 +499,7 @@ class _DiagramFunction(torch.autograd.Function):
         need = ctx.needs_input_grad[2:]
         wrt = tuple(i for i, n in enumerate(need) if n)
         got = ctx.op.backward(ctx.sizes, wrt, saved, cotangents) if wrt else ()
-        grads: list = [None] * len(saved)
+        grads: list = [None] * ctx.n_in
         for i, g in zip(wrt, got):
             grads[i] = g
         return (None, None, *grads)

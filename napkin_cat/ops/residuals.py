@@ -38,8 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..core.diagram import Diagram
+from ..core.diagram import Diagram, Eqn
+from ..core.types import Ty
 from ..core.errors import TypingError, UnknownKindError
+from .boxes import reduce_box
 from .builder import Wire
 from .grad import VJP_RULES, Tracer, _active, _axis, _wrt_indices, prune
 
@@ -66,17 +68,15 @@ class SavedSoftmax:
     axis: str
 
 
-def saved_softmaxes(d: Diagram) -> tuple[SavedSoftmax, ...]:
-    """The softmax-contractions of ``d`` whose logsumexp and output are outputs of ``d``."""
+def _softmax_contractions(d: Diagram):
+    """Every softmax along an axis (or fused ``softmax_contract``) whose only consumer is a
+    two-operand contraction over that axis with an output ``O`` of ``d`` keeping every row axis
+    of the scores: ``(softmax, contract, s, v, o, p, axis)`` (``softmax``, ``p`` None when fused)."""
     uses: dict[int, list[int]] = {}
     for k, e in enumerate(d.eqns):
         for v in e.ins:
             uses.setdefault(v, []).append(k)
     types, outs = d.var_types(), set(d.outs)
-    lse = {(e.ins[0], e.box.param("axis")): k for k, e in enumerate(d.eqns)
-           if e.box.kind == "reduce" and e.box.param("op") == "logsumexp"
-           and d.eqn_outputs(k)[0] in outs}
-    found = []
     for k, e in enumerate(d.eqns):
         if e.box.kind == "softmax":
             (p,) = d.eqn_outputs(k)
@@ -89,17 +89,71 @@ def saved_softmaxes(d: Diagram) -> tuple[SavedSoftmax, ...]:
             v = c.ins[1] if c.ins[0] == p else c.ins[0]
             soft, contract, s, axis = k, j, e.ins[0], e.box.param("axis")
         elif e.box.kind == "softmax_contract":
-            (s, v), (p,), soft, contract, axis = e.ins, (None,), None, k, e.box.param("axis")
+            (s, v), p, soft, contract, axis = e.ins, None, None, k, e.box.param("axis")
         else:
             continue
         (o,) = d.eqn_outputs(contract)
         rows = [n for n in types[s].axis_names if n != axis]
-        if (s, axis) not in lse or o not in outs or types[o].has(axis) or \
-                not types[v].has(axis) or not all(types[o].has(n) for n in rows):
+        if o not in outs or types[o].has(axis) or not types[v].has(axis) or \
+                not all(types[o].has(n) for n in rows):
             continue
-        m = lse[(s, axis)]
-        found.append(SavedSoftmax(soft, contract, m, s, v, o, d.eqn_outputs(m)[0], p, axis))
+        yield soft, contract, s, v, o, p, axis
+
+
+def _saved_lse(d: Diagram) -> dict:
+    """``(scores variable, axis) -> equation`` of each ``reduce logsumexp`` that is an output."""
+    outs = set(d.outs)
+    return {(e.ins[0], e.box.param("axis")): k for k, e in enumerate(d.eqns)
+            if e.box.kind == "reduce" and e.box.param("op") == "logsumexp" and d.eqn_outputs(k)[0] in outs}
+
+
+def saved_softmaxes(d: Diagram) -> tuple[SavedSoftmax, ...]:
+    """The softmax-contractions of ``d`` whose logsumexp and output are outputs of ``d``."""
+    lse = _saved_lse(d)
+    found = []
+    for soft, contract, s, v, o, p, axis in _softmax_contractions(d):
+        if (s, axis) in lse:
+            m = lse[(s, axis)]
+            found.append(SavedSoftmax(soft, contract, m, s, v, o, d.eqn_outputs(m)[0], p, axis))
     return tuple(found)
+
+
+def with_logsumexp(d: Diagram) -> Diagram | None:
+    """``d`` (unrelabelled) with the row logsumexp of every softmax-contraction's scores as an
+    extra output, so that :func:`grad_with_residuals` reads ``P = exp(S - L)`` instead of
+    recomputing the softmax; None when ``d`` has no softmax-contraction (nothing to save).
+
+    The new outputs follow ``d``'s own, named ``L`` (one, when no wire of the signature is
+    called so) or ``L_<output>``; a logsumexp ``d`` already outputs is kept, not added twice.
+
+    >>> import napkin_cat as nc
+    >>> q, x, d = nc.axes("q x d")
+    >>> print(with_logsumexp(nc.library.attention(q, x, d).stream(x, "s_x")))
+    Q[q d] f32, K[x d] f32, V[x d] f32 -> O[q d] f32, L[q] f32
+    >>> with_logsumexp(nc.library.mlp()) is None
+    True
+    """
+    if not isinstance(d, Diagram):
+        raise TypingError(f"with_logsumexp needs a Diagram, got {type(d).__name__}")
+    d = d.unrelabelled() if d.schedule else d
+    lse, types = _saved_lse(d), d.var_types()
+    todo = [(s, o, axis) for _, _, s, _, o, _, axis in _softmax_contractions(d) if (s, axis) not in lse]
+    if not todo:
+        return d if saved_softmaxes(d) else None
+    taken = {a.name for a in (*d.dom, *d.cod)}
+    eqns, outs, cod = list(d.eqns), list(d.outs), list(d.cod)
+    n = len(types)
+    for s, o, axis in dict.fromkeys(todo):
+        name = "L" if len(todo) == 1 and "L" not in taken else f"L_{types[o].name}"
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        box = reduce_box("logsumexp", types[s], axis, name)
+        eqns.append(Eqn(box, (s,)))
+        outs.append(n)
+        cod.append(box.cod[0])
+        n += 1
+    return Diagram(d.dom, Ty(*cod), tuple(eqns), tuple(outs))
 
 
 def _probabilities(t: Tracer, s: Wire, l: Wire, axis_name: str) -> Wire:
@@ -247,4 +301,4 @@ def _refuse_integer_inputs(e, types, need) -> None:
                               f"upstream); no gradient flows through integers")
 
 
-__all__ = ["grad_with_residuals", "saved_softmaxes", "SavedSoftmax"]
+__all__ = ["grad_with_residuals", "saved_softmaxes", "SavedSoftmax", "with_logsumexp"]
