@@ -42,6 +42,7 @@ def test_tour_notebook_is_committed_without_outputs():
             assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
 
 
+@pytest.mark.slow   # about 17 s: a Jupyter kernel, the tour and a simulated kernel; .ci/run runs the slow tier
 def test_tour_notebook_runs_without_errors(tmp_path):
     nb = nbformat.read(TOUR, as_version=4)
     client = nbclient.NotebookClient(nb, km=_kernel_manager(tmp_path), timeout=300, allow_errors=False,
