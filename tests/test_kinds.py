@@ -23,6 +23,7 @@ import sympy as sp  # noqa: E402
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
+from napkin_cat.costmodel import SympyAlgebra  # noqa: E402  (the cost model's algebra)
 from napkin_cat.ops import index  # noqa: E402
 from napkin_cat.ops.arrays import NUMPY, torch_namespace  # noqa: E402
 from napkin_cat.ops.functions import FUNCTIONS  # noqa: E402
@@ -172,15 +173,6 @@ def test_support_holds_every_kept_entry(pred):
                 assert lo <= cols.min() and cols.max() < hi, (pred, r0, r1, lo, hi, cols)
             assert (int(sp.sympify(lo_s).subs({r0s: r0, r1s: r1})), int(sp.sympify(hi_s).subs({r0s: r0, r1s: r1}))) \
                 == (lo, hi)
-
-
-class SympyAlgebra:
-    max = staticmethod(sp.Max)
-    min = staticmethod(sp.Min)
-
-    @staticmethod
-    def sat_sub(a, k):
-        return sp.Max(a - k, 0)
 
 
 def test_custom_predicate_has_no_support_and_no_code():

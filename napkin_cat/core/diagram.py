@@ -24,7 +24,7 @@ into sympy symbols in :mod:`napkin_cat.relabel.symbols`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Sequence
 
 from . import errors, registry
 from .errors import RelabelError, TypingError

@@ -5,11 +5,11 @@ No NumPy, no sympy: sizes are ints or symbol *names* (str).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
 
 from . import errors
-from .errors import RelabelError, TypingError
+from .errors import TypingError
 
 Size = int | str
 

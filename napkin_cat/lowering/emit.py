@@ -27,11 +27,6 @@ RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lan
             "u", "k", "ty", "tx", "acc", "val", "SIMULATOR", "SMEM_ALIGN", "WARP_SHUFFLE",
             "FULL_MASK", "simulator_active", "red_s"}
 
-SKIP_COMMENTS = {   # (past the support's end, before its start), by predicate kind
-    None: ("later chunks are masked for every row of the tile", "earlier chunks are masked for every row"),
-    "window": ("later chunks are outside every row's window", "earlier chunks are outside every window"),
-}
-
 
 def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict]:
     """(source, buffer key -> identifier) of ``plan``; ``notes`` go into the docstring."""
@@ -430,7 +425,7 @@ class Emitter(Phases):
         for s in self.plan.skips[lp.axis]:
             r = self.ax[s.row]
             first, end = s.pred.support(Code(r.start), Code(f"{r.start} + {r.count}"), CodeAlgebra)
-            later, earlier = SKIP_COMMENTS.get(s.pred.kind, SKIP_COMMENTS[None])
+            later, earlier = s.pred.rule.skip_notes
             end = render_code(end, k.u)
             name = self.names.fresh(f"{a.name}_end")
             src(f"{name} = min({hi}, {end})  # {later}")

@@ -8,10 +8,9 @@ is what makes weaving one generic rule (:func:`weave_box`).  The kinds and their
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
-from ..core.diagram import Array, Axis, Box, Diagram, DType, Eqn, Ty, f32
+from ..core.diagram import Array, Axis, Box, DType, Ty
 from ..core.errors import TypingError, UnknownKindError
 from .functions import FUNCTIONS
 from .index import AxisPower, IndexBias, Predicate, real_number

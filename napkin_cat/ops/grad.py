@@ -316,21 +316,36 @@ def grad(d: Diagram, wrt=None) -> Diagram:
         e, outs = d.eqns[k], d.eqn_outputs(k)
         if not any(cts.get(o) for o in outs) or not any(need[v] for v in e.ins):
             continue
-        for v in e.ins:
-            if need[v] and types[v].dtype.kind != "float":
-                raise TypingError(f"cannot differentiate box {e.box.name}: its input {types[v]} is an integer "
-                                  f"wire computed from a differentiated input (a cast to an integer dtype "
-                                  f"upstream); no gradient flows through integers")
-        rule = VJP_RULES.get(e.box.kind)
-        if rule is None:
-            raise UnknownKindError(f"no vector-Jacobian rule for box kind {e.box.kind!r} (box {e.box.name}); "
-                                   f"known kinds: {sorted(VJP_RULES)}")
-        got = rule(t, e.box, [env[v] for v in e.ins], [env[o] for o in outs],
-                   [t.total(cts.get(o, []), types[o]) for o in outs])
-        for v, w in zip(e.ins, got):
-            if w is not None and need[v]:
-                assert t.ty(w) == types[v], f"{e.box.name}: cotangent {t.ty(w)} for wire {types[v]}"
-                cts.setdefault(v, []).append(w)
+        got = vjp(t, e, env, outs, [t.total(cts.get(o, []), types[o]) for o in outs], types, need)
+        accumulate(t, e, got, types, need, cts)
+    return cotangent_diagram(t, d, wrt, cts)
+
+
+def vjp(t: Tracer, e, env, outs, gs, types, need) -> tuple:
+    """The cotangents of equation ``e``'s inputs by its kind's rule (:data:`VJP_RULES`), given
+    its outputs' cotangents ``gs``; no gradient flows through an integer wire."""
+    for v in e.ins:
+        if need[v] and types[v].dtype.kind != "float":
+            raise TypingError(f"cannot differentiate box {e.box.name}: its input {types[v]} is an integer "
+                              f"wire computed from a differentiated input (a cast to an integer dtype "
+                              f"upstream); no gradient flows through integers")
+    rule = VJP_RULES.get(e.box.kind)
+    if rule is None:
+        raise UnknownKindError(f"no vector-Jacobian rule for box kind {e.box.kind!r} (box {e.box.name}); "
+                               f"known kinds: {sorted(VJP_RULES)}")
+    return rule(t, e.box, [env[v] for v in e.ins], [env[o] for o in outs], gs)
+
+
+def accumulate(t: Tracer, e, got, types, need, cts: dict) -> None:
+    """Add the cotangents ``got`` of ``e``'s inputs to ``cts`` (summed later by ``t.total``)."""
+    for v, w in zip(e.ins, got):
+        if w is not None and need[v]:
+            assert t.ty(w) == types[v], f"{e.box.name}: cotangent {t.ty(w)} for wire {types[v]}"
+            cts.setdefault(v, []).append(w)
+
+
+def cotangent_diagram(t: Tracer, d: Diagram, wrt, cts: dict) -> Diagram:
+    """The traced backward: one output ``d<name>`` per input in ``wrt``, unread equations pruned."""
     results = [t.total(cts.get(i, []), d.dom[i]) for i in wrt]
     return prune(t.diagram(*results, names=[f"d{d.dom[i].name}" for i in wrt]))
 

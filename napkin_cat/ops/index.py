@@ -87,6 +87,8 @@ class IndexRule:
     cuda: Callable | None = None       # (i, j, args, u) -> conditions (mask) / expression (bias)
     support: Callable | None = None    # (r0, r1, args, al) -> (lo, hi); masks only
     examples: tuple = ()               # argument tuples the sync tests (tests/test_kinds.py) try
+    # comments on a kernel's chunk bounds: (past the support's end, before its start)
+    skip_notes: tuple = ("later chunks are masked for every row of the tile", "earlier chunks are masked for every row")
 
 
 def _causal_cuda(i, j, args, u):
@@ -120,7 +122,8 @@ def _block_diagonal_support(r0, r1, args, al):
 PREDICATES: dict[str, IndexRule] = {r.name: r for r in (
     IndexRule("causal", lambda i, j, off: j <= i + off, _causal_cuda, _causal_support, ((0,), (2,), (-3,))),
     IndexRule("window", lambda i, j, left, right: (j >= i - left) & (j <= i + right), _window_cuda, _window_support,
-              ((0, 0), (3, 0), (2, 1), (0, 4))),
+              ((0, 0), (3, 0), (2, 1), (0, 4)),
+              ("later chunks are outside every row's window", "earlier chunks are outside every window")),
     IndexRule("block_diagonal", lambda i, j, b: i // b == j // b,
               lambda i, j, args, u: [f"{i} // {u(args[0])} == {j} // {u(args[0])}"], _block_diagonal_support,
               ((1,), (3,), (4,))),
@@ -135,28 +138,38 @@ BIASES: dict[str, IndexRule] = {r.name: r for r in (
 )}
 
 
-@dataclass(frozen=True, slots=True)
-class Predicate:
-    """An index predicate ``pred(i, j)``: which entries of a (row, column) grid a mask keeps.
+class _IndexFunction:
+    """What a predicate and a bias share: a kind naming its rule in ``_RULES``, its arguments,
+    and for ``custom`` a vectorised Python ``fn(i, j)`` (no kernel code, no support)."""
 
-    Built by :func:`causal`, :func:`window` or :func:`predicate` (a
-    custom vectorised ``fn(i, j)``, which has no kernel code and no support)."""
-
-    kind: str
-    args: tuple = ()
-    fn: Callable | None = None
+    __slots__ = ()
+    _WHAT = ""
 
     @property
     def rule(self) -> IndexRule:
         try:
-            return PREDICATES[self.kind]
+            return self._RULES[self.kind]
         except KeyError:
-            raise TypingError(f"unknown predicate kind {self.kind!r}; known: {sorted(PREDICATES)}") from None
+            raise TypingError(f"unknown {self._WHAT} kind {self.kind!r}; known: {sorted(self._RULES)}") from None
 
     def __call__(self, i, j):
         if self.kind == "custom":
             return self.fn(i, j)
         return self.rule.meaning(i, j, *self.args)
+
+
+@dataclass(frozen=True, slots=True)
+class Predicate(_IndexFunction):
+    """An index predicate ``pred(i, j)``: which entries of a (row, column) grid a mask keeps.
+
+    Built by :func:`causal`, :func:`window`, :func:`block_diagonal` or :func:`predicate` (a
+    custom vectorised ``fn(i, j)``, which has no kernel code and no support)."""
+
+    _RULES = PREDICATES
+    _WHAT = "predicate"
+    kind: str
+    args: tuple = ()
+    fn: Callable | None = None
 
     def cuda(self, i: str, j: str, u: Callable) -> list[str] | None:
         """Conditions (joined by ``and``) under which entry ``(i, j)`` is kept, or None."""
@@ -173,24 +186,14 @@ class Predicate:
 
 
 @dataclass(frozen=True, slots=True)
-class IndexBias:
+class IndexBias(_IndexFunction):
     """``bias(i, j)`` added to a score: :func:`alibi` or a custom vectorised ``fn(i, j)``."""
 
+    _RULES = BIASES
+    _WHAT = "index bias"
     kind: str
     args: tuple = ()
     fn: Callable | None = None
-
-    @property
-    def rule(self) -> IndexRule:
-        try:
-            return BIASES[self.kind]
-        except KeyError:
-            raise TypingError(f"unknown index bias kind {self.kind!r}; known: {sorted(BIASES)}") from None
-
-    def __call__(self, i, j):
-        if self.kind == "custom":
-            return self.fn(i, j)
-        return self.rule.meaning(i, j, *self.args)
 
     def cuda(self, i: str, j: str, f: Callable) -> str | None:
         """The bias as numba.cuda code; ``f(value, name)`` writes a float32 constant."""

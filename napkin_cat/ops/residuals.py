@@ -40,10 +40,10 @@ from typing import Sequence
 
 from ..core.diagram import Diagram, Eqn
 from ..core.types import Ty
-from ..core.errors import TypingError, UnknownKindError
+from ..core.errors import TypingError
 from .boxes import reduce_box
 from .builder import Wire
-from .grad import VJP_RULES, Tracer, _active, _axis, _wrt_indices, prune
+from .grad import Tracer, _active, _wrt_indices, accumulate, cotangent_diagram, vjp
 
 # the lowest finite value per dtype: maximum(L, lowest) turns only L = -inf into a finite number
 LOWEST = {"f64": -1.7976931348623157e308, "f32": -3.4028234663852886e38, "f16": -65504.0,
@@ -244,18 +244,9 @@ def grad_with_residuals(d: Diagram, wrt=None, cotangents: Sequence[str] | None =
             dp, dv = _contract_cts(t, operands, gs[0])
             got = (_ds(t, sv, p, dp, env, cts, types), dv)
         else:
-            _refuse_integer_inputs(e, types, need)
-            rule = VJP_RULES.get(e.box.kind)
-            if rule is None:
-                raise UnknownKindError(f"no vector-Jacobian rule for box kind {e.box.kind!r} (box {e.box.name}); "
-                                       f"known kinds: {sorted(VJP_RULES)}")
-            got = rule(t, e.box, [env[v] for v in e.ins], [env[o] for o in outs], gs)
-        for v, w in zip(e.ins, got):
-            if w is not None and need[v]:
-                assert t.ty(w) == types[v], f"{e.box.name}: cotangent {t.ty(w)} for wire {types[v]}"
-                cts.setdefault(v, []).append(w)
-    results = [t.total(cts.get(i, []), d.dom[i]) for i in wrt]
-    return prune(t.diagram(*results, names=[f"d{d.dom[i].name}" for i in wrt]))
+            got = vjp(t, e, env, outs, gs, types, need)
+        accumulate(t, e, got, types, need, cts)
+    return cotangent_diagram(t, d, wrt, cts)
 
 
 def _probs(t: Tracer, sv: SavedSoftmax, env, kept) -> Wire:
@@ -291,14 +282,6 @@ def _ds(t: Tracer, sv: SavedSoftmax, p: Wire, dp: Wire, env, cts, types) -> Wire
 def _saved_softmax_ct(t: Tracer, sv: SavedSoftmax, env, cts, types) -> Wire:
     dp = t.total(cts.get(sv.p, []), types[sv.p])
     return _ds(t, sv, env[sv.p], dp, env, cts, types)
-
-
-def _refuse_integer_inputs(e, types, need) -> None:
-    for v in e.ins:
-        if need[v] and types[v].dtype.kind != "float":
-            raise TypingError(f"cannot differentiate box {e.box.name}: its input {types[v]} is an integer "
-                              f"wire computed from a differentiated input (a cast to an integer dtype "
-                              f"upstream); no gradient flows through integers")
 
 
 __all__ = ["grad_with_residuals", "saved_softmaxes", "SavedSoftmax", "with_logsumexp"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .accumulators import Accumulator, derive_accumulator
-from ..core.diagram import Axis, Box, Diagram, Eqn, Relabel, Ty
+from ..core.diagram import Axis, Box, Diagram, Eqn, Relabel
 from ..core.errors import RelabelError
 from ..core.hierarchy import FULL
 from ..ops.boxes import norm_contract_box, softmax_contract_box
@@ -222,36 +222,33 @@ def _fusable(d: Diagram, axis: str, kind: str):
         yield k, j, e.ins[0], other
 
 
+# the fused box that replaces ``contract_x(<kind>_x(S), V)``, from the normaliser box ``nb``
+_FUSED_BOX = {
+    "softmax": lambda nb, s, v, ax, out: softmax_contract_box(s, v, ax, out.axes, out.name),
+    "normalize": lambda nb, s, v, ax, out: norm_contract_box(s, v, ax, out.axes, nb.param("a1"), nb.param("a2"),
+                                                             nb.param("b"), nb.param("eps"), out.name),
+}
+
+
 def fuse_softmax_contract(d: Diagram, axis) -> Diagram:
     """``contract_x(softmax_x(S), V)`` -> ``softmax_contract_x(S, V)`` (online softmax)."""
-    axis = _axis_name(d, axis)
-    return d.memo(("fuse", "softmax", axis), lambda: _fuse_softmax_contract(d, axis))
-
-
-def _fuse_softmax_contract(d: Diagram, axis: str) -> Diagram:
-    for k, j, s, v in _fusable(d, axis, "softmax"):
-        types = d.var_types()
-        box = softmax_contract_box(types[s], types[v], d.axis(axis), d.eqns[j].box.cod[0].axes,
-                                   d.eqns[j].box.cod[0].name)
-        return fuse_softmax_contract(_rebuild(d, {k}, {j: (box, (s, v))}), axis)
-    return d
+    return _fuse(d, _axis_name(d, axis), "softmax")
 
 
 def fuse_norm_contract(d: Diagram, axis) -> Diagram:
     """``contract_x(normalize_x(S), V)`` -> ``norm_contract_x(S, V)`` (normalisation family)."""
-    axis = _axis_name(d, axis)
-    return d.memo(("fuse", "normalize", axis), lambda: _fuse_norm_contract(d, axis))
+    return _fuse(d, _axis_name(d, axis), "normalize")
 
 
-def _fuse_norm_contract(d: Diagram, axis: str) -> Diagram:
-    for k, j, s, v in _fusable(d, axis, "normalize"):
-        types = d.var_types()
-        nb = d.eqns[k].box
-        box = norm_contract_box(types[s], types[v], d.axis(axis), d.eqns[j].box.cod[0].axes,
-                                nb.param("a1"), nb.param("a2"), nb.param("b"), nb.param("eps"),
-                                d.eqns[j].box.cod[0].name)
-        return fuse_norm_contract(_rebuild(d, {k}, {j: (box, (s, v))}), axis)
-    return d
+def _fuse(d: Diagram, axis: str, kind: str) -> Diagram:
+    """Every fusable ``kind`` over ``axis`` fused, one at a time (computed once per diagram)."""
+    def compute():
+        for k, j, s, v in _fusable(d, axis, kind):
+            types = d.var_types()
+            box = _FUSED_BOX[kind](d.eqns[k].box, types[s], types[v], d.axis(axis), d.eqns[j].box.cod[0])
+            return _fuse(_rebuild(d, {k}, {j: (box, (s, v))}), axis, kind)
+        return d
+    return d.memo(("fuse", kind, axis), compute)
 
 
 def _fuse_check(kind):
