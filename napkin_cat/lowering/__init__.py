@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from ..core.diagram import Diagram
 from ..core.errors import LoweringError, ShapeError
+from . import io
 
 __all__ = ["lower", "Kernel", "Launch"]
 
@@ -145,6 +146,8 @@ class Kernel:
         self.schedule = schedule
         self.in_shapes = tuple(tuple(a.size for a in arr.axes) for arr in diagram.dom)
         self.out_shapes = tuple(tuple(a.size for a in arr.axes) for arr in diagram.cod)
+        self.in_io = tuple(arr.dtype.name for arr in diagram.dom)     # what each array holds (.io)
+        self.out_io = tuple(arr.dtype.name for arr in diagram.cod)
         self.mappings = gen.mappings()
         self.notes: tuple[str, ...] = gen.notes   # what the generator chose, and what was verified
         self.verified = False                            # compared with the oracle by lower()
@@ -213,11 +216,11 @@ class Kernel:
         kinds = self._check_call(arrays, stream)
         sim = runtime.simulator_active()
         keep = []   # converted copies of torch inputs: alive until the launch
-        args = [_flat_input(x, kind, sim, stream, keep) for x, kind in zip(arrays, kinds)]
+        args = [_flat_input(x, kind, sim, stream, keep, t) for x, kind, t in zip(arrays, kinds, self.in_io)]
         outs = self._outputs(arrays, kinds, out, sim)
         out_kinds = [_kind(o) for o in outs]
-        for o, kind in zip(outs, out_kinds):
-            args.append(_flat_output(o, kind, sim))
+        for o, kind, t in zip(outs, out_kinds, self.out_io):
+            args.append(_flat_output(io.kernel_view(o, t), kind, sim))
         if stream is None and "torch_cuda" in kinds and not sim:
             launcher = self._torch_launcher(runtime)
         else:
@@ -227,6 +230,7 @@ class Kernel:
         if (stream is None and not sim and (fast is None or fast.dispatcher is not self._dispatcher)
                 and all(k == "torch_cuda" for k in kinds + out_kinds)):
             self._fast = _TorchFastPath.build(self, launcher, args, arrays)
+        outs = [io.finish(o, t) for o, t in zip(outs, self.out_io)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _torch_launcher(self, runtime):
@@ -255,9 +259,9 @@ class Kernel:
         kinds = self._check_call(arrays, stream)
         sim = runtime.simulator_active()
         keep = []   # converted copies of torch inputs
-        args = [_flat_input(x, k, sim, stream, keep) for x, k in zip(arrays, kinds)]
+        args = [_flat_input(x, k, sim, stream, keep, t) for x, k, t in zip(arrays, kinds, self.in_io)]
         outs = self._outputs(arrays, kinds, out, sim)
-        args += [_flat_output(o, _kind(o), sim) for o in outs]
+        args += [_flat_output(io.kernel_view(o, t), _kind(o), sim) for o, t in zip(outs, self.out_io)]
         launcher = self._launcher(stream)
         packable = not (sim or stream is not None
                         or any(getattr(a, runtime.HOST_ATTR, None) is not None for a in args))
@@ -285,22 +289,20 @@ class Kernel:
             outs = list(out) if several else [out]
             if len(outs) != len(self.out_shapes):
                 raise ShapeError(f"kernel {self.name} has {len(self.out_shapes)} outputs, out= gave {len(outs)}")
-            for o, shape, arr in zip(outs, self.out_shapes, self.diagram.cod):
+            for o, shape, arr, t in zip(outs, self.out_shapes, self.diagram.cod, self.out_io):
                 what = f"out= for {arr}"
                 kind = _kind(o)
                 _check_array(what, o, kind)
-                if tuple(o.shape) != shape or "float32" not in str(o.dtype):
-                    raise ShapeError(f"{what}: expected float32 of shape {shape}, got "
-                                     f"{o.dtype} of shape {tuple(o.shape)}")
+                io.check_out(what, o, shape, t, kind)
                 if kind == "numpy" and not (o.flags.c_contiguous and o.flags.writeable):
-                    raise ShapeError(f"{what}: expected a C-contiguous, writeable float32 array")
+                    raise ShapeError(f"{what}: expected a C-contiguous, writeable array")
                 if kind in ("torch_cpu", "torch_cuda") and (not o.is_contiguous() or o.requires_grad):
-                    raise ShapeError(f"{what}: expected a contiguous float32 tensor that does not require grad")
+                    raise ShapeError(f"{what}: expected a contiguous tensor that does not require grad")
             return outs
         like = next((a for a, k in zip(arrays, kinds) if k in ("torch_cuda", "device")), None)
         if like is None:
             like = next((a for a, k in zip(arrays, kinds) if k == "torch_cpu"), None)
-        return [_empty_like(like, shape, sim) for shape in self.out_shapes]
+        return [_empty_like(like, shape, sim, t) for shape, t in zip(self.out_shapes, self.out_io)]
 
     def compiled_info(self) -> dict:
         """Registers, local memory and shared memory of the compiled kernel (GPU only)."""
@@ -344,18 +346,15 @@ def _check_array(what: str, x, kind: str) -> None:
         raise ShapeError(f"{what}: expected a real (float or integer) array, got dtype {x.dtype}")
 
 
-def _flat_input(x, kind, sim, stream, keep):
-    """``x`` as a flat float32 kernel argument; a converted copy of a torch tensor is appended to
-    ``keep`` (the numba view of a CUDA tensor does not keep it alive, and a copy freed before the
-    launch could be handed to the outputs by torch's allocator)."""
-    import numpy as np
+def _flat_input(x, kind, sim, stream, keep, t="f32"):
+    """``x`` as a flat kernel argument of dtype ``t`` (:mod:`.io`: float32, or 16-bit patterns
+    as int16); a converted copy of a torch tensor is appended to ``keep`` (the numba view of a
+    CUDA tensor does not keep it alive, and a copy freed before the launch could be handed to
+    the outputs by torch's allocator)."""
     from .runtime import as_device_array, import_cuda
     if kind in ("torch_cuda", "torch_cpu"):
         import torch
-        x = x.detach()   # the kernel reads it; the caller's tensor and its graph are left alone
-        if x.dtype != torch.float32:
-            x = x.float()
-        x = x.contiguous().reshape(-1)
+        x = io.torch_input(x, t, torch)   # detached: the caller's tensor and graph are left alone
         keep.append(x)
         if kind == "torch_cpu":
             x = x.numpy()
@@ -363,12 +362,16 @@ def _flat_input(x, kind, sim, stream, keep):
         else:
             return as_device_array(x)
     if kind == "device":
-        if str(x.dtype) != "float32" or not x.is_c_contiguous():
-            raise LoweringError(f"numba device arrays must be C-contiguous float32, got {x.dtype}")
+        want = "float32" if t == "f32" else "int16"
+        if t == "f16" and str(x.dtype) == "float16":
+            x = x.view("int16")
+        if str(x.dtype) != want or not x.is_c_contiguous():
+            raise LoweringError(f"numba device arrays for a {t} input must be C-contiguous {want}"
+                                f"{' (16-bit patterns)' if t != 'f32' else ''}, got {x.dtype}")
         return x.reshape(x.size)
     if kind == "cai":
         return as_device_array(x).reshape(-1)
-    x = np.ascontiguousarray(np.asarray(x), dtype=np.float32).reshape(-1)
+    x = io.host_input(x, t)
     if sim:
         return x
     return import_cuda().to_device(x)   # an input: no copy back
@@ -390,19 +393,19 @@ def _flat_output(o, kind, sim):
     return as_device_array(o.reshape(-1))
 
 
-def _empty_like(like, shape, sim):
-    """An output for an input of the same type: a torch tensor on ``like``'s device, a device
-    array for a device array (the simulator's own under the simulator), numpy otherwise."""
-    import numpy as np
+def _empty_like(like, shape, sim, t="f32"):
+    """An output of dtype ``t`` for an input of the same type: a torch tensor on ``like``'s
+    device, a device array for a device array (the simulator's own under the simulator), numpy
+    otherwise (:func:`.io.numpy_output`)."""
     if like is None:
-        return np.empty(shape, np.float32)
+        return io.numpy_output(shape, t)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(like, torch.Tensor):
-        return torch.empty(shape, dtype=torch.float32, device=like.device)
+        return torch.empty(shape, dtype=io.torch_dtype(t, torch), device=like.device)
     if sim and not getattr(like, "__cuda_ndarray__", False):
-        return np.empty(shape, np.float32)   # another CUDA array: the simulator has none
+        return io.numpy_output(shape, t)   # another CUDA array: the simulator has none
     from .runtime import import_cuda
-    return import_cuda().device_array(shape, np.float32)
+    return import_cuda().device_array(shape, io.storage(t))
 
 
 class _Prepared:
@@ -430,7 +433,8 @@ class _TorchFastPath:
     """A :class:`Kernel` called again on torch CUDA tensors (GPU only): the checks of the
     general path, done with a few attribute reads, and a :class:`~.runtime.PackedLaunch`.
 
-    Each input must be a ``torch.Tensor`` (not a subclass), float32, contiguous, of the
+    Each input must be a ``torch.Tensor`` (not a subclass) of its dtype (float32, float16 or
+    bfloat16: :mod:`.io`), contiguous, of the
     kernel's shape, on the device of the first call; ``out=`` (when given) the same and not
     requiring grad.  Nothing is cached about the tensors themselves: their addresses are read
     at every call, so there is nothing to invalidate.  What is cached (the overload, the
@@ -445,17 +449,19 @@ class _TorchFastPath:
     call."""
 
     __slots__ = ("dispatcher", "packed", "in_shapes", "out_shapes", "device", "device_index",
-                 "tensor", "float32", "empty", "raw_stream")
+                 "tensor", "in_dtypes", "out_dtypes", "empty", "raw_stream")
 
-    def __init__(self, packed, in_shapes, out_shapes, device, torch, dispatcher=None):
+    def __init__(self, packed, in_shapes, out_shapes, device, torch, dispatcher=None,
+                 in_io=None, out_io=None):
         self.dispatcher = dispatcher
         self.packed = packed
         self.in_shapes = tuple(torch.Size(s) for s in in_shapes)
         self.out_shapes = tuple(torch.Size(s) for s in out_shapes)
+        self.in_dtypes = tuple(io.torch_dtype(t, torch) for t in (in_io or ("f32",) * len(in_shapes)))
+        self.out_dtypes = tuple(io.torch_dtype(t, torch) for t in (out_io or ("f32",) * len(out_shapes)))
         self.device = device
         self.device_index = device.index if device.index is not None else -1
         self.tensor = torch.Tensor
-        self.float32 = torch.float32
         self.empty = torch.empty
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # what triton launches on
         self.raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
@@ -468,28 +474,29 @@ class _TorchFastPath:
         if packed is not None and packed.n_arrays != len(args):
             packed = None
         return cls(packed, kernel.in_shapes, kernel.out_shapes, arrays[0].device, torch,
-                   kernel._dispatcher)
+                   kernel._dispatcher, kernel.in_io, kernel.out_io)
 
-    def _fits(self, t, shape) -> bool:
-        return (type(t) is self.tensor and t.dtype is self.float32 and t.get_device() == self.device_index
+    def _fits(self, t, shape, dtype) -> bool:
+        return (type(t) is self.tensor and t.dtype is dtype and t.get_device() == self.device_index
                 and t.shape == shape and t.is_contiguous())
 
     def __call__(self, arrays, out):
         if len(arrays) != len(self.in_shapes):
             return None
         pointers = []
-        for t, shape in zip(arrays, self.in_shapes):
-            if not self._fits(t, shape):
+        for t, shape, dtype in zip(arrays, self.in_shapes, self.in_dtypes):
+            if not self._fits(t, shape, dtype):
                 return None
             pointers.append(t.data_ptr())
         if out is None:
-            outs = [self.empty(shape, dtype=self.float32, device=self.device) for shape in self.out_shapes]
+            outs = [self.empty(shape, dtype=dtype, device=self.device)
+                    for shape, dtype in zip(self.out_shapes, self.out_dtypes)]
         else:
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
             if len(outs) != len(self.out_shapes):
                 return None
-            for o, shape in zip(outs, self.out_shapes):
-                if not self._fits(o, shape) or o.requires_grad:
+            for o, shape, dtype in zip(outs, self.out_shapes, self.out_dtypes):
+                if not self._fits(o, shape, dtype) or o.requires_grad:
                     return None
         pointers += [o.data_ptr() for o in outs]
         if not self.packed(pointers, self.raw_stream(self.device_index)):

@@ -16,7 +16,7 @@ from typing import Callable
 from ..relabel.accumulators import ACC_RULES
 from .emit_kinds import REDUCE_OPS, fn_expr
 from .emit_threads import Operand
-from .plan import AccPlan, Coop, Micro, Rows
+from .plan import AccPlan, Coop, Micro, Rows, acc_reduced_axes
 from .source import Source
 
 
@@ -110,14 +110,7 @@ def _main_contraction(em, p: AccPlan, operands, red, src: Source, prescale=None)
 
 
 def _red_of(em, p: AccPlan) -> list[str]:
-    box = p.acc.box
-    out = set(box.cod[0].axis_names)
-    red = [p.acc.axis]
-    for arr in box.dom:
-        for a in arr.axis_names:
-            if a not in out and a not in red and a not in p.stat_axes:
-                red.append(a)
-    return red
+    return list(acc_reduced_axes(p.acc))
 
 
 # sum_contract ---------------------------------------------------------------
@@ -345,7 +338,8 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
         src(f"{sreg}[i, j] = {val}")
     src.comment(f"row statistics: {ms.TX} lanes per row "
                 f"({'warp shuffles' if ms.TX > 1 else 'one lane'}; shared memory in the simulator); "
-                f"weights -> warp-private {em.bufs[p.p_buf].name}")
+                + (f"weights -> warp-private {em.bufs[p.p_buf].name}" if p.p_buf is not None
+                   else "weights stay in registers"))
     lanes = k.u(ms.TX)
     with src.block(f"for i in range({k.u(ms.RY)}):"):
         env = {ms.row: em.names.fresh(em.ax[ms.row].index), "_row": "i"}
@@ -402,6 +396,15 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
             if ms.TX > 1:
                 src(f"{ps} = _group_sum({ps}, tx, {lanes}, smem, {em.red_offset()}, tid)")
             src(f"{z_ref} = {z_ref} + {ps}")
+    if p.p_buf is None:
+        # tensor cores: the weights stay in registers, the C fragments of the scores being the
+        # A fragments of the weighted sum (emit_mma)
+        src.comment(f"update {oname}: o += weights . {em.types[em.dd.eqns[p.acc.eqn].ins[1]].name}  "
+                    f"({mo.describe()}; the weights stay in registers: {sreg})")
+        weights = Operand(frozenset((ms.row, ax.name)), None, padded=True, frag=sreg)
+        em.contract(p.engine, mo, names["o"], [weights] + em.contraction_operands([em.dd.eqns[p.acc.eqn].ins[1]]),
+                    _red_of(em, p), src, init=False)
+        return
     with src.block(f"for j in range({k.u(ms.RX)}):"):   # rows innermost: vector stores
         env = {ax.name: em.names.fresh(ax.index)}
         src(f"{env[ax.name]} = {em.micro_cols(ms, 'j')}")

@@ -17,7 +17,8 @@ from typing import Callable
 from ..core.errors import LoweringError
 from ..ops.kinds import NORMALISATIONS
 from .emit_kinds import CODEGEN_RULES, REDUCE_OPS, fn_expr
-from .plan import Coop, Flat, Micro, Target
+from .emit_mma import contract_mma, frag_begin, frag_cols, frag_rows
+from .plan import Coop, Flat, Frag, Micro, Target
 from .source import Source
 
 IDLE_START = 0x7FFFFFFF
@@ -37,6 +38,8 @@ class Operand:
 
     axes: frozenset
     read: Callable  # (env, memo, src) -> expression
+    padded: bool = False      # reads as zero past a ragged extent (a zero-filled input chunk)
+    frag: str | None = None   # a local array holding it in the C-fragment layout of the rows (mma)
 
 
 _GROUP_HELPER = '''
@@ -109,6 +112,8 @@ class Phases:
         return _C()
 
     def micro_rows(self, m: Micro, i: str) -> str:
+        if isinstance(m, Frag):
+            return frag_rows(self, m, i)
         k = self.consts
         if m.RY == 1:
             return "ty"
@@ -117,6 +122,8 @@ class Phases:
         return f"ty * {k.u(m.VY)} + {i} // {k.u(m.VY)} * {k.u(m.TY * m.VY)} + {i} % {k.u(m.VY)}"
 
     def micro_cols(self, m: Micro, j: str) -> str:
+        if isinstance(m, Frag):
+            return frag_cols(self, m, j)
         k = self.consts
         if m.RX == 1:
             return "tx"
@@ -125,6 +132,8 @@ class Phases:
         return f"tx * {k.u(m.VX)} + {j} // {k.u(m.VX)} * {k.u(m.TX * m.VX)} + {j} % {k.u(m.VX)}"
 
     def micro_begin(self, m: Micro, src: Source):
+        if isinstance(m, Frag):
+            return frag_begin(self, m, src)
         k = self.consts
         src(f"ty = tid // {k.u(m.TX)}")
         src(f"tx = tid % {k.u(m.TX)}")
@@ -170,7 +179,8 @@ class Phases:
         ops = []
         for v in ins:
             ops.append(Operand(self.plan.axes_set(v),
-                               (lambda v: lambda env, memo, src: self.value(v, env, src, memo))(v)))
+                               (lambda v: lambda env, memo, src: self.value(v, env, src, memo))(v),
+                               padded=self.plan.storage(v) == "load"))
         return ops
 
     def contract(self, engine: str, m, acc: str, operands: list[Operand], red: list[str], src: Source,
@@ -195,22 +205,7 @@ class Phases:
                     with src.block(f"for j in range({k.u(m.RX)}):"):
                         src(f"{acc}[i, j] = {zero}")
             elif prescale is not None:
-                with src.block(f"for i in range({k.u(m.RY)}):"):
-                    env = {}
-                    if m.row in prescale.axes:
-                        env[m.row] = self.names.fresh(self.ax[m.row].index)
-                        src(f"{env[m.row]} = {self.micro_rows(m, 'i')}")
-                    sc = None
-                    if m.col not in prescale.axes:
-                        sc = self.names.fresh("scale")
-                        src(f"{sc} = {prescale.read(env, {}, src)}")
-                    with src.block(f"for j in range({k.u(m.RX)}):"):
-                        if sc is None:
-                            env[m.col] = self.names.fresh(self.ax[m.col].index)
-                            src(f"{env[m.col]} = {self.micro_cols(m, 'j')}")
-                            sc = self.names.fresh("scale")
-                            src(f"{sc} = {prescale.read(env, {}, src)}")
-                        src(f"{acc}[i, j] *= {sc}")
+                self.prescale_micro(m, acc, prescale, src)
             roww = [o for o in operands if m.row in o.axes and m.col not in o.axes]
             colw = [o for o in operands if m.col in o.axes and m.row not in o.axes]
             both = [o for o in operands if m.row in o.axes and m.col in o.axes]
@@ -270,6 +265,26 @@ class Phases:
             src(f"{slot} += {' * '.join(factors) or k.f(1.0, 'ONE')}")
             for blk in reversed(opened):
                 blk.__exit__(None, None, None)
+
+    def prescale_micro(self, m: Micro, acc: str, prescale: Operand, src: Source):
+        """``acc[i, j] *= prescale`` at each element of micro-tile ``m``."""
+        k = self.consts
+        with src.block(f"for i in range({k.u(m.RY)}):"):
+            env = {}
+            if m.row in prescale.axes:
+                env[m.row] = self.names.fresh(self.ax[m.row].index)
+                src(f"{env[m.row]} = {self.micro_rows(m, 'i')}")
+            sc = None
+            if m.col not in prescale.axes:
+                sc = self.names.fresh("scale")
+                src(f"{sc} = {prescale.read(env, {}, src)}")
+            with src.block(f"for j in range({k.u(m.RX)}):"):
+                if sc is None:
+                    env[m.col] = self.names.fresh(self.ax[m.col].index)
+                    src(f"{env[m.col]} = {self.micro_cols(m, 'j')}")
+                    sc = self.names.fresh("scale")
+                    src(f"{sc} = {prescale.read(env, {}, src)}")
+                src(f"{acc}[i, j] *= {sc}")
 
     def _micro_step(self, m: Micro, acc: str, env: dict, roww, colw, both, none, frag_a, frag_b,
                     src: Source):
@@ -539,5 +554,6 @@ class Phases:
 
 CONTRACTION_ENGINES: dict[str, Callable] = {
     "cuda_core": Phases.contract_cuda_core,
+    "mma": contract_mma,
 }
 """Contraction emitters keyed by the engine a plan names (:data:`.plan.ENGINES`)."""

@@ -31,8 +31,10 @@ from ..core.diagram import Diagram
 from ..relabel.accumulators import Accumulator
 from ..relabel.loopnest import FinalForm
 
-ENGINES = ("cuda_core",)
-"""Engines a contraction can be planned on; :mod:`.emit_threads` renders ``cuda_core``."""
+ENGINES = ("cuda_core", "mma")
+"""Engines a contraction can be planned on: ``cuda_core`` (register micro-tiles, fp32 FMAs;
+:mod:`.emit_threads`) and ``mma`` (tensor cores, ``mma.sync.m16n8k16`` on fp16 / bf16 fragments
+with fp32 accumulators, on a :class:`Frag` mapping; :mod:`.emit_mma`)."""
 
 
 def frozen_map(d: dict) -> Mapping:
@@ -132,6 +134,37 @@ class Micro:
     def describe(self) -> str:
         return (f"register micro-tiles {self.RY}x{self.RX} over ({self.row}, {self.col}) "
                 f"on {self.TY}x{self.TX} threads")
+
+
+@dataclass(frozen=True)
+class Frag(Micro):
+    """Tensor-core fragments over two axes (``mma.sync.m16n8k16``): ``Wm x Wn`` warps, warp
+    ``(wm, wn)`` owns a ``16*MT x 8*NT`` patch (``MT = RY/2`` row tiles of 16, ``NT = RX/2``
+    column tiles of 8); lane ``l`` of it (``g = l // 4``, ``t = l % 4``) holds the accumulator
+    elements of rows ``g`` and ``g + 8`` and columns ``2t``, ``2t + 1`` of every tile.  As a
+    :class:`Micro`: ``ty = 8*wm + g`` (``TY = 8*Wm``), ``tx = 4*wn + t`` (``TX = 4*Wn``), element
+    ``(i, j)`` at row ``16*MT*(ty // 8) + 16*(i // 2) + 8*(i % 2) + ty % 8`` and column
+    ``8*NT*(tx // 4) + 8*(j // 2) + 2*(tx % 4) + j % 2``.  With ``Wn == 1`` the 4 lanes of a row
+    are consecutive threads (``tx = tid % 4``), as row statistics need.  ``dtype``: the
+    operands' (``f16`` / ``bf16``)."""
+
+    Wm: int = 1
+    Wn: int = 1
+    dtype: str = "f16"
+
+    @property
+    def MT(self) -> int:
+        return self.RY // 2
+
+    @property
+    def NT(self) -> int:
+        return self.RX // 2
+
+    def describe(self) -> str:
+        return (f"tensor-core fragments over ({self.row}, {self.col}): {self.Wm}x{self.Wn} warps, "
+                f"each {16 * self.MT}x{8 * self.NT} = {self.MT}x{self.NT} mma.sync.m16n8k16 tiles "
+                f"({self.dtype} in, fp32 accumulators; requires {self.row} % {16 * self.Wm}, "
+                f"{self.col} % {8 * self.Wn}, reduced extent % 16)")
 
 
 @dataclass(frozen=True)
@@ -299,6 +332,7 @@ class KernelPlan:
     skips: Mapping                  # stream axis -> tuple of skipping.Skip
     launch: LaunchPlan
     notes: tuple[str, ...]
+    dtype: str = "f32"              # f32, or the 16-bit dtype of its inputs (f16 / bf16)
 
     @property
     def dd(self) -> Diagram:
@@ -384,6 +418,21 @@ def reduced_axes(box) -> tuple[str, ...]:
             if a not in out and a not in seen:
                 seen.append(a)
     return tuple(seen)
+
+
+def acc_reduced_axes(acc) -> tuple[str, ...]:
+    """The axes an accumulator's contraction sums out: its streamed axis, and the input axes
+    that are neither in its output nor axes of its row statistics."""
+    box = acc.box
+    out = set(box.cod[0].axis_names)
+    keeps_stats = any(role != "main" for _, _, role in acc.states())
+    stat = set(box.dom[0].axis_names) - {acc.axis} if keeps_stats else set()
+    red = [acc.axis]
+    for arr in box.dom:
+        for a in arr.axis_names:
+            if a not in out and a not in red and a not in stat:
+                red.append(a)
+    return tuple(red)
 
 
 def load_plan(arr, ax: Mapping, threads: int) -> tuple[int, int]:

@@ -33,8 +33,8 @@ from ..relabel.skipping import chunk_skips
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, REDUCE_OPS
 from .threads import Threads, _check_micro
-from .plan import (AccPlan, AxisPlan, Buffer, Coop, FusedScores, KernelPlan, LaunchPlan, Micro, Rows,
-                   Structure, Target, axes_set, frozen_map, load_plan, reduced_axes, storage, var_cls)
+from .plan import (AccPlan, acc_reduced_axes, AxisPlan, Buffer, Coop, Frag, FusedScores, KernelPlan, LaunchPlan, Micro, Rows,
+                   Structure, Target, axes_set, caps, frozen_map, load_plan, reduced_axes, storage, var_cls)
 
 TRANSPOSE_PAD = 4
 """Floats added to each row of a shared buffer written transposed from global memory."""
@@ -79,7 +79,7 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     st = read_structure(ff, ax)
     cls = classify(ff)
     targets, absorbed = plan_targets(ff, ax, st, cls)
-    threads_ = Threads(threads, micro, ax)
+    threads_ = Threads(threads, micro, ax, dtype=kernel_dtype(ff.diagram))
     accs = plan_accumulators(ff, threads_)
     targets, norm_stats = plan_mappings(ff, ax, st, cls, targets, accs, threads_)
     accs, targets, fused = fuse_scores(ff, ax, st, targets, accs, threads_) if FUSE_SCORES else (accs, targets, {})
@@ -92,7 +92,7 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
                       CONTRACTION_UNROLL if unroll is None else int(unroll), frozen_map(ax), tuple(grid_loops),
                       tuple(inner), st, frozen_map(cls), frozen_map(targets), frozen_map(absorbed), tuple(accs),
                       frozen_map(fused), frozen_map(norm_stats), frozen_map(buffers), frozen_map(skips), launch,
-                      tuple(threads_.notes))
+                      tuple(threads_.notes), threads_.dtype)
 
 
 # --------------------------------------------------------------------------- 1. axes
@@ -143,6 +143,27 @@ def plan_axes(ff: FinalForm, batch_axes: tuple) -> tuple[dict, tuple, tuple]:
     return ax, tuple(grid), tuple(nodes)
 
 
+IO_DTYPES = ("f32", "f16", "bf16")
+"""Dtypes a kernel reads and writes: fp32, or 16-bit floats (read as bit patterns, computed in
+fp32, multiplied on tensor cores where the shapes fit)."""
+
+
+def kernel_dtype(dd: Diagram) -> str:
+    """The kernel's compute family: the 16-bit dtype among its inputs and outputs, else ``f32``.
+    One 16-bit dtype per kernel (fp32 arrays may sit beside it)."""
+    low = set()
+    for arr in list(dd.dom) + list(dd.cod):
+        if arr.dtype.name not in IO_DTYPES:
+            raise LoweringError(f"wire {arr} has dtype {arr.dtype.name}; the numba.cuda target "
+                                f"takes and returns {', '.join(IO_DTYPES)} arrays")
+        if arr.dtype.name != "f32":
+            low.add(arr.dtype.name)
+    if len(low) > 1:
+        raise LoweringError(f"{dd.short()} mixes {' and '.join(sorted(low))} wires; a kernel takes "
+                            f"one 16-bit dtype (beside fp32)")
+    return low.pop() if low else "f32"
+
+
 # --------------------------------------------------------------------------- 2. structure
 
 def read_structure(ff: FinalForm, ax: dict) -> Structure:
@@ -180,10 +201,8 @@ def read_structure(ff: FinalForm, ax: dict) -> Structure:
         consumers[v].append(("out",))
     eqn_of = {v: k for k in range(len(dd.eqns)) for v in dd.eqn_outputs(k)}
     acc_of_var = {v: i for i, acc in enumerate(ff.accumulators) for v in dd.eqn_outputs(acc.eqn)}
+    kernel_dtype(dd)
     for arr in list(dd.dom) + list(dd.cod):
-        if arr.dtype.name != "f32":
-            raise LoweringError(f"wire {arr} has dtype {arr.dtype.name}; the numba.cuda target "
-                                f"takes and returns fp32 arrays")
         n = math.prod(a.size for a in arr.axes)
         if n >= 2 ** 32:
             raise LoweringError(f"wire {arr} has {n} elements; the numba.cuda kernels index "
@@ -272,15 +291,34 @@ def plan_accumulators(ff: FinalForm, th: Threads) -> list[AccPlan]:
         loops = init_loops[i]
         out_axes = acc.box.cod[0].axis_names
         kind = ACC_CODEGEN[acc.rule]
-        main = (th.micro_for(out_axes) if kind.contraction else None) or th.flat_for(out_axes)
-        plan = AccPlan(i, acc, main, ff.state_level(acc, "main", loops) == "registers",
-                       ff.state_level(acc, "stat", loops) == "registers",
-                       engine=ENGINE if kind.contraction else None)
+        main, engine = None, None
+        if kind.contraction:
+            main, engine = _contraction_mapping(ff.diagram, acc.box.name, out_axes, acc.eqn,
+                                                acc_reduced_axes(acc), th)
+        plan = AccPlan(i, acc, main or th.flat_for(out_axes), ff.state_level(acc, "main", loops) == "registers",
+                       ff.state_level(acc, "stat", loops) == "registers", engine=engine)
         if kind.stats:
             stat_axes = tuple(a for a in acc.box.dom[0].axis_names if a != acc.axis)
             plan = replace(plan, stat_axes=stat_axes, stat=th.coop_for(stat_axes))
         plans.append(plan)
     return plans
+
+
+def _contraction_mapping(dd, what: str, out_axes, eqn: int, red, th: Threads):
+    """(mapping, engine) of a contraction: tensor-core fragments where the kernel's dtype and
+    the shapes fit ``mma.sync.m16n8k16``, else a register micro-tile on CUDA cores (None when
+    no micro-tile fits either: the caller picks a flat or cooperative mapping)."""
+    operands = [axes_set(dd.var_types()[v], th.ax) for v in dd.eqns[eqn].ins]
+    if th.dtype != "f32":
+        why = th.mma_refusal(out_axes, operands, red)
+        m = th.frag_for(out_axes) if why is None else None
+        if why is None and m is None:
+            why = (f"no split of {th.T // 32} warps over its extents "
+                   f"{'x'.join(map(str, caps(out_axes, th.ax)[1]))} gives whole 16x8 tiles")
+        if m is not None:
+            return m, "mma"
+        th.note(f"{what} on CUDA cores (fp32), not tensor cores: {why}.")
+    return th.micro_for(out_axes) if red else None, ENGINE
 
 
 def plan_mappings(ff: FinalForm, ax, st: Structure, cls, targets: dict, accs, th: Threads):
@@ -302,8 +340,9 @@ def plan_mappings(ff: FinalForm, ax, st: Structure, cls, targets: dict, accs, th
             red_n = math.prod(ax[a].cap for a in red)
             n_out = math.prod(ax[a].cap for a in out_axes if ax[a].cap > 1)
             contraction = CODEGEN_RULES[box.kind].contraction
-            engine = ENGINE if contraction else None
-            m = th.micro_for(out_axes) if contraction and red else None
+            m = None
+            if contraction:
+                m, engine = _contraction_mapping(dd, box.name, out_axes, k, red, th)
             if m is None and (2 * n_out <= th.T and red_n > 1 or box.param("op", "") == "logsumexp"):
                 m = th.coop_for(out_axes)
             m = m or th.flat_for(out_axes)
@@ -355,7 +394,9 @@ def fuse_scores(ff: FinalForm, ax, st: Structure, targets: dict, accs: list, th:
         if r not in (p.main.row, p.main.col):
             continue
         dcol = p.main.col if p.main.row == r else p.main.row
-        joint = th.joint_micro(r, x, dcol)
+        if (t.engine == "mma") != (p.engine == "mma"):
+            continue
+        joint = th.joint_frag(r, x, dcol) if p.engine == "mma" else th.joint_micro(r, x, dcol)
         if joint is None:
             continue
         ms, mo = joint
@@ -377,26 +418,32 @@ def plan_layouts(ff: FinalForm, st: Structure, targets, absorbed, accs, ax) -> d
     n_in = len(dd.dom)
     pref: dict[tuple, str] = {}
 
-    def prefer(v, m: Micro):
+    def prefer(v, m: Micro, red=()):
         key = ("var", v)
         if storage(v, n_in, targets, absorbed) not in ("load", "smem") or key in pref:
             return
         axes = axes_set(types[v], ax)
         has_r, has_c = m.row in axes, m.col in axes
-        if has_r != has_c:
+        if isinstance(m, Frag):
+            # a lane packs pairs of consecutive reduced indices into its fragments
+            k = [a for a in red if a in axes]
+            if k and has_r != has_c:
+                pref[key] = k[0]
+        elif has_r != has_c:
             pref[key] = m.row if has_r else m.col
 
     for t in targets.values():
         if isinstance(t.mapping, Micro) and t.source is not None and t.source not in st.acc_of_var:
-            for v in dd.eqns[st.eqn_of[t.source]].ins:
-                prefer(v, t.mapping)
+            k = st.eqn_of[t.source]
+            for v in dd.eqns[k].ins:
+                prefer(v, t.mapping, reduced_axes(dd.eqns[k].box))
     for p in accs:
         if isinstance(p.main, Micro) and ACC_CODEGEN[p.acc.rule].contraction:
             ins = dd.eqns[p.acc.eqn].ins
             # with row statistics the weights keep the scores' layout: the statistics read them
             # along the streamed axis (contiguous), the micro-tile reads them as broadcasts
             for v in (ins[1:] if p.stat is not None else ins):
-                prefer(v, p.main)
+                prefer(v, p.main, acc_reduced_axes(p.acc))
     return pref
 
 
@@ -447,7 +494,9 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
         for sname, axes, role in acc.states():
             if not (p.main_regs if role == "main" else p.stat_regs):
                 buf(("state", p.index, sname), f"{oname}_{sname}_s", axes, f"state {sname} of {oname}")
-        if p.fused is not None:
+        if p.fused is not None and p.engine == "mma":
+            pass   # the weights stay in registers: their C fragments are the A fragments of o
+        elif p.fused is not None:
             # weights staged by the warp that owns their rows, laid out [streamed, rows] so
             # the main micro-tile reads a thread's rows as one vector
             ms = p.fused.ms

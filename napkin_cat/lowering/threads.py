@@ -12,7 +12,10 @@ import math
 from dataclasses import dataclass, field
 
 from ..core.errors import LoweringError
-from .plan import Coop, Flat, Micro, caps
+from .plan import Coop, Flat, Frag, Micro, caps
+
+MAX_FRAG_TILES = 16
+"""At most this many mma tiles per warp (``MT * NT``: 4 fp32 accumulators each per lane)."""
 
 
 def _check_micro(micro):
@@ -36,6 +39,72 @@ class Threads:
     override: tuple[int, int] | None
     ax: dict
     notes: list = field(default_factory=list)
+    dtype: str = "f32"   # the kernel's input dtype: f16 / bf16 kernels may use tensor cores
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    # ---- tensor cores
+    def mma_refusal(self, out_axes, operands, red) -> str | None:
+        """Why a contraction of ``operands`` (their axes with extent > 1) into ``out_axes`` over
+        ``red`` cannot run on tensor cores, or None when its shapes fit ``m16n8k16``."""
+        if self.dtype not in ("f16", "bf16"):
+            return f"inputs are {self.dtype} (tensor cores take f16 / bf16)"
+        names, cs = caps(out_axes, self.ax)
+        if len(names) != 2:
+            return f"its output has {len(names)} axes with extent > 1 in a block (fragments need 2)"
+        red = [a for a in red if self.ax[a].cap > 1]
+        if len(red) != 1:
+            return f"it reduces over {len(red)} axes with extent > 1 (fragments need 1)"
+        (k,) = red
+        if self.ax[k].cap % 16:
+            return f"the reduced extent {k} = {self.ax[k].cap} is not a multiple of 16"
+        row, col = names
+        kinds = sorted(("row" if row in o else "col" if col in o else "?") + ("" if k in o else "!")
+                       for o in operands)
+        if kinds != ["col", "row"] or any(row in o and col in o for o in operands):
+            return (f"its factors ({', '.join('(' + ' '.join(sorted(o)) + ')' for o in operands)}) are not "
+                    f"one ({row} {k}) and one ({k} {col}) operand")
+        if self.T % 32:
+            return f"{self.T} threads is not a whole number of warps"
+        return None
+
+    def frag_for(self, out_axes, warps_n: bool = True) -> Frag | None:
+        """Fragments over the two output axes for all ``T // 32`` warps (``warps_n``: warps may
+        also split the columns), the warp tiles as square as the extents allow."""
+        names, (cr, cc) = caps(out_axes, self.ax)
+        W = self.T // 32
+        best, best_score = None, None
+        for Wm in range(1, W + 1):
+            if W % Wm or (W // Wm > 1 and not warps_n):
+                continue
+            Wn = W // Wm
+            if cr % (16 * Wm) or cc % (8 * Wn):
+                continue
+            MT, NT = cr // (16 * Wm), cc // (8 * Wn)
+            if MT * NT > MAX_FRAG_TILES:
+                continue
+            score = (min(16 * MT, 8 * NT), MT)
+            if best_score is None or score > best_score:
+                best_score = score
+                best = Frag(names[0], names[1], cr, cc, 2 * MT, 2 * NT, 8 * Wm, 4 * Wn,
+                            Wm=Wm, Wn=Wn, dtype=self.dtype)
+        return best
+
+    def joint_frag(self, r: str, x: str, dcol: str) -> tuple[Frag, Frag] | None:
+        """Fragments over ``(r, x)`` (scores, reduced over their own axis) and ``(r, dcol)`` (the
+        weighted sum, reduced over ``x``) with the same warps along ``r`` (``Wn == 1``): a lane's
+        rows are the same in both, the 4 lanes of a row consecutive."""
+        W = self.T // 32
+        cr, cs, co = self.ax[r].cap, self.ax[x].cap, self.ax[dcol].cap
+        if self.T % 32 or cr % (16 * W) or cs % 16 or co % 8:
+            return None
+        MT = cr // (16 * W)
+        if MT * max(cs, co) // 8 > MAX_FRAG_TILES:
+            return None
+        return (Frag(r, x, cr, cs, 2 * MT, cs // 4, 8 * W, 4, Wm=W, Wn=1, dtype=self.dtype),
+                Frag(r, dcol, cr, co, 2 * MT, co // 4, 8 * W, 4, Wm=W, Wn=1, dtype=self.dtype))
 
     def micro_for(self, axes: tuple[str, ...]) -> Micro | None:
         names, cs = caps(axes, self.ax)

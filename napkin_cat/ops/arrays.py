@@ -70,7 +70,7 @@ NUMPY = _Namespace(
     indices_=lambda n, offset, like=None, on=None: np.arange(n) + offset,
     broadcast_=lambda x, shape: np.broadcast_to(x, shape).copy(),
     logsumexp_=_np_logsumexp, diagonal_=lambda x, a, b: np.diagonal(x, axis1=a, axis2=b),
-    as_index_result=_np_as_index_result,
+    as_index_result=_np_as_index_result, take_=lambda x, idx, axis: np.take(x, idx, axis=axis),
 )
 
 _TORCH = None
@@ -128,5 +128,36 @@ def torch_namespace():
             indices_=indices, broadcast_=torch.broadcast_to, as_index_result=as_index_result,
             logsumexp_=lambda x, axis: torch.logsumexp(x, dim=axis),
             diagonal_=lambda x, a, b: torch.diagonal(x, dim1=a, dim2=b),
+            take_=lambda x, idx, axis: torch.index_select(x, axis, idx),
         )
     return _TORCH
+
+
+# --------------------------------------------------------------------------- 16-bit floats
+
+def bf16_bits(x) -> np.ndarray:
+    """float values -> bf16 bit patterns (int16), rounded to nearest even; NaN stays NaN.
+
+    >>> bf16_values(bf16_bits(np.array([1.0, 1.00390625, 1.01171875, -2.5], np.float32))).tolist()
+    [1.0, 1.0, 1.015625, -2.5]
+    """
+    x = np.asarray(x, dtype=np.float32)
+    b = np.ascontiguousarray(x).view(np.uint32).astype(np.uint64)
+    rounded = np.where(np.isnan(x), (b >> 16) | 0x40, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+    return (rounded & 0xFFFF).astype(np.uint16).view(np.int16)
+
+
+def bf16_values(bits) -> np.ndarray:
+    """bf16 bit patterns -> float32 values."""
+    return (np.asarray(bits).astype(np.int16).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def round_to_dtype(x, name: str) -> np.ndarray:
+    """``x`` rounded to dtype ``name`` (``f32``, ``f16``, ``bf16``) and held in float32: the
+    values a kernel reading that dtype sees."""
+    x = np.asarray(x)
+    if name == "f16":
+        return x.astype(np.float16).astype(np.float32)
+    if name == "bf16":
+        return bf16_values(bf16_bits(x))
+    return x.astype(np.float32)

@@ -232,7 +232,7 @@ def check_equivalent(a, b, *, examples: int | None = None, time_budget: float | 
         from .backend import backend
         options = kc.check_lower_options(lower_options,
                                          backend("simulator_active")() or not backend("driver_present")())
-    krtol, katol = (kc.KERNEL_TOLERANCES["f32"] if dtype_tolerance is None else (rtol, atol))
+    krtol, katol = (None, None) if dtype_tolerance is None else (rtol, atol)   # None: the kernel's dtype's
     kernels: dict = {}   # (bound diagram, options) -> Kernel or the LoweringError text
 
     def kernel_for(ex: _Example):
@@ -258,10 +258,11 @@ def check_equivalent(a, b, *, examples: int | None = None, time_budget: float | 
             run["refused"].setdefault(k, None)
             return outcome, False
         inputs, _ = problem.data(ex)
-        diff = kc.kernel_outcome(a, k, inputs, problem.sizes_for(a, problem.eval_sizes(ex)), rtol=krtol, atol=katol)
+        kr, ka = kc.kernel_tolerances(k, krtol, katol)
+        diff = kc.kernel_outcome(a, k, inputs, problem.sizes_for(a, problem.eval_sizes(ex)), rtol=kr, atol=ka)
         if diff.failure is not None:
             diff.failure.update(kernel=k, options=dict(ex.options), mode="kernel" if kernel is not None else "lowered",
-                                rtol=krtol, atol=katol)
+                                rtol=kr, atol=ka)
         return _Outcome(max(outcome.abs_error, diff.abs_error), max(outcome.rel_error, diff.rel_error),
                         diff.failure), True
 

@@ -45,7 +45,10 @@ from ..core.errors import EquivalenceError, NapkinError, TypingError
 from .reproduce import lowering_call  # noqa: F401 (part of this module's interface)
 
 # (rtol, atol) per kernel dtype, on top of the low-precision oracle's own error
-KERNEL_TOLERANCES: dict[str, tuple[float, float]] = {"f32": (2e-5, 2e-5)}
+# (16-bit kernels compute in fp32 and round their outputs and the operands of tensor-core
+# products to the dtype: half an ulp each, 2**-11 for f16, 2**-8 for bf16, a few times over)
+KERNEL_TOLERANCES: dict[str, tuple[float, float]] = {"f32": (2e-5, 2e-5), "f16": (2e-3, 2e-3),
+                                                     "bf16": (1.6e-2, 1.6e-2)}
 LOW_PRECISION_FACTOR = 2.0
 # fastmath kernels (the default) use approximate exp and division (ex2.approx, rcp.approx): on
 # ill-conditioned scores (|s| ~ 1e4, where fp32 itself loses digits) measured on an H100 at 3.4x
@@ -68,7 +71,14 @@ def is_kernel(x) -> bool:
 
 
 def kernel_dtype(kernel) -> str:
-    return "f32"   # every generated kernel computes in fp32 (the codegen's one dtype)
+    """``f32``, or the 16-bit dtype a kernel reads and writes (it computes in fp32)."""
+    d = kernel.diagram
+    return next((a.dtype.name for a in (*d.dom, *d.cod) if a.dtype.name in ("f16", "bf16")), "f32")
+
+
+def kernel_tolerances(kernel, rtol=None, atol=None) -> tuple[float, float]:
+    dr, da = KERNEL_TOLERANCES[kernel_dtype(kernel)]
+    return (dr if rtol is None else rtol), (da if atol is None else atol)
 
 
 def bind_oracle(oracle: Diagram, kernel) -> Diagram:
@@ -111,10 +121,14 @@ def check_lower_options(options: dict | None, simulate: bool) -> dict:
 
 # --------------------------------------------------------------------------- running and comparing
 
-def as_kernel_inputs(inputs) -> list[np.ndarray]:
-    """The drawn float64 inputs rounded to the kernel's dtype (what the kernel and, widened
-    exactly, the oracle both see)."""
-    return [np.ascontiguousarray(np.asarray(x), dtype=np.float32) for x in inputs]
+def as_kernel_inputs(inputs, arrays=None) -> list[np.ndarray]:
+    """The drawn float64 inputs rounded to each input's dtype (``arrays``: the input wires;
+    fp32 without them), held in float32: what the kernel and, widened exactly, the oracle
+    both see."""
+    from ..ops.arrays import round_to_dtype
+    names = [a.dtype.name for a in arrays] if arrays is not None else ["f32"] * len(inputs)
+    return [np.ascontiguousarray(round_to_dtype(x, n if n in ("f16", "bf16") else "f32"), dtype=np.float32)
+            for x, n in zip(inputs, names)]
 
 
 def run_kernel(kernel, inputs32) -> tuple:
@@ -170,10 +184,9 @@ def compare_outputs(arrays, exact, low, got, rtol: float, atol: float,
 
 def kernel_outcome(oracle: Diagram, kernel, inputs, sizes: dict | None = None, rtol: float | None = None,
                    atol: float | None = None) -> KernelDiff:
-    """Run ``kernel`` on ``inputs`` (rounded to fp32) and compare with ``oracle``."""
-    dr, da = KERNEL_TOLERANCES[kernel_dtype(kernel)]
-    rtol, atol = (dr if rtol is None else rtol), (da if atol is None else atol)
-    x32 = as_kernel_inputs(inputs)
+    """Run ``kernel`` on ``inputs`` (rounded to its input dtypes) and compare with ``oracle``."""
+    rtol, atol = kernel_tolerances(kernel, rtol, atol)
+    x32 = as_kernel_inputs(inputs, kernel.diagram.dom)
     exact, low = oracle_outputs(oracle, x32, sizes or {})
     try:
         got = run_kernel(kernel, x32)

@@ -1,0 +1,151 @@
+"""The tensor-core contraction engine (``engine == "mma"``): ``mma.sync.m16n8k16`` on fragments.
+
+A contraction planned on a :class:`~.plan.Frag` mapping is rendered as, per step of 16 along its
+reduced axis: the A fragments of the warp's row tiles (``a0..a3``: pairs of 16-bit values packed
+from the row operand), per column tile the B fragment (``b0, b1``, from the column operand),
+then one ``mma`` per (row tile, column tile) into the fp32 accumulators ``acc[i, j]``, which the
+:class:`~.plan.Frag` layout places exactly where the mma's C/D fragment puts them.  So the rest
+of the kernel (epilogues, row statistics, stores) reads ``acc[i, j]`` at the row and column
+:func:`frag_rows` / :func:`frag_cols` give, as for any micro-tile.
+
+Operand fragments are packed from the operands' values (fp32, read from shared memory or
+computed by a fused elementwise chain) with ``pack_f16`` / ``pack_bf16``: any operand the
+CUDA-core engine can read, the tensor cores can multiply.  An operand held in registers in the
+C layout of the same rows (:attr:`Operand.frag`: FlashAttention-2's probabilities, which never
+leave the registers) is packed from there: the C fragment of two adjacent 8-column tiles is the
+A fragment of one 16-wide step.  Entries past a ragged reduced extent read as zero unless the
+operand is zero-padded there already (:attr:`Operand.padded`).
+
+The primitives (and their simulated twins, which check this indexing in CI) are in
+:mod:`.tensorcore`.
+"""
+
+from __future__ import annotations
+
+from .plan import Frag
+from .source import Source
+from .tensorcore import DTYPES
+
+UNROLL_LIMIT = 256
+"""At most this many mma calls are written out per contraction (all its 16-wide steps unrolled
+in the source); beyond it the steps are a loop (operands in registers need the unrolled form)."""
+
+
+def frag_begin(em, m: Frag, src: Source) -> None:
+    """``ty`` (row group: 8 per warp row) and ``tx`` (column group: 4 per warp column)."""
+    k = em.consts
+    if m.Wn == 1:
+        src(f"ty = tid // {k.u(4)}")
+        src(f"tx = tid % {k.u(4)}")
+        return
+    src(f"ty = tid // {k.u(32 * m.Wn)} * {k.u(8)} + tid % {k.u(32)} // {k.u(4)}")
+    src(f"tx = tid // {k.u(32)} % {k.u(m.Wn)} * {k.u(4)} + tid % {k.u(4)}")
+
+
+def frag_rows(em, m: Frag, i: str) -> str:
+    """The local row of element row ``i`` (an expression or a literal) of a thread's fragments."""
+    k = em.consts
+    base = f"ty // {k.u(8)} * {k.u(16 * m.MT)} + ty % {k.u(8)}" if m.Wm > 1 else "ty"
+    if i.isdigit():
+        off = 16 * (int(i) // 2) + 8 * (int(i) % 2)
+        return f"{base} + {k.u(off)}" if off else base
+    return f"{base} + {i} // {k.u(2)} * {k.u(16)} + {i} % {k.u(2)} * {k.u(8)}"
+
+
+def frag_cols(em, m: Frag, j: str) -> str:
+    """The local column of element column ``j`` of a thread's accumulator fragments."""
+    k = em.consts
+    base = f"tx // {k.u(4)} * {k.u(8 * m.NT)} + tx % {k.u(4)} * {k.u(2)}" if m.Wn > 1 else f"tx * {k.u(2)}"
+    if j.isdigit():
+        off = 8 * (int(j) // 2) + int(j) % 2
+        return f"{base} + {k.u(off)}" if off else base
+    return f"{base} + {j} // {k.u(2)} * {k.u(8)} + {j} % {k.u(2)}"
+
+
+def _bcol_base(em, m: Frag) -> str:
+    """Column of a lane's B fragment in column tile 0: the lane's group ``g``."""
+    k = em.consts
+    g = f"ty % {k.u(8)}" if m.Wm > 1 else "ty"
+    return f"tx // {k.u(4)} * {k.u(8 * m.NT)} + {g}" if m.Wn > 1 else g
+
+
+def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool = True,
+                 prescale=None, env: dict | None = None) -> None:
+    """``acc[i, j] (*= prescale) (+)= sum over red of A . B`` on tensor cores (see the module
+    docstring); ``operands``: the row operand and the column operand, in either order."""
+    k = em.consts
+    dt = DTYPES[m.dtype]
+    zero = k.f(0.0, "ZERO")
+    (kax,) = [a for a in red if em.ax[a].cap > 1]
+    A = next(o for o in operands if m.row in o.axes)
+    B = next(o for o in operands if m.col in o.axes)
+    if init:
+        with src.block(f"for i in range({k.u(m.RY)}):"):
+            with src.block(f"for j in range({k.u(m.RX)}):"):
+                src(f"{acc}[i, j] = {zero}")
+    elif prescale is not None:
+        em.prescale_micro(m, acc, prescale, src)
+    kv = em.ax[kax]
+    steps = kv.cap // 16
+    unrolled = steps * m.MT * m.NT <= UNROLL_LIMIT or A.frag is not None or B.frag is not None
+    src.comment(f"{acc} += {' . '.join(sorted(f'({chr(32).join(sorted(o.axes))})' for o in (A, B)))} "
+                f"on tensor cores: {steps} step(s) of 16 along {kax}, {m.MT}x{m.NT} mma.sync.m16n8k16 "
+                f"({m.dtype}) per warp and step")
+    kb0 = em.names.fresh("kq")
+    src(f"{kb0} = tx % {k.u(4)} * {k.u(2)}  # this lane's pair of columns in a 16-wide step")
+    rows = [frag_rows(em, m, str(i)) for i in range(m.RY)]
+    bbase = _bcol_base(em, m)
+    guard = kv.ragged
+
+    def element(o, r_axis, r_expr, kexpr):
+        env2 = {r_axis: r_expr, kax: kexpr}
+        val = o.read(env2, {}, src)
+        if guard and not o.padded:
+            val = f"({val} if {kexpr} < {kv.count} else {zero})"
+        return val
+
+    def pair(o, r_axis, r_expr, kexpr):
+        lo = element(o, r_axis, r_expr, kexpr)
+        hi = element(o, r_axis, r_expr, f"{kexpr} + {k.u(1)}")
+        return f"{dt.pack}({lo}, {hi})"
+
+    def frag_pair(o, i: int, c0: str):
+        c1 = str(int(c0) + 1) if c0.isdigit() else f"{c0} + 1"
+        return f"{dt.pack}({o.frag}[{i}, {c0}], {o.frag}[{i}, {c1}])"
+
+    def step(ks: str, literal: bool):
+        kb = em.names.fresh("kb")
+        src(f"{kb} = {kb0} + {k.u(16 * int(ks))}" if literal else f"{kb} = {kb0} + {ks} * {k.u(16)}")
+        a = {}
+        for mt in range(m.MT):
+            for reg, (h, kh) in enumerate(((0, 0), (1, 0), (0, 8), (1, 8))):
+                name = em.names.fresh(f"a{mt}{reg}")
+                if A.frag is not None:
+                    c0 = str(4 * int(ks) + kh // 4) if literal else f"{ks} * 4 + {kh // 4}"
+                    src(f"{name} = {frag_pair(A, 2 * mt + h, c0)}")
+                else:
+                    kexpr = f"{kb} + {k.u(kh)}" if kh else kb
+                    src(f"{name} = {pair(A, m.row, rows[2 * mt + h], kexpr)}")
+                a[mt, reg] = name
+        for nt in range(m.NT):
+            col = f"{bbase} + {k.u(8 * nt)}" if nt else bbase
+            b = []
+            for kh in (0, 8):
+                name = em.names.fresh(f"b{nt}{kh // 8}")
+                kexpr = f"{kb} + {k.u(kh)}" if kh else kb
+                src(f"{name} = {pair(B, m.col, col, kexpr)}")
+                b.append(name)
+            for mt in range(m.MT):
+                i0, j0 = 2 * mt, 2 * nt
+                c = [f"{acc}[{i0}, {j0}]", f"{acc}[{i0}, {j0 + 1}]", f"{acc}[{i0 + 1}, {j0}]",
+                     f"{acc}[{i0 + 1}, {j0 + 1}]"]
+                src(f"{', '.join(c)} = {dt.mma}({', '.join(a[mt, r] for r in range(4))}, "
+                    f"{b[0]}, {b[1]}, {', '.join(c)})")
+
+    if unrolled:
+        for ks in range(steps):
+            step(str(ks), True)
+    else:
+        ks = em.names.fresh("ks")
+        with src.block(f"for {ks} in range({k.u(steps)}):"):
+            step(ks, False)

@@ -1,0 +1,211 @@
+"""Tensor-core and 16-bit primitives that generated kernels call, on a GPU and in the simulator.
+
+A kernel whose float inputs are fp16 or bf16 (:data:`DTYPES`) reads them as 16-bit bit patterns
+(``int16`` arrays: torch's bf16 has no array-interface type), computes in fp32 and multiplies on
+tensor cores with ``mma.sync.m16n8k16`` (fp32 accumulators).  Its source imports, by name:
+
+``mma_f16`` / ``mma_bf16``   ``(a0..a3, b0, b1, c0..c3) -> (d0..d3)``: one warp's
+                              ``D = A B + C`` on a 16x16 A, 16x8 B, fp32 C/D fragment
+``pack_f16`` / ``pack_bf16`` ``(lo, hi) -> uint32``: two fp32 values rounded into a pair
+``h2f`` / ``bf2f``           a 16-bit pattern -> fp32
+``f2h`` / ``f2bf``           fp32 -> a 16-bit pattern (round to nearest even)
+
+On a GPU they are inline PTX in ``tensorcore.cu``, linked by numba-cuda (NVRTC) and inlined
+into the kernel.  Under the CUDA simulator (which links no C++) they are Python with the same
+arguments and results: ``mma_*`` exchanges the warp's fragments through shared memory and
+multiplies the matrices the fragments hold, so a kernel's fragment indexing is checked by
+the simulator exactly as the GPU would read it (:func:`fragment_layout`).
+
+Fragment layout of ``m16n8k16`` (PTX ISA, "Matrix Fragments for mma.m16n8k16 with
+floating point type"), lane ``l``, ``g = l // 4``, ``t = l % 4``:
+
+* A (16x16, row-major): ``a0 = A[g, 2t:2t+2]``, ``a1 = A[g+8, 2t:2t+2]``,
+  ``a2 = A[g, 2t+8:2t+10]``, ``a3 = A[g+8, 2t+8:2t+10]`` (low half first);
+* B (16x8, column-major): ``b0 = B[2t:2t+2, g]``, ``b1 = B[2t+8:2t+10, g]``;
+* C, D (16x8): ``c0, c1 = C[g, 2t], C[g, 2t+1]``, ``c2, c3 = C[g+8, 2t], C[g+8, 2t+1]``.
+
+>>> DTYPES["bf16"].mma, DTYPES["f16"].to_f32
+('mma_bf16', 'h2f')
+>>> layout = fragment_layout()
+>>> layout["A"][0, 0], layout["A"][9, 10], layout["B"][9, 3], layout["C"][8, 1]
+((0, 0, 0), (3, 5, 0), (1, 12, 1), (3, 0))
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+MMA_SHAPE = (16, 8, 16)
+"""``(m, n, k)`` of one ``mma.sync``: a warp multiplies a 16 x 16 tile by a 16 x 8 one."""
+
+CU_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensorcore.cu")
+
+
+@dataclass(frozen=True)
+class TensorDType:
+    """The primitives of one 16-bit input dtype (names importable from this module)."""
+
+    name: str
+    mma: str
+    pack: str
+    to_f32: str
+    from_f32: str
+    ptx: str           # the PTX type of the mma operands
+    torch: str         # the torch dtype's name
+    numpy: str | None  # numpy's dtype, where numpy has one (bf16: none)
+
+
+DTYPES = {
+    "f16": TensorDType("f16", "mma_f16", "pack_f16", "h2f", "f2h", "f16", "float16", "float16"),
+    "bf16": TensorDType("bf16", "mma_bf16", "pack_bf16", "bf2f", "f2bf", "bf16", "bfloat16", None),
+}
+
+PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf")
+
+_SIG = {
+    "mma": "UniTuple(float32, 4)(uint32, uint32, uint32, uint32, uint32, uint32, "
+           "float32, float32, float32, float32)",
+    "pack": "uint32(float32, float32)",
+    "to_f32": "float32(int16)",
+    "from_f32": "int16(float32)",
+}
+
+
+def fragment_layout() -> dict[str, np.ndarray]:
+    """Where each element of the A, B and C tiles lives: ``A[r, k] = (register, lane, half)``,
+    ``B[k, n]`` likewise, ``C[r, n] = (register, lane)``."""
+    A = np.empty((16, 16), dtype=object)
+    B = np.empty((16, 8), dtype=object)
+    C = np.empty((16, 8), dtype=object)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for h in range(2):
+            A[g, 2 * t + h] = (0, lane, h)
+            A[g + 8, 2 * t + h] = (1, lane, h)
+            A[g, 2 * t + 8 + h] = (2, lane, h)
+            A[g + 8, 2 * t + 8 + h] = (3, lane, h)
+            B[2 * t + h, g] = (0, lane, h)
+            B[2 * t + 8 + h, g] = (1, lane, h)
+            C[g, 2 * t + h] = (h, lane)
+            C[g + 8, 2 * t + h] = (2 + h, lane)
+    return {"A": A, "B": B, "C": C}
+
+
+# --------------------------------------------------------------------------- the simulator's twins
+
+def _index_arrays():
+    lay = fragment_layout()
+    a_lane = np.array([[lay["A"][r, k][1] for k in range(16)] for r in range(16)])
+    a_half = np.array([[2 * lay["A"][r, k][0] + lay["A"][r, k][2] for k in range(16)] for r in range(16)])
+    b_lane = np.array([[lay["B"][k, n][1] for n in range(8)] for k in range(16)])
+    b_half = np.array([[8 + 2 * lay["B"][k, n][0] + lay["B"][k, n][2] for n in range(8)] for k in range(16)])
+    return a_lane, a_half, b_lane, b_half
+
+
+_A_LANE, _A_HALF, _B_LANE, _B_HALF = _index_arrays()
+
+
+def _f16_values(halves: np.ndarray) -> np.ndarray:
+    return halves.astype(np.uint16).view(np.float16).astype(np.float64)
+
+
+def _bf16_values(halves: np.ndarray) -> np.ndarray:
+    return (halves.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+
+
+def _bf16_bits(x) -> int:
+    """fp32 -> bf16 bit pattern, rounded to nearest even (NaN stays a quiet NaN)."""
+    b = int(np.float32(x).view(np.uint32))
+    if (b & 0x7F800000) == 0x7F800000 and b & 0x007FFFFF:
+        return ((b >> 16) | 0x40) & 0xFFFF
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _as_int16(bits: int) -> np.int16:
+    return np.array(bits & 0xFFFF, dtype=np.uint16).view(np.int16)[()]
+
+
+def _context():
+    from numba.cuda.simulator.kernel import _get_kernel_context
+    return _get_kernel_context()
+
+
+def _sim_mma(values, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """One lane's part of a warp's mma: the lanes publish their fragments in shared memory,
+    then each reads the whole A and B tiles back and keeps its four outputs."""
+    ctx = _context()
+    tid = int(ctx.threadIdx.x)
+    warp, lane = divmod(tid, 32)
+    exchange = ctx.shared.array((32, 32, 6), np.uint32)   # one per block: 32 warps of 32 lanes
+    exchange[warp, lane] = (a0, a1, a2, a3, b0, b1)
+    ctx.syncthreads()
+    words = np.array(exchange[warp], dtype=np.uint32)
+    ctx.syncthreads()
+    vals = values(words.view(np.uint16).reshape(32, 12))   # word w: halves 2w (low), 2w + 1
+    A = vals[_A_LANE, _A_HALF]
+    B = vals[_B_LANE, _B_HALF]
+    C = A @ B
+    g, t = divmod(lane, 4)
+    return (np.float32(c0 + C[g, 2 * t]), np.float32(c1 + C[g, 2 * t + 1]),
+            np.float32(c2 + C[g + 8, 2 * t]), np.float32(c3 + C[g + 8, 2 * t + 1]))
+
+
+def _sim_primitives() -> dict:
+    def mma_f16(*args):
+        return _sim_mma(_f16_values, *args)
+
+    def mma_bf16(*args):
+        return _sim_mma(_bf16_values, *args)
+
+    def pack_f16(lo, hi):
+        return np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.uint32)[0]
+
+    def pack_bf16(lo, hi):
+        return np.uint32(_bf16_bits(lo) | (_bf16_bits(hi) << 16))
+
+    def h2f(bits):
+        return np.float32(np.array(bits, dtype=np.int16).view(np.float16))
+
+    def bf2f(bits):
+        return np.float32(_bf16_values(np.array([bits], dtype=np.int16).view(np.uint16))[0])
+
+    def f2h(x):
+        return np.array(x, dtype=np.float32).astype(np.float16).view(np.int16)[()]
+
+    def f2bf(x):
+        return _as_int16(_bf16_bits(x))
+
+    return dict(mma_f16=mma_f16, mma_bf16=mma_bf16, pack_f16=pack_f16, pack_bf16=pack_bf16,
+                h2f=h2f, bf2f=bf2f, f2h=f2h, f2bf=f2bf)
+
+
+# --------------------------------------------------------------------------- the GPU's
+
+def _gpu_primitives() -> dict:
+    from .devices import import_cuda
+    cuda = import_cuda()
+    kind = {"mma_f16": "mma", "mma_bf16": "mma", "pack_f16": "pack", "pack_bf16": "pack",
+            "h2f": "to_f32", "bf2f": "to_f32", "f2h": "from_f32", "f2bf": "from_f32"}
+    return {name: cuda.declare_device(f"nc_{name}", _SIG[kind[name]], link=CU_FILE) for name in PRIMITIVES}
+
+
+_CACHE: dict[bool, dict] = {}
+
+
+def primitives() -> dict:
+    """The primitives for this process's numba.cuda (simulated or linked), made once."""
+    from .devices import simulator_active
+    sim = simulator_active()
+    if sim not in _CACHE:
+        _CACHE[sim] = _sim_primitives() if sim else _gpu_primitives()
+    return _CACHE[sim]
+
+
+def __getattr__(name: str):
+    # generated kernels import the primitives by name: ``from ...tensorcore import mma_f16``
+    if name in PRIMITIVES:
+        return primitives()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
