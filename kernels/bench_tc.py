@@ -102,7 +102,7 @@ def check_attention(dt, N, D, causal, B=1, H=2, tiles=None, threads=128, **kw) -
     bias = None
     if kw.get("alibi"):
         i = torch.arange(N, device=DEV, dtype=torch.float64)
-        bias = -0.5 * (i[:, None] - i[None, :]).abs()
+        bias = 0.5 * (i[None, :] - i[:, None])   # alibi(slope) = slope * (j - i)
     ref, L = torch_reference(Q, K, V, causal, 1 / math.sqrt(D), bias)
     if kw.get("logsumexp"):
         O, Lk = out
@@ -116,11 +116,14 @@ def check_attention(dt, N, D, causal, B=1, H=2, tiles=None, threads=128, **kw) -
             "rel_err": err, "ok": err < TOL[dt] and O.dtype == TDT[dt], **info(k)}
 
 
-def time_attention(dt, N, D, causal, BH, tiles, threads, peers=True) -> dict:
+PREFETCH = {0: False, 1: True, 2: "double"}
+
+
+def time_attention(dt, N, D, causal, BH, tiles, threads, peers=True, prefetch=False) -> dict:
     B, H = 2, BH // 2
     dia = attention_diagram(N, D, causal, B, H, dt)
     t0 = time.perf_counter()
-    k = nc.lower(dia, tiles=tiles, threads=threads, verify=False)
+    k = nc.lower(dia, tiles=tiles, threads=threads, verify=False, prefetch=prefetch)
     g = torch.Generator(device=DEV).manual_seed(0)
     Q, K, V = (torch.randn(B, H, N, D, device=DEV, generator=g).to(TDT[dt]) for _ in range(3))
     O = torch.full_like(Q, float("nan"))
@@ -140,6 +143,7 @@ def time_attention(dt, N, D, causal, BH, tiles, threads, peers=True) -> dict:
     flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
     ms = cuda_time(run)
     res = {"kind": "attention", "dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH, "tiles": tiles,
+           "prefetch": prefetch,
            "rel_err": err, "ok": err < TOL[dt], "ms": ms, "tflops": flops / ms / 1e9, "compile_s": compile_s,
            **info(k)}
     if peers:
@@ -189,10 +193,10 @@ def flex(Q, K, V, causal, N) -> dict:
 
 # ----------------------------------------------------------------------------- matmul
 
-def matmul_case(dt, M, tiles, threads, peers=True, check_only=False) -> dict:
+def matmul_case(dt, M, tiles, threads, peers=True, check_only=False, prefetch=False) -> dict:
     a, b, c = nc.axes("a b c")
     dia = nc.library.matmul(a=a, b=b, c=c, dtype=NDT[dt]).bind({a: M, b: M, c: M})
-    k = nc.lower(dia, tiles=tiles, threads=threads, verify=False)
+    k = nc.lower(dia, tiles=tiles, threads=threads, verify=False, prefetch=prefetch)
     g = torch.Generator(device=DEV).manual_seed(0)
     A = torch.randn(M, M, device=DEV, generator=g).to(TDT[dt])
     Bm = torch.randn(M, M, device=DEV, generator=g).to(TDT[dt])
@@ -202,7 +206,7 @@ def matmul_case(dt, M, tiles, threads, peers=True, check_only=False) -> dict:
     torch.cuda.synchronize()
     rows = torch.randperm(M, device=DEV, generator=g)[:128]
     err = rel(C[rows], torch.matmul(A[rows].double(), Bm.double()))
-    res = {"kind": "matmul", "dtype": dt, "N": M, "tiles": tiles, "rel_err": err, "ok": err < TOL[dt], **info(k)}
+    res = {"kind": "matmul", "dtype": dt, "N": M, "tiles": tiles, "prefetch": prefetch, "rel_err": err, "ok": err < TOL[dt], **info(k)}
     if not check_only:
         ms = cuda_time(run)
         res.update(ms=ms, tflops=2 * M ** 3 / ms / 1e9)
@@ -216,7 +220,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-checks", action="store_true")
-    ap.add_argument("--att", default="", help="semicolon list of 'q,x,threads' attention tile configs")
+    ap.add_argument("--att", default="", help="semicolon list of 'q,x,threads,prefetch' attention configs "
+                                              "(prefetch 0: none, 1: registers, 2: double-buffered)")
+    ap.add_argument("--mm", default="", help="semicolon list of 'a,c,b,threads,prefetch' matmul configs")
+    ap.add_argument("--sizes", default="", help="semicolon list of 'N,d' attention sizes")
+    ap.add_argument("--dtypes", default="f16,bf16")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,25 +253,30 @@ def main(argv=None):
             print("CHECK", json.dumps(r, default=str), flush=True)
             res["checks"].append(r)
             save()
-    cfgs = [tuple(int(v) for v in c.split(",")) for c in args.att.split(";") if c] or [(64, 64, 128)]
-    sizes = [(4096, 64), (4096, 128)] if args.quick else [(4096, 64), (4096, 128), (16384, 64), (16384, 128)]
+    cfgs = [tuple(int(v) for v in c.split(",")) for c in args.att.split(";") if c] or [(64, 64, 128, 2)]
+    sizes = [tuple(int(v) for v in c.split(",")) for c in args.sizes.split(";") if c] or (
+        [(4096, 64), (4096, 128)] if args.quick else [(4096, 64), (4096, 128), (16384, 64), (16384, 128)])
+    dtypes = args.dtypes.split(",")
     for N, D in sizes:
         for causal in (False, True):
-            for dt in (("f16",) if args.quick else ("f16", "bf16")):
-                for (tq, tx, T) in cfgs:
+            for dt in dtypes:
+                for (tq, tx, T, pf) in cfgs:
                     try:
                         r = time_attention(dt, N, D, causal, 32 if N <= 4096 else 16, {"q": tq, "x": tx}, T,
-                                           peers=(tq, tx, T) == cfgs[0])
+                                           peers=(tq, tx, T, pf) == cfgs[0] and dt == dtypes[0],
+                                           prefetch=PREFETCH[pf])
                     except Exception as e:  # noqa: BLE001
                         r = {"kind": "attention", "dtype": dt, "N": N, "d": D, "causal": causal,
                              "tiles": (tq, tx, T), "error": f"{type(e).__name__}: {str(e)[:300]}"}
                     print("ATT", json.dumps(r, default=str), flush=True)
                     res["attention"].append(r)
                     save()
+    mcfgs = [tuple(int(v) for v in c.split(",")) for c in args.mm.split(";") if c] or [(128, 128, 32, 256, 2)]
     for M in ((4096,) if args.quick else (4096, 8192)):
-        for dt in ("f16", "bf16"):
+        for dt, (ta, tc, tb, T, pf) in [(dt, c) for dt in dtypes for c in mcfgs]:
             try:
-                r = matmul_case(dt, M, {"a": 128, "c": 128, "b": 32}, 256)
+                r = matmul_case(dt, M, {"a": ta, "c": tc, "b": tb}, T, prefetch=PREFETCH[pf],
+                                peers=dt == dtypes[0] and (ta, tc, tb, T, pf) == mcfgs[0])
             except Exception as e:  # noqa: BLE001
                 r = {"kind": "matmul", "dtype": dt, "N": M, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             print("MM", json.dumps(r, default=str), flush=True)
@@ -272,7 +285,8 @@ def main(argv=None):
     print("\n| case | ok | err | ms | TFLOP/s | sdpa | sdpa-flash | flex | naive | cublas | regs | HMMA |")
     for r in res["checks"] + res["attention"] + res["matmul"]:
         name = r.get("case") or f"{r.get('kind')} {r.get('dtype')} N={r.get('N')} d={r.get('d', '')}" \
-                                 f"{' causal' if r.get('causal') else ''} {r.get('tiles', '')}"
+                                 f"{' causal' if r.get('causal') else ''} {r.get('tiles', '')} T={r.get('threads', '')} " \
+                                 f"pf={r.get('prefetch', '')}"
         f = lambda k: (f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "")))
         print(f"| {name} | {r.get('ok', '')} | {f('rel_err')} | {f('ms')} | {f('tflops')} | {f('sdpa_ms')} | "
               f"{f('sdpa_flash_ms')} | {f('flex_ms')} | {f('naive_ms')} | {f('cublas_ms')} | {r.get('registers', '')} | "

@@ -1,10 +1,16 @@
 """Build, check and time a few code-generator variants in one GPU call (fp32).
 
-    python kernels/variants.py [--out DIR] [--only attention|matmul]
+    python kernels/variants.py [--out DIR] [--only attention|matmul|flex]
 
 Each variant is (diagram, tiles, prefetch, planner switches); every kernel is checked against a
 float64 reference on random inputs before it is timed, and PyTorch's SDPA / cuBLAS are timed in
 the same run.  Prints a table last and writes variants.json to ``--out`` (``$OUT`` on the device).
+
+``--only flex``: attention variants written as data (issue 11: relative bias, per-head ALiBi,
+sliding window, block-diagonal, document mask, soft-cap; ``FLEX`` below), N = 4096, d = 64,
+B * H = 32, fp32, each against FlexAttention compiled with the block mask it would use, SDPA
+dense as a yardstick.  One definition per variant: the napkin_cat diagram is built from the
+same Python functions FlexAttention receives.
 """
 
 from __future__ import annotations
@@ -121,6 +127,117 @@ def matmul_variant(M, tiles, pf, sw, gen):
     return r
 
 
+# --------------------------------------------------------------------------- variants as data vs FlexAttention
+
+FLEX_N, FLEX_D, FLEX_B, FLEX_H, WINDOW, BLOCK = 4096, 64, 2, 16, 256, 64
+
+
+def _doc_ids(n, gen):
+    """Packed documents of random lengths (at least 64 tokens each), sorted ids."""
+    cuts = torch.sort(torch.randperm(n // 64 - 1, generator=gen, device="cpu")[:12] + 1).values * 64
+    ids = torch.zeros(n, dtype=torch.int64)
+    ids[cuts] = 1
+    return torch.cumsum(ids, 0)
+
+
+def flex_variants(gen):
+    """name -> (napkin_cat keyword arguments from the aux tensors, flex score_mod, flex mask_mod,
+    aux tensors by name, tensor work share); the same functions serve both."""
+    H = FLEX_H
+    slopes = torch.tensor([2.0 ** (-8.0 * (k + 1) / H) for k in range(H)], device=DEV)
+    doc = _doc_ids(FLEX_N, gen).to(DEV)
+    n_ax = nc.Axis("n", FLEX_N)
+    nh = nc.Axis("nh", H)
+    out = {}
+    rel = lambda s, b, h, i, j: s + (i - j) * 0.01
+    out["relative_bias"] = (dict(score_mod=rel), rel, None, {})
+    sl = nc.aux("slope", nh)
+    out["alibi_per_head"] = (dict(score_mod=lambda s, b, h, i, j: s + sl[h] * (j - i), causal=True),
+                             lambda s, b, h, i, j: s + slopes[h] * (j - i),
+                             lambda b, h, i, j: j <= i, {"slope": slopes})
+    win = lambda b, h, i, j: (j <= i) & (i - j <= WINDOW)
+    out["sliding_window"] = (dict(mask=win), None, win, {})
+    blk = lambda b, h, i, j: i // BLOCK == j // BLOCK
+    out["block_diagonal"] = (dict(mask=blk), None, blk, {})
+    dd = nc.aux("doc", n_ax)
+    out["document"] = (dict(mask=lambda b, h, i, j: (dd[i] == dd[j]) & (j <= i)), None,
+                       lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), {"doc": doc.float()})
+    cap = 20.0
+    out["softcap"] = (dict(softcap=cap, causal=True), lambda s, b, h, i, j: torch.tanh(s / cap) * cap,
+                      lambda b, h, i, j: j <= i, {})
+    return out
+
+
+def _flex_reference(Q, K, V, score, mask, rows, heads):
+    """float64 reference on some rows of some heads, from FlexAttention's own functions."""
+    q = Q[:, :heads, rows].double()
+    k, v = K[:, :heads].double(), V[:, :heads].double()
+    S = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(Q.shape[-1])
+    b = torch.arange(Q.shape[0], device=DEV)[:, None, None, None]
+    h = torch.arange(heads, device=DEV)[None, :, None, None]
+    i = rows[None, None, :, None]
+    j = torch.arange(K.shape[-2], device=DEV)[None, None, None, :]
+    if score is not None:
+        S = score(S, b, h, i, j)
+    if mask is not None:
+        S = S.masked_fill(~mask(b, h, i, j), float("-inf"))
+    return torch.matmul(torch.softmax(S, dim=-1), v)
+
+
+def flex_variant(name, spec, gen, tiles=None):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    kw, score, mask, aux_tensors = spec
+    N, D, B, H = FLEX_N, FLEX_D, FLEX_B, FLEX_H
+    q, x, d, h, b = nc.axes("q x d h b")
+    dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, **kw).bind({q: N, x: N, d: D, h: H, b: B})
+    kernel = nc.lower(dia, tiles=tiles or {"q": 128, "x": 64}, threads=256)
+    Q, K, V = (torch.randn(B, H, N, D, device=DEV, generator=gen) for _ in range(3))
+    extra = [aux_tensors[a.name].float().contiguous() for a in dia.dom[3:]]
+    O = torch.full_like(Q, float("nan"))
+    run = kernel.prepare(Q, K, V, *extra, out=O)
+    run()
+    torch.cuda.synchronize()
+    rows = torch.randperm(N, device=DEV, generator=gen)[:128].sort().values
+    ref = _flex_reference(Q, K, V, score, mask, rows, 2)
+    err = rel_err(O[:, :2, rows], ref)
+    assert not torch.isnan(O).any()
+    ms = cuda_time(run)
+    bm = create_block_mask(mask, B=None, H=None, Q_LEN=N, KV_LEN=N, device=DEV) if mask is not None else None
+    flex = torch.compile(flex_attention)
+    fo = flex(Q, K, V, score_mod=score, block_mask=bm)
+    flex_err = rel_err(fo[:, :2, rows], ref)
+    flex_ms = cuda_time(lambda: flex(Q, K, V, score_mod=score, block_mask=bm))
+    dense = 4 * B * H * N * N * D
+    share = float(nc.cost(dia.stream(x, 64).tile(q, 128)).flops["tensor"]) / dense
+    r = {"kind": "flex", "variant": name, "N": N, "d": D, "BH": B * H, "tiles": tiles, "ms": ms,
+         "rel_err": err, "flex_ms": flex_ms, "flex_rel_err": flex_err, "kept_share": share,
+         "sdpa_dense_ms": cuda_time(lambda: torch.nn.functional.scaled_dot_product_attention(Q, K, V)),
+         "smem": kernel.launch.dynamic_smem_bytes, "mappings": kernel.mappings}
+    r.update(kernel.compiled_info())
+    return r
+
+
+def main_flex(out: Path, gen):
+    res = []
+    for name, spec in flex_variants(gen).items():
+        t0 = time.perf_counter()
+        try:
+            r = flex_variant(name, spec, gen)
+        except Exception as e:  # noqa: BLE001
+            r = {"kind": "flex", "variant": name, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+        r["wall_s"] = time.perf_counter() - t0
+        res.append(r)
+        print(json.dumps(r, default=str), flush=True)
+        (out / "variants_flex.json").write_text(json.dumps(res, indent=1, default=str))
+    print("\nvariant            kept    ms   flex_ms  x_flex  sdpa_dense  err")
+    for r in res:
+        if "error" in r:
+            print("ERR", r["variant"], r["error"][:200])
+            continue
+        print(f"{r['variant']:18s} {r['kept_share']:5.3f} {r['ms']:7.3f} {r['flex_ms']:7.3f} "
+              f"{r['flex_ms'] / r['ms']:6.2f} {r['sdpa_dense_ms']:8.3f}  {r['rel_err']:.0e}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -130,6 +247,8 @@ def main(argv=None):
     res = []
     out = Path(args.out)
     print(torch.cuda.get_device_name(0), torch.__version__, flush=True)
+    if args.only == "flex":
+        return main_flex(out, gen)
     jobs = []
     if args.only in ("", "attention"):
         jobs += [("a", (4096, D, causal, 16, t, pf, sw)) for D, causal, t, pf, sw in ATT]

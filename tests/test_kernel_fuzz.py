@@ -142,14 +142,42 @@ def fused_attention_family(draw):
     return "fused " + label, diagram, {"x": "stream", "q": "tile", "d": "size 4", "e": "size 4"}, steps
 
 
+@st.composite
+def tensor_core_family(draw):
+    """fp16 / bf16 attention and matmul relabelled onto whole m16n8k16 fragments (tiles and
+    chunks of 16 or 32, d = 16), ragged sizes: the tensor-core engine (simulated fragments)."""
+    dt = draw(st.sampled_from((nc.f16, nc.bf16)))
+    if draw(st.sampled_from(("attention", "attention", "matmul"))) == "attention":
+        causal = draw(st.booleans())
+        bias = draw(st.sampled_from((None, nc.alibi(0.5))))
+        weave = draw(st.sampled_from(("none", "heads", "gqa")))
+        dv = draw(st.booleans())
+        kw = dict(causal=causal, bias=bias, dv=e if dv else None, dtype=dt)
+        kw.update({"heads": dict(heads=h), "gqa": dict(groups=g, heads=h)}.get(weave, {}))
+        steps = [("stream", "x", draw(st.sampled_from((16, 32)))), ("tile", "q", draw(st.sampled_from((16, 32))))]
+        if draw(st.booleans()):
+            steps.append(("place", "O", "registers"))
+        return (f"{dt.name} attention({weave}, causal={causal}, bias={bias}, dv={dv})",
+                L.attention(q=q, x=x, d=d, **kw), {"x": "stream", "q": "tile", "d": "size 16", "e": "size 32"},
+                tuple(steps))
+    steps = [("stream", "b", draw(st.sampled_from((16, 32)))), ("tile", "a", draw(st.sampled_from((16, 32)))),
+             ("tile", "c", draw(st.sampled_from((8, 16, 24))))]
+    if draw(st.booleans()):
+        steps.append(("place", "C", "registers"))
+    return f"{dt.name} matmul", L.matmul(a=a, b=b, c=c, dtype=dt), {"b": "stream", "a": "tile", "c": "tile"}, \
+        tuple(steps)
+
+
 FAMILIES = {"attention": attention_family, "fused_attention": fused_attention_family, "score_chain": score_chain_family, "matmul": matmul_family,
-            "reduction": reduction_family, "library": library_family}
+            "reduction": reduction_family, "library": library_family, "tensor_core": tensor_core_family}
 
 # mappings each family must reach across its examples (the generator's thread mappings:
 # napkin_cat.lowering.plan Micro / Flat / Coop / Rows and fused scores)
 EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, "fused_attention": {"fused-scores"},
                      "score_chain": {"micro"}, "matmul": {"micro", "flat"}, "reduction": {"flat"},
-                     "library": {"micro"}}
+                     "library": {"micro"},
+                     "tensor_core": {"fragments", "mma-registers", "ldmatrix", "ldmatrix-trans", "cp.async",
+                                     "cp.async-pipeline", "packed-operand"}}
 
 
 # --------------------------------------------------------------------------- one example
@@ -212,6 +240,13 @@ def _features(kernel) -> set[str]:
         out.add("ragged-chunk")
     if "warp-private" in kernel.source:
         out.add("fused-scores")
+    body = kernel.source.split("@cuda.jit(fastmath")[-1]
+    for marker, feat in (("tensor-core fragments", "fragments"), ("weights stay in registers", "mma-registers"),
+                         ("ldsm_x4(", "ldmatrix"), ("_t(smem16", "ldmatrix-trans"), ("cp_async16(", "cp.async"),
+                         ("cp_async_wait1()", "cp.async-pipeline"), ("pack_f16(smem", "packed-operand"),
+                         ("pack_bf16(smem", "packed-operand")):
+        if marker in body or marker in "".join(kernel.mappings.values()):
+            out.add(feat)
     return out
 
 
@@ -224,9 +259,11 @@ def fuzz_one(family: str, data, stats: Counter):
         note(f"relabel refused: {err}")
         assume(False)
     sizes = _sizes(data.draw, base, steps, roles)
-    opts = {"threads": data.draw(st.sampled_from((16, 32) if family == "fused_attention" else THREADS),
-                                 label="threads"),
-            "micro": data.draw(st.sampled_from((None,) if family == "fused_attention" else MICRO), label="micro"),
+    threads = {"fused_attention": (16, 32), "tensor_core": (32, 64)}.get(family, THREADS)
+    opts = {"threads": data.draw(st.sampled_from(threads), label="threads"),
+            "micro": data.draw(st.sampled_from(MICRO if family in ("attention", "score_chain", "matmul",
+                                                                  "reduction", "library") else (None,)),
+                               label="micro"),
             "prefetch": data.draw(st.sampled_from(PREFETCH), label="prefetch")}
     regime = data.draw(st.sampled_from(REGIME_NAMES), label="regime")
     seed = data.draw(st.integers(0, 2 ** 16), label="seed")

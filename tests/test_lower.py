@@ -193,7 +193,9 @@ def test_codegen_rules_cover_every_box_kind_and_accumulator():
 
 def test_codegen_is_keyed_on_box_kinds_not_algorithm_names():
     # the generator, the planner and the schedule; examples may name diagrams
-    for mod in (codegen, kplan, planner, emit, emit_kinds, emit_acc, emit_threads, schedule):
+    from napkin_cat.lowering import emit_loads, emit_mma, io, tensorcore, threads
+    for mod in (codegen, kplan, planner, emit, emit_kinds, emit_acc, emit_threads, schedule, emit_loads, emit_mma,
+                io, tensorcore, threads):
         text = inspect.getsource(mod).lower()
         for word in ("attention", "matmul", "layernorm", "rmsnorm", "flash"):
             assert not re.search(rf"\b{word}\b", text), f"{mod.__name__} mentions {word}"
@@ -229,8 +231,8 @@ def test_what_cannot_lower_says_why():
         nc.lower(builder.diagram(builder.contract(X, W, out=(q, x))).bind(SZ), threads=16)
     with pytest.raises(LoweringError, match="unknown lowering target"):
         nc.lower(L.matmul(a=a, b=b, c=c).bind({a: 2, b: 2, c: 2}), target="triton")
-    with pytest.raises(LoweringError, match="f16"):
-        nc.lower(L.matmul(a=a, b=b, c=c, dtype=nc.f16).bind({a: 2, b: 2, c: 2}))
+    with pytest.raises(LoweringError, match="fp8_e4m3"):
+        nc.lower(L.matmul(a=a, b=b, c=c, dtype=nc.fp8_e4m3).bind({a: 2, b: 2, c: 2}))
 
 
 def test_oversized_tiles_are_refused_with_the_shared_memory_bill():

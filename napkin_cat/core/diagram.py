@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 from . import errors, registry
 from .errors import RelabelError, TypingError
+from .hierarchy import DEVICES
 from .types import (DTYPES, Array, Axis, DType, Relabel, Size, Ty, _as_ty, _int_size, axes, bf16, f16,  # noqa: F401
                     f32, f64, fp8_e4m3, fp8_e5m2, i8)
 
@@ -499,6 +500,8 @@ def check_size_keys(d: "Diagram", sizes, what: str) -> None:
 
 def _bind_relabel(r: Relabel, sizes: dict) -> Relabel:
     size = r.size
+    if size == DEVICES:   # a split over the devices: the count is bound where the devices run
+        return r
     if isinstance(size, str) and size in sizes:
         size = _int_size(size, sizes[size])
     return replace(r, size=size)

@@ -38,6 +38,10 @@ Sources (cited per field below):
 [NAPKIN]   FlashAttention on a Napkin (Abbott & Zardini, arXiv 2412.03317) App. B.1 / section
            5.7 as transcribed in ../shared/NAPKIN.md: H100 tensor clock 1.83 GHz, SFU 16/clk/SM,
            the "SMEM" level (L2 -> SMEM) at 6.0e12 FP16 values/s = 12 TB/s.
+[NVL]      NVIDIA H100 / H200 datasheets (as DS-H100, DS-H200): "NVLink: 900GB/s" per GPU, the
+           sum of both directions over its 18 fourth-generation links, so 450 GB/s each way.
+[ASSUMED]  Not a vendor figure: the link latency (a few microseconds, the order of an NCCL
+           point-to-point message on one NVLink host); ``kernels/bench_multi_gpu.py`` measures it.
 [LUO24]    Luo et al., "Benchmarking and Dissecting the Nvidia Hopper GPU Architecture",
            arXiv 2402.13499: distributed shared memory (cluster) throughput measured on H800
            (an H100 SM): cluster of 2 -> 3.27 TB/s, of 4 -> 2.65 TB/s, GMEM <-> SMEM 2.04 TB/s.
@@ -49,6 +53,8 @@ Sources (cited per field below):
 (232448, 49152)
 >>> H200.bandwidth("HBM") / H100.bandwidth("HBM") > 1.4
 True
+>>> H200.bandwidth("NVLink") / 1e9, H200.link_latency   # one way, per GPU
+(450.0, 5e-06)
 >>> H100.compute_capability, H100.max_threads_per_sm, H100.registers_per_block // 4
 ((9, 0), 2048, 65536)
 
@@ -110,6 +116,8 @@ class Hardware:
     reserved_smem_per_block: int        # bytes of shared memory the system keeps per block
     registers_per_block: int            # bytes (64K x 32-bit)
     cluster_bandwidth: Mapping[int, float] = field(default_factory=lambda: _ro({}))  # N -> bytes/s
+    link_bandwidth: float | None = None   # bytes/s one way from one GPU to a peer (None: no link modelled)
+    link_latency: float | None = None     # seconds per message over the link
     sources: tuple[str, ...] = ()
 
     # ---- rates (per second, whole device)
@@ -160,7 +168,8 @@ class Hardware:
     def bandwidth(self, level: str) -> float | None:
         """Bytes/s out of ``level`` into the level below (None where not modelled)."""
         bws = {"HBM": self.hbm_bandwidth, "L2": self.l2_bandwidth,
-               "SMEM": self.sms * self.smem_bytes_per_clk_per_sm * self.clock_hz}
+               "SMEM": self.sms * self.smem_bytes_per_clk_per_sm * self.clock_hz,
+               "NVLink": self.link_bandwidth}
         return bws.get(level)
 
     def into(self, level: str, parent: str) -> float | None:
@@ -200,7 +209,9 @@ H100_SXM5 = Hardware(
     reserved_smem_per_block=1 * KB,            # CUDA-PG cc 9.0
     registers_per_block=256 * KB,              # CUDA-PG: 64K x 32-bit
     cluster_bandwidth=_ro({1: 2.04e12, 2: 3.27e12, 4: 2.65e12}),   # LUO24 (measured, H800)
-    sources=_SOURCES_H100,
+    link_bandwidth=450e9,                      # NVL: 900 GB/s both ways -> 450 GB/s one way
+    link_latency=5e-6,                         # ASSUMED
+    sources=_SOURCES_H100 + ("NVL", "ASSUMED"),
 )
 H100 = H100_SXM5
 
@@ -216,7 +227,8 @@ H200 = Hardware(
     sfu_per_clk=16, compute_capability=(9, 0), warp_size=32, max_threads_per_block=1024,
     max_blocks_per_sm=32, reserved_smem_per_block=1 * KB, registers_per_block=256 * KB,
     cluster_bandwidth=H100_SXM5.cluster_bandwidth,
-    sources=("DS-H200", "WP-H100", "CUDA-PG", "NAPKIN", "LUO24"),
+    link_bandwidth=450e9, link_latency=5e-6,                    # NVL (NVLink 4, as H100), ASSUMED
+    sources=("DS-H200", "WP-H100", "CUDA-PG", "NAPKIN", "LUO24", "NVL", "ASSUMED"),
 )
 
 A100_SXM4 = Hardware(

@@ -11,6 +11,15 @@ thread-block cluster (a cross-transfer level) and tensor-core fragment levels.
 ('HBM', 'L2', 'cluster', 'SMEM', 'registers')
 >>> DEFAULT.below("SMEM")
 'registers'
+
+Beyond one GPU, the devices form a level of their own: ``tile(q, DEVICES)`` / ``stream(x,
+DEVICES)`` split an axis into one block per device, each block living in one GPU's ``HBM``.
+The count of devices is the size symbol ``devices``; a block moving between GPUs crosses the
+link (:data:`LINK`, the level above ``HBM`` in :data:`DEVICE_HIERARCHY`), which the cost model
+reports as ``transfers["NVLink"]``.
+
+>>> DEVICE_HIERARCHY.names
+('NVLink', 'HBM', 'SMEM', 'registers')
 """
 
 from __future__ import annotations
@@ -78,4 +87,12 @@ def hierarchy(l2: bool = False, cluster: bool = False, tensor: bool = False) -> 
 
 
 DEFAULT = hierarchy()
+
+DEVICES = "devices"
+"""The reserved block size of a device split: ``tile(q, DEVICES)`` gives each device ``q/devices``
+rows; ``devices`` is also the size symbol of the number of devices (``sizes={"devices": 2}``)."""
+LINK = "NVLink"
+"""The level of data reachable over the GPU-to-GPU link: a block moving between devices."""
+DEVICE_HIERARCHY = Hierarchy((Level(LINK, "link", "GPUs joined by a link (NVLink, or the network)"),
+                              *DEFAULT.levels))
 FULL = hierarchy(l2=True, cluster=True, tensor=True)

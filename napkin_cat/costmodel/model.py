@@ -50,6 +50,7 @@ from ..core.diagram import Diagram, DType, f32
 from ..core.errors import CostError
 from ..core.hierarchy import Hierarchy
 from ..relabel.loopnest import Compute, Init, Load, Loop, Store, Update, param_vars
+from .links import link_moves
 from .records import ZERO, Move, Op, Resident, frozen
 from .report import Cost
 from .rules import UNITS, box_work
@@ -184,6 +185,7 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
             name, dt, stat = ident(b.key)
             rows.append(Resident(b.level, b.size, name, dt, stat, b.key[0] == "state"))
         columns.append(tuple(rows))
+    moves.extend(link_moves(ff))
     transfers: dict[str, sp.Expr] = {}
     for m in moves:
         transfers[m.upper] = transfers.get(m.upper, ZERO) + m.values

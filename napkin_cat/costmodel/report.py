@@ -25,6 +25,7 @@ from .records import (ZERO, ClosedForm, Move, MultiLevel, Occupancy, Op, Optimum
                       check_dtypes, check_hw, check_level, dominant, dtype_key, dtype_name, frozen,
                       leading, number, positive_int, powers, product, resolve_dtype, sparse,
                       uniform_bytes)
+from .links import device_loops, device_time
 from .rules import UNITS
 from .search import search
 from .usable import THREADS
@@ -312,6 +313,9 @@ class Cost:
         time among powers of two, divisors of the axis and the transfer optimum of
         :meth:`optimize`, subject to the capacity of ``level``."""
         check_hw(hw, "time")
+        if device_loops(self.form):
+            raise CostError(f"time: {self.diagram.short()} is split over the devices and this roofline is "
+                            f"one GPU's; use cost.devices(hw, sizes) for the per-device timing with the link")
         check_level(level, "time")
         check_dtypes(dtype, "time")
         subs = self._subs(sizes)
@@ -363,6 +367,11 @@ class Cost:
                 best = (t, combo)
         tiles = {**given, **{s.name: int(v) for s, v in zip(free, best[1])}}
         return self._roofline(hw, subs, tiles, dtype)
+
+    def devices(self, hw, sizes: Mapping, dtype=None):
+        """Per-device timing of a split over the devices, link transfers overlapped with the
+        compute (:func:`.links.device_time`)."""
+        return device_time(self, hw, sizes, dtype)
 
     def _roofline(self, hw, subs, tiles, dtype) -> Timing:
         allsubs = {**subs, **{size_symbol(k): sp.Integer(v) for k, v in tiles.items()}}

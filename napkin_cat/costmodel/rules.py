@@ -113,12 +113,26 @@ def rule_normalize(box, vol, phase):
             + (Work("fma", x, "divide", box.cod),))
 
 
+def _expr_work(fn, v, what: str, cod) -> tuple:
+    """An index expression's operations per element, by unit (counted from its tree)."""
+    return tuple(Work(unit, k * v, f"{what} ({k} {unit} per element)", cod)
+                 for unit, k in sorted(fn.expr.work().items()))
+
+
 def rule_mask(box, vol, phase):
-    return (Work("fma", vol(box.cod[0].axis_names), "mask", box.cod),)
+    v = vol(box.cod[0].axis_names)
+    pred = box.param("pred")
+    if pred.kind == "expr":
+        return _expr_work(pred, v, "mask condition", box.cod) + (Work("fma", v, "select", box.cod),)
+    return (Work("fma", v, "mask", box.cod),)
 
 
 def rule_index_bias(box, vol, phase):
-    return (Work("fma", 2 * vol(box.cod[0].axis_names), "bias and add", box.cod),)
+    v = vol(box.cod[0].axis_names)
+    bias = box.param("bias")
+    if bias.kind == "expr":
+        return _expr_work(bias, v, "bias", box.cod) + (Work("fma", v, "add", box.cod),)
+    return (Work("fma", 2 * v, "bias and add", box.cod),)
 
 
 def rule_free(box, vol, phase):

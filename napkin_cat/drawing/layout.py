@@ -160,6 +160,9 @@ def axis_links(box) -> dict[str, tuple[str, ...]]:
         return {box.param("new"): (box.param("axis"),)}
     if op == "diagonal":
         return {box.param("keep"): (box.param("keep"), box.param("drop"))}
+    if op in ("rename", "unfold"):
+        made = (box.param("new"), box.param("window", None))
+        return {n: (box.param("axis"),) for n in made if n is not None}
     return {}
 
 

@@ -12,21 +12,21 @@ double-buffered chunk in use.
 from __future__ import annotations
 
 import keyword
-import math
 from dataclasses import dataclass, replace
 
 from ..core.errors import LoweringError
 from ..relabel.loopnest import Compute, Finalise, Init, Load, Loop, Store, Update
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES
+from .emit_loads import Loads
 from .emit_threads import GROUP_HELPERS, Phases
 from .plan import Buffer, KernelPlan, Target
-from .tensorcore import DTYPES
-from .source import Code, CodeAlgebra, Constants, Names, Source, paren as _paren, render_code
+from .source import Constants, Names, Source, paren as _paren
+from .tensorcore import DTYPES, PRIMITIVES
 
 RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lane", "e", "i", "j",
             "u", "k", "ty", "tx", "acc", "val", "SIMULATOR", "SMEM_ALIGN", "WARP_SHUFFLE",
-            "FULL_MASK", "simulator_active", "red_s"}
+            "FULL_MASK", "simulator_active", "red_s", "smem16", "int16", "ZERO16"} | set(PRIMITIVES)
 
 
 def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict]:
@@ -57,7 +57,7 @@ class AxisView:
         return self.role in ("grid", "stream") and self.size % self.cap != 0
 
 
-class Emitter(Phases):
+class Emitter(Loads, Phases):
     """The renderer of one plan (see the module docstring)."""
 
     def __init__(self, plan: KernelPlan, notes: tuple[str, ...] = ()):
@@ -126,12 +126,28 @@ class Emitter(Phases):
         return expr
 
     def sread(self, key, env) -> str:
+        """Buffer ``key`` at ``env`` as an fp32 value (16-bit patterns converted)."""
+        b = self.bufs[key]
+        if b.bits == 16:
+            return f"{DTYPES[self.plan.dtype].to_f32}({self.swrite(key, env)})"
+        return self.swrite(key, env)
+
+    def swrite(self, key, env) -> str:
+        """Buffer ``key`` at ``env`` as a place to store (a 16-bit buffer holds bit patterns)."""
         b = self.bufs[key]
         idx = self.sidx(b, env)
-        cur = self.cur.get(key)
-        if cur:
-            return f"smem[{cur} + {idx}]"
-        return f"smem[{b.name} + {idx}]" if b.offset else f"smem[{idx}]"
+        return f"smem16[{self.s16base(key)} + {idx}]" if b.bits == 16 else \
+            f"smem[{self.sbase(key)} + {idx}]" if self.sbase(key) else f"smem[{idx}]"
+
+    def sbase(self, key) -> str | None:
+        """The word offset of buffer ``key`` (the copy in use of a double-buffered one)."""
+        b = self.bufs[key]
+        return self.cur.get(key) or (b.name if b.offset else None)
+
+    def s16base(self, key) -> str:
+        """The 16-bit element offset of buffer ``key`` (twice its word offset)."""
+        base = self.sbase(key)
+        return self.consts.u(0, "U0") if base is None else f"{base} * {self.consts.u(2, 'U2')}"
 
     def garg(self, v: int) -> str:
         return self.arg_names[v]
@@ -264,13 +280,19 @@ class Emitter(Phases):
         dt = DTYPES.get(self.plan.dtype)
         if dt is None:
             return []
-        names = (dt.mma, dt.pack, dt.to_f32, dt.from_f32)
-        return [f"from napkin_cat.lowering.tensorcore import {', '.join(names)}  # noqa: F401", ""]
+        names = (dt.mma, dt.pack, dt.to_f32, dt.from_f32, "ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t",
+                 "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")
+        return ["from numba import int16", "",
+                f"from napkin_cat.lowering.tensorcore import {', '.join(names)}  # noqa: F401", "",
+                "ZERO16 = int16(0)", ""]
 
     def _emit_prologue(self, src: Source):
         src("tid = uint32(cuda.threadIdx.x)")
         if self.bufs:
             src("smem = cuda.shared.array(0, dtype=float32, alignment=SMEM_ALIGN)")
+            if any(b.bits == 16 for b in self.bufs.values()):
+                src("smem16 = cuda.shared.array(0, dtype=int16, alignment=SMEM_ALIGN)  # the same memory, "
+                    "16-bit elements")
             for b in self.bufs.values():   # views are offsets: NVVM then sees aligned addresses
                 if b.offset:
                     self.consts.reserved(b.name, b.offset, comment=f"shared offset of {b.what}"
@@ -331,180 +353,6 @@ class Emitter(Phases):
             else:  # pragma: no cover
                 raise LoweringError(f"internal: unknown loop-nest node {n!r}")
 
-    # ---- stream loops
-    def _emit_stream_loop(self, lp: Loop, src: Source):
-        if self.plan.prefetch == "double" and any(isinstance(n, Load) for n in lp.body):
-            return self._emit_double_buffered_loop(lp, src)
-        a = self.ax[lp.axis]
-        lo, hi = self._stream_bounds(lp, src)
-        loads = [n for n in lp.body if isinstance(n, Load)] if self.plan.prefetch else []
-        if loads:
-            src.comment(f"stream {a.name} in chunks of {a.cap}; each chunk's inputs are fetched into "
-                        f"registers one chunk ahead, so the global loads overlap the compute")
-            regs = {n.var: self.names.fresh(f"{self.types[n.var].name}_next") for n in loads}
-            for n in loads:
-                src(f"{regs[n.var]} = cuda.local.array({self.plan.load_plan(n.var)[1]}, float32)")
-            # a mask may start the loop past the axis (lo >= hi): then there is nothing to fetch
-            with src.maybe(None if lo == self.consts.u(0, "U0") else f"{lo} < {hi}"):
-                self._emit_fetch(loads, regs, lo, src, lp.axis)
-        else:
-            src.comment(f"stream {a.name} in chunks of {a.cap}")
-        with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
-            if a.ragged:
-                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
-            if loads:
-                for n in loads:
-                    self._emit_load(n.var, src, regs[n.var])
-                self.sync(src)
-                nxt = self.names.fresh(f"{a.name}_next")
-                src(f"{nxt} = {a.start} + {a.cap_c}")
-                with src.block(f"if {nxt} < {hi}:"):
-                    self._emit_fetch(loads, regs, nxt, src, lp.axis)
-            body = [n for n in lp.body if not (loads and isinstance(n, Load))]
-            self._emit_nodes(body, src)
-            self.pending_sync = True
-            self.sync(src)
-
-    def _emit_double_buffered_loop(self, lp: Loop, src: Source):
-        k = self.consts
-        a = self.ax[lp.axis]
-        lo, hi = self._stream_bounds(lp, src)
-        loads = [n for n in lp.body if isinstance(n, Load)]
-        bufs = [self.bufs[("var", n.var)] for n in loads]
-        src.comment(f"stream {a.name} in chunks of {a.cap}, double-buffered: chunk c + 1 is fetched into "
-                    f"registers while chunk c is computed from one shared buffer, then stored into the "
-                    f"other; one barrier per chunk")
-        regs = {n.var: self.names.fresh(f"{self.types[n.var].name}_next") for n in loads}
-        for n in loads:
-            src(f"{regs[n.var]} = cuda.local.array({self.plan.load_plan(n.var)[1]}, float32)")
-        with src.block(f"if {lo} < {hi}:"):
-            self._emit_fetch(loads, regs, lo, src, lp.axis)
-            for n, b in zip(loads, bufs):
-                self.cur[b.key] = b.name if b.offset else k.u(0, "U0")
-                self._emit_load(n.var, src, regs[n.var])
-        self.pending_sync = True
-        self.sync(src)
-        par = self.names.fresh(f"buf_{a.name}")
-        src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
-        with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
-            if a.ragged:
-                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
-            stride = {}
-            for b in bufs:
-                stride[b.name] = k.u(b.stride, f"STRIDE_{b.name}", comment=f"floats per copy of {b.name}")
-                self.cur[b.key] = self.names.fresh(f"{b.name}_cur")
-                base = b.name if b.offset else k.u(0, "U0")
-                src(f"{self.cur[b.key]} = {base} + {par} * {stride[b.name]}")
-            nxt = self.names.fresh(f"{a.name}_next")
-            src(f"{nxt} = {a.start} + {a.cap_c}")
-            with src.block(f"if {nxt} < {hi}:"):
-                self._emit_fetch(loads, regs, nxt, src, lp.axis)
-            body = [n for n in lp.body if not isinstance(n, Load)]
-            self._emit_nodes(body, src)
-            with src.block(f"if {nxt} < {hi}:"):
-                cur = [self.cur[b.key] for b in bufs]
-                for n, b in zip(loads, bufs):
-                    base = b.name if b.offset else k.u(0, "U0")
-                    self.cur[b.key] = self.names.fresh(f"{b.name}_other")
-                    src(f"{self.cur[b.key]} = {base} + ({k.u(1, 'U1')} - {par}) * {stride[b.name]}")
-                    self._emit_load(n.var, src, regs[n.var])
-                for b, c in zip(bufs, cur):
-                    self.cur[b.key] = c
-            self.pending_sync = True
-            self.sync(src)
-            src(f"{par} = {k.u(1, 'U1')} - {par}")
-        for b in bufs:
-            del self.cur[b.key]
-
-    def _emit_fetch(self, loads, regs, start: str, src: Source, axis: str):
-        """Global -> registers for the chunk starting at ``start`` (a prefetch)."""
-        k = self.consts
-        for n in loads:
-            arr = self.types[n.var]
-            names, _ = self.plan.caps(arr.axis_names)
-            order = self._load_order(n.var)
-            total, per = self.plan.load_plan(n.var)
-            ax = saved = self.ax[axis]
-            ax = self.ax[axis] = replace(ax, start=start)   # the chunk being fetched
-            if ax.ragged:
-                cnt = self.names.fresh(f"len_{ax.name}")
-                src(f"{cnt} = min({ax.cap_c}, {ax.size_c} - {start})")
-                self.ax[axis] = replace(ax, count=cnt)
-            with src.block(f"for u in range({k.u(per)}):"):
-                src("e = tid + u * NTHREADS")
-                with src.maybe(f"e < {k.u(total)}" if total % self.T else None):
-                    env = {}
-                    self._decode(src, "e", order, env)
-                    g = self.gread(n.var, env)
-                    cond = self.valid(names, env)
-                    src(f"{regs[n.var]}[u] = {g} if {cond} else {k.f(0.0, 'ZERO')}" if cond
-                        else f"{regs[n.var]}[u] = {g}")
-            self.ax[axis] = saved
-
-    def _stream_bounds(self, lp: Loop, src: Source) -> tuple[str, str]:
-        """Chunks every score of which a mask sends to -inf contribute nothing to an online
-        softmax (or max / logsumexp): skip them.  The bounds are the supports of the masks
-        (:func:`napkin_cat.relabel.skipping.chunk_skips`) over the rows of the block's tile."""
-        k = self.consts
-        lo, hi = k.u(0, "U0"), self.ax[lp.axis].size_c
-        a = self.ax[lp.axis]
-        for s in self.plan.skips[lp.axis]:
-            r = self.ax[s.row]
-            first, end = s.pred.support(Code(r.start), Code(f"{r.start} + {r.count}"), CodeAlgebra)
-            later, earlier = s.pred.rule.skip_notes
-            end = render_code(end, k.u)
-            name = self.names.fresh(f"{a.name}_end")
-            src(f"{name} = min({hi}, {end})  # {later}")
-            hi = name
-            if first != 0:
-                first = render_code(first, k.u)
-                start = self.names.fresh(f"{a.name}_begin")
-                src(f"{start} = {_paren(first)} // {a.cap_c} * {a.cap_c}  # {earlier}")
-                lo = start
-        return lo, hi
-
-    # ---- loads and stores
-    def _emit_load(self, v: int, src: Source, from_regs: str | None = None):
-        arr = self.types[v]
-        b = self.bufs[("var", v)]
-        k = self.consts
-        names, caps = self.plan.caps(arr.axis_names)
-        order = self._load_order(v)
-        n = max(1, math.prod(caps))
-        env = {}
-        if from_regs:
-            src.comment(f"chunk of {arr}: registers -> shared {b.name} [{' '.join(b.axes)}]")
-            with src.block(f"for u in range({k.u(-(-n // self.T))}):"):
-                src("e = tid + u * NTHREADS")
-                with src.maybe(f"e < {k.u(n)}" if n % self.T else None):
-                    self._decode(src, "e", order, env)
-                    src(f"{self.sread(b.key, env)} = {from_regs}[u]")
-            self.pending_sync = True
-            return
-        src.comment(f"load {arr} -> shared {b.name} [{' '.join(b.axes)}]  (a fixed trip count: "
-                    f"the loop unrolls and every load is in flight before the first store)")
-        with src.block(f"for u in range({k.u(-(-n // self.T))}):"):
-            src("e = tid + u * NTHREADS")
-            with src.maybe(f"e < {k.u(n)}" if n % self.T else None):
-                self._decode(src, "e", order, env)
-                g = self.gread(v, env)
-                cond = self.valid(names, env)
-                if cond:
-                    src(f"{self.sread(b.key, env)} = {g} if {cond} else {k.f(0.0, 'ZERO')}")
-                else:
-                    src(f"{self.sread(b.key, env)} = {g}")
-        self.pending_sync = True
-
-    def _load_order(self, v: int) -> tuple[str, ...]:
-        """Axes in the order consecutive threads walk an input's elements: global order
-        (coalesced reads) unless the buffer is transposed and unpadded, then shared order
-        (conflict-free stores; such a buffer is loaded once, outside the stream loops)."""
-        names, _ = self.plan.caps(self.types[v].axis_names)
-        b = self.bufs[("var", v)]
-        if b.axes and names and b.axes[-1] != names[-1] and not b.pad:
-            return b.axes
-        return names
-
     def _emit_input_store(self, v: int, src: Source):
         pos = self.dd.outs.index(v)
         arr = self.types[v]
@@ -517,12 +365,13 @@ class Emitter(Phases):
                 src(f"{self.arg_names[('out', pos)]}[{self.gindex(arr, env)}] = "
                     f"{self.gvalue(self.dd.cod[pos], self.sread(('var', v), env))}")
 
-    def _decode(self, src, var, axes, env):
+    def _decode(self, src, var, axes, env, caps=None):
         rest = var
         for pos, a in enumerate(reversed(axes)):
-            idx = self.names.fresh(self.ax[a].index) if a in env else self.ax[a].index
+            stem = self.ax[a].index if a in self.ax else f"i{a}"
+            idx = self.names.fresh(stem) if a in env or a not in self.ax else stem
             last = pos == len(axes) - 1
-            cap = self.ax[a].cap_c
+            cap = (caps or {}).get(a) or self.ax[a].cap_c
             src(f"{idx} = {rest}" if last else f"{idx} = {rest} % {cap}")
             env[a] = idx
             if not last:

@@ -32,6 +32,9 @@ class KindRule:
     expr: Callable | None = None
     contraction: bool = False
     norm: Callable | None = None
+    # how many leading inputs are values at the element; the others reach ``expr`` as variable
+    # ids (auxiliary tensors an index expression gathers from: :func:`index_code`)
+    pointwise: Callable | None = None
 
 
 def fn_expr(consts, fn: str, args: list[str], c: str | None = None) -> str:
@@ -60,7 +63,42 @@ def _expr_map(em, box, args, env):
     return fn_expr(em.consts, fn, [f"({x})" if compound(x) else x for x in args], c)
 
 
+def index_code(em, box, fn, args, env) -> str:
+    """An index expression (:mod:`napkin_cat.ops.index_expr`) as numba.cuda code, from its tree:
+    axis indices as signed ints (``int(q0 + i_q)``: differences may be negative), sizes as
+    literals, gathers as reads of the auxiliary tensors' shared buffers (a whole tensor per
+    block: its axes are neither tiled nor streamed, so a local index is the global one) at
+    indices clamped into the tensor, the score as ``args[0]``."""
+    aux_vars = dict(zip((a.name for a in fn.auxes), args[1:]))
+
+    def leaf(n):
+        if n.op == "idx":
+            if n.value == "score":
+                return args[0]
+            g = em.gidx(n.value, env)
+            return f"int{g}" if g.startswith("(") and g.endswith(")") else f"int({g})"
+        if n.op == "size":
+            return str(em.sizes[n.value])
+        # a gather: indices clamped into the tensor, as the NumPy meaning reads it (the padding
+        # rows and columns of a ragged tile read a valid entry; their scores are discarded)
+        v = aux_vars[n.value.name]
+        axes_ = em.types[v].axis_names
+        idx = {a: f"min(max({k.to_code(leaf, fconst, fn_code)}, 0), {em.sizes[a] - 1})"
+               for a, k in zip(axes_, n.args)}
+        return em.sread(("var", v), idx)
+
+    fconst = lambda value: em.consts.f(value, comment=f"{box.name} constant")
+    fn_code = lambda name, x: fn_expr(em.consts, name, [f"({x})" if compound(x) else x])
+    return fn.expr.to_code(leaf, fconst, fn_code)
+
+
+def _pointwise(box) -> int:
+    return 1
+
+
 def _check_mask(box):
+    if box.param("pred").kind == "expr":
+        return None
     if box.param("pred").rule.cuda is None:
         return (f"{box.name}: a custom predicate is a Python function on index arrays; only "
                 f"causal(offset) and window(left, right) lower to numba.cuda")
@@ -68,6 +106,10 @@ def _check_mask(box):
 
 
 def _expr_mask(em, box, args, env):
+    pred = box.param("pred")
+    if pred.kind == "expr":
+        cond = index_code(em, box, pred, args, env)
+        return f"{args[0]} if {cond} else {em.consts.f(-math.inf, 'NEG_INF')}"
     i = em.gidx(box.param("row"), env)
     j = em.gidx(box.param("col"), env)
     conds = box.param("pred").cuda(i, j, em.consts.u)
@@ -77,12 +119,18 @@ def _expr_mask(em, box, args, env):
 
 
 def _check_index_bias(box):
+    if box.param("bias").kind == "expr":
+        return None
     if box.param("bias").rule.cuda is None:
         return f"{box.name}: a custom index bias is a Python function; only alibi(slope) lowers"
     return None
 
 
 def _expr_index_bias(em, box, args, env):
+    bias = box.param("bias")
+    if bias.kind == "expr":
+        code = index_code(em, box, bias, args, env)
+        return f"{args[0]} + {code if bias.expr.dtype == 'float' else f'float32({code})'}"
     i = em.gidx(box.param("row"), env)
     j = em.gidx(box.param("col"), env)
     bias = box.param("bias").cuda(i, j, lambda value, name: em.consts.f(
@@ -126,8 +174,8 @@ CODEGEN_RULES: dict[str, KindRule] = {
     "softmax": KindRule("normaliser", norm=lambda box: (*NORMALISATIONS["softmax"], 0.0)),
     "normalize": KindRule("normaliser", norm=lambda box: (box.param("a1"), box.param("a2"), box.param("b"),
                                                           box.param("eps"))),
-    "mask": KindRule("elementwise", _check_mask, _expr_mask),
-    "index_bias": KindRule("elementwise", _check_index_bias, _expr_index_bias),
+    "mask": KindRule("elementwise", _check_mask, _expr_mask, pointwise=_pointwise),
+    "index_bias": KindRule("elementwise", _check_index_bias, _expr_index_bias, pointwise=_pointwise),
     "reindex": KindRule("elementwise", _check_reindex, _expr_identity),
     "param": KindRule("unsupported", lambda box: (
         f"parameter {box.param('pname')!r} is a value bound at evaluation time; pass it to the "

@@ -113,11 +113,19 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
         c1 = str(int(c0) + 1) if c0.isdigit() else f"{c0} + 1"
         return f"{dt.pack}({o.frag}[{i}, {c0}], {o.frag}[{i}, {c1}])"
 
+    ldsm = LdMatrix(em, m, kax, src) if A.buffer is not None or B.buffer is not None else None
+
     def step(ks: str, literal: bool):
         kb = em.names.fresh("kb")
         src(f"{kb} = {kb0} + {k.u(16 * int(ks))}" if literal else f"{kb} = {kb0} + {ks} * {k.u(16)}")
+        k16 = k.u(16 * int(ks)) if literal else f"{ks} * {k.u(16)}"
         a = {}
         for mt in range(m.MT):
+            if A.buffer is not None:
+                names = [em.names.fresh(f"a{mt}{reg}") for reg in range(4)]
+                src(f"{', '.join(names)} = {ldsm.a_tile(A.buffer, mt, k16)}")
+                a.update({(mt, reg): nm for reg, nm in enumerate(names)})
+                continue
             for reg, (h, kh) in enumerate(((0, 0), (1, 0), (0, 8), (1, 8))):
                 name = em.names.fresh(f"a{mt}{reg}")
                 if A.frag is not None:
@@ -130,7 +138,10 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
         for nt in range(m.NT):
             col = f"{bbase} + {k.u(8 * nt)}" if nt else bbase
             b = []
-            for kh in (0, 8):
+            if B.buffer is not None:
+                b = [em.names.fresh(f"b{nt}{h}") for h in range(2)]
+                src(f"{', '.join(b)} = {ldsm.b_tile(B.buffer, nt, k16)}")
+            for kh in ((0, 8) if B.buffer is None else ()):
                 name = em.names.fresh(f"b{nt}{kh // 8}")
                 kexpr = f"{kb} + {k.u(kh)}" if kh else kb
                 src(f"{name} = {pair(B, m.col, col, kexpr)}")
@@ -149,3 +160,49 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
         ks = em.names.fresh("ks")
         with src.block(f"for {ks} in range({k.u(steps)}):"):
             step(ks, False)
+
+
+class LdMatrix:
+    """``ldmatrix`` addresses of a warp's fragments in a 16-bit buffer, either orientation: the
+    reduced axis last (rows of the 8x8 matrices are rows of the operand) or the operand's own
+    axis last (``.trans``).  Lane ``l`` gives one row address: for an A tile (16x16, x4) rows
+    ``l % 16`` and columns ``8 * (l // 16)``; for a B tile (16x8, x2) the 16 rows ``l % 16``."""
+
+    def __init__(self, em, m: Frag, kax: str, src: Source):
+        self.em, self.m, self.kax = em, m, kax
+        k = em.consts
+        self.lane = em.names.fresh("lm")
+        src(f"{self.lane} = tid % {k.u(32)}  # the row address this lane gives ldmatrix")
+        self.wrow = f"ty // {k.u(8)} * {k.u(16 * m.MT)}" if m.Wm > 1 else None
+        self.wcol = f"tx // {k.u(4)} * {k.u(8 * m.NT)}" if m.Wn > 1 else None
+
+    def _at(self, key, env) -> str:
+        em = self.em
+        return f"{em.s16base(key)} + {em.sidx(em.bufs[key], env)}"
+
+    @staticmethod
+    def _plus(*terms) -> str:
+        return " + ".join(t for t in terms if t)
+
+    def a_tile(self, key, mt: int, k16: str) -> str:
+        em, m, k, lane = self.em, self.m, self.em.consts, self.lane
+        b = em.bufs[key]
+        r0 = self._plus(self.wrow, k.u(16 * mt) if mt else None)
+        if b.axes[-1] == self.kax:
+            env = {m.row: self._plus(r0, f"{lane} % {k.u(16)}"),
+                   self.kax: self._plus(k16, f"{lane} // {k.u(16)} * {k.u(8)}")}
+            return f"ldsm_x4(smem16, {self._at(key, env)})"
+        env = {self.kax: self._plus(k16, f"{lane} % {k.u(8)}", f"{lane} // {k.u(16)} * {k.u(8)}"),
+               m.row: self._plus(r0, f"{lane} // {k.u(8)} % {k.u(2)} * {k.u(8)}")}
+        return f"ldsm_x4_t(smem16, {self._at(key, env)})"
+
+    def b_tile(self, key, nt: int, k16: str) -> str:
+        em, m, k, lane = self.em, self.m, self.em.consts, self.lane
+        b = em.bufs[key]
+        c0 = self._plus(self.wcol, k.u(8 * nt) if nt else None)
+        if b.axes[-1] == self.kax:
+            env = {m.col: self._plus(c0, f"{lane} % {k.u(8)}"),
+                   self.kax: self._plus(k16, f"{lane} // {k.u(8)} % {k.u(2)} * {k.u(8)}")}
+            return f"ldsm_x2(smem16, {self._at(key, env)})"
+        env = {self.kax: self._plus(k16, f"{lane} % {k.u(16)}"), m.col: c0 or k.u(0, "U0")}
+        return f"ldsm_x2_t(smem16, {self._at(key, env)})"

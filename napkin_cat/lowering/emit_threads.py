@@ -40,6 +40,7 @@ class Operand:
     read: Callable  # (env, memo, src) -> expression
     padded: bool = False      # reads as zero past a ragged extent (a zero-filled input chunk)
     frag: str | None = None   # a local array holding it in the C-fragment layout of the rows (mma)
+    buffer: tuple | None = None   # the 16-bit shared buffer it is read from as is (mma: ldmatrix)
 
 
 _GROUP_HELPER = '''
@@ -178,9 +179,11 @@ class Phases:
     def contraction_operands(self, ins) -> list[Operand]:
         ops = []
         for v in ins:
+            load = self.plan.storage(v) == "load"
+            raw = load and self.bufs[("var", v)].bits == 16
             ops.append(Operand(self.plan.axes_set(v),
                                (lambda v: lambda env, memo, src: self.value(v, env, src, memo))(v),
-                               padded=self.plan.storage(v) == "load"))
+                               padded=load, buffer=("var", v) if raw else None))
         return ops
 
     def contract(self, engine: str, m, acc: str, operands: list[Operand], red: list[str], src: Source,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.errors import ShapeError
-from ..ops.arrays import bf16_bits, bf16_values, round_to_dtype as round_to  # noqa: F401 (re-exported)
+from ..ops.arrays import bf16_bits, bf16_values  # noqa: F401 (bf16_values: re-exported)
 
 
 def storage(io: str) -> type:

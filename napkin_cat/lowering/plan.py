@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from ..core.diagram import Diagram
+from ..core.errors import LoweringError
 from ..relabel.accumulators import Accumulator
 from ..relabel.loopnest import FinalForm
 
@@ -76,12 +77,13 @@ class Buffer:
     what: str
     offset: int = 0
     copies: int = 1              # 2: double-buffered chunks
-    pad: int = 0                 # extra floats per row of the last axis (bank spreading)
+    pad: int = 0                 # extra elements per row of the last axis (bank spreading)
     name: str = ""               # its identifier, chosen by the renderer
+    bits: int = 32               # 32: fp32 values; 16: 16-bit patterns (an f16 / bf16 input)
 
     @property
     def ld(self) -> int:
-        """Floats between consecutive indices of the second-to-last axis."""
+        """Elements between consecutive indices of the second-to-last axis."""
         return self.caps[-1] + self.pad if self.caps else 1
 
     @property
@@ -89,13 +91,19 @@ class Buffer:
         return max(1, math.prod(self.caps[:-1]) * self.ld) if self.caps else 1
 
     @property
+    def words(self) -> int:
+        """32-bit words of one copy."""
+        return self.elems if self.bits == 32 else -(-self.elems // 2)
+
+    @property
     def stride(self) -> int:
-        """Floats per copy, rounded up to 16 bytes."""
-        return -(-self.elems // 4) * 4
+        """32-bit words per copy, rounded up to 16 bytes."""
+        return -(-self.words // 4) * 4
 
     @property
     def size(self) -> int:
-        return self.elems if self.copies == 1 else self.copies * self.stride
+        """32-bit words in all (offsets into shared memory count words)."""
+        return self.words if self.copies == 1 else self.copies * self.stride
 
 
 # --------------------------------------------------------------------------- thread mappings
@@ -418,6 +426,27 @@ def reduced_axes(box) -> tuple[str, ...]:
             if a not in out and a not in seen:
                 seen.append(a)
     return tuple(seen)
+
+
+IO_DTYPES = ("f32", "f16", "bf16")
+"""Dtypes a kernel reads and writes: fp32, or 16-bit floats (read as bit patterns, computed in
+fp32, multiplied on tensor cores where the shapes fit)."""
+
+
+def kernel_dtype(dd: Diagram) -> str:
+    """The kernel's compute family: the 16-bit dtype among its inputs and outputs, else ``f32``.
+    One 16-bit dtype per kernel (fp32 arrays may sit beside it)."""
+    low = set()
+    for arr in list(dd.dom) + list(dd.cod):
+        if arr.dtype.name not in IO_DTYPES:
+            raise LoweringError(f"wire {arr} has dtype {arr.dtype.name}; the numba.cuda target "
+                                f"takes and returns {', '.join(IO_DTYPES)} arrays")
+        if arr.dtype.name != "f32":
+            low.add(arr.dtype.name)
+    if len(low) > 1:
+        raise LoweringError(f"{dd.short()} mixes {' and '.join(sorted(low))} wires; a kernel takes "
+                            f"one 16-bit dtype (beside fp32)")
+    return low.pop() if low else "f32"
 
 
 def acc_reduced_axes(acc) -> tuple[str, ...]:

@@ -33,8 +33,9 @@ from ..relabel.skipping import chunk_skips
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, REDUCE_OPS
 from .threads import Threads, _check_micro
-from .plan import (AccPlan, acc_reduced_axes, AxisPlan, Buffer, Coop, Frag, FusedScores, KernelPlan, LaunchPlan, Micro, Rows,
-                   Structure, Target, axes_set, caps, frozen_map, load_plan, reduced_axes, storage, var_cls)
+from .plan import (AccPlan, AxisPlan, Buffer, Coop, Frag, FusedScores, KernelPlan, LaunchPlan, Micro, Rows,
+                   Structure, Target, acc_reduced_axes, axes_set, caps, frozen_map, kernel_dtype, load_plan,
+                   reduced_axes, storage, var_cls)
 
 TRANSPOSE_PAD = 4
 """Floats added to each row of a shared buffer written transposed from global memory."""
@@ -47,6 +48,10 @@ REGISTER_FLOOR = 128
 
 REGISTER_SLACK = 16
 """Registers for indices and addresses in :func:`register_estimate`."""
+
+MMA_SLACK = 48
+"""Registers for tensor-core operand fragments (A fragments of every unrolled 16-wide step, B
+fragments, ldmatrix addresses) in :func:`register_estimate`."""
 
 CONTRACTION_UNROLL = 8
 """Steps of a contraction's innermost reduction loop written out per iteration of the emitted
@@ -141,27 +146,6 @@ def plan_axes(ff: FinalForm, batch_axes: tuple) -> tuple[dict, tuple, tuple]:
                         f"numba.cuda lowering keeps accumulator states at the extent of the loops "
                         f"around them: use order({lp.axis!r}, {acc.axis!r})")
     return ax, tuple(grid), tuple(nodes)
-
-
-IO_DTYPES = ("f32", "f16", "bf16")
-"""Dtypes a kernel reads and writes: fp32, or 16-bit floats (read as bit patterns, computed in
-fp32, multiplied on tensor cores where the shapes fit)."""
-
-
-def kernel_dtype(dd: Diagram) -> str:
-    """The kernel's compute family: the 16-bit dtype among its inputs and outputs, else ``f32``.
-    One 16-bit dtype per kernel (fp32 arrays may sit beside it)."""
-    low = set()
-    for arr in list(dd.dom) + list(dd.cod):
-        if arr.dtype.name not in IO_DTYPES:
-            raise LoweringError(f"wire {arr} has dtype {arr.dtype.name}; the numba.cuda target "
-                                f"takes and returns {', '.join(IO_DTYPES)} arrays")
-        if arr.dtype.name != "f32":
-            low.add(arr.dtype.name)
-    if len(low) > 1:
-        raise LoweringError(f"{dd.short()} mixes {' and '.join(sorted(low))} wires; a kernel takes "
-                            f"one 16-bit dtype (beside fp32)")
-    return low.pop() if low else "f32"
 
 
 # --------------------------------------------------------------------------- 2. structure
@@ -425,9 +409,10 @@ def plan_layouts(ff: FinalForm, st: Structure, targets, absorbed, accs, ax) -> d
         axes = axes_set(types[v], ax)
         has_r, has_c = m.row in axes, m.col in axes
         if isinstance(m, Frag):
-            # a lane packs pairs of consecutive reduced indices into its fragments
+            # a 16-bit input keeps its global order (cp.async; ldmatrix reads either
+            # orientation); other operands are packed from pairs along the reduced axis
             k = [a for a in red if a in axes]
-            if k and has_r != has_c:
+            if k and has_r != has_c and types[v].dtype.name not in ("f16", "bf16"):
                 pref[key] = k[0]
         elif has_r != has_c:
             pref[key] = m.row if has_r else m.col
@@ -472,7 +457,9 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
         arr = types[v]
         b = buf(("var", v), f"{arr.name}_s", arr.axis_names, f"input {arr.name}")
         names = [a for a in arr.axis_names if ax[a].cap > 1]
-        if len(b.axes) >= 2 and names and b.axes[-1] != names[-1] and v in chunked:
+        if arr.dtype.name in ("f16", "bf16"):
+            b = bufs[b.key] = _sixteen_bit(b)
+        elif len(b.axes) >= 2 and names and b.axes[-1] != names[-1] and v in chunked:
             # a chunk written transposed (global order in, threads along the global last
             # axis): a row of 4 more floats keeps 16-byte alignment and spreads the stores
             b = bufs[b.key] = replace(b, pad=TRANSPOSE_PAD,
@@ -527,6 +514,19 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
     return bufs, accs
 
 
+def _sixteen_bit(b: Buffer) -> Buffer:
+    """An f16 / bf16 input's buffer: 16-bit patterns, rows of a multiple of 8 elements (16-byte
+    ``cp.async`` stores) and an odd number of 16-byte units (the 8 rows one ``ldmatrix`` phase
+    reads fall in different banks)."""
+    if len(b.caps) < 2 or b.caps[-1] < 8:
+        return replace(b, bits=16, what=b.what + " (16-bit)")
+    ld = -(-b.caps[-1] // 8) * 8
+    if (ld // 8) % 2 == 0:
+        ld += 8
+    return replace(b, bits=16, pad=ld - b.caps[-1],
+                   what=b.what + f" (16-bit, rows padded by {ld - b.caps[-1]})")
+
+
 # --------------------------------------------------------------------------- 8. launch
 
 def plan_launch(ff: FinalForm, ax, grid_loops, targets, accs, bufs, skips, T: int, prefetch) -> LaunchPlan:
@@ -568,6 +568,8 @@ def register_estimate(ff: FinalForm, ax, targets, accs, T: int, prefetch) -> int
     for t in targets.values():
         if isinstance(t.mapping, Micro):
             frag = max(frag, t.mapping.RY + t.mapping.RX)
+    if any(isinstance(m, Frag) for m in [t.mapping for t in targets.values()] + [p.main for p in accs]):
+        live += MMA_SLACK
     if prefetch:
         for n, _ in ff.walk():
             if isinstance(n, Loop) and n.kind == "stream":

@@ -132,7 +132,10 @@ def _analyse(d0: Diagram):
         if not isinstance(plan, (str, NapkinError)) and plan.accumulators:
             streamable.append(a)
     main = []
-    for arr in d0.cod:
+    rank = max((len(arr.axis_names) for arr in d0.cod), default=0)
+    for arr in d0.cod:   # the widest outputs' last two axes (O[b h q d], not L[b h q])
+        if len(arr.axis_names) < rank:
+            continue
         for a in arr.axis_names[-2:]:
             if a in tileable and a not in main:
                 main.append(a)
@@ -155,8 +158,9 @@ def choose(d: Diagram, tiles: dict | None = None, threads: int | None = None,
     tiles = {_key(k): v for k, v in (tiles or {}).items()}
     for key, v in tiles.items():
         _concrete(v, f"tiles[{key!r}]")
-    T = _threads(threads) if threads is not None else (SIM_THREADS if simulate else GPU_THREADS)
     d0 = d.unrelabelled()
+    T = _threads(threads) if threads is not None else (
+        SIM_THREADS if simulate else _tensor_core_threads(d0) or GPU_THREADS)
     req = requirements(d)
     tileable, streamable, batch, main = analyse(d0)
     has_blocks = any(r.op in ("tile", "stream") for r in d.schedule)
@@ -273,15 +277,34 @@ def _chunk(d0: Diagram, axis: str, simulate: bool) -> int:
     n = d0.axis(axis).size
     if simulate:
         return min(n, 3)
-    size = 64 if rules & {"online_softmax", "normalized", "logsumexp"} else 16
+    size = 64 if rules & {"online_softmax", "normalized", "logsumexp"} else 32 if _sixteen_bit(d0) else 16
     return min(n, size)
 
 
-def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool) -> int:
+def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: int = GPU_THREADS) -> int:
     n = d0.axis(axis).size
     if simulate:
         return min(n, 4)
+    if _sixteen_bit(d0) and len(main) < 2:
+        # tensor cores: 16 rows per warp and row tile, two row tiles per warp when the
+        # contractions are narrow (d <= 64), else one (registers: measured on an H100)
+        wide = max((a.size for a in d0.axes if a.name != axis and isinstance(a.size, int) and a.size <= 256),
+                   default=0)
+        return min(n, 16 * max(1, T // 32) * (1 if wide > 64 else 2))
     return min(n, 128 if len(main) >= 2 else 64)
+
+
+def _sixteen_bit(d0: Diagram) -> bool:
+    return any(a.dtype.name in ("f16", "bf16") for a in (*d0.dom, *d0.cod))
+
+
+def _tensor_core_threads(d0: Diagram) -> int | None:
+    """Threads per block of a 16-bit (tensor-core) kernel: 4 warps for diagrams with a
+    normalisation (rows per warp, row statistics in registers), 8 for the rest; None for fp32."""
+    if not _sixteen_bit(d0):
+        return None
+    norm = any(e.box.kind in ("softmax", "normalize", "softmax_contract") for e in d0.eqns)
+    return 128 if norm else GPU_THREADS
 
 
 def _row_tile(d0: Diagram, axis: str, simulate: bool, T: int) -> int:
@@ -328,13 +351,14 @@ def _build(d: Diagram, d0: Diagram, tiles: dict, tileable, streamable, main, sim
                 chosen[a] = _row_tile(d0, a, simulate, T)
             how = "heuristic (rows per block)"
         else:
-            best = None if simulate else _cost_tiles(d0, free, chosen, streamable, T, hw)
+            best = None if simulate or (_sixteen_bit(d0) and len(free) < 2) else \
+                _cost_tiles(d0, free, chosen, streamable, T, hw)
             if best:
                 chosen.update(best)
                 how = "cost model (SMEM budget), rounded to the thread mapping"
             else:
                 for a in free:
-                    chosen[a] = _heuristic_tile(d0, a, main, simulate)
+                    chosen[a] = _heuristic_tile(d0, a, main, simulate, T)
         for a in free:
             chosen[a] = _fit(size(a), chosen[a], req.get(a, 1), f"tile of {a}")
         if any(req.get(a, 1) > 1 for a in free):

@@ -197,6 +197,14 @@ class CodeAlgebra:
     def sat_sub(a, k: int):
         return a if k == 0 else Code(op="sat_sub", args=(a, k))
 
+    @staticmethod
+    def max(a, b):
+        return max(a, b) if not isinstance(a, Code) and not isinstance(b, Code) else Code(op="max", args=(a, b))
+
+    @staticmethod
+    def min(a, b):
+        return min(a, b) if not isinstance(a, Code) and not isinstance(b, Code) else Code(op="min", args=(a, b))
+
 
 def render_code(c, u) -> str:
     """``c`` as code; ``u(n)`` writes an unsigned constant (registered as it is rendered)."""
@@ -206,6 +214,8 @@ def render_code(c, u) -> str:
         return c.text
     a, k = c.args
     a = render_code(a, u)
+    if c.op in ("max", "min"):   # a bound joined from two masks' (an index expression's & and |)
+        return f"{c.op}({a}, {render_code(k, u)})"
     if c.op == "sat_sub":
         return f"max({a}, {u(k)}) - {u(k)}"
     if c.op == "+":

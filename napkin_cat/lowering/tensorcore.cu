@@ -85,3 +85,79 @@ extern "C" __device__ int nc_f2bf(short* ret, float x) {
   *ret = (short)h;
   return 0;
 }
+
+// ---- shared-memory fragments and asynchronous copies (addresses are generic; converted here)
+struct nc_u4 { unsigned x, y, z, w; };
+struct nc_u2 { unsigned x, y; };
+
+static __device__ __forceinline__ unsigned nc_smem(unsigned long long p) {
+  unsigned long long s;
+  asm("cvta.to.shared.u64 %0, %1;\n" : "=l"(s) : "l"(p));
+  return (unsigned)s;
+}
+
+// ldmatrix: lanes 0-31 (x4) or 0-15 (x2) give the addresses of the 8x8 b16 matrices' rows;
+// register q of lane l gets row l/4, elements 2(l%4), 2(l%4)+1 of matrix q (.trans: of its
+// transpose).  PTX ISA 9.7.14.5.15.
+extern "C" __device__ int nc_ldsm_x4(nc_u4* ret, unsigned long long p) {
+  unsigned s = nc_smem(p);
+  unsigned a, b, c, d;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(s));
+  ret->x = a; ret->y = b; ret->z = c; ret->w = d;
+  return 0;
+}
+
+extern "C" __device__ int nc_ldsm_x4_t(nc_u4* ret, unsigned long long p) {
+  unsigned s = nc_smem(p);
+  unsigned a, b, c, d;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(s));
+  ret->x = a; ret->y = b; ret->z = c; ret->w = d;
+  return 0;
+}
+
+extern "C" __device__ int nc_ldsm_x2(nc_u2* ret, unsigned long long p) {
+  unsigned s = nc_smem(p);
+  unsigned a, b;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(a), "=r"(b) : "r"(s));
+  ret->x = a; ret->y = b;
+  return 0;
+}
+
+extern "C" __device__ int nc_ldsm_x2_t(nc_u2* ret, unsigned long long p) {
+  unsigned s = nc_smem(p);
+  unsigned a, b;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(a), "=r"(b) : "r"(s));
+  ret->x = a; ret->y = b;
+  return 0;
+}
+
+// 16 bytes global -> shared, asynchronously; `bytes` < 16 zero-fills the rest (0: all zeros).
+extern "C" __device__ int nc_cp_async16(int* ret, unsigned long long dst, unsigned long long src, int bytes) {
+  unsigned s = nc_smem(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(src), "r"(bytes));
+  *ret = 0;
+  return 0;
+}
+
+// Wait for every cp.async this thread issued (then a barrier makes them visible to the block).
+extern "C" __device__ int nc_cp_async_wait_all(int* ret) {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  *ret = 0;
+  return 0;
+}
+
+// Close this thread's current group of cp.asyncs.
+extern "C" __device__ int nc_cp_async_commit(int* ret) {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  *ret = 0;
+  return 0;
+}
+
+// Wait until at most one group of this thread's cp.asyncs is in flight.
+extern "C" __device__ int nc_cp_async_wait1(int* ret) {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+  *ret = 0;
+  return 0;
+}

@@ -33,15 +33,12 @@ floating point type"), lane ``l``, ``g = l // 4``, ``t = l % 4``:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 MMA_SHAPE = (16, 8, 16)
 """``(m, n, k)`` of one ``mma.sync``: a warp multiplies a 16 x 16 tile by a 16 x 8 one."""
-
-CU_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensorcore.cu")
 
 
 @dataclass(frozen=True)
@@ -63,16 +60,9 @@ DTYPES = {
     "bf16": TensorDType("bf16", "mma_bf16", "pack_bf16", "bf2f", "f2bf", "bf16", "bfloat16", None),
 }
 
-PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf")
-
-_SIG = {
-    "mma": "UniTuple(float32, 4)(uint32, uint32, uint32, uint32, uint32, uint32, "
-           "float32, float32, float32, float32)",
-    "pack": "uint32(float32, float32)",
-    "to_f32": "float32(int16)",
-    "from_f32": "int16(float32)",
-}
-
+PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf",
+              "ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t",
+              "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")
 
 def fragment_layout() -> dict[str, np.ndarray]:
     """Where each element of the A, B and C tiles lives: ``A[r, k] = (register, lane, half)``,
@@ -153,6 +143,28 @@ def _sim_mma(values, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
             np.float32(c2 + C[g + 8, 2 * t]), np.float32(c3 + C[g + 8, 2 * t + 1]))
 
 
+def _sim_ldsm(arr, off, count: int, trans: bool):
+    """One lane's part of ``ldmatrix``: the lanes publish their row addresses, then each takes
+    its pair of every 8x8 matrix (of its transpose with ``trans``)."""
+    ctx = _context()
+    tid = int(ctx.threadIdx.x)
+    warp, lane = divmod(tid, 32)
+    rows = ctx.shared.array((32, 32), np.int64)   # one per block: each lane's row address
+    rows[warp, lane] = int(off)
+    ctx.syncthreads()
+    offs = [int(v) for v in rows[warp]]
+    ctx.syncthreads()
+    g, t = divmod(lane, 4)
+    out = []
+    for q in range(count):
+        if trans:
+            lo, hi = arr[offs[8 * q + 2 * t] + g], arr[offs[8 * q + 2 * t + 1] + g]
+        else:
+            lo, hi = arr[offs[8 * q + g] + 2 * t], arr[offs[8 * q + g] + 2 * t + 1]
+        out.append(np.uint32((int(lo) & 0xFFFF) | ((int(hi) & 0xFFFF) << 16)))
+    return tuple(out)
+
+
 def _sim_primitives() -> dict:
     def mma_f16(*args):
         return _sim_mma(_f16_values, *args)
@@ -178,18 +190,26 @@ def _sim_primitives() -> dict:
     def f2bf(x):
         return _as_int16(_bf16_bits(x))
 
+    def cp_async16(smem16, soff, src16, goff, valid):
+        for e in range(8):   # the simulator copies at once; a fetch past the end is zeros
+            smem16[int(soff) + e] = src16[int(goff) + e] if valid else 0
+        return 0
+
+    def done():
+        return 0
+
     return dict(mma_f16=mma_f16, mma_bf16=mma_bf16, pack_f16=pack_f16, pack_bf16=pack_bf16,
-                h2f=h2f, bf2f=bf2f, f2h=f2h, f2bf=f2bf)
+                h2f=h2f, bf2f=bf2f, f2h=f2h, f2bf=f2bf,
+                ldsm_x4=lambda a, o: _sim_ldsm(a, o, 4, False), ldsm_x4_t=lambda a, o: _sim_ldsm(a, o, 4, True),
+                ldsm_x2=lambda a, o: _sim_ldsm(a, o, 2, False), ldsm_x2_t=lambda a, o: _sim_ldsm(a, o, 2, True),
+                cp_async16=cp_async16, cp_async_wait_all=done, cp_async_commit=done, cp_async_wait1=done)
 
 
 # --------------------------------------------------------------------------- the GPU's
 
 def _gpu_primitives() -> dict:
-    from .devices import import_cuda
-    cuda = import_cuda()
-    kind = {"mma_f16": "mma", "mma_bf16": "mma", "pack_f16": "pack", "pack_bf16": "pack",
-            "h2f": "to_f32", "bf2f": "to_f32", "f2h": "from_f32", "f2bf": "from_f32"}
-    return {name: cuda.declare_device(f"nc_{name}", _SIG[kind[name]], link=CU_FILE) for name in PRIMITIVES}
+    from .tensorcore_gpu import PRIMITIVES as linked
+    return dict(linked)
 
 
 _CACHE: dict[bool, dict] = {}

@@ -69,6 +69,7 @@ from ..core.errors import LoweringError, NapkinError, RelabelError, ShapeError, 
 from ..core.types import Ty
 from ..ops.grad import grad
 from ..ops.residuals import grad_with_residuals, saved_softmaxes, with_logsumexp
+from .distributed import DistributedOp, device_plan
 
 __all__ = ["torch_op", "TorchOp", "BackwardPlan", "backward_plan", "relabel_like"]
 
@@ -248,6 +249,8 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
                           f"takes float inputs only (every input is differentiable)")
     if not len(d.cod):
         raise TypingError(f"torch_op({d.short()}): the diagram has no output")
+    if device_plan(d) is not None:   # split over the devices: one process per GPU (distributed.py)
+        return DistributedOp(d, dict(tiles or {}), threads, verify)
     return TorchOp(d, dict(tiles or {}), threads, simulate, verify)
 
 

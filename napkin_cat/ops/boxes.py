@@ -13,7 +13,7 @@ from typing import Sequence
 from ..core.diagram import Array, Axis, Box, DType, Ty
 from ..core.errors import TypingError, UnknownKindError
 from .functions import FUNCTIONS
-from .index import AxisPower, IndexBias, Predicate, real_number
+from .index import AxisPower, IndexBias, Predicate, bound_to, real_number
 from .kinds import KINDS, REDUCTIONS
 
 
@@ -122,20 +122,48 @@ def normalize_box(arr: Array, axis: Axis, a1: str, a2: str, b: str, name: str = 
                f"norm[{ax.name}]({a1}/{b}(sum {a2}))")
 
 
-def mask_box(arr: Array, row: Axis, col: Axis, pred: Predicate, name: str = "") -> Box:
+def _aux_inputs(what: str, fn, aux) -> tuple:
+    """The auxiliary arrays of an index expression's box: one per tensor it gathers from, in
+    order of first appearance, each over that tensor's axes (the box's inputs after the first)."""
+    aux = tuple(aux)
+    _check_arrays(what, aux)
+    want = fn.auxes
+    if len(aux) != len(want):
+        raise TypingError(f"{what}: {fn!r} gathers from {len(want)} auxiliary tensor(s) "
+                          f"{[w.name for w in want]}, got {len(aux)} array(s)")
+    for a, w in zip(aux, want):
+        if a.axis_names != tuple(x.name for x in w.axes):
+            raise TypingError(f"{what}: auxiliary input {a} does not match {w!r} (axes "
+                              f"{' '.join(x.name for x in w.axes)})")
+    return aux
+
+
+def _expr_label(what: str, fn) -> str:
+    if fn.kind != "expr":
+        return f"{what} {fn.kind}"
+    text = str(fn.expr)
+    return f"{what} {text if len(text) <= 28 else text[:26] + '..'}"
+
+
+def mask_box(arr: Array, row: Axis, col: Axis, pred: Predicate, name: str = "", aux: Sequence[Array] = ()) -> Box:
     if not isinstance(pred, Predicate):
         raise TypingError(f"mask needs a Predicate (nc.causal(), nc.window(n), nc.predicate(fn)), got {pred!r}")
     r, c = _find(arr, row), _find(arr, col)
-    return Box("mask", Ty(arr), Ty(arr.named(name or arr.name)),
-               (("row", r.name), ("col", c.name), ("pred", pred)), f"mask {pred.kind}")
+    pred = bound_to(pred, r.name, c.name, "mask")
+    aux = _aux_inputs("mask", pred, aux)
+    return Box("mask", Ty(arr, *aux), Ty(arr.named(name or arr.name)),
+               (("row", r.name), ("col", c.name), ("pred", pred)), _expr_label("mask", pred))
 
 
-def index_bias_box(arr: Array, row: Axis, col: Axis, bias: IndexBias, name: str = "") -> Box:
+def index_bias_box(arr: Array, row: Axis, col: Axis, bias: IndexBias, name: str = "",
+                   aux: Sequence[Array] = ()) -> Box:
     if not isinstance(bias, IndexBias):
         raise TypingError(f"index_bias needs an IndexBias (e.g. nc.alibi(0.5)), got {bias!r}")
     r, c = _find(arr, row), _find(arr, col)
-    return Box("index_bias", Ty(arr), Ty(arr.named(name or arr.name)),
-               (("row", r.name), ("col", c.name), ("bias", bias)), f"bias {bias.kind}")
+    bias = bound_to(bias, r.name, c.name, "index_bias")
+    aux = _aux_inputs("index_bias", bias, aux)
+    return Box("index_bias", Ty(arr, *aux), Ty(arr.named(name or arr.name)),
+               (("row", r.name), ("col", c.name), ("bias", bias)), _expr_label("bias", bias))
 
 
 def transpose_box(arr: Array, order: Sequence[Axis | str], name: str = "") -> Box:
@@ -194,6 +222,60 @@ def diagonal_box(arr: Array, a: Axis, b: Axis, name: str = "") -> Box:
         raise TypingError(f"diagonal of {x.describe()} and {y.describe()}: sizes differ")
     return Box("reindex", Ty(arr), Ty(_drop(arr, y, name or arr.name)),
                (("op", "diagonal"), ("keep", x.name), ("drop", y.name)), "diagonal")
+
+
+def rename_box(arr: Array, axis: Axis | str, new: Axis, name: str = "") -> Box:
+    """The same values with ``axis`` called ``new`` (same size): self-attention's keys read the
+    queries' token axis under a second name."""
+    ax = _find(arr, axis)
+    if not isinstance(new, Axis):
+        raise TypingError(f"rename {ax.name} of {arr}: the new axis must be an Axis, got {new!r}")
+    if new.size != ax.size:
+        raise TypingError(f"rename {ax.describe()} to {new.describe()} in {arr}: sizes differ")
+    if new.name != ax.name and arr.has(new):
+        raise TypingError(f"rename {ax.name} to {new.name}: {arr} already has an axis {new.name}")
+    axes_ = tuple(new if a.name == ax.name else a for a in arr.axes)
+    return Box("reindex", Ty(arr), Ty(arr.with_axes(axes_).named(name or arr.name)),
+               (("op", "rename"), ("axis", ax.name), ("new", new.name)), f"{ax.name}→{new.name}")
+
+
+def _int_param(what: str, value, low: int | None = None, nonzero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low) \
+            or (nonzero and value == 0):
+        need = f"an int >= {low}" if low is not None else ("a non-zero int" if nonzero else "an int")
+        raise TypingError(f"{what} must be {need}, got {value!r}")
+    return value
+
+
+def unfold_box(arr: Array, axis: Axis | str, new: Axis, window: Axis | None = None, *, stride: int = 1,
+               dilation: int = 1, offset: int = 0, divisor: int = 1, name: str = "") -> Box:
+    """Sliding windows along ``axis``, zero outside: ``axis`` is replaced by ``new`` (and
+    ``window`` after it) with ``out[.., y, k, ..] = x[.., (stride*y + dilation*k + offset) / divisor, ..]``
+    where that index is an integer inside ``axis``, else ``0``.
+
+    A convolution is an unfolding then a contraction; ``offset = -padding`` pads with zeros,
+    ``divisor = stride`` with ``dilation < 0`` reads a transposed convolution's windows; without
+    ``window`` it pads, shifts or zero-upsamples ``axis`` into ``new``."""
+    ax = _find(arr, axis)
+    for a in (new,) + (() if window is None else (window,)):
+        if not isinstance(a, Axis):
+            raise TypingError(f"unfold {ax.name} of {arr}: new axes must be Axis values, got {a!r}")
+        if a.name != ax.name and arr.has(a):
+            raise TypingError(f"unfold {ax.name} into {a.name}: {arr} already has an axis {a.name}")
+    if window is not None and window.name == new.name:
+        raise TypingError(f"unfold {ax.name}: the window axis and the new axis are both named {new.name}")
+    what = f"unfold {ax.name} of {arr}"
+    stride, divisor = _int_param(f"{what}: stride", stride, 1), _int_param(f"{what}: divisor", divisor, 1)
+    dilation = _int_param(f"{what}: dilation", dilation, nonzero=window is not None)
+    offset = _int_param(f"{what}: offset", offset)
+    axes_ = []
+    for a in arr.axes:
+        axes_.extend(((new,) if window is None else (new, window)) if a.name == ax.name else (a,))
+    params = (("op", "unfold"), ("axis", ax.name), ("new", new.name), ("stride", stride),
+              ("dilation", dilation), ("offset", offset), ("divisor", divisor))
+    params += (("window", window.name),) if window is not None else ()
+    label = f"unfold {ax.name}" if window is not None else f"pad {ax.name}"
+    return Box("reindex", Ty(arr), Ty(arr.with_axes(axes_).named(name or arr.name)), params, label)
 
 
 def param_box(arr: Array) -> Box:

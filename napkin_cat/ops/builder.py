@@ -8,7 +8,8 @@ from typing import Sequence
 from ..core.diagram import Array, Axis, Box, Diagram, DType, Eqn, Ty, f32
 from ..core.errors import TypingError
 from .boxes import (_check_arrays, _check_dtype, cast_box, const_box, contract_box, index_bias_box, map_box,
-                    mask_box, normalize_box, param_box, reduce_box, softmax_box, transpose_box)
+                    mask_box, normalize_box, param_box, reduce_box, rename_box, softmax_box, transpose_box,
+                    unfold_box)
 from .index import IndexBias, Predicate
 
 class Builder:
@@ -99,15 +100,16 @@ class Builder:
         :data:`napkin_cat.ops.NORMALISATIONS`)."""
         return self.box(normalize_box(self.ty(w), axis, a1, a2, b, name, eps), w)
 
-    def mask(self, w: "Wire", row: Axis, col: Axis, pred: Predicate) -> "Wire":
+    def mask(self, w: "Wire", row: Axis, col: Axis, pred: Predicate, *aux: "Wire") -> "Wire":
         """Set the entries ``(i, j)`` of ``w`` (``i`` along ``row``, ``j`` along ``col``) where
-        ``pred`` is false to ``-inf``: ``nc.causal()``, ``nc.window(n)``, ``nc.predicate(fn)``."""
-        return self.box(mask_box(self.ty(w), row, col, pred), w)
+        ``pred`` is false to ``-inf``: ``nc.causal()``, ``nc.window(n)``, ``nc.predicate(fn)``,
+        ``nc.mask_mod(fn)`` (whose auxiliary tensors are the wires ``aux``)."""
+        return self.box(mask_box(self.ty(w), row, col, pred, aux=[self.ty(a) for a in aux]), w, *aux)
 
-    def index_bias(self, w: "Wire", row: Axis, col: Axis, bias: IndexBias) -> "Wire":
+    def index_bias(self, w: "Wire", row: Axis, col: Axis, bias: IndexBias, *aux: "Wire") -> "Wire":
         """Add a bias computed from the indices ``(i, j)`` along ``row`` and ``col`` to ``w``
-        (e.g. ``nc.alibi(0.5)``)."""
-        return self.box(index_bias_box(self.ty(w), row, col, bias), w)
+        (e.g. ``nc.alibi(0.5)``, ``nc.bias_mod(fn)`` with its auxiliary wires ``aux``)."""
+        return self.box(index_bias_box(self.ty(w), row, col, bias, aux=[self.ty(a) for a in aux]), w, *aux)
 
     def param(self, name: str, *axes_: Axis, dtype: DType | None = None) -> "Wire":
         """A named parameter array (a source box, not an input of the diagram)."""
@@ -122,6 +124,15 @@ class Builder:
     def transpose(self, w: "Wire", *order: Axis) -> "Wire":
         """``w`` with its axes in ``order`` (every axis named once)."""
         return self.box(transpose_box(self.ty(w), order), w)
+
+    def rename(self, w: "Wire", axis: Axis, new: Axis) -> "Wire":
+        """``w`` with ``axis`` called ``new`` (same size)."""
+        return self.box(rename_box(self.ty(w), axis, new), w)
+
+    def unfold(self, w: "Wire", axis: Axis, new: Axis, window: Axis | None = None, **how) -> "Wire":
+        """Windows of ``w`` along ``axis`` (``stride``, ``dilation``, ``offset``, ``divisor``; zero
+        outside): see :func:`napkin_cat.ops.boxes.unfold_box`."""
+        return self.box(unfold_box(self.ty(w), axis, new, window, **how), w)
 
     def cast(self, w: "Wire", dtype: DType) -> "Wire":
         """``w`` converted to ``dtype`` (e.g. ``nc.f16``)."""

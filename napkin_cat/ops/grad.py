@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 from ..core.diagram import Array, Axis, Diagram, Eqn
 from ..core.errors import TypingError, UnknownKindError
-from .boxes import const_box, contract_box, merge_box, normalize_box, split_box
+from .boxes import const_box, contract_box, diagonal_box, merge_box, normalize_box, rename_box, split_box, unfold_box
 from .builder import Builder, Wire
 from .functions import FUNCTIONS
 from .index import AxisPower, causal, window
@@ -170,15 +170,21 @@ def _keep(t: Tracer, rows: Axis, cols: Axis, preds, dtype) -> Wire:
 
 
 def vjp_mask(t: Tracer, box, ins, outs, cts):
-    """Masked entries get cotangent 0: ``g * exp(mask(0))``."""
+    """Masked entries get cotangent 0: ``g * exp(mask(0))``; an index expression's auxiliary
+    tensors get none (the mask is piecewise constant in them)."""
     arr = box.dom[0]
     row, col = _axis(arr, box.param("row")), _axis(arr, box.param("col"))
-    keep = _keep(t, row, col, [(row, col, box.param("pred"))], arr.dtype)
+    pred = box.param("pred")
+    if pred.kind == "expr":   # it may read every axis of the scores and its auxiliary inputs
+        w = t.zeros(Array(arr.axes, arr.dtype, "keep"))
+        keep = t("exp", t.mask(w, row, col, pred, *ins[1:]))
+        return (t.map("mul", cts[0], keep, out=arr.axes),) + (None,) * (len(ins) - 1)
+    keep = _keep(t, row, col, [(row, col, pred)], arr.dtype)
     return (t.map("mul", cts[0], keep, out=arr.axes),)
 
 
 def vjp_index_bias(t: Tracer, box, ins, outs, cts):
-    return (cts[0],)
+    return (cts[0],) + (None,) * (len(ins) - 1)
 
 
 def vjp_reindex(t: Tracer, box, ins, outs, cts):
@@ -204,7 +210,27 @@ def vjp_reindex(t: Tracer, box, ins, outs, cts):
         keep, drop = _axis(src, box.param("keep")), _axis(src, box.param("drop"))
         eye = _keep(t, keep, drop, [(keep, drop, window(0))], src.dtype)
         return (t.map("mul", g, eye, out=src.axes, name=f"d{src.name}"),)
+    if op == "rename":
+        return (t.box(rename_box(t.ty(g), _axis(dst, box.param("new")), _axis(src, box.param("axis"))), g),)
+    if op == "unfold":
+        return (_unfold_adjoint(t, box, g),)
     raise UnknownKindError(f"no vector-Jacobian rule for reindex op {op!r} (box {box.name})")
+
+
+def _unfold_adjoint(t: Tracer, box, g):
+    """``dx[i] = sum_k g[y, k]`` over ``stride*y + dilation*k + offset == divisor*i``: unfold ``g``
+    along ``y`` back onto ``i`` (``y = (divisor*i - dilation*k' - offset) / stride``), keep the
+    diagonal ``k' == k`` and sum ``k``."""
+    src, dst, p = box.dom[0], box.cod[0], box.param
+    axis, new = _axis(src, p("axis")), _axis(dst, p("new"))
+    how = dict(stride=p("divisor"), offset=-p("offset"), divisor=p("stride"))
+    if p("window", None) is None:
+        return t.box(unfold_box(t.ty(g), new, axis, dilation=0, **how), g)
+    k = _axis(dst, p("window"))
+    k2 = Axis(f"{k.name}_", k.size)
+    back = t.box(unfold_box(t.ty(g), new, axis, k2, dilation=-p("dilation"), **how), g)
+    diag = t.box(diagonal_box(t.ty(back), k, k2), back)
+    return t.reduce("sum", diag, k, name=f"d{src.name}")
 
 
 def vjp_source(t: Tracer, box, ins, outs, cts):

@@ -127,6 +127,11 @@ PREDICATES: dict[str, IndexRule] = {r.name: r for r in (
     IndexRule("block_diagonal", lambda i, j, b: i // b == j // b,
               lambda i, j, args, u: [f"{i} // {u(args[0])} == {j} // {u(args[0])}"], _block_diagonal_support,
               ((1,), (3,), (4,))),
+    # a mask written as an index expression (napkin_cat.ops.index_expr): every interpretation
+    # reads the expression itself; its support is derived from it (None where it cannot be)
+    IndexRule("expr", None, support=lambda r0, r1, args, al: _expr_support(args, r0, r1, al),
+              skip_notes=("later chunks are masked for every row of the tile (derived from the mask)",
+                          "earlier chunks are masked for every row (derived from the mask)")),
     IndexRule("custom", None),
 )}
 
@@ -134,8 +139,33 @@ BIASES: dict[str, IndexRule] = {r.name: r for r in (
     IndexRule("alibi", lambda i, j, slope: slope * (j - i),
               lambda i, j, args, f: f"{f(args[0], 'SLOPE')} * (float32({j}) - float32({i}))",
               examples=((0.5,), (-1.25,))),
+    IndexRule("expr", None),
     IndexRule("custom", None),
 )}
+
+
+def _expr_support(args, r0, r1, al):
+    """An ``expr`` mask's args are ``(expression, row axis, column axis)``; the axes are None
+    until the mask is placed on a box (:func:`bound_to`)."""
+    from .index_support import support
+    e, row, col = args
+    return support(e, r0, r1, al, row or "i", col or "j")
+
+
+def bound_to(fn, row: str, col: str, what: str):
+    """An ``expr`` index function placed on a box's ``row`` / ``col`` axes: the roles ``i`` /
+    ``j`` become those axes' indices (``b`` and ``h`` need an attention diagram, which knows its
+    batch and head axes: :mod:`napkin_cat.library.variants`)."""
+    if fn.kind != "expr" or fn.args[1] is not None:
+        return fn
+    from .index_expr import Ix
+    e = fn.expr
+    for role in ("b", "h"):
+        if role in e.leaves("idx"):
+            raise TypingError(f"{what} {fn!r} reads the index {role}; place it with nc.library.attention("
+                              f"..., batch=..., heads=...), which binds b and h to axes")
+    e = e.subst({"i": Ix("idx", (), row), "j": Ix("idx", (), col)})
+    return type(fn)("expr", (e, row, col))
 
 
 class _IndexFunction:
@@ -155,7 +185,30 @@ class _IndexFunction:
     def __call__(self, i, j):
         if self.kind == "custom":
             return self.fn(i, j)
+        if self.kind == "expr":
+            return self.expr.evaluate(_xp_of(i), {"i": i, "j": j})
         return self.rule.meaning(i, j, *self.args)
+
+    @property
+    def expr(self):
+        """The index expression of an ``expr`` kind (None for the others)."""
+        return self.args[0] if self.kind == "expr" else None
+
+    @property
+    def auxes(self) -> tuple:
+        """The auxiliary tensors an ``expr`` kind gathers from (inputs of its box)."""
+        return self.expr.auxes() if self.kind == "expr" else ()
+
+    def index_axes(self) -> tuple[str, ...]:
+        """The axes whose global indices an ``expr`` kind reads (its ``idx`` leaves)."""
+        return tuple(n for n in self.expr.leaves("idx") if n != "score") if self.kind == "expr" else ()
+
+    def values(self, xp, env: dict):
+        """The meaning on the environment of :meth:`napkin_cat.ops.index_expr.Ix.evaluate`
+        (``i`` and ``j`` are the box's row and column indices for the fixed kinds)."""
+        if self.kind == "expr":
+            return self.expr.evaluate(xp, env)
+        return self(env["i"], env["j"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +232,15 @@ class Predicate(_IndexFunction):
         """``(lo, hi)``: the columns that may survive in rows ``[r0, r1)`` (None: all of them)."""
         return None if self.rule.support is None else self.rule.support(r0, r1, self.args, al)
 
+    def bounded(self) -> bool:
+        """The support bounds the columns from above (a stream can skip chunks past it)."""
+        if self.rule.support is None:
+            return False
+        return self.support(0, 1, IntAlgebra)[1] is not None
+
     def __repr__(self) -> str:
+        if self.kind == "expr":
+            return f"mask_mod({str(self.expr)!r})"
         if self.kind == "custom":
             return f"Predicate('custom', {self.args!r}, {getattr(self.fn, '__name__', self.fn)})"
         return f"Predicate({self.kind!r}, {self.args!r})"
@@ -198,6 +259,16 @@ class IndexBias(_IndexFunction):
     def cuda(self, i: str, j: str, f: Callable) -> str | None:
         """The bias as numba.cuda code; ``f(value, name)`` writes a float32 constant."""
         return None if self.rule.cuda is None else self.rule.cuda(i, j, self.args, f)
+
+    expr = Predicate.expr
+    auxes = Predicate.auxes
+    index_axes = Predicate.index_axes
+    values = Predicate.values
+
+    def __repr__(self) -> str:
+        if self.kind == "expr":
+            return f"bias_mod({str(self.expr)!r})"
+        return f"IndexBias(kind={self.kind!r}, args={self.args!r}, fn={self.fn!r})"
 
 
 class IntAlgebra:
@@ -234,6 +305,44 @@ def predicate(fn: Callable, name: str = "custom") -> Predicate:
     if not isinstance(name, str):
         raise TypingError(f"predicate name must be a str, got {name!r}")
     return Predicate("custom", (name,), fn)
+
+
+def _xp_of(x):
+    from .arrays import NUMPY, torch_namespace
+    return torch_namespace() if type(x).__module__.startswith("torch") else NUMPY
+
+
+def mask_mod(fn) -> Predicate:
+    """A mask traced from ``fn(b, h, i, j) -> condition`` (FlexAttention's ``mask_mod``): index
+    arithmetic, comparisons joined by ``&`` ``|`` ``~``, ``nc.ix`` functions and gathers from
+    :func:`aux` tensors.  It evaluates, costs, draws and lowers from that one trace; its block
+    sparsity (which chunks a row tile can skip) is derived from it.
+
+    >>> import napkin_cat as nc
+    >>> nc.mask_mod(lambda b, h, i, j: (j <= i) & (i - j < 4))
+    mask_mod('(j <= i) & ((i - j) < 4)')
+    """
+    from .index_expr import trace
+    return Predicate("expr", (trace(fn, "mask"), None, None))
+
+
+def bias_mod(fn) -> IndexBias:
+    """A bias ``fn(b, h, i, j) -> value`` added to the score, traced like :func:`mask_mod`."""
+    from .index_expr import TraceError, leaves, lift
+    lv = leaves()
+    try:
+        out = fn(lv["b"], lv["h"], lv["i"], lv["j"]) if callable(fn) else fn
+    except TypingError:
+        raise
+    except Exception as err:  # noqa: BLE001 (a failure of the user's code is a refusal, with its reason)
+        raise TraceError(f"cannot trace {getattr(fn, '__name__', fn)} as fn(b, h, i, j): "
+                         f"{type(err).__name__}: {err}") from None
+    e = lift(out)
+    if e.dtype == "bool":
+        raise TraceError(f"a bias must be a value, got the condition {e}; a mask is nc.mask_mod")
+    if e.uses_score():
+        raise TraceError(f"a bias reads indices only; a function of the score is nc.score_mod: {e}")
+    return IndexBias("expr", (e, None, None))
 
 
 def alibi(slope: float) -> IndexBias:

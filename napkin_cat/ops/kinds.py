@@ -97,7 +97,7 @@ SPECS: dict[str, KindSpec] = {s.name: s for s in (
              indexed=True, keeps_neg_inf=_yes),
     KindSpec("index_bias", "elementwise", "x + bias(i, j) computed from global indices (ALiBi-like)",
              indexed=True, keeps_neg_inf=_yes),
-    KindSpec("reindex", "reindex", "transpose, split, merge, slice, diagonal"),
+    KindSpec("reindex", "reindex", "transpose, split, merge, slice, diagonal, rename, unfold (windows / pad)"),
     KindSpec("param", "source", "a named parameter (no inputs; value passed at evaluation)"),
     KindSpec("const", "source", "an array filled with a constant"),
     KindSpec("cast", "elementwise", "change of dtype"),

@@ -165,17 +165,41 @@ def rule_normalize(box: Box, ins, ctx):
                       box.param("eps")),)
 
 
+def index_env(xp, box: Box, fn, ins, ctx, like=None) -> dict:
+    """What an index function reads: the global indices of its axes shaped to broadcast
+    against the box's first input (``i`` / ``j``: its row and column), the sizes it names and
+    its auxiliary arrays (the box's other inputs, whole)."""
+    x, arr = ins[0], box.dom[0]
+    if fn.kind != "expr":
+        i, j = index_grid(xp, arr, x.shape, box.param("row"), box.param("col"), ctx.offsets, like, on=x)
+        return {"i": i, "j": j}
+    env = {}
+    names = arr.axis_names
+    for n in fn.index_axes():
+        if n not in names:
+            raise TypingError(f"{box.name}: its index function reads the index of axis {n}, which "
+                              f"{arr} does not have")
+        k = names.index(n)
+        shape = [1] * len(x.shape)
+        shape[k] = x.shape[k]
+        env[n] = xp.indices_(x.shape[k], ctx.offsets.get(n, 0), None, x).reshape(shape)
+    for n in fn.expr.leaves("size"):
+        env[("size", n)] = int(ctx.sizes[n])
+    for a, v in zip(fn.auxes, ins[1:]):
+        env[a.name] = v
+    return env
+
+
 def rule_mask(box: Box, ins, ctx):
-    xp, x = ctx.xp, ins[0]
-    i, j = index_grid(xp, box.dom[0], x.shape, box.param("row"), box.param("col"), ctx.offsets, on=x)
-    keep = xp.as_index_result(box.param("pred")(i, j), None, on=x)
+    xp, x, pred = ctx.xp, ins[0], box.param("pred")
+    keep = xp.as_index_result(pred.values(xp, index_env(xp, box, pred, ins, ctx)), None, on=x)
     return (xp.where(keep, x, NEG_INF),)
 
 
 def rule_index_bias(box: Box, ins, ctx):
-    xp, x = ctx.xp, ins[0]
-    i, j = index_grid(xp, box.dom[0], x.shape, box.param("row"), box.param("col"), ctx.offsets, like=x, on=x)
-    return (x + xp.as_index_result(box.param("bias")(i, j), x, on=x),)
+    xp, x, bias = ctx.xp, ins[0], box.param("bias")
+    env = index_env(xp, box, bias, ins, ctx, like=x)
+    return (x + xp.as_index_result(bias.values(xp, env), x, on=x),)
 
 
 def rule_reindex(box: Box, ins, ctx):
@@ -200,7 +224,31 @@ def rule_reindex(box: Box, ins, ctx):
         dg = xp.diagonal_(x, names.index(keep), names.index(drop))  # the diagonal axis goes last
         rest = [n for n in names if n not in (keep, drop)] + [keep]
         return (xp.permute(dg, [rest.index(n) for n in dst.axis_names]),)
+    if op == "rename":
+        return (x,)
+    if op == "unfold":
+        return (_unfold(xp, x, box, ctx),)
     raise UnknownKindError(f"no rule for reindex op {op!r} (box {box.name})")
+
+
+def _unfold(xp, x, box: Box, ctx):
+    """Gather ``x`` at ``(stride*y + dilation*k + offset) / divisor`` (zero where that is no
+    index of the axis): one index array, one take, one where."""
+    src, dst, p = box.dom[0], box.cod[0], box.param
+    k = src.axis_names.index(p("axis"))
+    names = [p("new")] + ([p("window")] if p("window", None) else [])
+    n_out = [int(ctx.sizes.get(n, dst.axes[dst.axis_names.index(n)].size)) for n in names]
+    y = xp.indices_(n_out[0], 0, on=x).reshape(-1, 1)
+    w = xp.indices_(n_out[1], 0, on=x).reshape(1, -1) if len(names) == 2 else 0
+    pos = y * p("stride") + w * p("dilation") + p("offset")
+    pos = pos + 0 * y + 0 * w                     # the full (y, k) grid, even where it is constant
+    n_in = x.shape[k]
+    ok = (pos % p("divisor") == 0) & (pos >= 0) & (pos < n_in * p("divisor"))
+    idx = xp.where(ok, pos // p("divisor"), 0)
+    out_shape = tuple(x.shape[:k]) + tuple(n_out) + tuple(x.shape[k + 1:])
+    got = xp.take_(x, idx.reshape(-1), k).reshape(out_shape)
+    keep = ok.reshape([1] * k + n_out + [1] * (len(x.shape) - k - 1))
+    return xp.where(keep, got, 0.0)
 
 
 def rule_param(box: Box, ins, ctx):

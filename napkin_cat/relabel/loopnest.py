@@ -41,11 +41,11 @@ import sympy as sp
 from .accumulators import Accumulator
 from ..core.diagram import Diagram
 from ..core.errors import RelabelError
-from ..core.hierarchy import FULL, Hierarchy, hierarchy
+from ..core.hierarchy import DEVICES, FULL, Hierarchy, hierarchy
 from ..ops.kinds import spec
 from .rules import stream_plan
 from .nodes import Buffer, Column, Compute, Finalise, Init, Load, Loop, Store, Update  # noqa: F401 (re-exported)
-from .symbols import size_expr
+from .symbols import size_expr, size_symbol
 
 
 # --------------------------------------------------------------------------- final form
@@ -72,12 +72,18 @@ class FinalForm:
         return tuple(n for n, _ in self.walk() if isinstance(n, Loop))
 
     def trip_count(self, loop: Loop, loops: tuple[Loop, ...]) -> sp.Expr:
-        """Iterations of ``loop`` (inside ``loops``): extent of its axis there over its step."""
+        """Iterations of ``loop`` (inside ``loops``): extent of its axis there over its step (a
+        split over the devices runs once per device: ``devices`` times)."""
+        if loop.step == DEVICES:
+            return size_symbol(DEVICES)
         return self.extent(loop.axis, loops) / size_expr(loop.step)
 
     def extent(self, axis: str, loops: tuple[Loop, ...]) -> sp.Expr:
-        for lp in reversed(loops):
+        for i in reversed(range(len(loops))):
+            lp = loops[i]
             if lp.axis == axis:
+                if lp.step == DEVICES:
+                    return self.extent(axis, loops[:i]) / size_symbol(DEVICES)
                 return size_expr(lp.step)
         return size_expr(self.diagram.axis(axis).size)
 
@@ -230,7 +236,11 @@ class FinalForm:
             pad = "  " * len(loops)
             if isinstance(n, Loop):
                 what = "tiles" if n.kind == "grid" else "chunks"
-                text = f"for {n.axis} in {what} of {n.step}  ({n.kind}, {n.level})"
+                if n.step == DEVICES:
+                    how = "sharded" if n.kind == "grid" else "ring"
+                    text = f"for {n.axis} in {what} of {self.extent(n.axis, loops + (n,))} over the devices  ({how}, {n.level})"
+                else:
+                    text = f"for {n.axis} in {what} of {n.step}  ({n.kind}, {n.level})"
             elif (v := self.loaded(n)) is not None:
                 b = self.buffer(("var", v) if n.final else ("copy", v, n.level), loops)
                 src = "" if n.src == FULL.top else f"{n.src} "

@@ -11,6 +11,12 @@
 ``require(axis, k)`` tile/stream sizes on ``axis`` must be multiples of ``k`` (LCM combined).
 ``order(*axes)``     explicit nesting of the stream loops (outer first).
 
+``tile(axis, DEVICES)`` / ``stream(axis, DEVICES)`` split ``axis`` over the devices, one block
+of ``axis/devices`` per GPU, living in its ``HBM``: a tiled axis is sharded (each device keeps
+its block), a streamed one rotates around a ring of devices (ring attention: each device's
+online-softmax state meets every block of keys), under the same conditions as on one GPU.
+A device split comes before the relabelings inside a device.
+
 Every relabeling and rewrite is a registered :class:`Rule` value (name, side conditions,
 function, proof obligation); ``tests/test_rules.py`` checks every registered rule generically.
 
@@ -30,7 +36,7 @@ from typing import Callable
 from .accumulators import Accumulator, derive_accumulator
 from ..core.diagram import Axis, Box, Diagram, Eqn, Relabel
 from ..core.errors import RelabelError
-from ..core.hierarchy import FULL
+from ..core.hierarchy import DEVICES, FULL
 from ..ops.boxes import norm_contract_box, softmax_contract_box
 from ..ops.kinds import normalises_along, spec
 
@@ -301,12 +307,34 @@ def _check_level(level: str) -> str:
     return level
 
 
+def _device_split(d: Diagram, op: str, axis: str, level) -> Relabel:
+    """The ``Relabel`` of ``op(axis, DEVICES)``: one block of ``axis/devices`` per GPU, in its HBM."""
+    if level not in (None, "HBM"):
+        raise RelabelError(f"{op}({axis}, {DEVICES!r}): a device's block lives in its HBM; got level {level!r}")
+    inner = [r for r in d.schedule if r.op in ("tile", "stream") and r.size != DEVICES]
+    if inner:
+        raise RelabelError(f"{op}({axis}, {DEVICES!r}) after {inner[0].op}({inner[0].axis}, {inner[0].size}): "
+                           f"split over the devices first, then relabel within a device")
+    if any(r.op == op and r.size == DEVICES for r in d.schedule):
+        raise RelabelError(f"{op}({axis}, {DEVICES!r}): {d.short()} already has a {op} over the devices "
+                           f"({d._sched_str()}); one axis per kind of device split")
+    return Relabel(op, axis, DEVICES, "HBM")
+
+
+def device_splits(d: Diagram) -> dict[str, str]:
+    """``{"tile": axis, "stream": axis}`` for the axes ``d`` splits over the devices."""
+    return {r.op: r.axis for r in d.schedule if r.op in ("tile", "stream") and r.size == DEVICES}
+
+
 def tile(d: Diagram, axis, size, level: str | None = None) -> Diagram:
-    """Group partition of ``axis`` into groups of ``size`` living at ``level`` (default SMEM)."""
+    """Group partition of ``axis`` into groups of ``size`` living at ``level`` (default SMEM);
+    ``size=DEVICES`` (``"devices"``): one group per device."""
     name = _axis_name(d, axis)
     problem = tile_problem(d.unrelabelled(), name)
     if problem:
         raise RelabelError(f"cannot tile {name}: {problem}")
+    if size == DEVICES:
+        return replace(d, schedule=d.schedule + (_device_split(d, "tile", name, level),))
     _check_size(d, name, size, "tile")
     if any(r.op == "stream" and r.axis == name for r in d.schedule):
         raise RelabelError(f"cannot tile {name}: it is already streamed; tile before streaming")
@@ -321,13 +349,16 @@ def stream(d: Diagram, axis, size, level: str | None = None) -> Diagram:
     rewritten into the fused accumulator form; anything else that needs the whole axis is
     refused with the reason."""
     name = _axis_name(d, axis)
-    _check_size(d, name, size, "stream")
-    level = _check_level(DEFAULT_LEVEL if level is None else level)
+    if size == DEVICES:
+        step = _device_split(d, "stream", name, level)
+    else:
+        _check_size(d, name, size, "stream")
+        step = Relabel("stream", name, size, _check_level(DEFAULT_LEVEL if level is None else level))
     fused = fuse_norm_contract(fuse_softmax_contract(d, name), name)
     plan = stream_plan(fused.unrelabelled(), name)
     if isinstance(plan, str):
         raise RelabelError(f"cannot stream {name}: {plan}")
-    return replace(fused, schedule=fused.schedule + (Relabel("stream", name, size, level),))
+    return replace(fused, schedule=fused.schedule + (step,))
 
 
 def place(d: Diagram, array: str, level: str) -> Diagram:
@@ -366,6 +397,10 @@ def order(d: Diagram, *axes_) -> Diagram:
     for n in names:
         if n not in streamed:
             raise RelabelError(f"order: axis {n} is not streamed (streamed: {streamed})")
+    ring = device_splits(d).get("stream")
+    if ring is not None and names and names[0] != ring:
+        raise RelabelError(f"order{names}: the stream of {ring} over the devices is the outermost loop; "
+                           f"name it first: order({', '.join(repr(n) for n in (ring,) + names if n)})")
     kept = tuple(r for r in d.schedule if r.op != "order")
     return replace(d, schedule=kept + (Relabel("order", "", None, "", names),))
 

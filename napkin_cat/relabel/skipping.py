@@ -60,7 +60,7 @@ def chunk_skips(ff: FinalForm, loop: Loop) -> tuple[Skip, ...]:
             box = dd.eqns[eqn_of[v]].box
             if box.kind == "mask":
                 pred, row = box.param("pred"), box.param("row")
-                if box.param("col") == loop.axis and row in grid_rows and pred.rule.support is not None:
+                if box.param("col") == loop.axis and row in grid_rows and pred.bounded():
                     skip = Skip(row, loop.axis, pred)
                     if skip not in found:
                         found.append(skip)

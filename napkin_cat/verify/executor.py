@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core.diagram import Diagram
 from ..core.errors import ShapeError, TypingError
+from ..core.hierarchy import DEVICES
 from ..ops.semantics import (Ctx, _as_numpy, apply_box, check_call_options, check_inputs, concrete_shape,
                              resolve_sizes, run_eqns)
 from ..relabel.accumulators import Accumulator
@@ -70,6 +71,17 @@ def _concrete(size, sizes: dict, what: str) -> int:
     return int(size)
 
 
+def device_block(axis: str, n: int, sizes: dict) -> int:
+    """The block of ``axis`` (``n`` long) each device holds: ``n / devices``, which must divide."""
+    if DEVICES not in sizes:
+        raise ShapeError(f"axis {axis} is split over the devices: pass sizes={{{DEVICES!r}: number of devices}}")
+    p = int(sizes[DEVICES])
+    if p < 1 or n % p:
+        raise ShapeError(f"axis {axis} of size {n} does not split over {DEVICES}={p}: every device "
+                         f"holds an equal block, so the number of devices must divide {n}")
+    return n // p
+
+
 def chunk_starts(start: int, stop: int, step: int) -> range:
     """Where the chunks of ``[start, stop)`` begin; the last one may be ragged (shorter)."""
     return range(start, stop, step)
@@ -120,18 +132,30 @@ def execute(d: Diagram, inputs: list[np.ndarray], ctx: Ctx) -> list[np.ndarray]:
                 raise AssertionError(f"{types[v]} holds {n}[{s0}:{s0 + x.shape[i]}], read at {n}[{lo}:{hi}]")
         return x[tuple(sl)] if any(s != slice(None) for s in sl) else x
 
+    device = [0]   # the device a split over the devices runs on (the shard of the grid loop)
+
     def run(nodes):
         for n in nodes:
             if isinstance(n, Loop):
-                step = _concrete(n.step, ctx.sizes, f"{n.kind} of {n.axis}")
+                start, stop = ranges[n.axis]
+                if n.step == DEVICES:
+                    step = device_block(n.axis, stop - start, ctx.sizes)
+                else:
+                    step = _concrete(n.step, ctx.sizes, f"{n.kind} of {n.axis}")
                 if step < 1:
                     raise ShapeError(f"{n.kind} size for {n.axis} must be >= 1, got {step}")
-                start, stop = ranges[n.axis]
                 # chunks a mask removes for every row of the tile are skipped, as in the kernel
                 lo, hi = visited(chunk_skips(ff, n), ranges, stop, IntAlgebra)
-                for s in chunk_starts(start, stop, step):
+                starts = list(chunk_starts(start, stop, step))
+                if n.step == DEVICES and n.kind == "stream":
+                    # the ring: device i meets its own block first, then i-1, i-2, ... as they arrive
+                    k = device[0] % len(starts)
+                    starts = [starts[(k - j) % len(starts)] for j in range(len(starts))]
+                for i, s in enumerate(starts):
                     if s + step <= lo or s >= hi:
                         continue
+                    if n.step == DEVICES and n.kind == "grid":
+                        device[0] = i
                     ranges[n.axis] = (s, min(s + step, stop))
                     run(n.body)
                 ranges[n.axis] = (start, stop)

@@ -1,12 +1,13 @@
 """Generated kernels against the NumPy oracle: the kernel side of :func:`napkin_cat.check_equivalent`.
 
-A kernel computes in its dtype (fp32), the oracle in float64.  A kernel passes on an input when
+A kernel computes in fp32 (reading and writing fp32, or fp16 / bf16 arrays), the oracle in float64.  A kernel passes on an input when
 every output entry satisfies
 
     |kernel - oracle64| <= atol * scale + rtol * |oracle64| + LOW_PRECISION_FACTOR * max |oracle_lo - oracle64|
 
 where ``oracle_lo`` is the same diagram evaluated by NumPy in the kernel's dtype
-(``evaluate(..., reference=False)``) on the same (dtype-rounded) inputs, ``scale`` the largest
+(``evaluate(..., reference=False)``; for a 16-bit kernel, which computes in fp32, the float64
+answer rounded to each output's dtype) on the same (dtype-rounded) inputs, ``scale`` the largest
 finite output magnitude (at least 1) and ``(rtol, atol)`` :data:`KERNEL_TOLERANCES` of the
 dtype.  The last term is FlashAttention's test rule: a kernel may be as far from the exact
 answer as a plain implementation in its own precision (its largest error on that output), twice
@@ -140,14 +141,22 @@ def run_kernel(kernel, inputs32) -> tuple:
     return tuple(np.asarray(o, dtype=np.float64) for o in (out if isinstance(out, tuple) else (out,)))
 
 
-def oracle_outputs(oracle: Diagram, inputs32, sizes: dict) -> tuple[tuple, tuple]:
-    """(float64 oracle, oracle in the kernel's dtype) on the rounded inputs."""
+def oracle_outputs(oracle: Diagram, inputs32, sizes: dict, dtype: str = "f32") -> tuple[tuple, tuple]:
+    """(float64 oracle, oracle in the kernel's dtype) on the rounded inputs.  A 16-bit kernel
+    computes in fp32 and rounds what it stores: its low-precision oracle is the float64 answer
+    rounded to each output's dtype (a plain 16-bit evaluation would overflow where the kernel
+    does not)."""
+    from ..ops.arrays import round_to_dtype
     from .executor import evaluate
-    with np.errstate(all="ignore"):
-        exact = evaluate(oracle, *inputs32, sizes=sizes)
-        low = evaluate(oracle, *inputs32, sizes=sizes, reference=False)
     wrap = (lambda o: tuple(np.asarray(x, np.float64) for x in (o if isinstance(o, tuple) else (o,))))
-    return wrap(exact), wrap(low)
+    with np.errstate(all="ignore"):
+        exact = wrap(evaluate(oracle, *inputs32, sizes=sizes))
+        if dtype == "f32":
+            low = wrap(evaluate(oracle, *inputs32, sizes=sizes, reference=False))
+        else:
+            low = tuple(np.asarray(round_to_dtype(x, arr.dtype.name if arr.dtype.name in ("f16", "bf16") else "f32"),
+                                   np.float64) for x, arr in zip(exact, oracle.cod))
+    return exact, low
 
 
 @dataclass
@@ -187,7 +196,7 @@ def kernel_outcome(oracle: Diagram, kernel, inputs, sizes: dict | None = None, r
     """Run ``kernel`` on ``inputs`` (rounded to its input dtypes) and compare with ``oracle``."""
     rtol, atol = kernel_tolerances(kernel, rtol, atol)
     x32 = as_kernel_inputs(inputs, kernel.diagram.dom)
-    exact, low = oracle_outputs(oracle, x32, sizes or {})
+    exact, low = oracle_outputs(oracle, x32, sizes or {}, kernel_dtype(kernel))
     try:
         got = run_kernel(kernel, x32)
     except NapkinError:   # the call itself refused (shapes, dtypes): a misuse, not a kernel difference

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..core.diagram import Axis, Diagram
 from ..core.errors import TypingError
+from ..core.hierarchy import DEVICES
 from ..ops.kinds import spec
 from ..relabel.rules import requirements
 from .data import _INT_DATA, REGIMES
@@ -44,6 +45,8 @@ class _Problem:
     params: dict                     # param name -> Array
     max_size: int
     axis_symbol: dict = field(default_factory=dict)  # axis name -> size symbol or int
+    devices: tuple = ()              # numbers of devices to draw (a split over the devices), or ()
+    device_syms: frozenset = frozenset()   # size symbols of the axes split over the devices
 
     @staticmethod
     def build(a: Diagram, b: Diagram, sizes: dict, max_size: int, max_chunks: int = 6) -> "_Problem":
@@ -61,7 +64,7 @@ class _Problem:
         for d in (a, b):
             req = requirements(d)
             for r in d.schedule:
-                if r.op not in ("tile", "stream"):
+                if r.op not in ("tile", "stream") or r.size == DEVICES:
                     continue
                 sym = axis_symbol.get(r.axis)
                 if isinstance(r.size, int):
@@ -99,8 +102,13 @@ class _Problem:
                     params.setdefault(e.box.param("pname"), e.box.cod[0])
         regimes = ("normal", "repeated", "huge", "huge_one_sign", "jumps") + \
             (("masked",) if score_inputs or score_params else ())
+        split = {r.axis for d in (a, b) for r in d.schedule if r.size == DEVICES}
+        whole = [fixed.get(axis_symbol[n], fixed.get(n, axis_symbol[n])) for n in split]
+        devices = tuple(p for p in (1, 2, 3, 4) if all(not isinstance(n, int) or n % p == 0 for n in whole)) \
+            if split else ()
         return _Problem(a, b, fixed, symbols, blocks, masks, regimes, frozenset(score_inputs),
-                        frozenset(score_params), params, max_size, axis_symbol)
+                        frozenset(score_params), params, max_size, axis_symbol, devices,
+                        frozenset(axis_symbol[n] for n in split if isinstance(axis_symbol[n], str)))
 
     # ---- drawing
     def draw(self, data, st, options: dict | None = None) -> _Example:
@@ -120,6 +128,10 @@ class _Problem:
             else:
                 sizes[sym] = data.draw(st.integers(1, upper), label=sym)
         blocks = {}
+        if self.devices:   # one equal block per device: the axes split over them are multiples
+            p = blocks[DEVICES] = data.draw(st.sampled_from(self.devices[::-1]), label=DEVICES)
+            for sym in self.device_syms & set(sizes):
+                sizes[sym] = p * max(1, sizes[sym] // p)
         for sym, k in self.blocks.items():
             top = max(1, self.max_size // k)   # small blocks favoured: many chunks per axis
             blocks[sym] = k * data.draw(st.one_of(st.integers(1, min(3, top)), st.integers(1, top)),

@@ -1,0 +1,266 @@
+"""Ring attention over the GPUs of one host: correctness, scaling, longest N, link time.
+
+    torchrun --nproc_per_node 2 kernels/bench_multi_gpu.py [--out kernels/multi_gpu.json]
+
+The diagram is ``attention(heads=h).tile(q, "devices").stream(x, "devices")`` with FlashAttention
+inside each device (``stream(x, s_x).tile(q, g_q).tile(h, 1)``, blocks chosen by ``nc.lower``);
+``nc.torch_op`` runs it on NCCL, one process per GPU, the per-device work the generated fp32
+kernel.  Before any timing, every rank checks its output shard against a float64 reference on
+random data (and against the single-GPU kernel); a failure exits 1 before the table.
+
+Measured (CUDA events, medians over ``--reps`` runs, the slowest rank's time):
+* strong scaling: one GPU (the single-device kernel on rank 0) against the ring at the same N;
+* weak scaling: the ring at ``N * sqrt(world)`` (the same work per GPU) against one GPU at N;
+* longest N: doubling N until a call runs out of memory or would pass ``--max-seconds``
+  (extrapolated from the last, time growing as N^2), on one GPU and on the ring;
+* link time: the ring's block exchanges alone (no compute), against the cost model's
+  ``nc.cost(ring).devices(hw, sizes).link_seconds``; and the ring's time against its predicted
+  ``seconds`` (compute overlapped with the link).
+The table is printed last (rank 0); the JSON has every number.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat.core.hierarchy import DEVICES  # noqa: E402
+
+q, x, d, h = nc.axes("q x d h")
+ATTN = nc.library.attention(q=q, x=x, d=d, heads=h)
+
+
+def ring_diagram():
+    return ATTN.tile(q, DEVICES).stream(x, DEVICES).stream(x, "s_x").tile(q, "g_q").tile(h, 1)
+
+
+def single_diagram():
+    return ATTN.stream(x, "s_x").tile(q, "g_q").tile(h, 1)
+
+
+def log(rank, *a):
+    if rank == 0:
+        print(*a, flush=True)
+
+
+def timed(fn, reps, group_max=True):
+    """Median milliseconds of ``fn`` over ``reps`` runs (CUDA events), the slowest rank's."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    med = torch.tensor([statistics.median(ts)], device="cuda")
+    if group_max:
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return float(med.item())
+
+
+def data(H, N, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(H, N, D, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def shard(t, rank, world):
+    n = t.shape[1] // world
+    return t[:, rank * n:(rank + 1) * n].contiguous()
+
+
+def reference(Q, K, V):
+    s = torch.einsum("hqd,hxd->hqx", Q, K) / math.sqrt(Q.shape[-1])
+    return torch.einsum("hqx,hxd->hqd", torch.softmax(s, -1), V)
+
+
+def check(rank, world, H, D, N):
+    """Ring (fp32 kernel) and single-GPU kernel against the float64 reference, on every rank."""
+    Q, K, V = data(H, N, D, seed=1)
+    want = reference(Q, K, V)
+    dev = torch.device("cuda")
+    op = nc.torch_op(ring_diagram(), verify=True)
+    got = op(*(shard(t, rank, world).float().to(dev) for t in (Q, K, V)))
+    err_ring = (got.double().cpu() - shard(want, rank, world)).abs().max().item()
+    single = nc.lower(single_diagram().bind({q: N, x: N, d: D, h: H}), verify=True)
+    one = single(*(t.float().to(dev) for t in (Q, K, V)))
+    err_single = (one.double().cpu() - want).abs().max().item()
+    err_vs_single = (got.double().cpu() - shard(one.double().cpu(), rank, world)).abs().max().item()
+    errs = torch.tensor([err_ring, err_single, err_vs_single], device=dev)
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    errs = [float(e) for e in errs]
+    ok = errs[0] < 1e-4 and errs[1] < 1e-4
+    return {"N": N, "H": H, "d": D, "max_err_ring_vs_f64": errs[0], "max_err_single_vs_f64": errs[1],
+            "max_err_ring_vs_single": errs[2], "ok": ok, "path": op.last_path}
+
+
+class Runner:
+    def __init__(self, rank, world, H, D, reps):
+        self.rank, self.world, self.H, self.D, self.reps = rank, world, H, D, reps
+        self.ops, self.singles = {}, {}
+
+    def inputs(self, N, sharded):
+        g = torch.Generator(device="cuda").manual_seed(2)
+        n = N // self.world if sharded else N
+        return [torch.randn(self.H, n, self.D, device="cuda", generator=g) for _ in range(3)]
+
+    def ring(self, N):
+        op = self.ops.setdefault(N, nc.torch_op(ring_diagram(), verify=False))
+        Q, K, V = self.inputs(N, True)
+        return timed(lambda: op(Q, K, V), self.reps)
+
+    def single(self, N):
+        """The single-GPU kernel, timed on rank 0 only (the others wait at the barrier)."""
+        out = torch.zeros(1, device="cuda")
+        if self.rank == 0:
+            try:
+                if N not in self.singles:
+                    self.singles[N] = nc.lower(single_diagram().bind({q: N, x: N, d: self.D, h: self.H}),
+                                               verify=False)
+                k = self.singles[N]
+                Q, K, V = self.inputs(N, False)
+                out[0] = timed(lambda: k(Q, K, V), self.reps, group_max=False)
+            except torch.cuda.OutOfMemoryError:
+                out[0] = -1.0
+        dist.barrier()
+        dist.broadcast(out, 0)
+        if out.item() < 0:
+            raise torch.cuda.OutOfMemoryError(f"one GPU at N={N}")
+        return float(out.item())
+
+    def fits(self, N, sharded):
+        """Whether the inputs, outputs and ring buffers (about 10 arrays of a shard) fit."""
+        n = N // self.world if sharded else N
+        free = torch.tensor([torch.cuda.mem_get_info()[0]], device="cuda", dtype=torch.float64)
+        dist.all_reduce(free, op=dist.ReduceOp.MIN)
+        return 10 * 4 * self.H * n * self.D < 0.9 * free.item()
+
+    def link_only(self, N):
+        """The ring's exchanges without compute: world - 1 batched send/recv of a K and V block."""
+        n = N // self.world
+        cur = torch.randn(2 * self.H * n * self.D, device="cuda")
+        spare = torch.empty_like(cur)
+        to, frm = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+
+        def go():
+            nonlocal cur, spare
+            for _ in range(self.world - 1):
+                for r in dist.batch_isend_irecv([dist.P2POp(dist.isend, cur, to), dist.P2POp(dist.irecv, spare, frm)]):
+                    r.wait()
+                cur, spare = spare, cur
+        return timed(go, self.reps)
+
+
+def predicted(world, H, D, N, hw):
+    sizes = {q: N, x: N, d: D, h: H, DEVICES: world, "s_x": 64, "g_q": 64}
+    t = nc.cost(ring_diagram()).devices(hw, sizes)
+    return t
+
+
+def longest(run, fits, start, max_n, max_seconds):
+    """Largest N (doubling from ``start``) that runs, stopping before one that would not fit in
+    memory (checked on every rank first, so that no rank fails alone inside a collective), at an
+    out-of-memory error, or when the next call would pass ``max_seconds`` (time grows as N^2)."""
+    best, n, last = None, start, None
+    while n <= max_n:
+        if last is not None and last * 4 / 1e3 > max_seconds:
+            return best, "time budget"
+        if not fits(n):
+            return best, "memory (predicted)"
+        try:
+            last = run(n)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return best, "out of memory"
+        best, n = n, n * 2
+    return best, "max N"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--strong", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--weak", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--max-n", type=int, default=1 << 20)
+    ap.add_argument("--max-seconds", type=float, default=20.0)
+    ap.add_argument("--no-longest", action="store_true", help="skip the longest-N probe")
+    ap.add_argument("--out", default=str(Path(__file__).with_name("multi_gpu.json")))
+    args = ap.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    hw = nc.hardware.H200 if "H200" in torch.cuda.get_device_name() else nc.hardware.H100
+    H, D = args.heads, args.dim
+    res = {"device": torch.cuda.get_device_name(), "world": world, "heads": H, "d": D, "reps": args.reps,
+           "profile": hw.name, "link_bandwidth": hw.link_bandwidth, "link_latency": hw.link_latency}
+
+    log(rank, f"checking correctness on {world} x {res['device']} ...")
+    res["check"] = [check(rank, world, 2, D, 1024), check(rank, world, 3, D, 1000 * world)]
+    if not all(c["ok"] for c in res["check"]):
+        log(rank, "FAILED correctness:", json.dumps(res["check"], indent=1))
+        dist.destroy_process_group()
+        sys.exit(1)
+
+    run = Runner(rank, world, H, D, args.reps)
+    res["strong"] = []
+    for N in args.strong:
+        t1, tr = run.single(N), run.ring(N)
+        p = predicted(world, H, D, N, hw)
+        link = run.link_only(N)
+        res["strong"].append({"N": N, "one_gpu_ms": t1, "ring_ms": tr, "speedup": t1 / tr,
+                              "efficiency": t1 / tr / world, "link_only_ms": link,
+                              "predicted_link_ms": p.link_seconds * 1e3, "predicted_ring_ms": p.seconds * 1e3,
+                              "predicted_bandwidth_bound": p.bandwidth_bound})
+        log(rank, f"  strong N={N}: 1 GPU {t1:.2f} ms, ring {tr:.2f} ms, link {link:.3f} ms "
+                  f"(predicted {p.link_seconds * 1e3:.3f})")
+    res["weak"] = []
+    for N in args.weak:
+        N2 = int(round(N * math.sqrt(world) / (64 * world))) * 64 * world
+        t1, tr = run.single(N), run.ring(N2)
+        res["weak"].append({"N_one": N, "N_ring": N2, "one_gpu_ms": t1, "ring_ms": tr, "efficiency": t1 / tr})
+        log(rank, f"  weak N={N} -> {N2}: 1 GPU {t1:.2f} ms, ring {tr:.2f} ms")
+    if not args.no_longest:
+        start = args.strong[-1]
+        n1, why1 = longest(run.single, lambda n: run.fits(n, False), start, args.max_n, args.max_seconds)
+        n2, why2 = longest(run.ring, lambda n: run.fits(n, True), start, args.max_n, args.max_seconds)
+        res["longest"] = {"one_gpu": n1, "one_gpu_stop": why1, "ring": n2, "ring_stop": why2,
+                          "max_seconds": args.max_seconds}
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        print(f"\nring attention, {world} x {res['device']}, fp32, H={H}, d={D} (JSON: {args.out})")
+        c = res["check"][0]
+        print(f"correct: ring vs f64 {c['max_err_ring_vs_f64']:.1e}, ring vs 1 GPU {c['max_err_ring_vs_single']:.1e}")
+        print(f"{'N':>7} {'1 GPU ms':>9} {'ring ms':>9} {'speedup':>8} {'link ms':>8} {'pred link':>9} "
+              f"{'pred ring':>9} {'bw-bound':>8}")
+        for r in res["strong"]:
+            print(f"{r['N']:>7} {r['one_gpu_ms']:>9.2f} {r['ring_ms']:>9.2f} {r['speedup']:>8.2f} "
+                  f"{r['link_only_ms']:>8.3f} {r['predicted_link_ms']:>9.3f} {r['predicted_ring_ms']:>9.2f} "
+                  f"{str(r['predicted_bandwidth_bound']):>8}")
+        for r in res["weak"]:
+            print(f"weak: 1 GPU N={r['N_one']} {r['one_gpu_ms']:.2f} ms, ring N={r['N_ring']} "
+                  f"{r['ring_ms']:.2f} ms, efficiency {r['efficiency']:.2f}")
+        if "longest" in res:
+            lg = res["longest"]
+            print(f"longest N within {lg['max_seconds']} s: 1 GPU {lg['one_gpu']} ({lg['one_gpu_stop']}), "
+                  f"ring {lg['ring']} ({lg['ring_stop']})")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

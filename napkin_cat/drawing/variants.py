@@ -1,0 +1,89 @@
+"""``docs/variants.md``: the gallery of attention variants, drawn and written out.
+
+    python -m napkin_cat.drawing.variants [--out docs]
+
+For each entry of :data:`napkin_cat.library.variant_gallery.GALLERY`: the variant as a user
+writes it, its string diagram (``docs/variants/<name>.png``, drawn by :func:`.diagram.draw`),
+the index expression bound to the diagram's axes, the pseudocode of its loop nest (tiles of 64
+queries, chunks of 64 keys) and the share of the dense work the derived block sparsity leaves at
+N = 4096.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..core import Axis, axes
+from ..costmodel.model import cost
+from ..library import attention
+from ..library.variant_gallery import GALLERY, build
+from .diagram import draw
+
+N_COST, TILE = 4096, 64
+
+
+def _reads_heads(v) -> bool:
+    return any(role in v.code for role in ("h + 1", "hb[h]", "bb[b]"))
+
+
+def entry(v, out: Path) -> str:
+    q, x, d = axes("q x d")
+    heads = Axis("h") if _reads_heads(v) else None
+    batch = Axis("b") if _reads_heads(v) else None
+    dia = build(v, q, x, d, 16, heads=heads, batch=batch)
+    png = out / "variants" / f"{v.name}.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig = draw(dia, str(png), title=f"attention: {v.name}")
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    exprs = []
+    for e in dia.eqns:
+        fn = e.box.param("pred", None) or e.box.param("bias", None)
+        if fn is not None and fn.kind == "expr":
+            exprs.append(f"{e.box.kind}: {fn.expr}")
+    sizes = {q: N_COST, x: N_COST, d: 64, **({heads: 4} if heads else {}), **({batch: 2} if batch else {})}
+    big = build(v, q, x, d, N_COST, heads=heads, batch=batch).bind(sizes).stream("x", TILE).tile("q", TILE)
+    dense = attention(q=q, x=x, d=d, heads=heads, batch=batch).bind(sizes).stream("x", TILE).tile("q", TILE)
+    share = cost(big).flops["tensor"] / cost(dense).flops["tensor"]
+    pseudo = big.loop_nest().pseudocode(memory=False)
+    lines = [f"## {v.name}", "", v.doc + ".", "", "```python", v.code, "```", "",
+             f"![{v.name}](variants/{v.name}.png)", ""]
+    if exprs:
+        lines += ["Bound to the diagram's axes (`q` query, `x` key, `h` head, `b` batch):", "", "```"]
+        lines += exprs + ["```", ""]
+    lines += [f"Tensor work at N = {N_COST}, tiles of {TILE} x {TILE}: **{float(share):.3f}** of dense "
+              f"({'tiles skipped by the derived block sparsity' if share < 1 else 'no tile can be skipped'}).",
+              "", "<details><summary>pseudocode (loop nest)</summary>", "", "```", pseudo, "```", "", "</details>", ""]
+    return "\n".join(lines)
+
+
+HEADER = """# Attention variants as data
+
+Each variant below is written as a user writes it (FlexAttention's `score_mod(score, b, h, i, j)`
+and `mask_mod(b, h, i, j)`), traced once into an index expression
+(`napkin_cat/ops/index_expr.py`), and from that one definition gets its NumPy and torch meaning,
+its cost, the drawing and the generated kernel; the tiles a mask removes for a whole block of
+rows are derived from the expression (`napkin_cat/ops/index_support.py`), so the tiled executor,
+the cost model and the kernel skip them alike.  `tests/test_variants.py` checks each against an
+independent NumPy reference (`napkin_cat/library/variant_gallery.py`), tiled, and (slow tier)
+its kernel under the CUDA simulator.  Regenerate with `python -m napkin_cat.drawing.variants`.
+
+Semantics worth knowing: `window_size=0` keeps only the diagonal `j == i` (`None` is no window);
+gathers from `nc.aux` tensors clamp their indices into the tensor; a fully masked row gives 0;
+the roles are `i` query, `j` key, `b` batch, `h` query head (`kv_head * G + group` under GQA).
+
+"""
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="docs")
+    out = Path(ap.parse_args(argv).out)
+    text = HEADER + "\n".join(entry(v, out) for v in GALLERY)
+    (out / "variants.md").write_text(text)
+    print(f"wrote {out / 'variants.md'} and {len(GALLERY)} pictures in {out / 'variants'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Loads and stream loops of :class:`.emit.Emitter`: global -> shared copies of the inputs
+(element loops, or ``cp.async`` 16-byte copies of 16-bit inputs), stream loops with chunk
+skipping, prefetch into registers, and double buffering (through registers, or with
+``cp.async`` straight into the other buffer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ..relabel.loopnest import Load, Loop
+from .source import Code, CodeAlgebra, Source, paren as _paren, render_code
+
+
+class Loads:
+    """The load and stream-loop part of the renderer (see the module docstring)."""
+
+    def _emit_stream_loop(self, lp: Loop, src: Source):
+        if self.plan.prefetch == "double" and any(isinstance(n, Load) for n in lp.body):
+            return self._emit_double_buffered_loop(lp, src)
+        a = self.ax[lp.axis]
+        lo, hi = self._stream_bounds(lp, src)
+        loads = [n for n in lp.body if isinstance(n, Load)] if self.plan.prefetch else []
+        if loads:
+            src.comment(f"stream {a.name} in chunks of {a.cap}; each chunk's inputs are fetched into "
+                        f"registers one chunk ahead, so the global loads overlap the compute")
+            regs = {n.var: self.names.fresh(f"{self.types[n.var].name}_next") for n in loads}
+            for n in loads:
+                src(f"{regs[n.var]} = cuda.local.array({self.plan.load_plan(n.var)[1]}, {self._reg_type(n.var)})")
+            # a mask may start the loop past the axis (lo >= hi): then there is nothing to fetch
+            with src.maybe(None if lo == self.consts.u(0, "U0") else f"{lo} < {hi}"):
+                self._emit_fetch(loads, regs, lo, src, lp.axis)
+        else:
+            src.comment(f"stream {a.name} in chunks of {a.cap}")
+        with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
+            if a.ragged:
+                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
+            if loads:
+                for n in loads:
+                    self._emit_load(n.var, src, regs[n.var])
+                self.sync(src)
+                nxt = self.names.fresh(f"{a.name}_next")
+                src(f"{nxt} = {a.start} + {a.cap_c}")
+                with src.block(f"if {nxt} < {hi}:"):
+                    self._emit_fetch(loads, regs, nxt, src, lp.axis)
+            body = [n for n in lp.body if not (loads and isinstance(n, Load))]
+            self._emit_nodes(body, src)
+            self.pending_sync = True
+            self.sync(src)
+
+    def _emit_async_loop(self, lp: Loop, src: Source):
+        """Double buffering with ``cp.async`` (16-bit inputs, :meth:`_vector_ok`): chunk c + 1 is
+        copied into one buffer while chunk c is computed from the other, with no registers in
+        between; each thread waits for its own copies of chunk c, then one barrier."""
+        k = self.consts
+        a = self.ax[lp.axis]
+        lo, hi = self._stream_bounds(lp, src)
+        loads = [n for n in lp.body if isinstance(n, Load)]
+        bufs = [self.bufs[("var", n.var)] for n in loads]
+        src.comment(f"stream {a.name} in chunks of {a.cap}, double-buffered with cp.async: chunk c + 1 "
+                    f"is in flight while chunk c is computed")
+        stride = {b.name: k.u(b.stride, f"STRIDE_{b.name}", comment=f"words per copy of {b.name}") for b in bufs}
+        base = {b.name: (b.name if b.offset else k.u(0, "U0")) for b in bufs}
+
+        def issue(start: str, copy: str):
+            saved = self.ax[lp.axis]
+            self.ax[lp.axis] = replace(saved, start=start)
+            if saved.ragged:
+                cnt = self.names.fresh(f"len_{a.name}")
+                src(f"{cnt} = min({a.cap_c}, {a.size_c} - {start})")
+                self.ax[lp.axis] = replace(self.ax[lp.axis], count=cnt)
+            for n, b in zip(loads, bufs):
+                self.cur[b.key] = self.names.fresh(f"{b.name}_fill")
+                src(f"{self.cur[b.key]} = {base[b.name]} + {copy} * {stride[b.name]}")
+                self._vector_load(n.var, src, wait=False)
+            src("cp_async_commit()")
+            self.ax[lp.axis] = saved
+
+        par = self.names.fresh(f"buf_{a.name}")
+        src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
+        with src.block(f"if {lo} < {hi}:"):
+            issue(lo, k.u(0, "U0"))
+        with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
+            if a.ragged:
+                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
+            nxt = self.names.fresh(f"{a.name}_next")
+            src(f"{nxt} = {a.start} + {a.cap_c}")
+            with src.block(f"if {nxt} < {hi}:"):
+                issue(nxt, f"({k.u(1, 'U1')} - {par})")
+                src("cp_async_wait1()  # this chunk's copies have landed; the next one's may not")
+            with src.block("else:"):
+                src("cp_async_wait_all()")
+            src("cuda.syncthreads()")
+            for b in bufs:
+                self.cur[b.key] = self.names.fresh(f"{b.name}_cur")
+                src(f"{self.cur[b.key]} = {base[b.name]} + {par} * {stride[b.name]}")
+            self.pending_sync = False
+            self._emit_nodes([n for n in lp.body if not isinstance(n, Load)], src)
+            self.pending_sync = True
+            self.sync(src)
+            src(f"{par} = {k.u(1, 'U1')} - {par}")
+        for b in bufs:
+            del self.cur[b.key]
+
+    def _emit_double_buffered_loop(self, lp: Loop, src: Source):
+        if all(self._vector_ok(n.var) for n in lp.body if isinstance(n, Load)):
+            return self._emit_async_loop(lp, src)
+        k = self.consts
+        a = self.ax[lp.axis]
+        lo, hi = self._stream_bounds(lp, src)
+        loads = [n for n in lp.body if isinstance(n, Load)]
+        bufs = [self.bufs[("var", n.var)] for n in loads]
+        src.comment(f"stream {a.name} in chunks of {a.cap}, double-buffered: chunk c + 1 is fetched into "
+                    f"registers while chunk c is computed from one shared buffer, then stored into the "
+                    f"other; one barrier per chunk")
+        regs = {n.var: self.names.fresh(f"{self.types[n.var].name}_next") for n in loads}
+        for n in loads:
+            src(f"{regs[n.var]} = cuda.local.array({self.plan.load_plan(n.var)[1]}, {self._reg_type(n.var)})")
+        with src.block(f"if {lo} < {hi}:"):
+            self._emit_fetch(loads, regs, lo, src, lp.axis)
+            for n, b in zip(loads, bufs):
+                self.cur[b.key] = b.name if b.offset else k.u(0, "U0")
+                self._emit_load(n.var, src, regs[n.var])
+        self.pending_sync = True
+        self.sync(src)
+        par = self.names.fresh(f"buf_{a.name}")
+        src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
+        with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
+            if a.ragged:
+                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
+            stride = {}
+            for b in bufs:
+                stride[b.name] = k.u(b.stride, f"STRIDE_{b.name}", comment=f"floats per copy of {b.name}")
+                self.cur[b.key] = self.names.fresh(f"{b.name}_cur")
+                base = b.name if b.offset else k.u(0, "U0")
+                src(f"{self.cur[b.key]} = {base} + {par} * {stride[b.name]}")
+            nxt = self.names.fresh(f"{a.name}_next")
+            src(f"{nxt} = {a.start} + {a.cap_c}")
+            with src.block(f"if {nxt} < {hi}:"):
+                self._emit_fetch(loads, regs, nxt, src, lp.axis)
+            body = [n for n in lp.body if not isinstance(n, Load)]
+            self._emit_nodes(body, src)
+            with src.block(f"if {nxt} < {hi}:"):
+                cur = [self.cur[b.key] for b in bufs]
+                for n, b in zip(loads, bufs):
+                    base = b.name if b.offset else k.u(0, "U0")
+                    self.cur[b.key] = self.names.fresh(f"{b.name}_other")
+                    src(f"{self.cur[b.key]} = {base} + ({k.u(1, 'U1')} - {par}) * {stride[b.name]}")
+                    self._emit_load(n.var, src, regs[n.var])
+                for b, c in zip(bufs, cur):
+                    self.cur[b.key] = c
+            self.pending_sync = True
+            self.sync(src)
+            src(f"{par} = {k.u(1, 'U1')} - {par}")
+        for b in bufs:
+            del self.cur[b.key]
+
+    def _emit_fetch(self, loads, regs, start: str, src: Source, axis: str):
+        """Global -> registers for the chunk starting at ``start`` (a prefetch)."""
+        k = self.consts
+        for n in loads:
+            arr = self.types[n.var]
+            names, _ = self.plan.caps(arr.axis_names)
+            order = self._load_order(n.var)
+            total, per = self.plan.load_plan(n.var)
+            ax = saved = self.ax[axis]
+            ax = self.ax[axis] = replace(ax, start=start)   # the chunk being fetched
+            if ax.ragged:
+                cnt = self.names.fresh(f"len_{ax.name}")
+                src(f"{cnt} = min({ax.cap_c}, {ax.size_c} - {start})")
+                self.ax[axis] = replace(ax, count=cnt)
+            with src.block(f"for u in range({k.u(per)}):"):
+                src("e = tid + u * NTHREADS")
+                with src.maybe(f"e < {k.u(total)}" if total % self.T else None):
+                    env = {}
+                    self._decode(src, "e", order, env)
+                    raw = self.bufs[("var", n.var)].bits == 16
+                    g = f"{self.garg(n.var)}[{self.gindex(arr, env)}]" if raw else self.gread(n.var, env)
+                    cond = self.valid(names, env)
+                    if cond:
+                        src(f"{regs[n.var]}[u] = {g} if {cond} else {'ZERO16' if raw else k.f(0.0, 'ZERO')}")
+                    else:
+                        src(f"{regs[n.var]}[u] = {g}")
+            self.ax[axis] = saved
+
+    def _stream_bounds(self, lp: Loop, src: Source) -> tuple[str, str]:
+        """Chunks every score of which a mask sends to -inf contribute nothing to an online
+        softmax (or max / logsumexp): skip them.  The bounds are the supports of the masks
+        (:func:`napkin_cat.relabel.skipping.chunk_skips`) over the rows of the block's tile."""
+        k = self.consts
+        lo, hi = k.u(0, "U0"), self.ax[lp.axis].size_c
+        a = self.ax[lp.axis]
+        for s in self.plan.skips[lp.axis]:
+            r = self.ax[s.row]
+            first, end = s.pred.support(Code(r.start), Code(f"{r.start} + {r.count}"), CodeAlgebra)
+            later, earlier = s.pred.rule.skip_notes
+            end = render_code(end, k.u)
+            name = self.names.fresh(f"{a.name}_end")
+            src(f"{name} = min({hi}, {end})  # {later}")
+            hi = name
+            if first != 0:
+                first = render_code(first, k.u)
+                start = self.names.fresh(f"{a.name}_begin")
+                src(f"{start} = {_paren(first)} // {a.cap_c} * {a.cap_c}  # {earlier}")
+                lo = start
+        return lo, hi
+
+    # ---- loads and stores
+    def _emit_load(self, v: int, src: Source, from_regs: str | None = None):
+        arr = self.types[v]
+        b = self.bufs[("var", v)]
+        k = self.consts
+        names, caps = self.plan.caps(arr.axis_names)
+        order = self._load_order(v)
+        n = max(1, math.prod(caps))
+        env = {}
+        if from_regs:
+            src.comment(f"chunk of {arr}: registers -> shared {b.name} [{' '.join(b.axes)}]")
+            with src.block(f"for u in range({k.u(-(-n // self.T))}):"):
+                src("e = tid + u * NTHREADS")
+                with src.maybe(f"e < {k.u(n)}" if n % self.T else None):
+                    self._decode(src, "e", order, env)
+                    src(f"{self.swrite(b.key, env)} = {from_regs}[u]")
+            self.pending_sync = True
+            return
+        if self._vector_load(v, src):
+            return
+        src.comment(f"load {arr} -> shared {b.name} [{' '.join(b.axes)}]  (a fixed trip count: "
+                    f"the loop unrolls and every load is in flight before the first store)")
+        with src.block(f"for u in range({k.u(-(-n // self.T))}):"):
+            src("e = tid + u * NTHREADS")
+            with src.maybe(f"e < {k.u(n)}" if n % self.T else None):
+                self._decode(src, "e", order, env)
+                g = self.gread(v, env) if b.bits == 32 else f"{self.garg(v)}[{self.gindex(arr, env)}]"
+                cond = self.valid(names, env)
+                if cond:
+                    zero = k.f(0.0, 'ZERO') if b.bits == 32 else "ZERO16"
+                    src(f"{self.swrite(b.key, env)} = {g} if {cond} else {zero}")
+                else:
+                    src(f"{self.swrite(b.key, env)} = {g}")
+        self.pending_sync = True
+
+    def _reg_type(self, v: int) -> str:
+        return "int16" if self.bufs[("var", v)].bits == 16 else "float32"
+
+    def _vector_ok(self, v: int) -> bool:
+        """Whether input ``v`` is a 16-bit input whose block rows are whole 16-byte groups in
+        global memory and in its buffer (``cp.async`` applies)."""
+        arr = self.types[v]
+        b = self.bufs[("var", v)]
+        names, _ = self.plan.caps(arr.axis_names)
+        if b.bits != 16 or not names or b.axes[-1] != names[-1] or arr.axis_names[-1] != names[-1]:
+            return False
+        last = self.ax[names[-1]]
+        return not (last.cap % 8 or last.size % 8 or b.ld % 8)
+
+    def _vector_load(self, v: int, src: Source, wait: bool = True) -> bool:
+        """``cp.async`` of input ``v``'s block (:meth:`_vector_ok`), 16 bytes per thread and step,
+        zero-filled past a ragged end; then (``wait``) wait for them.  Returns False (nothing
+        emitted) where that does not apply."""
+        if not self._vector_ok(v):
+            return False
+        arr = self.types[v]
+        b = self.bufs[("var", v)]
+        names, caps = self.plan.caps(arr.axis_names)
+        last = self.ax[names[-1]]
+        k = self.consts
+        groups = math.prod(caps[:-1]) * (last.cap // 8)
+        src.comment(f"load {arr} -> shared {b.name} [{' '.join(b.axes)}]: cp.async, 16 bytes "
+                    f"(8 elements of {names[-1]}) per thread and step")
+        env = {}
+        with src.block(f"for u in range({k.u(-(-groups // self.T))}):"):
+            src("e = tid + u * NTHREADS")
+            with src.maybe(f"e < {k.u(groups)}" if groups % self.T else None):
+                self._decode(src, "e", (*names[:-1], "_g8"), env, caps={"_g8": k.u(last.cap // 8)})
+                col = self.names.fresh(last.index)
+                src(f"{col} = {env['_g8']} * {k.u(8)}")
+                env[names[-1]] = col
+                cond = self.valid(names, env) or "True"
+                src(f"cp_async16(smem16, {self.s16base(b.key)} + {self.sidx(b, env)}, {self.garg(v)}, "
+                    f"{self.gindex(arr, env)}, {cond})")
+        if wait:
+            src("cp_async_wait_all()")
+        self.pending_sync = True
+        return True
+
+    def _load_order(self, v: int) -> tuple[str, ...]:
+        """Axes in the order consecutive threads walk an input's elements: global order
+        (coalesced reads) unless the buffer is transposed and unpadded, then shared order
+        (conflict-free stores; such a buffer is loaded once, outside the stream loops)."""
+        names, _ = self.plan.caps(self.types[v].axis_names)
+        b = self.bufs[("var", v)]
+        if b.axes and names and b.axes[-1] != names[-1] and not b.pad:
+            return b.axes
+        return names

@@ -1,0 +1,92 @@
+"""The GPU side of :mod:`.tensorcore`: the linked PTX functions of ``tensorcore.cu`` and the
+numba device functions generated kernels call (imported only on a GPU: it imports numba.cuda).
+
+Shared-memory and global operands are passed as (array, element offset); ``addr_of`` turns an
+array into the generic address the PTX side converts (``cvta.to.shared``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from llvmlite import ir
+from numba import cuda, uint32
+
+from .devices import import_cuda
+
+CU_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensorcore.cu")
+
+_MMA = "UniTuple(float32, 4)(uint32, uint32, uint32, uint32, uint32, uint32, float32, float32, float32, float32)"
+SIGNATURES = {
+    "mma_f16": _MMA, "mma_bf16": _MMA,
+    "pack_f16": "uint32(float32, float32)", "pack_bf16": "uint32(float32, float32)",
+    "h2f": "float32(int16)", "bf2f": "float32(int16)", "f2h": "int16(float32)", "f2bf": "int16(float32)",
+    "ldsm_x4": "UniTuple(uint32, 4)(uint64)", "ldsm_x4_t": "UniTuple(uint32, 4)(uint64)",
+    "ldsm_x2": "UniTuple(uint32, 2)(uint64)", "ldsm_x2_t": "UniTuple(uint32, 2)(uint64)",
+    "cp_async16": "int32(uint64, uint64, int32)", "cp_async_wait_all": "int32()",
+    "cp_async_commit": "int32()", "cp_async_wait1": "int32()",
+}
+"""The linked functions of ``tensorcore.cu`` (``nc_`` + name) and their numba signatures; the
+``ldsm_*`` and ``cp_async16`` that kernels call wrap them (:mod:`.tensorcore_gpu`)."""
+
+import_cuda()
+try:  # numba-cuda's own extension API, else numba's
+    from numba.cuda.extending import intrinsic
+    from numba.cuda import types as _types
+except ImportError:  # pragma: no cover - older layouts
+    from numba.core.extending import intrinsic
+    from numba.core import types as _types
+
+
+@intrinsic
+def addr_of(typingctx, arr):
+    """The generic address (uint64) of an array's first element."""
+    sig = _types.uint64(arr)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.ptrtoint(ary.data, ir.IntType(64))
+
+    return sig, codegen
+
+
+_linked = {name: cuda.declare_device(f"nc_{name}", sig, link=CU_FILE) for name, sig in SIGNATURES.items()}
+mma_f16, mma_bf16 = _linked["mma_f16"], _linked["mma_bf16"]
+pack_f16, pack_bf16 = _linked["pack_f16"], _linked["pack_bf16"]
+h2f, bf2f, f2h, f2bf = _linked["h2f"], _linked["bf2f"], _linked["f2h"], _linked["f2bf"]
+_ldsm_x4, _ldsm_x4_t = _linked["ldsm_x4"], _linked["ldsm_x4_t"]
+_ldsm_x2, _ldsm_x2_t = _linked["ldsm_x2"], _linked["ldsm_x2_t"]
+_cp16, cp_async_wait_all = _linked["cp_async16"], _linked["cp_async_wait_all"]
+cp_async_commit, cp_async_wait1 = _linked["cp_async_commit"], _linked["cp_async_wait1"]
+
+
+@cuda.jit(device=True, inline=True)
+def ldsm_x4(smem16, off):
+    return _ldsm_x4(addr_of(smem16) + uint32(off) * uint32(2))
+
+
+@cuda.jit(device=True, inline=True)
+def ldsm_x4_t(smem16, off):
+    return _ldsm_x4_t(addr_of(smem16) + uint32(off) * uint32(2))
+
+
+@cuda.jit(device=True, inline=True)
+def ldsm_x2(smem16, off):
+    return _ldsm_x2(addr_of(smem16) + uint32(off) * uint32(2))
+
+
+@cuda.jit(device=True, inline=True)
+def ldsm_x2_t(smem16, off):
+    return _ldsm_x2_t(addr_of(smem16) + uint32(off) * uint32(2))
+
+
+@cuda.jit(device=True, inline=True)
+def cp_async16(smem16, soff, src16, goff, valid):
+    if valid:
+        return _cp16(addr_of(smem16) + uint32(soff) * uint32(2), addr_of(src16) + goff * 2, 16)
+    return _cp16(addr_of(smem16) + uint32(soff) * uint32(2), addr_of(src16), 0)
+
+
+PRIMITIVES = {name: globals()[name] for name in (
+    "mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf", "ldsm_x4", "ldsm_x4_t",
+    "ldsm_x2", "ldsm_x2_t", "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")}

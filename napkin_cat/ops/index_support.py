@@ -1,0 +1,168 @@
+"""Block sparsity derived from a mask's definition: the columns a block of rows can keep.
+
+:func:`support` reads an index expression (:mod:`.index_expr`) over the algebra of
+:mod:`napkin_cat.ops.index` (ints for the tiled executor, sympy for the cost model, code for
+the kernel's chunk bounds): comparisons linear in ``(i, j)`` (``j <= i + c``, ``i - j < w``,
+``abs(i - j) <= w``, ``j < P``), blocks ``i // b == j // b``, joined by ``&`` (intersection),
+``|`` (hull) and ``~`` (pushed onto the comparisons).  Anything else (a gather, a head index,
+a non-linear term) may keep every column: the bound stays open and nothing is skipped.
+:func:`keeps_neg_inf` says whether a score modification keeps a masked score masked.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .index_expr import _CMP, NEG_INF, Ix
+
+_FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+_NEGATE = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
+
+
+def linear(e: Ix) -> dict | None:
+    """``e`` as ``{leaf: int coefficient, 1: constant}`` when it is an integer-linear
+    combination of ``idx`` leaves; None otherwise."""
+    if e.op == "idx" and e.value != "score":
+        return {e.value: 1}
+    if e.op == "const" and isinstance(e.value, int) and not isinstance(e.value, bool):
+        return {1: e.value}
+    if e.op in ("add", "sub"):
+        a, b = linear(e.args[0]), linear(e.args[1])
+        if a is None or b is None:
+            return None
+        s = 1 if e.op == "add" else -1
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = out.get(k, 0) + s * v
+        return out
+    if e.op == "neg":
+        a = linear(e.args[0])
+        return None if a is None else {k: -v for k, v in a.items()}
+    if e.op == "mul":
+        a, b = linear(e.args[0]), linear(e.args[1])
+        if a is None or b is None:
+            return None
+        for x, y in ((a, b), (b, a)):
+            if set(y) <= {1}:
+                return {k: v * y.get(1, 0) for k, v in x.items()}
+    return None
+
+
+def support(e: Ix, r0, r1, al, i: str = "i", j: str = "j"):
+    """``(lo, hi)`` with ``lo <= j < hi`` for every ``(i, j)`` that ``e`` keeps with ``i`` in
+    ``[r0, r1)``, over the algebra ``al``; ``hi`` None when nothing bounds it from above."""
+    return _sup(e, r0, r1, al, i, j, False)
+
+
+def _sup(e, r0, r1, al, i, j, neg):
+    op = e.op
+    if op == "const" and isinstance(e.value, bool):
+        return (0, 0) if e.value == neg else (0, None)
+    if op == "invert" and e.dtype == "bool":
+        return _sup(e.args[0], r0, r1, al, i, j, not neg)
+    if op in ("and", "or") and e.dtype == "bool":
+        a = _sup(e.args[0], r0, r1, al, i, j, neg)
+        b = _sup(e.args[1], r0, r1, al, i, j, neg)
+        conj = (op == "and") != neg
+        return _meet(a, b, al) if conj else _hull(a, b, al)
+    if op in _CMP:
+        cmp = _NEGATE[op] if neg else op
+        return _compare(cmp, e.args[0], e.args[1], r0, r1, al, i, j)
+    return (0, None)
+
+
+def _meet(a, b, al):
+    lo = b[0] if a[0] == 0 else a[0] if b[0] == 0 else al.max(a[0], b[0])
+    hi = b[1] if a[1] is None else a[1] if b[1] is None else al.min(a[1], b[1])
+    return lo, hi
+
+
+def _hull(a, b, al):
+    if a == (0, 0):
+        return b
+    if b == (0, 0):
+        return a
+    lo = 0 if a[0] == 0 or b[0] == 0 else al.min(a[0], b[0])
+    hi = None if a[1] is None or b[1] is None else al.max(a[1], b[1])
+    return lo, hi
+
+
+def _compare(cmp, x, y, r0, r1, al, i, j):
+    # |u| <= w (w >= 0 a constant) is -w <= u <= w
+    for p, q, c in ((x, y, cmp), (y, x, _FLIP[cmp])):
+        if p.op == "abs" and c in ("le", "lt") and linear(q) is not None and set(linear(q)) <= {1}:
+            u = p.args[0]
+            return _meet(_compare(c, u, q, r0, r1, al, i, j), _compare(c, -u, q, r0, r1, al, i, j), al)
+    # i // b == j // b (a block of b positions)
+    if cmp == "eq" and x.op == "floordiv" and y.op == "floordiv":
+        kx, ky = linear(x.args[1]), linear(y.args[1])
+        if kx and ky and set(kx) == {1} == set(ky) and kx[1] == ky[1] and kx[1] > 0:
+            bsz = kx[1]
+            names = {(x.args[0].op, x.args[0].value), (y.args[0].op, y.args[0].value)}
+            if names == {("idx", i), ("idx", j)}:
+                return r0 // bsz * bsz, (r1 + (bsz - 1)) // bsz * bsz
+    lx, ly = linear(x), linear(y)
+    if lx is None or ly is None:
+        return (0, None)
+    d = dict(lx)
+    for k, v in ly.items():
+        d[k] = d.get(k, 0) - v          # d(i, j) = x - y  (cmp) 0
+    if set(d) - {i, j, 1}:
+        return (0, None)
+    cj, ci, c = d.get(j, 0), d.get(i, 0), d.get(1, 0)
+    if cj == 0:
+        return (0, None)
+    if cj < 0:
+        cj, ci, c, cmp = -cj, -ci, -c, _FLIP[cmp]
+    if cj != 1:
+        return (0, None)
+    # j (cmp) -ci * i - c  =  k i + m
+    k, m = -ci, -c
+    if k < 0:
+        return (0, None)
+    if cmp == "lt":
+        cmp, m = "le", m - 1
+    elif cmp == "gt":
+        cmp, m = "ge", m + 1
+    if cmp == "ne":
+        return (0, None)
+    lo = hi = None
+    if cmp in ("le", "eq"):     # j <= k i + m: the largest over the rows, plus one
+        hi = _affine(r1, k, m + 1 - k, al) if k else max(m + 1, 0)
+    if cmp in ("ge", "eq"):     # j >= k i + m: the smallest over the rows
+        lo = _affine(r0, k, m, al) if k else max(m, 0)
+    return (0 if lo is None else lo), hi
+
+
+def _affine(r, k, m, al):
+    """``max(k r + m, 0)`` over the algebra (``k >= 1``)."""
+    base = r if k == 1 else r * k
+    return base + m if m >= 0 else al.sat_sub(base, -m)
+
+
+def keeps_neg_inf(e: Ix) -> bool:
+    """``e`` (a score modification) maps a score of ``-inf`` to ``-inf`` and is increasing in
+    the score: a mask applied before it stays a mask (conservative: a sum with a score-free
+    term, a positive scale, a where keeping ``-inf``)."""
+    if e.op == "idx" and e.value == "score":
+        return True
+    if not e.uses_score():
+        return False
+    if e.op in ("add", "sub"):
+        a, b = e.args
+        if e.op == "add" and not a.uses_score():
+            a, b = b, a
+        return keeps_neg_inf(a) and not b.uses_score() and not _can_be_inf(b)
+    if e.op in ("mul", "truediv"):
+        a, b = e.args
+        if e.op == "mul" and not a.uses_score():
+            a, b = b, a
+        return keeps_neg_inf(a) and b.op == "const" and float(b.value) > 0
+    if e.op == "where":
+        return all(keeps_neg_inf(x) or (x.op == "const" and x.value == NEG_INF) for x in e.args[1:])
+    return False
+
+
+def _can_be_inf(e: Ix) -> bool:
+    return any(n.op == "gather" or (n.op == "const" and isinstance(n.value, float) and not math.isfinite(n.value))
+               or n.op in ("fn", "exp2", "log2", "truediv") for n in e.walk())

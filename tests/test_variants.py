@@ -1,0 +1,196 @@
+"""Attention variants as data (issue 11): index expressions, tracing, derived block sparsity,
+the gallery against independent NumPy references (fast), and its kernels under the simulator
+(slow tier)."""
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")   # kernels run in the simulator without a GPU
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat.core.errors import NapkinError, TypingError  # noqa: E402
+from napkin_cat.costmodel.skips import SympyAlgebra  # noqa: E402
+from napkin_cat.library.variant_gallery import GALLERY, build, reference_attention  # noqa: E402
+from napkin_cat.ops.index import IntAlgebra  # noqa: E402
+from napkin_cat.ops.index_expr import TraceError  # noqa: E402
+
+Bn, H, G, N, D = 2, 2, 2, 10, 4
+q, x, d, h, b, g = nc.axes("q x d h b g")
+SIZES = {q: N, x: N, d: D, h: H, b: Bn, g: G}
+
+
+def _problem(v, seed=0):
+    rng = np.random.default_rng(seed)
+    Q = rng.standard_normal((Bn, H, G, N, D)).astype(np.float32)
+    K, V = (rng.standard_normal((Bn, H, N, D)).astype(np.float32) for _ in range(2))
+    dia = build(v, q, x, d, N, heads=h, batch=b, groups=g).bind(SIZES)
+    A = v.aux(N, H * G, Bn, rng)
+    extra = [A[a.name] for a in dia.dom[3:]]
+    return dia, (Q, K, V, *extra), reference_attention(v, Q, K, V, A, 1 / np.sqrt(D))
+
+
+@pytest.mark.parametrize("v", GALLERY, ids=lambda v: v.name)
+def test_gallery_variant_matches_its_independent_numpy_reference(v):
+    dia, args, ref = _problem(v)
+    np.testing.assert_allclose(nc.evaluate(dia, *args), ref, atol=1e-12)
+    tiled = dia.stream("x", 4).tile("q", 4)
+    np.testing.assert_allclose(nc.evaluate(tiled, *args), ref, atol=1e-12)
+
+
+@pytest.mark.parametrize("v", GALLERY, ids=lambda v: v.name)
+def test_gallery_block_sparsity_is_derived_and_counted(v):
+    dia, _, _ = _problem(v)
+    tiled = dia.stream("x", 4).tile("q", 4)
+    dense = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, groups=g).bind(SIZES).stream("x", 4).tile("q", 4)
+    ratio = nc.cost(tiled).flops["tensor"] / nc.cost(dense).flops["tensor"]
+    assert (ratio < 1) == v.block_sparse, ratio
+
+
+def _brute(pred, n=24):
+    i, j = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    return np.broadcast_to(pred(i, j), (n, n))
+
+
+MASKS = {
+    "causal+3": lambda b_, h_, i, j: j <= i + 3,
+    "window": lambda b_, h_, i, j: (j <= i) & (i - j <= 5),
+    "window0": lambda b_, h_, i, j: (j <= i) & (i - j <= 0),
+    "abs": lambda b_, h_, i, j: abs(i - j) <= 2,
+    "prefix": lambda b_, h_, i, j: (j <= i) | (j < 7),
+    "blocks": lambda b_, h_, i, j: i // 5 == j // 5,
+    "not": lambda b_, h_, i, j: ~(j > i),
+    "strided": lambda b_, h_, i, j: (j <= 2 * i + 1) & (j >= i - 3),
+    "anti": lambda b_, h_, i, j: j >= i,
+    "mod": lambda b_, h_, i, j: (i + j) % 3 == 0,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_derived_support_contains_every_kept_column(name):
+    pred = nc.mask_mod(MASKS[name])
+    keep = _brute(pred)
+    for r0 in range(0, 24, 3):
+        for r1 in range(r0 + 1, min(r0 + 7, 24) + 1, 2):
+            lo, hi = pred.support(r0, r1, IntAlgebra)
+            cols = np.nonzero(keep[r0:r1].any(0))[0]
+            if len(cols):
+                assert lo <= cols.min() and (hi is None or cols.max() < hi), (r0, r1, lo, hi, cols)
+
+
+def test_derived_support_is_tight_for_the_common_masks():
+    assert nc.mask_mod(MASKS["window"]).support(8, 12, IntAlgebra) == (3, 12)
+    assert nc.mask_mod(MASKS["blocks"]).support(6, 9, IntAlgebra) == (5, 10)
+    assert nc.mask_mod(MASKS["prefix"]).support(2, 4, IntAlgebra) == (0, 7)
+    assert nc.mask_mod(MASKS["window0"]).support(8, 12, IntAlgebra) == (8, 12)
+    assert not nc.mask_mod(MASKS["mod"]).bounded() and not nc.mask_mod(MASKS["anti"]).bounded()
+    import sympy as sp
+    r = sp.Symbol("r", nonnegative=True)
+    assert nc.mask_mod(MASKS["window"]).support(r, r + 4, SympyAlgebra) == (sp.Max(r - 5, 0), r + 4)
+
+
+def test_mask_mod_matches_the_builtin_predicates_in_cost():
+    def cost(**kw):
+        return nc.cost(nc.library.attention(q=q, x=x, d=d, **kw).bind({q: 64, x: 64, d: 8})
+                       .stream("x", 8).tile("q", 16)).flops["tensor"]
+    assert cost(mask=lambda b_, h_, i, j: (j <= i) & (i - j <= 9)) == cost(window_size=9)
+    assert cost(mask=lambda b_, h_, i, j: i // 16 == j // 16) == cost(mask=nc.block_diagonal(16))
+    assert cost(mask=lambda b_, h_, i, j: j <= i) == cost(causal=True)
+
+
+def test_window_size_zero_keeps_only_the_diagonal():
+    rng = np.random.default_rng(1)
+    Q, K, V = (rng.standard_normal((5, 3)) for _ in range(3))
+    out = nc.evaluate(nc.library.attention(q=q, x=x, d=d, window_size=0), Q, K, V)
+    np.testing.assert_allclose(out, V)
+    out = nc.evaluate(nc.library.attention(q=q, x=x, d=d, mask=nc.window(0)), Q, K, V)
+    np.testing.assert_allclose(out, V)
+
+
+def test_score_mod_lowers_to_known_boxes_and_keeps_gradients():
+    sl = nc.aux("sl", nc.Axis("nh", 2))
+    dia = nc.library.attention(q=q, x=x, d=d, heads=h, causal=True,
+                               score_mod=lambda s, b_, h_, i, j: nc.ix.tanh(s / 3.0) * 3.0 + sl[h_] * (j - i))
+    kinds = [e.box.kind for e in dia.eqns]
+    assert kinds.count("index_bias") == 1 and "tanh" in [e.box.param("fn", None) for e in dia.eqns]
+    rng = np.random.default_rng(2)
+    Q, K, V = (rng.standard_normal((2, 6, 3)) for _ in range(3))
+    slv = np.array([0.5, -0.25])
+    gd = nc.grad(dia.bind({q: 6, x: 6, d: 3, h: 2}))
+    dQ = nc.evaluate(gd, Q, K, V, slv, np.ones((2, 6, 3)))[0]
+    f = lambda Q_: nc.evaluate(dia, Q_, K, V, slv).sum()
+    E = np.zeros_like(Q)
+    E[1, 3, 2] = 1e-6
+    assert abs(dQ[1, 3, 2] - (f(Q + E) - f(Q - E)) / 2e-6) < 1e-6
+
+
+@pytest.mark.slow   # importing torch alone takes seconds
+def test_index_expressions_have_torch_semantics():
+    torch = pytest.importorskip("torch")
+    doc = nc.aux("doc", nc.Axis("n", 6))
+    dia = nc.library.attention(q=q, x=x, d=d, mask=lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i),
+                               score_mod=lambda s, b_, h_, i, j: s + (i - j) / 4).bind({q: 6, x: 6, d: 3})
+    rng = np.random.default_rng(3)
+    args = [rng.standard_normal((6, 3)) for _ in range(3)] + [np.array([0, 0, 1, 1, 1, 2.0])]
+    fn = nc.to_torch(dia)
+    out = fn(*(torch.tensor(a) for a in args))
+    np.testing.assert_allclose(out.detach().numpy(), nc.evaluate(dia, *args), atol=1e-12)
+
+
+@pytest.mark.parametrize("fn, why", [
+    (lambda b_, h_, i, j: i > j and j > 0, "no truth value"),
+    (lambda b_, h_, i, j: np.zeros(3)[i] > 0, "nc.aux"),
+    (lambda b_, h_, i, j: i + j, "must return a condition"),
+    (lambda b_, h_, i, j: 1 / 0, "ZeroDivisionError"),
+    (lambda b_, h_, i, j: __import__("math").tanh(i) > 0, "nc.ix"),
+    (lambda b_, h_, i, j: (i << 1) > j, "shifts"),
+])
+def test_tracing_refuses_what_it_cannot_follow_with_the_reason(fn, why):
+    with pytest.raises(TraceError, match=why):
+        nc.mask_mod(fn)
+
+
+def test_refusals_name_what_is_wrong():
+    with pytest.raises(TypingError, match="ignores the score"):
+        nc.score_mod(lambda s, b_, h_, i, j: i - j)
+    with pytest.raises(TypingError, match="index-dependent"):
+        nc.library.attention(q=q, x=x, d=d, score_mod=lambda s, b_, h_, i, j: s * (i - j))
+    with pytest.raises(TypingError, match="no heads"):
+        nc.library.attention(q=q, x=x, d=d, mask=lambda b_, h_, i, j: h_ == 0)
+    with pytest.raises(TypingError, match="axis of the attention"):
+        tb = nc.aux("tb", x)
+        nc.library.attention(q=q, x=x, d=d, bias=nc.bias_mod(lambda b_, h_, i, j: tb[j]))
+    with pytest.raises(TypingError, match="softcap"):
+        nc.library.attention(q=q, x=x, d=d, softcap=0)
+    with pytest.raises(TypingError, match="has 1 axes"):
+        nc.aux("t", nc.Axis("n", 4))[1, 2]
+    with pytest.raises(TypingError, match="library.attention"):
+        B = nc.Builder()
+        S = B.input("S", q, x)
+        B.mask(S, q, x, nc.mask_mod(lambda b_, h_, i, j: h_ == 0))
+    assert issubclass(TraceError, NapkinError)
+
+
+def test_a_custom_python_predicate_still_refuses_to_lower_with_the_reason():
+    dia = nc.library.attention(q=q, x=x, d=d, mask=nc.predicate(lambda i, j: j <= i)).bind({q: 8, x: 8, d: 4})
+    with pytest.raises(nc.LoweringError, match="custom predicate"):
+        nc.lower(dia, tiles={"q": 4, "x": 4}, threads=16)
+
+
+def test_generated_code_comes_from_the_expression():
+    doc = nc.aux("doc", nc.Axis("n", 8))
+    dia = nc.library.attention(q=q, x=x, d=d, mask=lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i),
+                               score_mod=lambda s, b_, h_, i, j: s + abs(i - j) * 0.5).bind({q: 8, x: 8, d: 4})
+    src = nc.lower(dia, tiles={"q": 4, "x": 4}, threads=16).source
+    assert "smem[doc_s + min(max(int(q0 + " in src and "abs((int(" in src
+    assert "x_end = min(" in src     # chunks past the causal part are skipped (derived)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("v", GALLERY, ids=lambda v: v.name)
+def test_gallery_kernel_matches_the_reference_in_the_simulator(v):
+    dia, args, ref = _problem(v)
+    kernel = nc.lower(dia.stream("x", 4).tile("q", 4), threads=16)
+    out = kernel(*args)
+    assert np.abs(out - ref).max() < 1e-5
