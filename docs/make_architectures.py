@@ -50,7 +50,8 @@ def main(names=None) -> str:
         c = nc.cost(d)
         try:
             k = nc.lower(d.bind(sizes), verify=False)
-            lowered = f"lowers to one kernel: `{k.source.splitlines()[0]}`"
+            lowered = (f"lowers to {len(k.kernels)} kernels: {', '.join(f'`{kk.name}`' for kk in k.kernels)}"
+                       if hasattr(k, "kernels") else f"lowers to one kernel: `{k.source.splitlines()[0]}`")
         except nc.NapkinError as e:
             text = " ".join(str(e).split())
             text = text.split("for lowering: ", 1)[-1] if text.startswith("cannot relabel") else text

@@ -142,7 +142,8 @@ def time_attention(dt, N, D, causal, BH, tiles, threads, peers=True, prefetch=Fa
     assert not torch.isnan(O).any(), "NaNs left in the output"
     flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
     ms = cuda_time(run)
-    res = {"kind": "attention", "dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH, "tiles": tiles,
+    res = {"kind": "attention", "dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH,
+           "tiles": tiles or {r.axis: r.size for r in k.diagram.schedule if r.op in ("tile", "stream") and r.size != 1},
            "prefetch": prefetch,
            "rel_err": err, "ok": err < TOL[dt], "ms": ms, "tflops": flops / ms / 1e9, "compile_s": compile_s,
            **info(k)}
@@ -196,7 +197,7 @@ def flex(Q, K, V, causal, N) -> dict:
 def matmul_case(dt, M, tiles, threads, peers=True, check_only=False, prefetch=False) -> dict:
     a, b, c = nc.axes("a b c")
     dia = nc.library.matmul(a=a, b=b, c=c, dtype=NDT[dt]).bind({a: M, b: M, c: M})
-    k = nc.lower(dia, tiles=tiles, threads=threads, verify=False, prefetch=prefetch)
+    k = nc.lower(dia, tiles=tiles or None, threads=threads or None, verify=False, prefetch=prefetch)
     g = torch.Generator(device=DEV).manual_seed(0)
     A = torch.randn(M, M, device=DEV, generator=g).to(TDT[dt])
     Bm = torch.randn(M, M, device=DEV, generator=g).to(TDT[dt])
@@ -261,8 +262,9 @@ def main(argv=None):
         for causal in (False, True):
             for dt in dtypes:
                 for (tq, tx, T, pf) in cfgs:
-                    try:
-                        r = time_attention(dt, N, D, causal, 32 if N <= 4096 else 16, {"q": tq, "x": tx}, T,
+                    try:   # a config of zeros: the tiles and threads nc.lower chooses itself
+                        r = time_attention(dt, N, D, causal, 32 if N <= 4096 else 16,
+                                           {"q": tq, "x": tx} if tq else None, T or None,
                                            peers=(tq, tx, T, pf) == cfgs[0] and dt == dtypes[0],
                                            prefetch=PREFETCH[pf])
                     except Exception as e:  # noqa: BLE001
@@ -275,7 +277,7 @@ def main(argv=None):
     for M in ((4096,) if args.quick else (4096, 8192)):
         for dt, (ta, tc, tb, T, pf) in [(dt, c) for dt in dtypes for c in mcfgs]:
             try:
-                r = matmul_case(dt, M, {"a": ta, "c": tc, "b": tb}, T, prefetch=PREFETCH[pf],
+                r = matmul_case(dt, M, {"a": ta, "c": tc, "b": tb} if ta else None, T, prefetch=PREFETCH[pf],
                                 peers=dt == dtypes[0] and (ta, tc, tb, T, pf) == mcfgs[0])
             except Exception as e:  # noqa: BLE001
                 r = {"kind": "matmul", "dtype": dt, "N": M, "error": f"{type(e).__name__}: {str(e)[:300]}"}

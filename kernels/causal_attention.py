@@ -167,6 +167,7 @@ def causal_attention(Q, K, V, O):
     x_end = min(N_x, q0 + TILE_q)  # later chunks are masked for every row of the tile
     # stream x in chunks of 64
     for x0 in range(U0, x_end, CHUNK_x):
+        x_full = x0 + CHUNK_x <= q0 + U1  # the mask keeps the whole chunk: its arithmetic is skipped
         # load K[b=2 h=8 x=4096 d=64] f32 -> shared K_s [d x]  (a fixed trip count: the loop unrolls and every load is in flight before the first store)
         for u in range(U16):
             e = tid + u * NTHREADS
@@ -277,7 +278,7 @@ def causal_attention(Q, K, V, O):
             for j in range(U8):
                 i_x10 = tx * U4 + j // U4 * U32 + j % U4
                 S_4 = (S_regs[i, j]) * C_SCALE
-                S_5 = S_4 if (x0 + i_x10) <= (q0 + i_q11) else NEG_INF
+                S_5 = S_4 if (x_full or (x0 + i_x10) <= (q0 + i_q11)) else NEG_INF
                 S_regs[i, j] = S_5
         # row statistics: 8 lanes per row (warp shuffles; shared memory in the simulator); weights -> warp-private O_p_s
         for i in range(U4):

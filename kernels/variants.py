@@ -7,10 +7,14 @@ float64 reference on random inputs before it is timed, and PyTorch's SDPA / cuBL
 the same run.  Prints a table last and writes variants.json to ``--out`` (``$OUT`` on the device).
 
 ``--only flex``: attention variants written as data (issue 11: relative bias, per-head ALiBi,
-sliding window, block-diagonal, document mask, soft-cap; ``FLEX`` below), N = 4096, d = 64,
-B * H = 32, fp32, each against FlexAttention compiled with the block mask it would use, SDPA
-dense as a yardstick.  One definition per variant: the napkin_cat diagram is built from the
-same Python functions FlexAttention receives.
+sliding window, block-diagonal, document mask, the document mask with its block table
+(``nc.blocked`` / ``nc.block_table``: data-dependent tile skipping), soft-cap; ``FLEX`` below),
+N = 4096, d = 64, B * H = 32, each in fp32 (CUDA cores) and in fp16 (tensor cores, the mma
+engine; ``--dtypes``), each against FlexAttention compiled with the block mask it would use on
+inputs of the same dtype, SDPA dense as a yardstick.  One definition per variant: the
+napkin_cat diagram is built from the same Python functions FlexAttention receives.
+
+    python kernels/variants.py --only flex --dtypes f32,f16
 """
 
 from __future__ import annotations
@@ -130,6 +134,9 @@ def matmul_variant(M, tiles, pf, sw, gen):
 # --------------------------------------------------------------------------- variants as data vs FlexAttention
 
 FLEX_N, FLEX_D, FLEX_B, FLEX_H, WINDOW, BLOCK = 4096, 64, 2, 16, 256, 64
+TABLE_BLOCK = 128     # FlexAttention's default block size
+FLEX_TILES = {"f32": ({"q": 128, "x": 64}, 256, False), "f16": ({"q": 64, "x": 64}, 128, "double")}
+TORCH_DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _doc_ids(n, gen):
@@ -160,8 +167,15 @@ def flex_variants(gen):
     blk = lambda b, h, i, j: i // BLOCK == j // BLOCK
     out["block_diagonal"] = (dict(mask=blk), None, blk, {})
     dd = nc.aux("doc", n_ax)
-    out["document"] = (dict(mask=lambda b, h, i, j: (dd[i] == dd[j]) & (j <= i)), None,
+    doc_mask = nc.mask_mod(lambda b, h, i, j: (dd[i] == dd[j]) & (j <= i))
+    out["document"] = (dict(mask=doc_mask), None,
                        lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), {"doc": doc.float()})
+    # the same mask reading its block table (computed once on the device, like create_block_mask)
+    nb = -(-FLEX_N // TABLE_BLOCK)
+    bt = nc.aux("bt", nc.Axis("rb", nb), nc.Axis("cb", nb))
+    table = nc.block_table(doc_mask, FLEX_N, FLEX_N, TABLE_BLOCK, TABLE_BLOCK, {"doc": doc.float()})
+    out["document_table"] = (dict(mask=nc.blocked(doc_mask, bt, TABLE_BLOCK, TABLE_BLOCK)), None,
+                             lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), {"doc": doc.float(), "bt": table})
     cap = 20.0
     out["softcap"] = (dict(softcap=cap, causal=True), lambda s, b, h, i, j: torch.tanh(s / cap) * cap,
                       lambda b, h, i, j: j <= i, {})
@@ -184,15 +198,20 @@ def _flex_reference(Q, K, V, score, mask, rows, heads):
     return torch.matmul(torch.softmax(S, dim=-1), v)
 
 
-def flex_variant(name, spec, gen, tiles=None):
+def flex_variant(name, spec, gen, tiles=None, dt="f32"):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     kw, score, mask, aux_tensors = spec
     N, D, B, H = FLEX_N, FLEX_D, FLEX_B, FLEX_H
     q, x, d, h, b = nc.axes("q x d h b")
-    dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, **kw).bind({q: N, x: N, d: D, h: H, b: B})
-    kernel = nc.lower(dia, tiles=tiles or {"q": 128, "x": 64}, threads=256)
-    Q, K, V = (torch.randn(B, H, N, D, device=DEV, generator=gen) for _ in range(3))
-    extra = [aux_tensors[a.name].float().contiguous() for a in dia.dom[3:]]
+    ndt = {"f32": nc.f32, "f16": nc.f16, "bf16": nc.bf16}[dt]
+    dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, dtype=ndt, **kw).bind(
+        {q: N, x: N, d: D, h: H, b: B})
+    t, threads, prefetch = FLEX_TILES.get(dt, FLEX_TILES["f16"])
+    tiles = tiles or t
+    kernel = nc.lower(dia, tiles=tiles, threads=threads, prefetch=prefetch, verify=False)
+    Q, K, V = (torch.randn(B, H, N, D, device=DEV, generator=gen).to(TORCH_DT[dt]) for _ in range(3))
+    # auxiliary inputs in the dtype the diagram declares for them (16-bit in a 16-bit kernel)
+    extra = [aux_tensors[a.name].to(TORCH_DT.get(a.dtype.name, torch.float32)).contiguous() for a in dia.dom[3:]]
     O = torch.full_like(Q, float("nan"))
     run = kernel.prepare(Q, K, V, *extra, out=O)
     run()
@@ -208,8 +227,10 @@ def flex_variant(name, spec, gen, tiles=None):
     flex_err = rel_err(fo[:, :2, rows], ref)
     flex_ms = cuda_time(lambda: flex(Q, K, V, score_mod=score, block_mask=bm))
     dense = 4 * B * H * N * N * D
-    share = float(nc.cost(dia.stream(x, 64).tile(q, 128)).flops["tensor"]) / dense
-    r = {"kind": "flex", "variant": name, "N": N, "d": D, "BH": B * H, "tiles": tiles, "ms": ms,
+    data = {"bt": aux_tensors["bt"].cpu().numpy()} if "bt" in aux_tensors else None
+    share = float(nc.cost(dia.stream(x, tiles["x"]).tile(q, tiles["q"]), data=data).flops["tensor"]) / dense
+    r = {"kind": "flex", "variant": name, "dtype": dt, "N": N, "d": D, "BH": B * H, "tiles": tiles,
+         "threads": threads, "prefetch": prefetch, "mma": "mma_" in kernel.source, "ms": ms,
          "rel_err": err, "flex_ms": flex_ms, "flex_rel_err": flex_err, "kept_share": share,
          "sdpa_dense_ms": cuda_time(lambda: torch.nn.functional.scaled_dot_product_attention(Q, K, V)),
          "smem": kernel.launch.dynamic_smem_bytes, "mappings": kernel.mappings}
@@ -217,38 +238,41 @@ def flex_variant(name, spec, gen, tiles=None):
     return r
 
 
-def main_flex(out: Path, gen):
+def main_flex(out: Path, gen, dtypes=("f32", "f16")):
     res = []
-    for name, spec in flex_variants(gen).items():
-        t0 = time.perf_counter()
-        try:
-            r = flex_variant(name, spec, gen)
-        except Exception as e:  # noqa: BLE001
-            r = {"kind": "flex", "variant": name, "error": f"{type(e).__name__}: {str(e)[:400]}"}
-        r["wall_s"] = time.perf_counter() - t0
-        res.append(r)
-        print(json.dumps(r, default=str), flush=True)
-        (out / "variants_flex.json").write_text(json.dumps(res, indent=1, default=str))
-    print("\nvariant            kept    ms   flex_ms  x_flex  sdpa_dense  err")
+    specs = flex_variants(gen)
+    for dt in dtypes:
+        for name, spec in specs.items():
+            t0 = time.perf_counter()
+            try:
+                r = flex_variant(name, spec, gen, dt=dt)
+            except Exception as e:  # noqa: BLE001
+                r = {"kind": "flex", "variant": name, "dtype": dt, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+            r["wall_s"] = time.perf_counter() - t0
+            res.append(r)
+            print(json.dumps(r, default=str), flush=True)
+            (out / "variants_flex.json").write_text(json.dumps(res, indent=1, default=str))
+    print("\nvariant            dtype mma  kept    ms   flex_ms  x_flex  sdpa_dense  err")
     for r in res:
         if "error" in r:
-            print("ERR", r["variant"], r["error"][:200])
+            print("ERR", r["variant"], r.get("dtype"), r["error"][:200])
             continue
-        print(f"{r['variant']:18s} {r['kept_share']:5.3f} {r['ms']:7.3f} {r['flex_ms']:7.3f} "
-              f"{r['flex_ms'] / r['ms']:6.2f} {r['sdpa_dense_ms']:8.3f}  {r['rel_err']:.0e}")
+        print(f"{r['variant']:18s} {r['dtype']:5s} {str(r['mma'])[0]:3s} {r['kept_share']:5.3f} {r['ms']:7.3f} "
+              f"{r['flex_ms']:7.3f} {r['flex_ms'] / r['ms']:6.2f} {r['sdpa_dense_ms']:8.3f}  {r['rel_err']:.0e}")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="")
+    ap.add_argument("--dtypes", default="f32,f16", help="--only flex: comma list of f32, f16, bf16")
     args = ap.parse_args(argv)
     gen = torch.Generator(device=DEV).manual_seed(0)
     res = []
     out = Path(args.out)
     print(torch.cuda.get_device_name(0), torch.__version__, flush=True)
     if args.only == "flex":
-        return main_flex(out, gen)
+        return main_flex(out, gen, tuple(args.dtypes.split(",")))
     jobs = []
     if args.only in ("", "attention"):
         jobs += [("a", (4096, D, causal, 16, t, pf, sw)) for D, causal, t, pf, sw in ATT]

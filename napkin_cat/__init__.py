@@ -27,7 +27,7 @@ from .core.errors import (CostError, DrawingError, EmptyAxisError, EquivalenceEr
 from .ops.grad import grad
 from .ops.residuals import grad_with_residuals
 from .ops import AxisPower, Builder, IndexBias, Predicate, alibi, block_diagonal, causal, predicate, window
-from .ops import bias_mod, ix, mask_mod
+from .ops import bias_mod, block_table, blocked, ix, mask_mod
 from . import library
 from .library.variants import aux, score_mod
 

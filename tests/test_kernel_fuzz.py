@@ -244,7 +244,8 @@ def _features(kernel) -> set[str]:
     for marker, feat in (("tensor-core fragments", "fragments"), ("weights stay in registers", "mma-registers"),
                          ("ldsm_x4(", "ldmatrix"), ("_t(smem16", "ldmatrix-trans"), ("cp_async16(", "cp.async"),
                          ("cp_async_wait1()", "cp.async-pipeline"), ("pack_f16(smem", "packed-operand"),
-                         ("pack_bf16(smem", "packed-operand")):
+                         ("pack_f16((smem", "packed-operand"), ("pack_bf16(smem", "packed-operand"),
+                         ("pack_bf16((smem", "packed-operand")):
         if marker in body or marker in "".join(kernel.mappings.values()):
             out.add(feat)
     return out

@@ -53,7 +53,7 @@ MUTANTS = {
         r"\1 = \1 + \2 * (float32(2.0) if c0 + CHUNK_c >= N_c else float32(1.0))\n"),
     "ragged_tail_dropped": (SUM, r"len_c = min\(CHUNK_c, N_c - c0\)", r"len_c = CHUNK_c if N_c - c0 >= CHUNK_c else U0"),
     "fourth_chunk_on_dropped": (SUM, r"(for i_c\w* in range\()len_c\)", r"\1len_c if c0 < U3 * CHUNK_c else U0)"),
-    "causal_off_by_one": (CAUSAL, r"if (\(x0 \+ \w+\)) <= (\(q0 \+ \w+\)) else NEG_INF", r"if \1 < \2 else NEG_INF"),
+    "causal_off_by_one": (CAUSAL, r"(\(x0 \+ \w+\)) <= (\(q0 \+ \w+\))", r"\1 < \2"),
 }
 
 

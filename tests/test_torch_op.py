@@ -282,7 +282,7 @@ def test_torch_op_simulator_forward_without_two_outputs_falls_back(monkeypatch):
     real = type(op)._kernel
 
     def refuse(self, sizes, device, d=None, tag="forward"):
-        if tag == "residuals":
+        if tag.startswith("residuals"):   # the tag names the dtype too: "residuals torch.float32"
             raise LoweringError("refused for the test")
         return real(self, sizes, device, d, tag)
     monkeypatch.setattr(type(op), "_kernel", refuse)
@@ -363,8 +363,7 @@ def test_torch_op_refuses_wrong_inputs_and_mutates_nothing():
     _refused(op, (Q, K, V[:6]), ShapeError, "axis x has size 6")
     bound = torch_op(flash().bind(SIZES), simulate=False)
     _refused(bound, (Q[:4], K, V), ShapeError, "axis q is bound to 5")
-    for half in (torch.bfloat16, torch.float16):
-        _refused(op, (Q.to(half), K.to(half), V.to(half)), TypingError, str(half), "tensor-core")
+    _refused(op, (Q.half(), K.half(), V.float()), TypingError, "torch.float32", "one dtype")
     _refused(op, (Q, K.float(), V), TypingError, "torch.float32", "one dtype")
     _refused(op, (Q, K, V.long()), TypingError, "torch.int64")
     assert Q.grad is None and K.grad is None and V.grad is None

@@ -194,3 +194,138 @@ def test_gallery_kernel_matches_the_reference_in_the_simulator(v):
     kernel = nc.lower(dia.stream("x", 4).tile("q", 4), threads=16)
     out = kernel(*args)
     assert np.abs(out - ref).max() < 1e-5
+
+
+# --------------------------------------------------------------------------- chunk states (issue 11, second pass)
+
+def test_chunk_state_full_and_empty_are_sound():
+    """A chunk called full keeps every entry, one called empty keeps none (brute force)."""
+    from napkin_cat.ops.index_support import BoolLogic
+    n = 24
+    for name in sorted(MASKS):
+        pred = nc.mask_mod(MASKS[name])
+        keep = _brute(pred, n)
+        fulls = 0
+        for r0 in range(0, n, 3):
+            for r1 in range(r0 + 1, min(r0 + 7, n) + 1, 2):
+                for c0 in range(0, n, 2):
+                    for c1 in range(c0 + 1, min(c0 + 6, n) + 1, 2):
+                        full, empty = pred.chunk_state(r0, r1, c0, c1, IntAlgebra, BoolLogic, None)
+                        blk = keep[r0:r1, c0:c1]
+                        assert not (full and not blk.all()) and not (empty and blk.any()), (name, r0, r1, c0, c1)
+                        fulls += bool(full)
+        assert fulls > 0 or name == "mod", name
+
+
+def _sim(dia, args, ref, **kw):
+    kernel = nc.lower(dia, threads=16, verify=False, **kw)
+    out = kernel(*args)
+    assert np.abs(out - ref).max() < 1e-5
+    return kernel.source
+
+
+def test_a_mask_bounded_below_skips_the_early_chunks():
+    """``j >= i``: the start of the chunk loop moves with the tile, as the end does for causal;
+    the cost model counts the same chunks."""
+    rng = np.random.default_rng(4)
+    Q, K, V = (rng.standard_normal((N, D)).astype(np.float32) for _ in range(3))
+    dia = nc.library.attention(q=q, x=x, d=d, mask=lambda b_, h_, i, j: j >= i).bind({q: N, x: N, d: D})
+    ref = nc.evaluate(dia, Q, K, V)
+    tiled = dia.stream("x", 4).tile("q", 4)
+    dense = nc.library.attention(q=q, x=x, d=d).bind({q: N, x: N, d: D}).stream("x", 4).tile("q", 4)
+    assert nc.cost(tiled).flops["tensor"] < nc.cost(dense).flops["tensor"]
+    np.testing.assert_allclose(nc.evaluate(tiled, Q, K, V), ref, atol=1e-12)
+    src = _sim(tiled, (Q, K, V), ref)
+    assert "x_begin = " in src and "range(x_begin, N_x, CHUNK_x)" in src and "x_full = " in src
+
+
+def test_full_chunks_skip_the_mask_arithmetic_in_the_cost():
+    """The mask's operations are counted on the chunks it does not keep whole."""
+    sizes = {q: 64, x: 64, d: 8}
+    def flops(**kw):
+        c = nc.cost(nc.library.attention(q=q, x=x, d=d, **kw).bind(sizes).stream("x", 8).tile("q", 8))
+        return [o for o in c.ops if "mask" in o.what or "select" in o.what or "condition" in o.what]
+    ops = flops(mask=lambda b_, h_, i, j: j <= i)
+    # 8 row tiles x 8 chunks: 36 visited, 8 of them on the diagonal (partial)
+    assert {o.execs for o in ops} == {8}, ops
+    assert {o.execs for o in flops(causal=True)} == {8}
+
+
+def _document(n, blocks):
+    doc = nc.aux("doc", nc.Axis("n", n))
+    bt = nc.aux("bt", nc.Axis("rb", -(-n // blocks)), nc.Axis("cb", -(-n // blocks)))
+    m = nc.mask_mod(lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i))
+    return m, nc.blocked(m, bt, blocks, blocks)
+
+
+def test_block_table_masks_equal_the_mask_and_skip_by_data():
+    """A document mask with its block table: the same meaning; the cost counts the chunks the
+    table skips when given its values (and says it cannot without them); the kernel reads the
+    table per chunk, skips the masked chunks and the arithmetic of the kept ones."""
+    n = 12
+    ids = np.repeat([0.0, 1.0, 2.0], [5, 3, 4]).astype(np.float32)
+    m, blocked = _document(n, 4)
+    table = nc.block_table(m, n, n, 4, 4, {"doc": ids})
+    np.testing.assert_array_equal(table, [[1, 0, 0], [1, 1, 0], [0, 0, 1]])
+    rng = np.random.default_rng(5)
+    Q, K, V = (rng.standard_normal((n, D)).astype(np.float32) for _ in range(3))
+    plain = nc.library.attention(q=q, x=x, d=d, mask=m).bind({q: n, x: n, d: D})
+    dia = nc.library.attention(q=q, x=x, d=d, mask=blocked).bind({q: n, x: n, d: D})
+    assert [a.name for a in dia.dom[3:]] == ["bt", "doc"]
+    ref = nc.evaluate(plain, Q, K, V, ids)
+    np.testing.assert_allclose(nc.evaluate(dia, Q, K, V, table, ids), ref, atol=1e-12)
+    tiled = dia.stream("x", 4).tile("q", 4)
+    blind, known = nc.cost(tiled), nc.cost(tiled, data={"bt": table})
+    assert known.flops["tensor"] * 9 == blind.flops["tensor"] * 4      # 4 of 9 chunks visited
+    assert blind.notes and "'bt'" in blind.notes[0] and not known.notes
+    src = _sim(tiled, (Q, K, V, table, ids), ref)
+    assert "x_empty = " in src and "if not x_empty:" in src and "x_full = bt_full" in src
+
+
+def test_block_table_refuses_what_it_cannot_tabulate():
+    with pytest.raises(TypingError, match="reads the index h"):
+        nc.block_table(lambda b_, h_, i, j: h_ == 0, 8, 8, 4, 4)
+    doc = nc.aux("doc", nc.Axis("n", 8))
+    with pytest.raises(TypingError, match="pass their values"):
+        nc.block_table(lambda b_, h_, i, j: doc[i] == doc[j], 8, 8, 4, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefetch", [True, "double"])
+def test_block_table_kernel_with_prefetch_matches(prefetch):
+    n = 13
+    ids = np.repeat([0.0, 1.0, 2.0], [6, 2, 5]).astype(np.float32)
+    m, blocked = _document(n, 4)
+    table = nc.block_table(m, n, n, 4, 4, {"doc": ids})
+    rng = np.random.default_rng(6)
+    Q, K, V = (rng.standard_normal((n, D)).astype(np.float32) for _ in range(3))
+    ref = nc.evaluate(nc.library.attention(q=q, x=x, d=d, mask=m).bind({q: n, x: n, d: D}), Q, K, V, ids)
+    dia = nc.library.attention(q=q, x=x, d=d, mask=blocked).bind({q: n, x: n, d: D}).stream("x", 4).tile("q", 4)
+    assert "if not x_empty:" in _sim(dia, (Q, K, V, table, ids), ref, prefetch=prefetch)
+
+
+TC_VARIANTS = ("causal", "sliding_window", "prefix_lm", "document", "relative_bias", "softcap", "block_mask")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("name", TC_VARIANTS)
+def test_gallery_variant_on_tensor_cores_in_the_simulator(name, dtype):
+    """16-bit gallery variants lower with the mma engine (tiles and chunks of 16, d = 16, one
+    warp) and match the reference within the dtype's rounding."""
+    from napkin_cat.ops.arrays import round_to_dtype
+    v = next(v for v in GALLERY if v.name == name)
+    dt = {"f16": nc.f16, "bf16": nc.bf16}[dtype]
+    n, dd = 20, 16
+    rng = np.random.default_rng(7)
+    Q, K, V = (round_to_dtype(rng.standard_normal((n, dd)), dtype) for _ in range(3))
+    A = v.aux(n, 1, 1, rng)
+    dia = build(v, q, x, d, n, dtype=dt).bind({q: n, x: n, d: dd})
+    extra = [round_to_dtype(np.asarray(A[a.name], np.float64), dtype) for a in dia.dom[3:]]
+    ref = reference_attention(v, Q[None, None, None], K[None, None], V[None, None],
+                              {a.name: e for a, e in zip(dia.dom[3:], extra)}, 1 / np.sqrt(dd))[0, 0, 0]
+    kernel = nc.lower(dia.stream("x", 16).tile("q", 16).place("O", "registers"), threads=32, verify=False)
+    assert "mma_" in kernel.source
+    args = [a.astype(np.float16) if dtype == "f16" else a.astype(np.float32) for a in (Q, K, V, *extra)]
+    out = np.asarray(kernel(*args), np.float64)
+    assert np.abs(out - ref).max() < (2e-3 if dtype == "f16" else 2e-2)

@@ -57,9 +57,12 @@ from .rules import UNITS, box_work
 from .skips import SkipCounter
 
 
-def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
+def cost(d: Diagram, hierarchy: Hierarchy | None = None, data: dict | None = None) -> Cost:
     """The cost of ``d`` as relabelled (an unrelabelled diagram materialises every box's
-    result at the top level).  ``hierarchy`` is kept for :meth:`Cost.multilevel`."""
+    result at the top level).  ``hierarchy`` is kept for :meth:`Cost.multilevel`; ``data``:
+    values of block tables by input name (:func:`napkin_cat.block_table`), so that the chunks a
+    mask skips by its data are counted (without them they are counted as visited, and
+    :attr:`Cost.notes` says so)."""
     if not isinstance(d, Diagram):
         raise CostError(f"cost needs a Diagram, got {type(d).__name__}")
     if hierarchy is not None and not isinstance(hierarchy, Hierarchy):
@@ -74,7 +77,8 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
     ops: list[Op] = []
     alias: dict[tuple, tuple] = {}
 
-    skipping = SkipCounter(ff)
+    skipping = SkipCounter(ff, data)
+    notes: list[str] = []
 
     def execs(loops, axes_=None):
         """Executions of a node inside ``loops`` (and, rounding repeats of a buffer with
@@ -127,6 +131,16 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
     def work(box, phase, loops, label):
         vol = lambda names: sp.Mul(*(ff.extent(n, loops) for n in names)) if names else sp.Integer(1)
         n, _ = execs(loops)
+        skip = skipping.trips(loops)
+        if skip is not None:
+            for name in skip.unknown:
+                note = (f"the chunks that block table {name!r} masks are skipped when the kernel runs; "
+                        f"without its values (cost(..., data={{{name!r}: table}})) they are counted as visited")
+                if note not in notes:
+                    notes.append(note)
+            if box.kind == "mask" and skip.mask_execs(box.param("pred")) is not skip.execs:
+                # the mask's arithmetic runs only on the chunks it does not keep whole
+                n = n / skip.execs * skip.mask_execs(box.param("pred")) if skip.execs != 0 else n
         for w in box_work(box, vol, phase):
             prec = tuple((a.name, a.dtype) for a in w.precision)
             ops.append(Op(w.unit, w.count, n, w.what, label, prec, tuple(lp.axis for lp in loops)))
@@ -194,7 +208,8 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None) -> Cost:
         flops[o.unit] += o.total
     return Cost(d, ff, tuple(moves), tuple(ops), tuple(columns),
                 frozen({k: sp.expand(v) for k, v in transfers.items()}),
-                frozen(ff.peak_memory()), frozen({u: sp.expand(v) for u, v in flops.items()}), hierarchy)
+                frozen(ff.peak_memory()), frozen({u: sp.expand(v) for u, v in flops.items()}), hierarchy,
+                tuple(notes))
 
 
 

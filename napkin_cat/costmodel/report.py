@@ -51,6 +51,7 @@ class Cost:
     memory: Mapping[str, sp.Expr]
     flops: Mapping[str, sp.Expr]
     hierarchy: Hierarchy | None = None
+    notes: tuple[str, ...] = ()     # what the count could not know (a block table's values)
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __repr__(self) -> str:

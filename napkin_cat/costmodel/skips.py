@@ -65,6 +65,7 @@ from fractions import Fraction
 import sympy as sp
 
 from ..ops.index import IntAlgebra
+from ..ops.index_support import BoolLogic
 from ..relabel.loopnest import FinalForm, Loop
 from ..relabel.skipping import Skip, chunk_skips, visited
 from ..relabel.symbols import size_expr
@@ -86,20 +87,33 @@ class SympyAlgebra:
 @dataclass(frozen=True)
 class SkippedTrips:
     """For a node inside a stream loop that a mask bounds: the positions (in the node's loops)
-    of the row loops and the stream loop, and what replaces the product of their trips."""
+    of the row loops and the stream loop, and what replaces the product of their trips;
+    ``partial``: for each mask (its predicate), the executions of its arithmetic (the chunks
+    it does not keep whole), at bound sizes; ``unknown``: the block tables whose data the
+    count lacked (their chunks are counted as visited: an upper bound)."""
 
     loops: frozenset[int]
     execs: sp.Expr
     ragged_execs: sp.Expr
+    partial: tuple = ()
+    unknown: tuple = ()
+
+    def mask_execs(self, pred):
+        """Executions of ``pred``'s arithmetic (``execs`` when it is not counted apart)."""
+        return dict(self.partial).get(pred, self.execs)
 
 
 class SkipCounter:
-    """Counts visited chunks for the nodes of one final form (cached per loop chain)."""
+    """Counts visited chunks for the nodes of one final form (cached per loop chain);
+    ``data``: values of block tables by name (:mod:`napkin_cat.ops.block_table`), for
+    masks that skip chunks by their data."""
 
-    def __init__(self, ff: FinalForm):
+    def __init__(self, ff: FinalForm, data: dict | None = None):
         self.ff = ff
+        self.data = dict(data or {})
         self._skips: dict[int, tuple[Skip, ...]] = {}
         self._trips: dict[tuple, SkippedTrips | None] = {}
+        self._chunks: dict[tuple, list] = {}
 
     def skips(self, loop: Loop) -> tuple[Skip, ...]:
         if id(loop) not in self._skips:
@@ -132,15 +146,20 @@ class SkipCounter:
         steps = [size_expr(loops[j].step) for j in rows]
         n, s = self.ff.extent(lp.axis, loops[:i]), size_expr(lp.step)
         sizes = [N, n, s, *steps]
+        unknown = tuple(dict.fromkeys(a.table.name for sk in skips for a in sk.pred.block_atoms()
+                                      if a.table.name not in self.data))
         if all(v.is_Integer for v in sizes) and int(N) // int(steps[-1]) <= MAX_TILES:
-            e, r = exact_visits(skips, int(N), [int(v) for v in steps], int(n), int(s), row_in, col_in)
-        else:
-            e = approximate_visits(skips, N, steps[-1], n, s)
-            if e is None:
-                return None
-            T = N / steps[-1]
-            r = e if row_in else e * sp.ceiling(T) / T
-        return SkippedTrips(frozenset(rows + (i,)), e, r)
+            key = tuple(map(id, loops[:i + 1]))
+            if key not in self._chunks:
+                self._chunks[key] = chunk_states(skips, int(N), [int(v) for v in steps], int(n), int(s), self.data)
+            e, r, partial = exact_counts(self._chunks[key], skips, int(steps[-1]), int(s), row_in, col_in)
+            return SkippedTrips(frozenset(rows + (i,)), e, r, partial, unknown)
+        e = approximate_visits(skips, N, steps[-1], n, s)
+        if e is None:
+            return None
+        T = N / steps[-1]
+        r = e if row_in else e * sp.ceiling(T) / T
+        return SkippedTrips(frozenset(rows + (i,)), e, r, (), unknown)
 
 
 def _tiles(r0: int, r1: int, steps: list[int]):
@@ -150,6 +169,57 @@ def _tiles(r0: int, r1: int, steps: list[int]):
         return
     for a in range(r0, r1, steps[0]):
         yield from _tiles(a, min(a + steps[0], r1), steps[1:])
+
+
+def _table_atom(data: dict, r0, r1, c0, c1):
+    """``atom(block_atom) -> (full, empty)`` from the block tables' values in ``data``
+    (indices clamped into the table, as the gather reads it); ``(False, False)`` (partial,
+    visited) for a table whose values are not given."""
+    def atom(a):
+        t = data.get(a.table.name)
+        if t is None:
+            return False, False
+        R, C = len(t), len(t[0])
+        vals = [t[rb][cb] for rb in range(min(r0 // a.rows, R - 1), min((r1 - 1) // a.rows, R - 1) + 1)
+                for cb in range(min(c0 // a.cols, C - 1), min((c1 - 1) // a.cols, C - 1) + 1)]
+        hold = [a.holds(float(v)) for v in vals]
+        return all(hold), not any(hold)
+    return atom
+
+
+def chunk_states(skips, N: int, steps: list[int], n: int, s: int, data: dict | None = None) -> list:
+    """Every (row tile, visited chunk) as ``(rows, cols, empty, full by mask)``: the tile's
+    rows, the chunk's columns, whether a mask masks it whole (its block table's data says so),
+    and for each mask whether it keeps it whole (:meth:`~napkin_cat.ops.index.Predicate.chunk_state`)."""
+    out = []
+    last = -(-n // s)
+    data = {k: [list(map(float, row)) for row in v] for k, v in (data or {}).items()}
+    for r0, r1 in _tiles(0, N, steps):
+        lo, hi = visited(skips, {skips[0].row: (r0, r1)}, n, IntAlgebra)
+        for k in range(lo // s, min(-(-hi // s), last)):
+            c0, c1 = k * s, min(k * s + s, n)
+            atom = _table_atom(data, r0, r1, c0, c1)
+            states = [sk.pred.chunk_state(r0, r1, c0, c1, IntAlgebra, BoolLogic, atom) for sk in skips]
+            out.append((r1 - r0, c1 - c0, any(e for _, e in states), tuple(f for f, _ in states)))
+    return out
+
+
+def exact_counts(chunks: list, skips, g: int, s: int, row_in: bool = True, col_in: bool = True):
+    """``(E, ragged E, partial)`` from :func:`chunk_states` (``g``, ``s``: the tile and the
+    chunk); ``partial``: ``(predicate, E over the chunks it does not keep whole)`` per mask."""
+    e = r = Fraction(0)
+    part = [Fraction(0)] * len(skips)
+    for rows, cols, empty, full in chunks:
+        if empty:
+            continue
+        w, c = Fraction(rows, g), Fraction(cols, s)
+        e += w * c
+        r += (w if row_in else 1) * (c if col_in else 1)
+        for k, f in enumerate(full):
+            if not f:
+                part[k] += w * c
+    q = lambda f: sp.Rational(f.numerator, f.denominator)
+    return q(e), q(r), tuple((sk.pred, q(p)) for sk, p in zip(skips, part))
 
 
 def exact_visits(skips, N: int, steps: list[int], n: int, s: int, row_in: bool = True,

@@ -39,10 +39,10 @@ import sys
 from dataclasses import dataclass
 
 from ..core.diagram import Diagram
-from ..core.errors import LoweringError, ShapeError
+from ..core.errors import LoweringError, RelabelError, ShapeError
 from . import io
 
-__all__ = ["lower", "Kernel", "Launch"]
+__all__ = ["lower", "Kernel", "Launch", "MultiKernel"]
 
 TARGETS = ("numba.cuda",)
 SELF_CHECK_RUNS = 2   # inputs every lowered kernel is run on against the oracle before lower() returns it
@@ -73,12 +73,12 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     reproduces it; ``verify=False`` skips it and ``kernel.verified`` says so
     (``nc.check_equivalent(oracle, kernel)`` draws far more inputs either way).
 
+    Where one fused kernel does not do (refused, or over the shared memory of the device or of
+    ``hw``) or ``place(wire, "HBM")`` asks for it, the result is a :class:`~.multi.MultiKernel`:
+    several kernels launched in order, cut where the cost model moves the fewest HBM bytes.
+
     Raises :class:`~napkin_cat.core.errors.LoweringError` naming what cannot lower and why.
     """
-    from . import runtime
-    from .codegen import generate
-    from .schedule import choose
-
     if target not in TARGETS:
         raise LoweringError(f"unknown lowering target {target!r}; known: {list(TARGETS)}")
     if not isinstance(d, Diagram):
@@ -94,6 +94,28 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     if not (isinstance(verify, bool) or isinstance(verify, int) and verify >= 0):
         raise LoweringError(f"lower: verify must be True, False or a number of runs >= 0, got {verify!r}")
     runs = SELF_CHECK_RUNS if verify is True else int(verify)
+    opts = dict(tiles=tiles, threads=threads, name=name, micro=micro, fastmath=fastmath, prefetch=prefetch, hw=hw)
+    from .multi import lower_split, wants_split   # several kernels where one does not do
+    try:
+        kernel = lower_split(d, opts, _lower_one) if wants_split(d) else _lower_one(d, **opts)
+    except (LoweringError, RelabelError) as e:
+        kernel = lower_split(d, opts, _lower_one, e)
+    if runs:
+        from ..verify.kernelcheck import self_check
+        kernel.notes += (self_check(kernel, runs),)
+        kernel.verified = True
+    else:
+        kernel.notes += ("Not verified: lower(..., verify=False); run nc.check_equivalent(oracle, kernel).",)
+    return kernel
+
+
+def _lower_one(d: Diagram, tiles=None, threads=None, name=None, micro=None, fastmath=True, prefetch=False,
+               hw=None) -> "Kernel":
+    """One fused kernel for ``d`` (arguments checked by :func:`lower`), not yet verified."""
+    from . import runtime
+    from .codegen import generate
+    from .schedule import choose
+
     simulate = not _gpu_present(runtime)
     sched = choose(d, tiles, threads, simulate=simulate, hw=hw)
     kname = name or _default_name(sched.diagram)
@@ -102,6 +124,8 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
                    prefetch=prefetch, ff=sched.final_form, notes=(f"Block sizes: {sched.how}.", *sched.notes))
     limits = runtime.device_limits() if "numba.cuda" in sys.modules else runtime.H100_DEFAULTS
     limit = limits.max_shared_per_block_optin
+    if hw is not None:   # lowering for a target profile: its per-block shared memory
+        limit = min(limit, hw.smem_per_block_optin)
     smem = gen.plan.smem_bytes
     if smem > limit:
         raise LoweringError(f"{d.short()} with {sched.diagram._sched_str()} needs {smem} bytes "
@@ -111,12 +135,6 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     kernel = Kernel(sched.diagram, gen.source, kname, launch, sched, gen)
     kernel.options = {"threads": sched.threads, "micro": micro, "fastmath": fastmath, "prefetch": prefetch,
                       "name": kname}
-    if runs:
-        from ..verify.kernelcheck import self_check
-        kernel.notes += (self_check(kernel, runs),)
-        kernel.verified = True
-    else:
-        kernel.notes += ("Not verified: lower(..., verify=False); run nc.check_equivalent(oracle, kernel).",)
     return kernel
 
 
@@ -356,11 +374,10 @@ def _flat_input(x, kind, sim, stream, keep, t="f32"):
         import torch
         x = io.torch_input(x, t, torch)   # detached: the caller's tensor and graph are left alone
         keep.append(x)
-        if kind == "torch_cpu":
-            x = x.numpy()
-            kind = "numpy"
-        else:
+        if kind != "torch_cpu":
             return as_device_array(x)
+        x = x.numpy()   # already the kernel's argument (float32, or 16-bit patterns as int16)
+        return x if sim else import_cuda().to_device(x)
     if kind == "device":
         want = "float32" if t == "f32" else "int16"
         if t == "f16" and str(x.dtype) == "float16":
@@ -516,4 +533,7 @@ def _driver_present() -> bool:
 
 from ..verify import backend as _backend  # noqa: E402 -- the table verification reads kernels through
 
-_backend.register(lower=lower, Kernel=Kernel, simulator_active=_simulator_active, driver_present=_driver_present)
+from .multi import MultiKernel  # noqa: E402
+
+_backend.register(lower=lower, Kernel=Kernel, MultiKernel=MultiKernel, simulator_active=_simulator_active,
+                  driver_present=_driver_present)

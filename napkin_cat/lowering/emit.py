@@ -75,6 +75,7 @@ class Emitter(Loads, Phases):
         self.cur: dict[tuple, str] = {}         # copy in use of a double-buffered chunk
         self.state_names: dict[int, dict] = {}  # accumulator -> state -> identifier
         self.pending_sync = False               # a shared write not yet behind a barrier
+        self.full_flags: dict = {}              # (row, col, predicate) -> its chunk's 'keeps all' flag
         self.arg_names: dict = {}
         self.out_args: list[str] = []
 

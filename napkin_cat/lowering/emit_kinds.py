@@ -106,16 +106,22 @@ def _check_mask(box):
 
 
 def _expr_mask(em, box, args, env):
+    """``score if keep else -inf``; inside a chunk that the mask keeps whole (the flag of
+    :meth:`.emit_loads.Loads._chunk_flags`) the condition is not evaluated: ``full or keep``."""
     pred = box.param("pred")
     if pred.kind == "expr":
         cond = index_code(em, box, pred, args, env)
-        return f"{args[0]} if {cond} else {em.consts.f(-math.inf, 'NEG_INF')}"
-    i = em.gidx(box.param("row"), env)
-    j = em.gidx(box.param("col"), env)
-    conds = box.param("pred").cuda(i, j, em.consts.u)
-    if conds is None:
-        raise LoweringError(f"{box.name}: its predicate has no numba.cuda code (a custom predicate)")
-    return f"{args[0]} if {' and '.join(conds)} else {em.consts.f(-math.inf, 'NEG_INF')}"
+    else:
+        i = em.gidx(box.param("row"), env)
+        j = em.gidx(box.param("col"), env)
+        conds = pred.cuda(i, j, em.consts.u)
+        if conds is None:
+            raise LoweringError(f"{box.name}: its predicate has no numba.cuda code (a custom predicate)")
+        cond = " and ".join(conds)
+    full = em.full_flags.get((box.param("row"), box.param("col"), pred))
+    if full is not None:
+        cond = f"({full} or {cond if ' ' not in cond or cond.startswith('(') and cond.endswith(')') else f'({cond})'})"
+    return f"{args[0]} if {cond} else {em.consts.f(-math.inf, 'NEG_INF')}"
 
 
 def _check_index_bias(box):

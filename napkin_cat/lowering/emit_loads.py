@@ -13,6 +13,27 @@ from ..relabel.loopnest import Load, Loop
 from .source import Code, CodeAlgebra, Source, paren as _paren, render_code
 
 
+_CMP_CODE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+
+class _CodeLogic:
+    """:meth:`napkin_cat.ops.index.Predicate.chunk_state` as code: conditions on the bounds."""
+
+    def __init__(self, u):
+        self.u = u
+
+    def le(self, a, b) -> str:
+        return f"{render_code(a, self.u)} <= {render_code(b, self.u)}"
+
+    @staticmethod
+    def and_(a, b) -> str:
+        return f"({a} and {b})"
+
+    @staticmethod
+    def or_(a, b) -> str:
+        return f"({a} or {b})"
+
+
 class Loads:
     """The load and stream-loop part of the renderer (see the module docstring)."""
 
@@ -36,6 +57,7 @@ class Loads:
         with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
             if a.ragged:
                 src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
+            empty = self._chunk_flags(lp, src)
             if loads:
                 for n in loads:
                     self._emit_load(n.var, src, regs[n.var])
@@ -45,9 +67,10 @@ class Loads:
                 with src.block(f"if {nxt} < {hi}:"):
                     self._emit_fetch(loads, regs, nxt, src, lp.axis)
             body = [n for n in lp.body if not (loads and isinstance(n, Load))]
-            self._emit_nodes(body, src)
+            self._emit_guarded(body, empty, src)
             self.pending_sync = True
             self.sync(src)
+        self._drop_flags(lp)
 
     def _emit_async_loop(self, lp: Loop, src: Source):
         """Double buffering with ``cp.async`` (16-bit inputs, :meth:`_vector_ok`): chunk c + 1 is
@@ -96,10 +119,12 @@ class Loads:
                 self.cur[b.key] = self.names.fresh(f"{b.name}_cur")
                 src(f"{self.cur[b.key]} = {base[b.name]} + {par} * {stride[b.name]}")
             self.pending_sync = False
-            self._emit_nodes([n for n in lp.body if not isinstance(n, Load)], src)
+            empty = self._chunk_flags(lp, src)
+            self._emit_guarded([n for n in lp.body if not isinstance(n, Load)], empty, src)
             self.pending_sync = True
             self.sync(src)
             src(f"{par} = {k.u(1, 'U1')} - {par}")
+        self._drop_flags(lp)
         for b in bufs:
             del self.cur[b.key]
 
@@ -140,7 +165,7 @@ class Loads:
             with src.block(f"if {nxt} < {hi}:"):
                 self._emit_fetch(loads, regs, nxt, src, lp.axis)
             body = [n for n in lp.body if not isinstance(n, Load)]
-            self._emit_nodes(body, src)
+            self._emit_guarded(body, self._chunk_flags(lp, src), src)
             with src.block(f"if {nxt} < {hi}:"):
                 cur = [self.cur[b.key] for b in bufs]
                 for n, b in zip(loads, bufs):
@@ -153,6 +178,7 @@ class Loads:
             self.pending_sync = True
             self.sync(src)
             src(f"{par} = {k.u(1, 'U1')} - {par}")
+        self._drop_flags(lp)
         for b in bufs:
             del self.cur[b.key]
 
@@ -187,7 +213,9 @@ class Loads:
     def _stream_bounds(self, lp: Loop, src: Source) -> tuple[str, str]:
         """Chunks every score of which a mask sends to -inf contribute nothing to an online
         softmax (or max / logsumexp): skip them.  The bounds are the supports of the masks
-        (:func:`napkin_cat.relabel.skipping.chunk_skips`) over the rows of the block's tile."""
+        (:func:`napkin_cat.relabel.skipping.chunk_skips`) over the rows of the block's tile:
+        an end where a mask bounds the columns from above (``j <= i``), a start where it bounds
+        them from below (``j >= i``), both for a window."""
         k = self.consts
         lo, hi = k.u(0, "U0"), self.ax[lp.axis].size_c
         a = self.ax[lp.axis]
@@ -195,16 +223,105 @@ class Loads:
             r = self.ax[s.row]
             first, end = s.pred.support(Code(r.start), Code(f"{r.start} + {r.count}"), CodeAlgebra)
             later, earlier = s.pred.rule.skip_notes
-            end = render_code(end, k.u)
-            name = self.names.fresh(f"{a.name}_end")
-            src(f"{name} = min({hi}, {end})  # {later}")
-            hi = name
-            if first != 0:
+            if end is not None:
+                end = render_code(end, k.u)
+                name = self.names.fresh(f"{a.name}_end")
+                src(f"{name} = min({hi}, {end})  # {later}")
+                hi = name
+            if not (isinstance(first, int) and first == 0):
                 first = render_code(first, k.u)
                 start = self.names.fresh(f"{a.name}_begin")
-                src(f"{start} = {_paren(first)} // {a.cap_c} * {a.cap_c}  # {earlier}")
+                if lo == k.u(0, "U0"):
+                    src(f"{start} = {_paren(first)} // {a.cap_c} * {a.cap_c}  # {earlier}")
+                else:
+                    src(f"{start} = max({lo}, {_paren(first)} // {a.cap_c} * {a.cap_c})  # {earlier}")
                 lo = start
+        if any(p.block_atoms() for _, p, _ in self._chunk_masks(lp)):
+            self.sync(src)      # the block tables (loaded with the tile) are read per chunk
         return lo, hi
+
+    # ---- per-chunk mask states
+    def _chunk_masks(self, lp: Loop):
+        """``(eqn, predicate, row axis)`` of the masks over (a tiled row axis, ``lp``'s axis)."""
+        out = []
+        for k, e in enumerate(self.dd.eqns):
+            if e.box.kind != "mask" or e.box.param("col") != lp.axis:
+                continue
+            row = e.box.param("row")
+            if row in self.ax and self.ax[row].role == "grid":
+                out.append((k, e.box.param("pred"), row))
+        return out
+
+    def _chunk_flags(self, lp: Loop, src: Source) -> str | None:
+        """At the top of a chunk: for each mask over (tiled rows, this axis), whether it keeps
+        the whole chunk (then its expression is not evaluated: :func:`.emit_kinds._expr_mask`
+        reads the flag), and for a mask that reads a block table and bounds the chunks
+        (:attr:`.plan.KernelPlan.skips`), whether it masks the whole chunk: the returned
+        condition, under which the chunk's work is skipped (None: never).  Both come from
+        :meth:`napkin_cat.ops.index.Predicate.chunk_state` over the tile's rows and the chunk's
+        columns; every thread of the block computes the same values (no divergence at the
+        barriers inside)."""
+        k = self.consts
+        a = self.ax[lp.axis]
+        flags = self.full_flags
+        skipping = {(s.row, s.pred) for s in self.plan.skips[lp.axis] if s.pred.block_atoms()}
+        empties = []
+        lg = _CodeLogic(k.u)
+        c0, c1 = Code(a.start), Code(f"{a.start} + {a.count}")
+        for eqn, pred, row in self._chunk_masks(lp):
+            r = self.ax[row]
+            r0, r1 = Code(r.start), Code(f"{r.start} + {r.count}")
+            atom = lambda at, eqn=eqn, pred=pred, r0=r0, r1=r1: self._block_atom(at, eqn, pred, r0, r1, c0, c1, src)
+            full, empty = pred.chunk_state(r0, r1, c0, c1, CodeAlgebra, lg, atom)
+            if full is not False:
+                name = self.names.fresh(f"{a.name}_full")
+                src(f"{name} = {full}  # the mask keeps the whole chunk: its arithmetic is skipped")
+                flags[(row, lp.axis, pred)] = name
+            if (row, pred) in skipping and empty is not False:
+                empties.append(empty)
+        if not empties:
+            return None
+        name = self.names.fresh(f"{a.name}_empty")
+        src(f"{name} = {' or '.join(empties)}  # the block table masks the whole chunk: skipped")
+        return name
+
+    def _block_atom(self, at, eqn: int, pred, r0, r1, c0, c1, src: Source):
+        """``(full, empty)`` identifiers of a block-table comparison over the tile x chunk:
+        its entries (indices clamped into the table, as the gather reads it) all hold / all fail."""
+        k = self.consts
+        e = self.dd.eqns[eqn]
+        v = dict(zip((t.name for t in pred.auxes), e.ins[1:]))[at.table.name]
+        axes = self.types[v].axis_names
+        stem = f"{at.table.name}_"
+        full, empty = self.names.fresh(stem + "full"), self.names.fresh(stem + "empty")
+        src(f"{full} = True")
+        src(f"{empty} = True")
+        env = {}
+        loops = []
+        for ax_, blk, lo, hi in ((axes[0], at.rows, r0, r1), (axes[1], at.cols, c0, c1)):
+            last = k.u(self.sizes[ax_] - 1)
+            first = render_code(lo // blk, k.u)
+            end = render_code(CodeAlgebra.sat_sub(hi, 1) // blk, k.u)
+            var = self.names.fresh(f"i_{ax_}")
+            env[ax_] = var
+            loops.append(f"for {var} in range(min({first}, {last}), min({end}, {last}) + {k.u(1, 'U1')}):")
+        with src.block(loops[0]):
+            with src.block(loops[1]):
+                test = f"{self.sread(('var', v), env)} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}"
+                with src.block(f"if {test}:"):
+                    src(f"{empty} = False")
+                with src.block("else:"):
+                    src(f"{full} = False")
+        return full, empty
+
+    def _emit_guarded(self, nodes, empty: str | None, src: Source):
+        with src.maybe(None if empty is None else f"not {empty}"):
+            self._emit_nodes(nodes, src)
+
+    def _drop_flags(self, lp: Loop):
+        flags = self.full_flags
+        for key in [key for key in flags if key[1] == lp.axis]:
+            del flags[key]
 
     # ---- loads and stores
     def _emit_load(self, v: int, src: Source, from_regs: str | None = None):

@@ -13,10 +13,10 @@
 **Forward.**  The diagram is bound at the tensors' sizes and run by one of three paths, which
 ``op.last_path`` names after every call (never silently):
 
-* ``"gpu"``: float32 CUDA tensors; a kernel from :func:`napkin_cat.lower`, launched on torch's
-  current stream.
-* ``"simulator"``: float32 CPU tensors while numba.cuda is (or will be) its CUDA simulator
-  (``NUMBA_ENABLE_CUDASIM=1``; ``simulate=True`` requires it, ``simulate=False`` refuses it):
+* ``"gpu"``: float32 / float16 / bfloat16 CUDA tensors; a kernel from :func:`napkin_cat.lower`,
+  launched on torch's current stream.
+* ``"simulator"``: float32 / float16 / bfloat16 CPU tensors while numba.cuda is (or will be)
+  its CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``; ``simulate=True`` requires it, ``False`` refuses it):
   the same generated kernel, run by the simulator.
 * ``"executor"``: everything else (float64 anywhere, float32 CPU tensors without the simulator):
   the tiled NumPy executor (:func:`napkin_cat.evaluate`) runs the relabelled diagram's loop nest,
@@ -47,10 +47,15 @@ gradient) it returns the backward diagram and what the forward must save for it.
   :class:`~napkin_cat.core.errors.LoweringError` is recorded in ``op.notes`` before falling back
   to the executor (``op.last_backward_path``: ``"gpu"`` or ``"executor"``).
 
-**Dtypes.**  float32 (what the kernels compute in) and float64 (the reference path).  bfloat16
-and float16 are refused: the kernels run on CUDA cores in float32, and bf16/fp16 inputs belong to
-the tensor-core (``mma``) engine that is not written yet; cast explicitly (``.float()``) to use
-the float32 kernels.  All inputs share one dtype and one device.
+**Dtypes.**  All inputs share one dtype and one device.  float64: the reference path (the
+executor, in float64).  float32, float16, bfloat16: the kernel dtypes; the op runs the user's
+diagram retyped to the inputs' dtype (:meth:`TorchOp.typed`, :func:`at_dtype`; the user's
+diagram is not changed), so a kernel reads and writes 16-bit arrays and computes in fp32 between
+them (tensor cores where the shapes fit).  With 16-bit inputs: the outputs and ``O`` are 16-bit,
+the logsumexp residual ``L`` is fp32 (:meth:`BackwardPlan.at`; ``exp(S - L)`` needs ``L`` to the
+scores' precision), ``dO`` is what autograd passes (the outputs' dtype), and every gradient comes
+back in the inputs' dtype.  The executor runs 16-bit inputs in float64 and rounds the results
+once, as the kernels round what they store.
 
 **Parameters.**  A diagram with ``Builder.param`` boxes is refused: a parameter is a constant of
 :func:`napkin_cat.grad` (no cotangent), so pass weights as inputs (``Builder.input``, as
@@ -66,7 +71,8 @@ import torch
 
 from ..core.diagram import Diagram, Eqn
 from ..core.errors import LoweringError, NapkinError, RelabelError, ShapeError, TypingError
-from ..core.types import Ty
+from ..core.types import DTYPES, Ty
+from ..ops.boxes import retype
 from ..ops.grad import grad
 from ..ops.residuals import grad_with_residuals, saved_softmaxes, with_logsumexp
 from .distributed import DistributedOp, device_plan
@@ -75,6 +81,8 @@ __all__ = ["torch_op", "TorchOp", "BackwardPlan", "backward_plan", "relabel_like
 
 KERNEL_DTYPE = torch.float32       # what the generated kernels compute in
 REFERENCE_DTYPE = torch.float64    # the executor's reference path (gradcheck)
+HALF_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}   # kernels with 16-bit inputs and outputs
+TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}
 PATHS = ("gpu", "simulator", "executor")
 BACKWARD_PATHS = (*PATHS, "gpu-fa2", "simulator-fa2", "executor-fa2")
 
@@ -112,6 +120,19 @@ class BackwardPlan:
         return BackwardPlan(b(self.diagram), self.saves, self.wrt,
                             None if self.forward is None else b(self.forward),
                             tuple(b(p) for p in self.parts), self.notes)
+
+    def at(self, dtype) -> "BackwardPlan":
+        """The plan for inputs of ``dtype`` (a napkin_cat DType): every wire of every diagram
+        in ``dtype`` (:func:`~napkin_cat.ops.boxes.retype`, the relabelings re-applied), except
+        the logsumexps, which stay fp32 (as FlashAttention keeps them: ``P = exp(S - L)`` needs
+        ``L`` to the scores' precision, and one fp32 per row is O(N) memory)."""
+        fixed = {}
+        if self.forward is not None:
+            fw = self.forward.unrelabelled()
+            fixed = {fw.var_types()[sv.l].name: DTYPES["f32"] for sv in saved_softmaxes(fw)}
+        return BackwardPlan(at_dtype(self.diagram, dtype, fixed), self.saves, self.wrt,
+                            None if self.forward is None else at_dtype(self.forward, dtype, fixed),
+                            tuple(at_dtype(p, dtype, fixed) for p in self.parts), self.notes)
 
 
 def backward_plan(d: Diagram, wrt: tuple[int, ...] | None = None) -> BackwardPlan:
@@ -152,8 +173,17 @@ def backward_plan(d: Diagram, wrt: tuple[int, ...] | None = None) -> BackwardPla
     whole = grad_with_residuals(aug, wrt, cotangents=cts)
     whole = _read_only(whole, keep=cts)
     saves = tuple(a.name for a in whole.dom)[: len(whole.dom) - len(cts)]
-    parts, notes = _fa2_parts(aug, wrt, cts)
+    parts, notes = _fa2_parts(aug, wrt, cts, d.schedule)
     return BackwardPlan(whole, saves, wrt, forward, parts, notes)
+
+
+def at_dtype(d: Diagram, dtype, fixed: dict | None = None) -> Diagram:
+    """``d`` with its float wires in ``dtype`` (those named in ``fixed`` in theirs), relabelled
+    like ``d``; ``d`` itself when its wires already have those dtypes."""
+    typed = retype(d, dtype, fixed)
+    if (typed.dom, typed.cod, typed.eqns) == (d.dom, d.cod, d.eqns):
+        return d
+    return relabel_like(typed, d.schedule)
 
 
 def relabel_like(d: Diagram, schedule) -> Diagram:
@@ -175,11 +205,12 @@ def relabel_like(d: Diagram, schedule) -> Diagram:
     return d
 
 
-def _fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts) -> tuple[tuple[Diagram, ...], tuple[str, ...]]:
+def _fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=()) -> tuple[tuple[Diagram, ...], tuple[str, ...]]:
     """The backward of ``aug`` split as FlashAttention-2 does: the inputs with the normalised
     axis ``x`` (K, V) on key tiles streaming the queries, the others (Q) on query tiles streaming
-    the keys.  One softmax-contraction, and one row axis the other operand lacks (``q``), or no
-    split (``()``, the reason in the notes)."""
+    the keys; the forward's tilings of other axes (``schedule``: heads, batch) kept where a part
+    has the axis.  One softmax-contraction, and one row axis the other operand lacks (``q``), or
+    no split (``()``, the reason in the notes)."""
     saved = saved_softmaxes(aug)
     if len(saved) != 1:
         return (), (f"the backward of {aug.short()} is not split FlashAttention-2's way: it has "
@@ -195,12 +226,15 @@ def _fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts) -> tuple[tuple[Diagram, 
     groups = ([i for i in wrt if aug.dom[i].has(x)], "tile", x, "g_" + x, qn, "s_" + qn), \
              ([i for i in wrt if not aug.dom[i].has(x)], "tile", qn, "g_" + qn, x, "s_" + x)
     parts, notes = [], []
+    others = [r for r in schedule if r.op == "tile" and r.axis not in (x, qn)]
     for idx, _, tiled, g, streamed, s_ in groups:
         if not idx:
             continue
         part = _read_only(grad_with_residuals(aug, idx, cotangents=cts), keep=cts)
         try:
-            parts.append(part.tile(tiled, g).stream(streamed, s_))
+            names = {a.name for a in part.axes}
+            parts.append(relabel_like(part.tile(tiled, g).stream(streamed, s_),
+                                      [r for r in others if r.axis in names]))
         except NapkinError as e:
             notes.append(f"backward part -> {', '.join(a.name for a in part.cod)} not relabelled "
                          f"tile({tiled}).stream({streamed}), so it runs unrelabelled: {e}")
@@ -229,7 +263,8 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
     """``d`` as a differentiable torch callable ``op(*tensors)`` (see the module docstring).
 
     ``tiles``, ``threads``, ``verify``: passed to :func:`napkin_cat.lower` (and ``tiles`` to the
-    executor's schedule).  ``simulate``: for float32 CPU tensors, ``None`` runs the generated
+    executor's schedule); a ``tiles`` entry applies to the diagrams that have its block symbol or
+    axis, the backward parts' symbols included.  ``simulate``: for float32 CPU tensors, ``None`` runs the generated
     kernel under numba's simulator when it is active and the executor otherwise; ``True``
     requires the simulator; ``False`` always takes the executor."""
     if not isinstance(d, Diagram):
@@ -290,14 +325,9 @@ class TorchOp:
             if not isinstance(t, torch.Tensor):
                 raise ShapeError(f"{self!r}: input {arr}: expected a torch.Tensor, got {type(t).__name__}")
         for arr, t in zip(d.dom, tensors):
-            if t.dtype in (torch.bfloat16, torch.float16):
-                raise TypingError(f"{self!r}: input {arr} is {t.dtype}; the generated kernels compute in float32 "
-                                  f"on CUDA cores, and bf16/fp16 inputs need the tensor-core (mma) engine, "
-                                  f"which is not written yet; cast with .float() for the float32 kernels "
-                                  f"or .double() for the reference executor")
-            if t.dtype not in (KERNEL_DTYPE, REFERENCE_DTYPE):
-                raise TypingError(f"{self!r}: input {arr} is {t.dtype}; torch_op takes torch.float32 "
-                                  f"(kernels) or torch.float64 (reference executor)")
+            if t.dtype not in (KERNEL_DTYPE, REFERENCE_DTYPE, *HALF_DTYPES):
+                raise TypingError(f"{self!r}: input {arr} is {t.dtype}; torch_op takes torch.float32, "
+                                  f"torch.float16 or torch.bfloat16 (kernels) or torch.float64 (reference executor)")
         first = tensors[0]
         for arr, t in zip(d.dom, tensors):
             if t.dtype != first.dtype:
@@ -345,22 +375,40 @@ class TorchOp:
     def _kernel(self, sizes: tuple, device: torch.device, d: Diagram | None = None, tag: str = "forward"):
         from . import lower
         return self._cached(("kernel", tag, sizes, str(device)), lambda: lower(
-            self._bound(sizes, d, tag), tiles=self.tiles or None, threads=self.threads, verify=self.verify))
+            self._bound(sizes, d, tag), tiles=self._tiles(d), threads=self.threads, verify=self.verify))
+
+    def _tiles(self, d: Diagram) -> dict | None:
+        """The ``tiles`` entries naming a block symbol or an axis of ``d``: one dict serves the
+        forward (``s_x``, ``g_q``) and the backward parts (``g_x``, ``s_q``; ``g_q``, ``s_x``)."""
+        mine = {r.size for r in d.schedule if isinstance(r.size, str)} | {a.name for a in d.axes}
+        return {k: v for k, v in self.tiles.items() if getattr(k, "name", k) in mine} or None
 
     def _scheduled(self, sizes: tuple, d: Diagram | None = None, tag: str = "forward") -> Diagram:
         """The bound diagram with every block size an int, as the lowering would choose them."""
         from .schedule import choose
         return self._cached(("schedule", tag, sizes), lambda: choose(
-            self._bound(sizes, d, tag), self.tiles or None, self.threads, simulate=False).diagram)
+            self._bound(sizes, d, tag), self._tiles(d), self.threads, simulate=False).diagram)
 
-    def backward_plan(self, wrt: tuple[int, ...], sizes: tuple = ()) -> BackwardPlan:
-        """:func:`backward_plan` of this op's diagram, bound at ``sizes`` (cached)."""
+    def typed(self, dtype: torch.dtype) -> Diagram:
+        """This op's diagram at the inputs' dtype: every float wire retyped (:func:`at_dtype`) for
+        a kernel dtype (float32, float16, bfloat16); as given for float64 (the executor computes
+        the reference in float64 whatever the wires say)."""
+        if dtype == REFERENCE_DTYPE:
+            return self.diagram
+        return self._cached(("typed", dtype), lambda: at_dtype(self.diagram, DTYPES[_io_name(dtype)]))
+
+    def backward_plan(self, wrt: tuple[int, ...], sizes: tuple = (), dtype: torch.dtype | None = None) -> BackwardPlan:
+        """:func:`backward_plan` of this op's diagram, bound at ``sizes``, its diagrams at the
+        inputs' ``dtype`` for a kernel dtype (:meth:`BackwardPlan.at`; None or float64: as
+        derived) (cached)."""
         def make():
             plan = self._cached(("plan", wrt), lambda: backward_plan(self.diagram, wrt))
             for n in plan.notes:
                 self._note(n)
+            if dtype is not None and dtype != REFERENCE_DTYPE:
+                plan = self._cached(("plan", wrt, dtype), lambda: plan.at(DTYPES[_io_name(dtype)]))
             return plan.bind(dict(sizes))
-        return self._cached(("plan", wrt, sizes), make)
+        return self._cached(("plan", wrt, sizes, dtype), make)
 
     # ---- forward
     def _forward_path(self, dtype: torch.dtype, device: torch.device) -> str:
@@ -389,11 +437,14 @@ class TorchOp:
         """The outputs of ``d``, then (with a residual ``plan``) the logsumexps its backward reads."""
         first = tensors[0]
         path = self._forward_path(first.dtype, first.device)
-        d, tag = (self.diagram, "forward") if plan is None or not plan.residual else (plan.forward, "residuals")
+        d, tag = ((self.typed(first.dtype), f"forward {first.dtype}") if plan is None or not plan.residual
+                  else (plan.forward, f"residuals {first.dtype}"))
         if path == "executor":
             from ..verify.executor import evaluate
-            outs = evaluate(self._scheduled(sizes, d, tag), *_host(tensors), reference=first.dtype == REFERENCE_DTYPE)
-            outs = _to_torch(outs, first.dtype, first.device)
+            # float32 in float32; float64 and 16-bit in float64, the 16-bit outputs rounded once at
+            # the end (as the kernels round what they store)
+            outs = evaluate(self._scheduled(sizes, d, tag), *_host(tensors), reference=first.dtype != KERNEL_DTYPE)
+            outs = _to_torch(outs, _out_dtypes(d, first.dtype), first.device)
         else:
             outs = self._kernel_forward(sizes, tensors, d, tag)
         self.last_path = path
@@ -401,82 +452,82 @@ class TorchOp:
 
     def _kernel_forward(self, sizes, tensors, d: Diagram, tag: str) -> tuple[torch.Tensor, ...]:
         first = tensors[0]
-        if tag == "residuals":
-            try:
-                kernel = self._kernel(sizes, first.device, d, tag)
-            except LoweringError as e:
-                self._note(f"the forward with its logsumexp ({d.short()}) was not lowered, so the kernel of "
-                           f"{self.diagram.short()} computed its outputs and the NumPy executor the logsumexp "
-                           f"(on host copies): {e}")
-                outs = self._kernel_forward(sizes, tensors, self.diagram, "forward")
-                extra = Diagram(d.dom, Ty(*d.cod[len(outs):]), d.eqns, d.outs[len(outs):])
-                from ..ops.grad import prune
-                from ..verify.executor import evaluate
-                rest = evaluate(prune(extra.unrelabelled()).bind(dict(sizes)) if sizes else prune(extra.unrelabelled()),
-                                *_host(tensors), reference=True)
-                return (*outs, *_to_torch(rest, first.dtype, first.device))
-        else:
-            kernel = self._kernel(sizes, first.device)
-        outs = kernel(*(t.detach() for t in tensors))
-        return outs if isinstance(outs, tuple) else (outs,)
+        try:
+            kernel = self._kernel(sizes, first.device, d, tag)
+        except LoweringError as e:
+            if not tag.startswith("residuals"):
+                raise
+            self._note(f"the forward with its logsumexp ({d.short()}) was not lowered, so the kernel of "
+                       f"{self.diagram.short()} computed its outputs and the NumPy executor the logsumexp "
+                       f"(on host copies): {e}")
+            outs = self._kernel_forward(sizes, tensors, self.typed(first.dtype), f"forward {first.dtype}")
+            extra = Diagram(d.dom, Ty(*d.cod[len(outs):]), d.eqns, d.outs[len(outs):])
+            from ..ops.grad import prune
+            from ..verify.executor import evaluate
+            rest = evaluate(prune(extra.unrelabelled()).bind(dict(sizes)) if sizes else prune(extra.unrelabelled()),
+                            *_host(tensors), reference=True)
+            return (*outs, *_to_torch(rest, _out_dtypes(extra, first.dtype), first.device))
+        return _launch(kernel, tensors, d)
 
     # ---- backward
-    def backward(self, sizes: tuple, wrt: tuple[int, ...], saved, cotangents) -> tuple[torch.Tensor, ...]:
-        plan = self.backward_plan(wrt, sizes)
-        first = saved[0]
-        cts = tuple(torch.zeros(_shape(a), dtype=first.dtype, device=first.device) if g is None else g
-                    for g, a in zip(cotangents, self._bound(sizes).cod))
+    def backward(self, sizes: tuple, wrt: tuple[int, ...], saved, cotangents,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The cotangents of the inputs in ``wrt``, in the inputs' ``dtype``."""
+        plan = self.backward_plan(wrt, sizes, dtype)
+        device = saved[0].device
+        typed = self._bound(sizes, self.typed(dtype), f"forward {dtype}")
+        cts = tuple(torch.zeros(_shape(a), dtype=t, device=device) if g is None else g
+                    for g, a, t in zip(cotangents, typed.cod, _out_dtypes(typed, dtype)))
         args = (*saved, *cts)
-        path = self._forward_path(first.dtype, first.device)
+        path = self._forward_path(dtype, device)
         if plan.residual:
-            return self._residual_backward(plan, wrt, sizes, args, path)
+            return self._residual_backward(plan, wrt, sizes, args, path, dtype)
         if path == "gpu":
-            kernel = self._backward_kernel(plan.diagram, wrt, sizes, first.device)
+            kernel = self._backward_kernel(plan.diagram, wrt, sizes, device)
             if kernel is not None:
-                outs = kernel(*(t.detach() for t in args))
                 self.last_backward_path = "gpu"
-                return outs if isinstance(outs, tuple) else (outs,)
+                return _launch(kernel, args, plan.diagram)
         from ..verify.executor import evaluate
         outs = evaluate(plan.diagram, *_host(args), reference=True)
         self.last_backward_path = "executor"
-        return _to_torch(outs, first.dtype, first.device)
+        return _to_torch(outs, _out_dtypes(plan.diagram, dtype), device)
 
-    def _residual_backward(self, plan: BackwardPlan, wrt, sizes, args, path: str):
+    def _residual_backward(self, plan: BackwardPlan, wrt, sizes, args, path: str, dtype: torch.dtype):
         """The FlashAttention-2 parts as kernels on the kernel paths (a part that does not lower
         runs in the executor, noted), the whole residual backward in the executor otherwise."""
         from ..verify.executor import evaluate
-        first = args[0]
+        device = args[0].device
         named = dict(zip((a.name for a in plan.diagram.dom), args))
         if path == "executor" or not plan.parts:
             outs = evaluate(plan.diagram, *_host(args), reference=True)
             self.last_backward_path = "executor-fa2"
-            return _to_torch(outs, first.dtype, first.device)
+            return _to_torch(outs, _out_dtypes(plan.diagram, dtype), device)
         got, fell = {}, False
         for part in plan.parts:
             ins = [named[a.name].detach().contiguous() for a in part.dom]
-            kernel = self._backward_kernel(part, wrt, sizes, first.device)
+            kernel = self._backward_kernel(part, wrt, sizes, device)
             if kernel is None:
                 outs, fell = _to_torch(evaluate(part.unrelabelled(), *_host(ins), reference=True),
-                                       first.dtype, first.device), True
+                                       _out_dtypes(part, dtype), device), True
             else:
-                outs = kernel(*ins)
-                outs = outs if isinstance(outs, tuple) else (outs,)
+                outs = _launch(kernel, ins, part)
             got.update(zip((a.name for a in part.cod), outs))
         self.last_backward_path = "executor-fa2" if fell else f"{path}-fa2"
         return tuple(got[a.name] for a in plan.diagram.cod)
 
     def _backward_kernel(self, diagram: Diagram, wrt, sizes, device):
-        """The lowered backward diagram, or None (the refusal recorded in ``notes``)."""
+        """The lowered backward diagram, or None (the refusal recorded in ``notes``).  ``tiles``
+        entries that name one of its block symbols (``g_x``, ``s_q``, ...) or axes apply to it."""
         from . import lower
 
         def make():
             try:
-                return lower(diagram, threads=self.threads, verify=self.verify)
+                return lower(diagram, tiles=self._tiles(diagram), threads=self.threads, verify=self.verify)
             except LoweringError as e:
                 self._note(f"backward {diagram.short()} of {self.diagram.short()} at {dict(sizes)} was not "
                            f"lowered, so it ran in the NumPy executor on host copies: {e}")
                 return None
-        return self._cached(("backward kernel", diagram.short(), wrt, sizes, str(device)), make)
+        return self._cached(("backward kernel", str(diagram), wrt, sizes, str(device)), make)
 
 
 class _DiagramFunction(torch.autograd.Function):
@@ -486,9 +537,9 @@ class _DiagramFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: TorchOp, sizes: tuple, *tensors):
         wrt = tuple(i for i, n in enumerate(ctx.needs_input_grad[2:]) if n)
-        plan = op.backward_plan(wrt, sizes) if wrt else None
+        plan = op.backward_plan(wrt, sizes, tensors[0].dtype) if wrt else None
         outs = op.forward(sizes, tensors, plan)
-        ctx.op, ctx.sizes, ctx.n_in = op, sizes, len(tensors)
+        ctx.op, ctx.sizes, ctx.n_in, ctx.dtype = op, sizes, len(tensors), tensors[0].dtype
         names = [a.name for a in op.diagram.dom] + ([a.name for a in plan.forward.cod] if plan and plan.residual else [])
         by_name = dict(zip(names, (*tensors, *outs)))
         saves = plan.saves if plan is not None else tuple(names[: len(tensors)])
@@ -501,7 +552,7 @@ class _DiagramFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         need = ctx.needs_input_grad[2:]
         wrt = tuple(i for i, n in enumerate(need) if n)
-        got = ctx.op.backward(ctx.sizes, wrt, saved, cotangents) if wrt else ()
+        got = ctx.op.backward(ctx.sizes, wrt, saved, cotangents, ctx.dtype) if wrt else ()
         grads: list = [None] * ctx.n_in
         for i, g in zip(wrt, got):
             grads[i] = g
@@ -510,13 +561,36 @@ class _DiagramFunction(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- conversions
 
+def _io_name(dtype: torch.dtype) -> str:
+    return HALF_DTYPES.get(dtype, "f32")
+
+
 def _host(tensors) -> list[np.ndarray]:
-    return [t.detach().cpu().numpy() for t in tensors]
+    """Host copies; bfloat16 (numpy has none) as the float32 numbers it holds, exactly."""
+    return [t.detach().cpu().float().numpy() if t.dtype == torch.bfloat16 else t.detach().cpu().numpy()
+            for t in tensors]
 
 
-def _to_torch(outs, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _out_dtypes(d: Diagram, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The torch dtype of each output of ``d`` for inputs of ``dtype``: float64 throughout on the
+    reference path, else each wire's (16-bit outputs and gradients, fp32 logsumexps)."""
+    return tuple(dtype if dtype == REFERENCE_DTYPE else TORCH_DTYPES.get(a.dtype.name, dtype) for a in d.cod)
+
+
+def _to_torch(outs, dtypes, device: torch.device) -> tuple[torch.Tensor, ...]:
     outs = outs if isinstance(outs, tuple) else (outs,)
-    return tuple(torch.from_numpy(np.ascontiguousarray(o)).to(device=device, dtype=dtype) for o in outs)
+    return tuple(torch.from_numpy(np.ascontiguousarray(o)).to(device=device, dtype=t) for o, t in zip(outs, dtypes))
+
+
+def _launch(kernel, tensors, d: Diagram) -> tuple[torch.Tensor, ...]:
+    """``kernel`` on ``tensors`` (``d``: the diagram it was lowered from).  16-bit CPU tensors go
+    as numpy arrays (float16, or bfloat16's values in float32), and the outputs come back as
+    tensors of their wires' dtypes: the kernel's own conversion of a 16-bit CPU tensor reads its
+    bit patterns as numbers."""
+    if tensors[0].device.type == "cpu" and any(t.dtype in HALF_DTYPES for t in tensors):
+        return _to_torch(kernel(*_host(tensors)), _out_dtypes(d, torch.float32), tensors[0].device)
+    outs = kernel(*(t.detach() for t in tensors))
+    return outs if isinstance(outs, tuple) else (outs,)
 
 
 def _shape(arr) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ from .functions import BINARY, FUNCTIONS, UNARY, Function
 from .index import (AxisPower, IndexBias, IndexRule, Predicate, alibi, bias_mod, block_diagonal, causal, constant_value,
                     mask_mod, predicate, real_number, window)
 from .index_expr import Aux, Ix, TraceError, ix
+from .block_table import block_table, blocked
 from .kinds import KINDS, NORMALISATIONS, REDUCTIONS, SPECS, KindSpec, spec
 from .boxes import (cast_box, const_box, contract_box, diagonal_box, index_bias_box, map_box, mask_box,
                     merge_box, norm_contract_box, normalize_box, param_box, reduce_box, rename_box, slice_box,

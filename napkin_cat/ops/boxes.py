@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ..core.diagram import Array, Axis, Box, DType, Ty
+from ..core.diagram import Array, Axis, Box, Diagram, DType, Eqn, Ty
 from ..core.errors import TypingError, UnknownKindError
 from .functions import FUNCTIONS
 from .index import AxisPower, IndexBias, Predicate, bound_to, real_number
@@ -335,3 +335,42 @@ def weave_box(box: Box, axis: Axis, has: Sequence[bool]) -> Box:
     return Box(box.kind, dom, cod, box.params, box.name)
 
 
+
+
+# --------------------------------------------------------------------------- retyping
+
+def retype(d: Diagram, dtype: DType, fixed: dict | None = None) -> Diagram:
+    """``d`` (unrelabelled) with every float wire in ``dtype``, except the inputs and outputs
+    named in ``fixed`` (``{name: dtype}``), which get theirs.  The boxes are the same kinds with
+    the same parameters (a cast's target follows its output); ``d`` is not changed, and is
+    returned itself when no wire changes.  What the lowering reads: a kernel's inputs and
+    outputs travel in their wires' dtypes and it computes in fp32 between them.
+
+    >>> import napkin_cat as nc
+    >>> q, x, d = nc.axes("q x d")
+    >>> att = nc.library.attention(q, x, d, logsumexp=True).stream(x, 16)
+    >>> print(retype(att, nc.bf16, fixed={"L": nc.f32}))
+    Q[q d] bf16, K[x d] bf16, V[x d] bf16 -> O[q d] bf16, L[q] f32
+    """
+    if not isinstance(d, Diagram):
+        raise TypingError(f"retype needs a Diagram, got {type(d).__name__}")
+    _check_dtype("retype", dtype)
+    fixed = dict(fixed or {})
+    for name, dt in fixed.items():
+        _check_dtype(f"retype: fixed {name}", dt)
+    d = d.unrelabelled() if d.schedule else d
+    named = {v: a.name for v, a in zip(d.outs, d.cod)} | {v: a.name for v, a in enumerate(d.dom)}
+    new = [fixed[named[v]] if named.get(v) in fixed else dtype if a.dtype.kind == "float" else a.dtype
+           for v, a in enumerate(d.var_types())]
+    if all(dt == a.dtype for dt, a in zip(new, d.var_types())):
+        return d
+    eqns, v = [], len(d.dom)
+    for e in d.eqns:
+        b, n = e.box, len(e.box.cod)
+        dom = Ty(*(a.with_dtype(new[i]) for a, i in zip(b.dom, e.ins)))
+        cod = Ty(*(a.with_dtype(new[v + j]) for j, a in enumerate(b.cod)))
+        params = tuple((k, cod[0].dtype.name if k == "dtype" and b.kind == "cast" else p) for k, p in b.params)
+        eqns.append(Eqn(Box(b.kind, dom, cod, params, b.name), e.ins))
+        v += n
+    return Diagram(Ty(*(a.with_dtype(new[i]) for i, a in enumerate(d.dom))),
+                   Ty(*(a.with_dtype(new[o]) for a, o in zip(d.cod, d.outs))), tuple(eqns), d.outs)

@@ -238,6 +238,48 @@ class Predicate(_IndexFunction):
             return False
         return self.support(0, 1, IntAlgebra)[1] is not None
 
+    def skips_chunks(self) -> bool:
+        """A stream over the columns can skip chunks: the support bounds them from above or
+        from below (``j >= i``: the first row tiles' early chunks), or the mask reads a block
+        table (:mod:`.block_table`: skipped chunk by chunk when the kernel runs)."""
+        if self.rule.support is None:
+            return False
+        far = 2 ** 31
+        return (self.bounded() or self.support(far, far + 1, IntAlgebra)[0] != 0
+                or bool(self.block_atoms()))
+
+    def index_form(self):
+        """``(expression, row name, column name)``: the predicate as an index expression
+        (:mod:`.index_expr`; the fixed kinds written out), or None for a custom one."""
+        from .index_expr import Ix
+        i, j = Ix("idx", (), "i"), Ix("idx", (), "j")
+        if self.kind == "expr":
+            return self.args[0], self.args[1] or "i", self.args[2] or "j"
+        if self.kind == "causal":
+            return j <= i + self.args[0], "i", "j"
+        if self.kind == "window":
+            return (j >= i - self.args[0]) & (j <= i + self.args[1]), "i", "j"
+        if self.kind == "block_diagonal":
+            return i // self.args[0] == j // self.args[0], "i", "j"
+        return None
+
+    def block_atoms(self) -> tuple:
+        """The comparisons ``table[i // r, j // c] (cmp) v`` of the mask (data-dependent block
+        skipping: :class:`~.index_support.BlockAtom`)."""
+        from .index_support import block_atoms
+        form = self.index_form()
+        return () if form is None else block_atoms(*form)
+
+    def chunk_state(self, r0, r1, c0, c1, al, lg, atom):
+        """``(full, empty)`` of the rows ``[r0, r1)`` x columns ``[c0, c1)``
+        (:func:`~.index_support.chunk_state`); ``(False, False)`` for a custom predicate."""
+        from .index_support import chunk_state
+        form = self.index_form()
+        if form is None:
+            return False, False
+        e, i, j = form
+        return chunk_state(e, r0, r1, c0, c1, al, lg, atom, i, j)
+
     def __repr__(self) -> str:
         if self.kind == "expr":
             return f"mask_mod({str(self.expr)!r})"

@@ -12,6 +12,7 @@ a non-linear term) may keep every column: the bound stays open and nothing is sk
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from .index_expr import _CMP, NEG_INF, Ix
 
@@ -101,31 +102,10 @@ def _compare(cmp, x, y, r0, r1, al, i, j):
             names = {(x.args[0].op, x.args[0].value), (y.args[0].op, y.args[0].value)}
             if names == {("idx", i), ("idx", j)}:
                 return r0 // bsz * bsz, (r1 + (bsz - 1)) // bsz * bsz
-    lx, ly = linear(x), linear(y)
-    if lx is None or ly is None:
+    norm = _normalize(cmp, x, y, i, j)
+    if norm is None:
         return (0, None)
-    d = dict(lx)
-    for k, v in ly.items():
-        d[k] = d.get(k, 0) - v          # d(i, j) = x - y  (cmp) 0
-    if set(d) - {i, j, 1}:
-        return (0, None)
-    cj, ci, c = d.get(j, 0), d.get(i, 0), d.get(1, 0)
-    if cj == 0:
-        return (0, None)
-    if cj < 0:
-        cj, ci, c, cmp = -cj, -ci, -c, _FLIP[cmp]
-    if cj != 1:
-        return (0, None)
-    # j (cmp) -ci * i - c  =  k i + m
-    k, m = -ci, -c
-    if k < 0:
-        return (0, None)
-    if cmp == "lt":
-        cmp, m = "le", m - 1
-    elif cmp == "gt":
-        cmp, m = "ge", m + 1
-    if cmp == "ne":
-        return (0, None)
+    cmp, k, m = norm
     lo = hi = None
     if cmp in ("le", "eq"):     # j <= k i + m: the largest over the rows, plus one
         hi = _affine(r1, k, m + 1 - k, al) if k else max(m + 1, 0)
@@ -134,10 +114,205 @@ def _compare(cmp, x, y, r0, r1, al, i, j):
     return (0 if lo is None else lo), hi
 
 
+def _normalize(cmp, x, y, i, j):
+    """``x (cmp) y`` as ``j (cmp) k i + m`` with ``k >= 0`` and ``cmp`` in ``le ge eq``; None
+    when it is not of that form (not linear, ``j`` scaled, ``k < 0``, ``!=``)."""
+    lx, ly = linear(x), linear(y)
+    if lx is None or ly is None:
+        return None
+    d = dict(lx)
+    for k, v in ly.items():
+        d[k] = d.get(k, 0) - v          # d(i, j) = x - y  (cmp) 0
+    if set(d) - {i, j, 1}:
+        return None
+    cj, ci, c = d.get(j, 0), d.get(i, 0), d.get(1, 0)
+    if cj == 0:
+        return None
+    if cj < 0:
+        cj, ci, c, cmp = -cj, -ci, -c, _FLIP[cmp]
+    if cj != 1:
+        return None
+    # j (cmp) -ci * i - c  =  k i + m
+    k, m = -ci, -c
+    if k < 0:
+        return None
+    if cmp == "lt":
+        cmp, m = "le", m - 1
+    elif cmp == "gt":
+        cmp, m = "ge", m + 1
+    if cmp == "ne":
+        return None
+    return cmp, k, m
+
+
 def _affine(r, k, m, al):
     """``max(k r + m, 0)`` over the algebra (``k >= 1``)."""
     base = r if k == 1 else r * k
     return base + m if m >= 0 else al.sat_sub(base, -m)
+
+
+# --------------------------------------------------------------------------- chunk states
+
+@dataclass(frozen=True)
+class BlockAtom:
+    """A comparison ``table[i // rows, j // cols] (cmp) c``: constant on each block of
+    ``rows x cols`` entries, so a block table (:mod:`.block_table`, or an explicit block mask)
+    says per block whether it holds; its value is data, known when the kernel runs."""
+
+    table: object       # the Aux gathered from
+    rows: int
+    cols: int
+    cmp: str
+    c: object
+
+    def holds(self, v) -> bool:
+        return _PYCMP[self.cmp](v, self.c)
+
+
+_PYCMP = {"lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b,
+          "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b, "ne": lambda a, b: a != b}
+
+
+def _block_of(k: Ix, name: str):
+    """``b`` when ``k`` is ``name // b`` (``1`` for ``name`` itself), else None."""
+    if k.op == "idx" and k.value == name:
+        return 1
+    if k.op == "floordiv" and k.args[0].op == "idx" and k.args[0].value == name:
+        lk = linear(k.args[1])
+        if lk and set(lk) == {1} and lk[1] > 0:
+            return lk[1]
+    return None
+
+
+def block_atom(cmp: str, x: Ix, y: Ix, i: str = "i", j: str = "j") -> BlockAtom | None:
+    """``x (cmp) y`` as a :class:`BlockAtom`, or None."""
+    for g, c, op in ((x, y, cmp), (y, x, _FLIP[cmp])):
+        if g.op == "gather" and len(g.args) == 2 and c.op == "const" and not isinstance(c.value, bool):
+            bq, bk = _block_of(g.args[0], i), _block_of(g.args[1], j)
+            if bq and bk:
+                return BlockAtom(g.value, bq, bk, op, c.value)
+    return None
+
+
+def block_atoms(e: Ix, i: str = "i", j: str = "j") -> tuple[BlockAtom, ...]:
+    """The block atoms of a mask (data-dependent block skipping applies when there are any)."""
+    out = []
+    for n in e.walk():
+        if n.op in _CMP:
+            a = block_atom(n.op, n.args[0], n.args[1], i, j)
+            if a is not None and a not in out:
+                out.append(a)
+    return tuple(out)
+
+
+class BoolLogic:
+    """:func:`chunk_state` on Python values: bounds over :class:`~.index.IntAlgebra`."""
+
+    @staticmethod
+    def le(a, b):
+        return a <= b
+
+    @staticmethod
+    def and_(a, b):
+        return a and b
+
+    @staticmethod
+    def or_(a, b):
+        return a or b
+
+
+def chunk_state(e: Ix, r0, r1, c0, c1, al, lg, atom, i: str = "i", j: str = "j"):
+    """``(full, empty)`` for the rows ``[r0, r1)`` and columns ``[c0, c1)``: ``full`` when the
+    mask ``e`` keeps every entry, ``empty`` when it keeps none, each True, False or (over a
+    code logic ``lg``) a condition to test when the kernel runs.  Both False means partial (or
+    not known).  A three-valued reading of ``e``: ``&`` / ``|`` combine the atoms' states
+    (Kleene), ``~`` is pushed onto them; a comparison linear in ``(i, j)`` is full when the
+    chunk lies inside the columns every row keeps (:func:`kept`) and empty when it misses the
+    support; a :class:`BlockAtom` asks ``atom(block_atom) -> (full, empty)`` (the table's
+    entries over the chunk); anything else is neither."""
+    return _state(e, (r0, r1, c0, c1), al, lg, atom, i, j, False)
+
+
+def _state(e, box, al, lg, atom, i, j, neg):
+    op = e.op
+    if op == "const" and isinstance(e.value, bool):
+        keep = e.value != neg
+        return keep, not keep
+    if op == "invert" and e.dtype == "bool":
+        return _state(e.args[0], box, al, lg, atom, i, j, not neg)
+    if op in ("and", "or") and e.dtype == "bool":
+        fa, ea = _state(e.args[0], box, al, lg, atom, i, j, neg)
+        fb, eb = _state(e.args[1], box, al, lg, atom, i, j, neg)
+        if (op == "and") != neg:
+            return _and(lg, fa, fb), _or(lg, ea, eb)
+        return _or(lg, fa, fb), _and(lg, ea, eb)
+    if op in _CMP:
+        cmp = _NEGATE[op] if neg else op
+        a = block_atom(cmp, e.args[0], e.args[1], i, j)
+        if a is not None:
+            return atom(a)
+        r0, r1, c0, c1 = box
+        klo, khi = _kept_compare(cmp, e.args[0], e.args[1], r0, r1, al, i, j)
+        slo, shi = _compare(cmp, e.args[0], e.args[1], r0, r1, al, i, j)
+        full = False if _zero(khi) else _and(
+            lg, True if _zero(klo) else lg.le(klo, c0), True if khi is None else lg.le(c1, khi))
+        empty = _or(lg, False if shi is None else True if _zero(shi) else lg.le(shi, c0),
+                    False if _zero(slo) else lg.le(c1, slo))
+        return full, empty
+    return False, False
+
+
+def _zero(v) -> bool:
+    return isinstance(v, int) and v == 0
+
+
+def _and(lg, a, b):
+    if a is False or b is False:
+        return False
+    return b if a is True else a if b is True else lg.and_(a, b)
+
+
+def _or(lg, a, b):
+    if a is True or b is True:
+        return True
+    return b if a is False else a if b is False else lg.or_(a, b)
+
+
+def kept(e: Ix, r0, r1, al, i: str = "i", j: str = "j"):
+    """For a comparison ``e``: ``(lo, hi)``, the columns ``lo <= j < hi`` that every row in
+    ``[r0, r1)`` keeps (``hi`` None: no end; ``(0, 0)``: none known)."""
+    if e.op not in _CMP:
+        return 0, 0
+    return _kept_compare(e.op, e.args[0], e.args[1], r0, r1, al, i, j)
+
+
+def _kept_compare(cmp, x, y, r0, r1, al, i, j):
+    for p, q, c in ((x, y, cmp), (y, x, _FLIP[cmp])):
+        if p.op == "abs" and c in ("le", "lt") and linear(q) is not None and set(linear(q)) <= {1}:
+            u = p.args[0]
+            a = _kept_compare(c, u, q, r0, r1, al, i, j)
+            b = _kept_compare(c, -u, q, r0, r1, al, i, j)
+            if _zero(a[1]) or _zero(b[1]):
+                return 0, 0
+            return _meet(a, b, al)
+    if cmp == "eq" and x.op == "floordiv" and y.op == "floordiv":
+        kx, ky = linear(x.args[1]), linear(y.args[1])
+        if kx and ky and set(kx) == {1} == set(ky) and kx[1] == ky[1] and kx[1] > 0:
+            bsz = kx[1]
+            names = {(x.args[0].op, x.args[0].value), (y.args[0].op, y.args[0].value)}
+            if names == {("idx", i), ("idx", j)}:
+                # every row in one block: that block; rows in two blocks: an empty range
+                return al.sat_sub(r1, 1) // bsz * bsz, r0 // bsz * bsz + bsz
+    norm = _normalize(cmp, x, y, i, j)
+    if norm is None:
+        return 0, 0
+    cmp, k, m = norm
+    lo, hi = 0, None
+    if cmp in ("le", "eq"):     # j <= k i + m for every row: up to the first row's bound
+        hi = _affine(r0, k, m + 1, al) if k else max(m + 1, 0)
+    if cmp in ("ge", "eq"):     # j >= k i + m for every row: from the last row's bound
+        lo = _affine(r1, k, m - k, al) if k else max(m, 0)
+    return lo, hi
 
 
 def keeps_neg_inf(e: Ix) -> bool:

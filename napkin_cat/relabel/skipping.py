@@ -5,7 +5,11 @@ a chunk whose every score a mask sent to ``-inf``.  When the scores come from a 
 (``row``, ``x``) through boxes that keep ``-inf`` (their kind spec's ``keeps_neg_inf``: a
 positive scale, a shift, an added bias...), and ``row`` is tiled by a grid loop around the
 stream, the rows ``[r0, r1)`` of a tile need only the columns of the predicate's *support*
-(:meth:`napkin_cat.ops.index.Predicate.support`).  The tiled executor, the cost model and the
+(:meth:`napkin_cat.ops.index.Predicate.support`), bounded from above (causal), from below
+(``j >= i``) or both (a window).  A mask that reads a block table
+(:meth:`~napkin_cat.ops.index.Predicate.block_atoms`) skips, besides, the chunks the table
+marks empty, chunk by chunk, when the kernel runs; and a chunk that a mask keeps whole
+(:meth:`~napkin_cat.ops.index.Predicate.chunk_state`) skips the mask's arithmetic.  The tiled executor, the cost model and the
 kernel generator all read :func:`chunk_skips` and :func:`visited`, so what the NumPy check
 verifies is what the kernel skips and what the cost model counts.
 """
@@ -60,7 +64,7 @@ def chunk_skips(ff: FinalForm, loop: Loop) -> tuple[Skip, ...]:
             box = dd.eqns[eqn_of[v]].box
             if box.kind == "mask":
                 pred, row = box.param("pred"), box.param("row")
-                if box.param("col") == loop.axis and row in grid_rows and pred.bounded():
+                if box.param("col") == loop.axis and row in grid_rows and pred.skips_chunks():
                     skip = Skip(row, loop.axis, pred)
                     if skip not in found:
                         found.append(skip)
@@ -83,6 +87,12 @@ def visited(skips: tuple[Skip, ...], rows: dict, n, al):
     for s in skips:
         r0, r1 = rows[s.row]
         a, b = s.pred.support(r0, r1, al)
-        lo = a if lo == 0 else al.max(lo, a)
-        hi = b if hi is n else al.min(hi, b)
+        if not _zero(a):            # bounded from below (j >= i): the early chunks are skipped
+            lo = a if _zero(lo) else al.max(lo, a)
+        if b is not None:
+            hi = b if hi is n else al.min(hi, b)
     return lo, hi
+
+
+def _zero(v) -> bool:
+    return not hasattr(v, "op") and v == 0      # a code bound (lowering) is never the int 0

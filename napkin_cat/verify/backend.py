@@ -3,7 +3,7 @@
 ``check_equivalent`` accepts kernels and can lower a diagram at every drawn size
 (``lowered=True``); :func:`napkin_cat.lower` self-checks through :mod:`.kernelcheck`.  The
 lowering stage sits above this one, so it fills this table when it is imported (as
-``import napkin_cat`` does): ``lower`` (the function), ``Kernel`` (the class),
+``import napkin_cat`` does): ``lower`` (the function), ``Kernel`` and ``MultiKernel`` (the classes),
 ``simulator_active`` and ``driver_present`` (where kernels would run).
 """
 

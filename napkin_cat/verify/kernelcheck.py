@@ -68,7 +68,8 @@ LOWER_OPTIONS = ("threads", "micro", "prefetch", "fastmath", "tiles")
 
 def is_kernel(x) -> bool:
     from .backend import BACKEND
-    return "Kernel" in BACKEND and isinstance(x, BACKEND["Kernel"])
+    kinds = tuple(BACKEND[k] for k in ("Kernel", "MultiKernel") if k in BACKEND)   # one kernel, or several in order
+    return bool(kinds) and isinstance(x, kinds)
 
 
 def kernel_dtype(kernel) -> str:
