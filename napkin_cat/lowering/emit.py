@@ -250,6 +250,7 @@ class Emitter(Loads, Phases):
                  f"{self.plan.smem_bytes} bytes"]
         head += ["Shared memory: " + ", ".join(f"{b.name}[{' x '.join(map(str, b.caps)) or '1'}] ({b.what})"
                                                 for b in self.bufs.values())]
+        head += self._engine_lines()
         for note in self.notes:
             head.append(note)
         head.append('"""')
@@ -275,6 +276,19 @@ class Emitter(Loads, Phases):
         lines += ["", f"@cuda.jit(fastmath={self.plan.fastmath}, **LAUNCH_BOUNDS)", f"def {self.plan.name}({', '.join(args)}):"]
         lines += body.lines
         return "\n".join(lines) + "\n"
+
+    def _engine_lines(self) -> list[str]:
+        """Which contraction runs on tensor cores, on which fragments (owners: warps) and with what
+        divisibility (the :class:`~.plan.Frag` descriptions)."""
+        lines = []
+        for t in self.targets.values():
+            if t.engine == "mma" and t.source is not None and t.source not in self.st.acc_of_var:
+                lines.append(f"Tensor cores: {self.types[t.source].name} = "
+                             f"{self.dd.eqns[self.st.eqn_of[t.source]].box.name} on {t.mapping.describe()}")
+        for p in self.accs:
+            if p.engine == "mma":
+                lines.append(f"Tensor cores: {p.acc.box.cod[0].name} ({p.acc.rule}) on {p.main.describe()}")
+        return lines
 
     def _primitive_imports(self) -> list[str]:
         """The tensor-core and 16-bit primitives this kernel's dtypes call (:mod:`.tensorcore`)."""
