@@ -26,11 +26,10 @@ Stages, imports pointing one way:
               engine), ``emit_kinds`` (one emitter per box kind) and ``emit_acc`` (one per
               accumulator kind); ``codegen.generate`` runs planner then emitter.
 
-Tensor cores: a contraction's plan names its engine (``Target.engine``, ``AccPlan.engine``:
-``"cuda_core"`` today, :data:`~.plan.ENGINES`).  An ``emit_mma.py`` beside ``emit_threads.py``
-would add an entry to :data:`~.emit_threads.CONTRACTION_ENGINES` (``"mma": emit_mma.contract``,
-same arguments: mapping, accumulator, operands, reduced axes), the planner would choose
-``"mma"`` where the fragment shapes and dtypes fit, and nothing else changes.
+Tensor cores: a contraction's plan names its engine (``Target.engine``, ``AccPlan.engine``;
+:data:`~.plan.ENGINES`): ``"cuda_core"``, or ``"mma"`` where the kernel's inputs are fp16 / bf16
+and the shapes fit ``mma.sync.m16n8k16`` (:mod:`.emit_mma`, primitives in :mod:`.tensorcore`);
+the kernel's docstring and ``notes`` say which contraction runs where, and why not.
 """
 
 from __future__ import annotations
