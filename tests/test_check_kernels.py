@@ -67,6 +67,7 @@ def test_check_kernel_passes_and_counts_kernel_runs(kernel):
     assert nc.check_equivalent(kernel, ATTN, examples=1).kernels == 1   # either side
 
 
+@pytest.mark.slow   # about 12 s: shrinking reruns the mutant kernel in the simulator
 def test_check_kernel_finds_a_planted_bug_with_runnable_code(kernel):
     with pytest.raises(nc.EquivalenceError) as info:
         nc.check_equivalent(ATTN, _broken(kernel), examples=10)

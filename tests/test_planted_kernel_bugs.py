@@ -67,7 +67,7 @@ def _mutant(kernel, pattern: str, replacement: str):
 
 # the attention mutants take 15-45 s each in the simulator: the slow tier
 SLOW_MUTANTS = {"initial_max_zero", "fully_masked_row_not_guarded", "rescale_skipped_on_moderate_jumps",
-                "normaliser_not_rescaled", "rescale_applied_twice"}
+                "normaliser_not_rescaled", "rescale_applied_twice", "causal_off_by_one"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_MUTANTS else n
