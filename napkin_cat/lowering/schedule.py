@@ -287,10 +287,12 @@ def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: 
         return min(n, 4)
     if _sixteen_bit(d0) and len(main) < 2:
         # tensor cores: 16 rows per warp and row tile, two row tiles per warp when the
-        # contractions are narrow (d <= 64), else one (registers: measured on an H100)
+        # contractions are narrow (d <= 64) and the block has at most 4 warps, else one
+        # (registers and shared memory: measured on an H100)
         wide = max((a.size for a in d0.axes if a.name != axis and isinstance(a.size, int) and a.size <= 256),
                    default=0)
-        return min(n, 16 * max(1, T // 32) * (1 if wide > 64 else 2))
+        warps = max(1, T // 32)
+        return min(n, 16 * warps * (1 if wide > 64 or warps > 4 else 2))
     return min(n, 128 if len(main) >= 2 else 64)
 
 
@@ -431,7 +433,7 @@ def _resolve_symbols(d: Diagram, d0: Diagram, tiles: dict, simulate, T, hw):
                 elif not any(x.op == "stream" for x in d.schedule):
                     v = _row_tile(d0, r.axis, simulate, T)
                 else:
-                    v = _heuristic_tile(d0, r.axis, main, simulate)
+                    v = _heuristic_tile(d0, r.axis, main, simulate, T)
                 v = _fit(d0.axis(r.axis).size, v, req.get(r.axis, 1), f"{r.op} of {r.axis}")
                 how = "heuristic"
             v = _concrete(v, f"{r.op} size {r.size}")
