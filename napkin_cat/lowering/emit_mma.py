@@ -79,12 +79,7 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
     (kax,) = [a for a in red if em.ax[a].cap > 1]
     A = next(o for o in operands if m.row in o.axes)
     B = next(o for o in operands if m.col in o.axes)
-    if init:
-        with src.block(f"for i in range({k.u(m.RY)}):"):
-            with src.block(f"for j in range({k.u(m.RX)}):"):
-                src(f"{acc}[i, j] = {zero}")
-    elif prescale is not None:
-        em.prescale_micro(m, acc, prescale, src)
+    em.start_micro_acc(m, acc, init, prescale, src)
     kv = em.ax[kax]
     steps = kv.cap // 16
     unrolled = steps * m.MT * m.NT <= UNROLL_LIMIT or A.frag is not None or B.frag is not None

@@ -203,12 +203,7 @@ class Phases:
         k = self.consts
         zero = k.f(0.0, "ZERO")
         if isinstance(m, Micro):
-            if init:
-                with src.block(f"for i in range({k.u(m.RY)}):"):
-                    with src.block(f"for j in range({k.u(m.RX)}):"):
-                        src(f"{acc}[i, j] = {zero}")
-            elif prescale is not None:
-                self.prescale_micro(m, acc, prescale, src)
+            self.start_micro_acc(m, acc, init, prescale, src)
             roww = [o for o in operands if m.row in o.axes and m.col not in o.axes]
             colw = [o for o in operands if m.col in o.axes and m.row not in o.axes]
             both = [o for o in operands if m.row in o.axes and m.col in o.axes]
@@ -268,6 +263,17 @@ class Phases:
             src(f"{slot} += {' * '.join(factors) or k.f(1.0, 'ONE')}")
             for blk in reversed(opened):
                 blk.__exit__(None, None, None)
+
+    def start_micro_acc(self, m: Micro, acc: str, init: bool, prescale, src: Source):
+        """Before a contraction into micro-tile ``m``: ``acc = 0`` (``init``), else
+        ``acc *= prescale`` where one is given."""
+        k = self.consts
+        if init:
+            with src.block(f"for i in range({k.u(m.RY)}):"):
+                with src.block(f"for j in range({k.u(m.RX)}):"):
+                    src(f"{acc}[i, j] = {k.f(0.0, 'ZERO')}")
+        elif prescale is not None:
+            self.prescale_micro(m, acc, prescale, src)
 
     def prescale_micro(self, m: Micro, acc: str, prescale: Operand, src: Source):
         """``acc[i, j] *= prescale`` at each element of micro-tile ``m``."""

@@ -458,7 +458,7 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
         b = buf(("var", v), f"{arr.name}_s", arr.axis_names, f"input {arr.name}")
         names = [a for a in arr.axis_names if ax[a].cap > 1]
         if arr.dtype.name in ("f16", "bf16"):
-            b = bufs[b.key] = _sixteen_bit(b)
+            b = bufs[b.key] = _sixteen_bit_buffer(b)
         elif len(b.axes) >= 2 and names and b.axes[-1] != names[-1] and v in chunked:
             # a chunk written transposed (global order in, threads along the global last
             # axis): a row of 4 more floats keeps 16-byte alignment and spreads the stores
@@ -514,7 +514,7 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
     return bufs, accs
 
 
-def _sixteen_bit(b: Buffer) -> Buffer:
+def _sixteen_bit_buffer(b: Buffer) -> Buffer:
     """An f16 / bf16 input's buffer: 16-bit patterns, rows of a multiple of 8 elements (16-byte
     ``cp.async`` stores) and an odd number of 16-byte units (the 8 rows one ``ldmatrix`` phase
     reads fall in different banks)."""

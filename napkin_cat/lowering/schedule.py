@@ -43,6 +43,7 @@ from ..core.errors import LoweringError, NapkinError
 from ..relabel.loopnest import FinalForm
 from ..relabel.rules import (check_blocks, fuse_norm_contract, fuse_softmax_contract, requirements, stream_plan,
                        tile_problem)
+from .plan import kernel_dtype
 
 GPU_THREADS = 256
 SIM_THREADS = 16
@@ -297,7 +298,7 @@ def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: 
 
 
 def _sixteen_bit(d0: Diagram) -> bool:
-    return any(a.dtype.name in ("f16", "bf16") for a in (*d0.dom, *d0.cod))
+    return kernel_dtype(d0) != "f32"
 
 
 def _tensor_core_threads(d0: Diagram) -> int | None:

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ops.arrays import bf16_bits, bf16_values
+
 MMA_SHAPE = (16, 8, 16)
 """``(m, n, k)`` of one ``mma.sync``: a warp multiplies a 16 x 16 tile by a 16 x 8 one."""
 
@@ -103,19 +105,7 @@ def _f16_values(halves: np.ndarray) -> np.ndarray:
 
 
 def _bf16_values(halves: np.ndarray) -> np.ndarray:
-    return (halves.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
-
-
-def _bf16_bits(x) -> int:
-    """fp32 -> bf16 bit pattern, rounded to nearest even (NaN stays a quiet NaN)."""
-    b = int(np.float32(x).view(np.uint32))
-    if (b & 0x7F800000) == 0x7F800000 and b & 0x007FFFFF:
-        return ((b >> 16) | 0x40) & 0xFFFF
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-
-
-def _as_int16(bits: int) -> np.int16:
-    return np.array(bits & 0xFFFF, dtype=np.uint16).view(np.int16)[()]
+    return bf16_values(halves).astype(np.float64)
 
 
 def _context():
@@ -176,19 +166,19 @@ def _sim_primitives() -> dict:
         return np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.uint32)[0]
 
     def pack_bf16(lo, hi):
-        return np.uint32(_bf16_bits(lo) | (_bf16_bits(hi) << 16))
+        return bf16_bits(np.array([lo, hi], dtype=np.float32)).view(np.uint32)[0]
 
     def h2f(bits):
         return np.float32(np.array(bits, dtype=np.int16).view(np.float16))
 
     def bf2f(bits):
-        return np.float32(_bf16_values(np.array([bits], dtype=np.int16).view(np.uint16))[0])
+        return bf16_values(np.array([bits], dtype=np.int16))[0]
 
     def f2h(x):
         return np.array(x, dtype=np.float32).astype(np.float16).view(np.int16)[()]
 
     def f2bf(x):
-        return _as_int16(_bf16_bits(x))
+        return bf16_bits(np.array([x], dtype=np.float32))[0]
 
     def cp_async16(smem16, soff, src16, goff, valid):
         for e in range(8):   # the simulator copies at once; a fetch past the end is zeros

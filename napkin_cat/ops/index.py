@@ -370,21 +370,8 @@ def mask_mod(fn) -> Predicate:
 
 def bias_mod(fn) -> IndexBias:
     """A bias ``fn(b, h, i, j) -> value`` added to the score, traced like :func:`mask_mod`."""
-    from .index_expr import TraceError, leaves, lift
-    lv = leaves()
-    try:
-        out = fn(lv["b"], lv["h"], lv["i"], lv["j"]) if callable(fn) else fn
-    except TypingError:
-        raise
-    except Exception as err:  # noqa: BLE001 (a failure of the user's code is a refusal, with its reason)
-        raise TraceError(f"cannot trace {getattr(fn, '__name__', fn)} as fn(b, h, i, j): "
-                         f"{type(err).__name__}: {err}") from None
-    e = lift(out)
-    if e.dtype == "bool":
-        raise TraceError(f"a bias must be a value, got the condition {e}; a mask is nc.mask_mod")
-    if e.uses_score():
-        raise TraceError(f"a bias reads indices only; a function of the score is nc.score_mod: {e}")
-    return IndexBias("expr", (e, None, None))
+    from .index_expr import lift, trace
+    return IndexBias("expr", (trace(fn if callable(fn) else lift(fn), "bias"), None, None))
 
 
 def alibi(slope: float) -> IndexBias:

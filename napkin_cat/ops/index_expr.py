@@ -450,15 +450,16 @@ def leaves(names=ROLES) -> dict[str, Ix]:
 
 def trace(fn: Callable, kind: str) -> Ix:
     """Trace ``fn`` once: ``kind="mask"`` calls ``fn(b, h, i, j)`` and wants a condition;
-    ``kind="score"`` calls ``fn(score, b, h, i, j)`` and wants a value."""
+    ``kind="bias"`` calls it and wants a value of the indices; ``kind="score"`` calls
+    ``fn(score, b, h, i, j)`` and wants a value."""
     if isinstance(fn, Ix):
         out = fn
     else:
         if not callable(fn):
             raise TypingError(f"{kind}_mod needs a callable, got {fn!r}")
         lv = leaves()
-        args = [lv[n] for n in (ROLES[1:] if kind == "mask" else ROLES)]
-        what = "fn(b, h, i, j)" if kind == "mask" else "fn(score, b, h, i, j)"
+        args = [lv[n] for n in (ROLES if kind == "score" else ROLES[1:])]
+        what = "fn(score, b, h, i, j)" if kind == "score" else "fn(b, h, i, j)"
         try:
             out = fn(*args)
         except TraceError:
@@ -475,6 +476,11 @@ def trace(fn: Callable, kind: str) -> Ix:
                              f"({out.dtype})")
         if out.uses_score():
             raise TraceError(f"a mask reads indices only, not the score: {out}")
+    elif kind == "bias":
+        if out.dtype == "bool":
+            raise TraceError(f"a bias must be a value, got the condition {out}; a mask is nc.mask_mod")
+        if out.uses_score():
+            raise TraceError(f"a bias reads indices only; a function of the score is nc.score_mod: {out}")
     elif out.dtype == "bool":
         raise TraceError(f"a score_mod must return a value, got the condition {out}; a mask is "
                          f"nc.mask_mod(fn) (or nc.ix.where(cond, score, -inf))")
