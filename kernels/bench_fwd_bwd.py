@@ -1,0 +1,207 @@
+"""Forward + backward attention through ``nc.torch_op``, checked and timed against its peers.
+
+    NUMBA_ENABLE_CUDASIM=0 python kernels/bench_fwd_bwd.py --cases "f16,4096,64,0;f16,4096,64,1" --out DIR
+
+Each case ``dtype,N,d,causal`` (dtype f16, bf16 or f32; B*H heads merged into one axis ``h``,
+``--bh``, default 32 for N <= 4096 and 16 above, the forward table's sizes) runs
+
+    op = nc.torch_op(attention(heads=h, causal=...).stream(x, "s_x").tile(q, "g_q").tile(h, 1))
+    O = op(Q, K, V); dQ, dK, dV = torch.autograd.grad(O, (Q, K, V), dO)
+
+on CUDA tensors: the generated forward with its logsumexp, then the two generated
+FlashAttention-2 backward kernels (``op.last_backward_path == "gpu-fa2"``), block sizes chosen
+by ``nc.lower``.  Before timing, O, dQ, dK and dV are checked against torch autograd in float64
+on the same (rounded) inputs, all heads, a few heads at a time (``err``: max abs error / max
+|ref| over the four).  Peers in the same run, same inputs and dtype: SDPA (default backend),
+FlexAttention (``torch.compile(flex_attention)``, dynamo's cache limits raised, causal through
+``create_block_mask``) and naive torch (``softmax(Q K^T / sqrt(d)) V``, autograd).  Times are
+CUDA-event medians of the whole forward + backward (and of the forward alone); extra memory is
+the peak of ``torch.cuda.max_memory_allocated`` during forward + backward above what was
+allocated before (inputs, dO), the gradients included.  Progress goes to stdout as it happens
+(flushed); the table is printed last; ``fwd_bwd.json`` under ``--out`` has every field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "kernels"))
+
+import torch  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from bench import cuda_time, environment  # noqa: E402
+
+DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+
+def flash(causal: bool):
+    q, x, d, h = nc.axes("q x d h")
+    att = nc.library.attention(q=q, x=x, d=d, heads=h, causal=causal)
+    return att.stream(x, "s_x").tile(q, "g_q").tile(h, 1)
+
+
+def reference(Q, K, V, dO, causal, chunk=4):
+    """float64 O and gradients, ``chunk`` heads at a time (N x N scores per head)."""
+    outs = [[], [], [], []]
+    scale = 1 / math.sqrt(Q.shape[-1])
+    for s in range(0, Q.shape[0], chunk):
+        q, k, v = (t[s:s + chunk].double().requires_grad_() for t in (Q, K, V))
+        sc = (q @ k.transpose(1, 2)) * scale
+        if causal:
+            n = sc.shape[-1]
+            sc = sc.masked_fill(torch.ones(n, n, dtype=torch.bool, device=sc.device).triu(1), -math.inf)
+        o = torch.softmax(sc, -1) @ v
+        g = torch.autograd.grad(o, (q, k, v), dO[s:s + chunk].double())
+        for lst, t in zip(outs, (o.detach(),) + g):
+            lst.append(t)
+        del sc, o, g
+    return [torch.cat(lst) for lst in outs]
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+_FLEX: dict = {}
+
+
+def flex_fn():
+    if "fn" not in _FLEX:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        torch._dynamo.config.cache_size_limit = 1024
+        if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+            torch._dynamo.config.accumulated_cache_size_limit = 4096
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        _FLEX["mask"] = create_block_mask
+    return _FLEX["fn"], _FLEX["mask"]
+
+
+def peers(Q, K, V, dO, causal) -> dict:
+    """Forward and forward + backward times of SDPA, FlexAttention and naive torch."""
+    F = torch.nn.functional
+    q4, k4, v4 = (t.detach().unsqueeze(0).requires_grad_() for t in (Q, K, V))
+    d4 = dO.unsqueeze(0)
+    res = {}
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)
+
+    def naive():
+        s = (q4 @ k4.transpose(-1, -2)) / math.sqrt(Q.shape[-1])
+        if causal:
+            n = s.shape[-1]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+        return torch.softmax(s, -1) @ v4
+
+    fns = {"sdpa": sdpa, "naive": naive}
+    try:
+        fn, make_mask = flex_fn()
+        N = Q.shape[1]
+        bm = make_mask(lambda b, h, i, j: i >= j, None, None, N, N, device="cuda") if causal else None
+        fns["flex"] = lambda: fn(q4, k4, v4, block_mask=bm)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run is recorded, not fatal
+        res["flex_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for name, f in fns.items():
+        try:
+            res[f"{name}_fwd_ms"] = cuda_time(lambda: f())
+            res[f"{name}_ms"] = cuda_time(lambda: torch.autograd.grad(f(), (q4, k4, v4), d4))
+            res[f"{name}_extra_mib"] = peak_extra(lambda: torch.autograd.grad(f(), (q4, k4, v4), d4))
+        except torch.cuda.OutOfMemoryError:
+            res[f"{name}_error"] = "out of memory"
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            res[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return res
+
+
+def peak_extra(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del out
+    return (peak - base) / 2 ** 20
+
+
+def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool) -> dict:
+    t0 = time.perf_counter()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    Q, K, V, dO = (torch.randn(BH, N, D, device="cuda", generator=g).to(DTYPES[dt]) for _ in range(4))
+    Q, K, V = (t.requires_grad_() for t in (Q, K, V))
+    op = nc.torch_op(flash(causal), verify=False)
+    O = op(Q, K, V)
+    grads = torch.autograd.grad(O, (Q, K, V), dO)
+    torch.cuda.synchronize()
+    res = {"dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH, "path": op.last_path,
+           "backward_path": op.last_backward_path, "notes": list(getattr(op, "notes", [])),
+           "compile_s": time.perf_counter() - t0}
+    if check:
+        want = reference(Q.detach(), K.detach(), V.detach(), dO, causal)
+        res["errs"] = {n: rel(a, b) for n, a, b in zip(("O", "dQ", "dK", "dV"), (O,) + grads, want)}
+        res["err"] = max(res["errs"].values())
+        del want
+    del O, grads
+    res["ours_fwd_ms"] = cuda_time(lambda: op(Q, K, V))
+    res["ours_ms"] = cuda_time(lambda: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
+    res["ours_extra_mib"] = peak_extra(lambda: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
+    res.update(peers(Q, K, V, dO, causal))
+    flops = 4 * BH * N * N * D * (0.5 if causal else 1) * 3.5   # forward 2 matmuls, backward 5
+    res["ours_tflops"] = flops / res["ours_ms"] / 1e9
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="f16,4096,64,0;f16,4096,64,1")
+    ap.add_argument("--bh", type=int, default=0, help="B*H (0: 32 for N <= 4096, else 16)")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "kernels"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"environment": environment(), "cases": []}
+    print(json.dumps(results["environment"]), flush=True)
+    for spec in args.cases.split(";"):
+        dt, N, D, c = spec.split(",")
+        N, D, causal = int(N), int(D), c.strip() in ("1", "yes", "true", "causal")
+        BH = args.bh or (32 if N <= 4096 else 16)
+        try:
+            r = case(dt, N, D, causal, BH, not args.no_check)
+        except Exception as e:  # noqa: BLE001 - recorded with the case, the run goes on
+            r = {"dtype": dt, "N": N, "d": D, "causal": causal, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        results["cases"].append(r)
+        print(json.dumps(r), flush=True)
+        (out / "fwd_bwd.json").write_text(json.dumps(results, indent=1))
+        torch.cuda.empty_cache()
+    print("\n| dtype | N | d | causal | paths | err | ours fwd+bwd ms | TFLOP/s | SDPA | Flex | naive "
+          "| vs Flex | vs SDPA | extra MiB ours / SDPA / Flex |")
+    f = lambda r, k: f"{r[k]:.3f}" if isinstance(r.get(k), float) else r.get(k.replace("_ms", "_error"), "-")  # noqa: E731
+    for r in results["cases"]:
+        if "error" in r:
+            print(f"| {r['dtype']} | {r['N']} | {r['d']} | {r['causal']} | {r['error']} |")
+            continue
+        ratio = lambda k: f"{r[k] / r['ours_ms']:.2f}x" if isinstance(r.get(k), float) else "-"  # noqa: E731
+        mem = " / ".join(f"{r[k]:.0f}" if isinstance(r.get(k), float) else "-"
+                         for k in ("ours_extra_mib", "sdpa_extra_mib", "flex_extra_mib"))
+        print(f"| {r['dtype']} | {r['N']} | {r['d']} | {r['causal']} | {r['path']}/{r['backward_path']} "
+              f"| {r.get('err', float('nan')):.1e} | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | {f(r, 'sdpa_ms')} "
+              f"| {f(r, 'flex_ms')} | {f(r, 'naive_ms')} | {ratio('flex_ms')} | {ratio('sdpa_ms')} | {mem} |")
+
+
+if __name__ == "__main__":
+    main()
