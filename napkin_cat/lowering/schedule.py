@@ -44,6 +44,7 @@ from ..relabel.loopnest import FinalForm
 from ..relabel.rules import (check_blocks, fuse_norm_contract, fuse_softmax_contract, requirements, stream_plan,
                        tile_problem)
 from .plan import kernel_dtype
+from .reindex import remaps
 
 GPU_THREADS = 256
 SIM_THREADS = 16
@@ -370,8 +371,12 @@ def _build(d: Diagram, d0: Diagram, tiles: dict, tileable, streamable, main, sim
     # (an accumulator's loop outside the loops of accumulators that read its result)
     from ..relabel.loopnest import final_form
     first_error = None
-    for order_ in [tuple(streamable)] + [p for p in itertools.permutations(streamable)
-                                         if p != tuple(streamable)][:23]:
+    one = _one_stream_per_contraction(d0, streamable, size)
+    orders = [p for p in itertools.permutations(one)][:24]
+    orders += [p for p in itertools.permutations(streamable) if p not in orders][:24 - len(orders)]
+    if any(remaps(e.box) for e in d0.eqns):   # convolutions: stream one axis, sum the rest in the block
+        orders += [(a,) for a in sorted(streamable, key=lambda a: -size(a)) if (a,) not in orders]
+    for order_ in orders:
         try:
             cand = out
             for a in order_:
@@ -387,12 +392,25 @@ def _build(d: Diagram, d0: Diagram, tiles: dict, tileable, streamable, main, sim
     raise LoweringError(f"cannot relabel {d.short()} for lowering: {first_error}")
 
 
-def _registers_for_states(d: Diagram, ff: FinalForm) -> Diagram:
+def _one_stream_per_contraction(d0: Diagram, streamable, size) -> tuple:
+    """``streamable`` less all but the longest of the axes one contraction sums over (a
+    convolution's ``c, kh, kw``): the lowering streams one axis per accumulator and sums the
+    others inside the block."""
+    drop = set()
+    for e in d0.eqns:
+        if e.box.kind == "contract":
+            out = set(e.box.cod[0].axis_names)
+            red = [a for a in streamable if a not in out and any(a in x.axis_names for x in e.box.dom)]
+            drop |= set(sorted(red, key=lambda a: -size(a))[1:])
+    return tuple(a for a in streamable if a not in drop)
+
+
+def _registers_for_states(d: Diagram, ff: FinalForm, skip=frozenset()) -> Diagram:
     """Main accumulator states of streamed contractions stay in the registers of the threads
     that own them (the update's thread mapping is fixed for the whole stream loop); ``ff``: the
-    final form of ``d``."""
+    final form of ``d``; ``skip``: wires the user placed."""
     for acc in ff.accumulators:
-        if acc.rule in ("sum_contract", "online_softmax", "normalized"):
+        if acc.rule in ("sum_contract", "online_softmax", "normalized") and acc.box.cod[0].name not in skip:
             d = d.place(acc.box.cod[0].name, "registers")
     return d
 
@@ -444,7 +462,15 @@ def _resolve_symbols(d: Diagram, d0: Diagram, tiles: dict, simulate, T, hw):
             chosen[r.size] = v
             r = replace(r, size=v)
         sched.append(r)
-    return replace(d, schedule=tuple(sched)), how, chosen
+    d = replace(d, schedule=tuple(sched))
+    placed = {r.extra[0] for r in d.schedule if r.op == "place"}
+    try:
+        from ..relabel.loopnest import final_form
+        ff = final_form(d)
+    except NapkinError:
+        return d, how, chosen     # check_blocks below names what is wrong
+    # as for an unrelabelled diagram: accumulator states the user did not place stay in registers
+    return _registers_for_states(d, ff, skip=placed), how, chosen
 
 
 def _cost_tiles(d0: Diagram, free, chosen, streamable, T, hw) -> dict | None:
