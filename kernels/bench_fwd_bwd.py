@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from bench import cuda_time, environment  # noqa: E402
+from bench import compiled_flex, cuda_time, environment  # noqa: E402
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -71,21 +71,12 @@ def reference(Q, K, V, dO, causal, chunk=4):
 
 
 def rel(a, b) -> float:
-    return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
-_FLEX: dict = {}
+    return float((a.detach().double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def flex_fn():
-    if "fn" not in _FLEX:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        torch._dynamo.config.cache_size_limit = 1024
-        if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
-            torch._dynamo.config.accumulated_cache_size_limit = 4096
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-        _FLEX["mask"] = create_block_mask
-    return _FLEX["fn"], _FLEX["mask"]
+    from torch.nn.attention.flex_attention import create_block_mask
+    return compiled_flex(), create_block_mask
 
 
 def peers(Q, K, V, dO, causal) -> dict:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from bench import cuda_time, environment  # noqa: E402
+from bench import compiled_flex, cuda_time, environment  # noqa: E402
 
 DEV = "cuda"
 TDT = {"f16": torch.float16, "bf16": torch.bfloat16}
@@ -169,19 +169,10 @@ def time_attention(dt, N, D, causal, BH, tiles, threads, peers=True, prefetch=Fa
     return res
 
 
-_FLEX = {}
-
-
 def flex(Q, K, V, causal, N) -> dict:
     try:
-        import torch._dynamo
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        torch._dynamo.config.cache_size_limit = 1024
-        if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
-            torch._dynamo.config.accumulated_cache_size_limit = 4096
-        if "fn" not in _FLEX:
-            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-        fn = _FLEX["fn"]
+        from torch.nn.attention.flex_attention import create_block_mask
+        fn = compiled_flex()
         bm = None
         if causal:
             bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, N, N, device=DEV)

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.lowering import planner  # noqa: E402
-from bench import cuda_time, reference_rows, rel_err  # noqa: E402
+from bench import compiled_flex, cuda_time, reference_rows, rel_err  # noqa: E402
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -222,7 +222,7 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32"):
     assert not torch.isnan(O).any()
     ms = cuda_time(run)
     bm = create_block_mask(mask, B=None, H=None, Q_LEN=N, KV_LEN=N, device=DEV) if mask is not None else None
-    flex = torch.compile(flex_attention)
+    flex = compiled_flex()
     fo = flex(Q, K, V, score_mod=score, block_mask=bm)
     flex_err = rel_err(fo[:, :2, rows], ref)
     flex_ms = cuda_time(lambda: flex(Q, K, V, score_mod=score, block_mask=bm))
@@ -238,11 +238,16 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32"):
     return r
 
 
-def main_flex(out: Path, gen, dtypes=("f32", "f16")):
+def main_flex(out: Path, gen, dtypes=("f32", "f16"), only=()):
     res = []
     specs = flex_variants(gen)
+    unknown = set(only) - set(specs)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; the variants are {sorted(specs)}")
     for dt in dtypes:
         for name, spec in specs.items():
+            if only and name not in only:
+                continue
             t0 = time.perf_counter()
             try:
                 r = flex_variant(name, spec, gen, dt=dt)
@@ -251,7 +256,7 @@ def main_flex(out: Path, gen, dtypes=("f32", "f16")):
             r["wall_s"] = time.perf_counter() - t0
             res.append(r)
             print(json.dumps(r, default=str), flush=True)
-            (out / "variants_flex.json").write_text(json.dumps(res, indent=1, default=str))
+            (out / f"variants_flex_{'_'.join(dtypes)}.json").write_text(json.dumps(res, indent=1, default=str))
     print("\nvariant            dtype mma  kept    ms   flex_ms  x_flex  sdpa_dense  err")
     for r in res:
         if "error" in r:
@@ -266,13 +271,14 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="")
     ap.add_argument("--dtypes", default="f32,f16", help="--only flex: comma list of f32, f16, bf16")
+    ap.add_argument("--variants", default="", help="--only flex: comma list of variant names (default all)")
     args = ap.parse_args(argv)
     gen = torch.Generator(device=DEV).manual_seed(0)
     res = []
     out = Path(args.out)
     print(torch.cuda.get_device_name(0), torch.__version__, flush=True)
     if args.only == "flex":
-        return main_flex(out, gen, tuple(args.dtypes.split(",")))
+        return main_flex(out, gen, tuple(args.dtypes.split(",")), tuple(v for v in args.variants.split(",") if v))
     jobs = []
     if args.only in ("", "attention"):
         jobs += [("a", (4096, D, causal, 16, t, pf, sw)) for D, causal, t, pf, sw in ATT]
