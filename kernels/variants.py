@@ -135,13 +135,14 @@ def matmul_variant(M, tiles, pf, sw, gen):
 
 FLEX_N, FLEX_D, FLEX_B, FLEX_H, WINDOW, BLOCK = 4096, 64, 2, 16, 256, 64
 TABLE_BLOCK = 128     # FlexAttention's default block size
-FLEX_TILES = {"f32": ({"q": 128, "x": 64}, 256, False), "f16": ({"q": 64, "x": 64}, 128, "double")}
+FLEX_TILES = {"f32": ({"q": 128, "x": 64}, 256, False), "f16": ({"q": 128, "x": 64}, 128, False)}
 TORCH_DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _doc_ids(n, gen):
     """Packed documents of random lengths (at least 64 tokens each), sorted ids."""
-    cuts = torch.sort(torch.randperm(n // 64 - 1, generator=gen, device="cpu")[:12] + 1).values * 64
+    cpu = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=gen, device=gen.device)))
+    cuts = torch.sort(torch.randperm(n // 64 - 1, generator=cpu)[:12] + 1).values * 64
     ids = torch.zeros(n, dtype=torch.int64)
     ids[cuts] = 1
     return torch.cumsum(ids, 0)

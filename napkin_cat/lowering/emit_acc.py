@@ -178,10 +178,16 @@ def _reduce_final(em, p, env, src):
 # logsumexp -------------------------------------------------------------------
 
 def _lse_init(em, p, src):
+    if p.stats_of is not None:
+        src.comment(f"init {p.acc.box.cod[0].name} (logsumexp): none, it is "
+                    f"{em.accs[p.stats_of].acc.box.cod[0].name}'s row statistics (L = mu + log z)")
+        return
     _init_states(em, p, src, {"m": -math.inf, "z": 0.0})
 
 
 def _lse_update(em, p, src):
+    if p.stats_of is not None:
+        return    # the online softmax that reads the same scores keeps the statistics
     em.sync(src)
     k = em.consts
     (x,) = em.dd.eqns[p.acc.eqn].ins
@@ -211,9 +217,34 @@ def _lse_update(em, p, src):
         src(f"{m_ref} = {mx}")
 
 
+def _lse_publish(em, p, src):
+    """A logsumexp taken from an online softmax's row statistics (``p.stats_of``): lane 0 of
+    each row writes the row's ``mu`` and ``z`` (held by every lane of the row) to shared memory,
+    where the logsumexp's own mapping reads them."""
+    if p.stats_of is None:
+        return
+    o = em.accs[p.stats_of]
+    ms, k = o.fused.ms, em.consts
+    em.sync(src)
+    src.comment(f"finalise {p.acc.box.cod[0].name} = mu + log z of {o.acc.box.cod[0].name}: lane 0 of "
+                f"each row publishes the row statistics")
+    em.micro_begin(ms, src)
+    guard = em.micro_guard(ms)
+    with src.block(f"if tx == {k.u(0, 'U0')}" + (f" and {guard}:" if guard else ":")):
+        with src.block(f"for i in range({k.u(ms.RY)}):"):
+            env = {ms.row: em.names.fresh(em.ax[ms.row].index), "_row": "i"}
+            src(f"{env[ms.row]} = {em.micro_rows(ms, 'i')}")
+            src(f"{em.sread(('mupub', o.index), env)} = {_state_ref(em, o, 'mu', env)}")
+            src(f"{em.sread(('zpub', o.index), env)} = {_state_ref(em, o, 'z', env)}")
+    em.pending_sync = True
+
+
 def _lse_final(em, p, env, src):
     k = em.consts
-    m_ref, z_ref = _state_ref(em, p, "m", env), _state_ref(em, p, "z", env)
+    if p.stats_of is not None:
+        m_ref, z_ref = em.sread(("mupub", p.stats_of), env), em.sread(("zpub", p.stats_of), env)
+    else:
+        m_ref, z_ref = _state_ref(em, p, "m", env), _state_ref(em, p, "z", env)
     mt, zt = em.names.fresh("m"), em.names.fresh("z")
     src(f"{mt} = {m_ref}")
     src(f"{zt} = {z_ref}")
@@ -497,7 +528,7 @@ def _norm_final(em, p, env, src):
 ACC_CODEGEN: dict[str, AccCodegen] = {
     "sum_contract": AccCodegen(_sc_init, _sc_update, _no_publish, _sc_final, contraction=True),
     "reduce": AccCodegen(_reduce_init, _reduce_update, _no_publish, _reduce_final),
-    "logsumexp": AccCodegen(_lse_init, _lse_update, _no_publish, _lse_final),
+    "logsumexp": AccCodegen(_lse_init, _lse_update, _lse_publish, _lse_final),
     "online_softmax": AccCodegen(_osc_init, _osc_update, _publish_z, _osc_final,
                                  contraction=True, stats=True, rescales=True),
     "normalized": AccCodegen(_norm_init, _norm_update, _publish_z, _norm_final,

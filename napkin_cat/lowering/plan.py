@@ -287,6 +287,7 @@ class AccPlan:
     p_buf: tuple | None = None         # key of the buffer holding a1(s) / exp(s - mu)
     fused: FusedScores | None = None   # scores kept in registers (see FusedScores)
     engine: str | None = None          # the contraction into the main state, if any
+    stats_of: int | None = None        # a logsumexp read from this online softmax's statistics
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,9 @@ from ..relabel.loopnest import Compute, Finalise, FinalForm, Init, Load, Loop, U
 from ..relabel.skipping import chunk_skips
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, REDUCE_OPS
+from .fuse import fuse_scores
 from .threads import Threads, _check_micro
-from .plan import (AccPlan, AxisPlan, Buffer, Coop, Frag, FusedScores, KernelPlan, LaunchPlan, Micro, Rows,
+from .plan import (AccPlan, AxisPlan, Buffer, Coop, Frag, KernelPlan, LaunchPlan, Micro, Rows,
                    Structure, Target, acc_reduced_axes, axes_set, caps, frozen_map, kernel_dtype, load_plan,
                    reduced_axes, storage, var_cls)
 
@@ -340,57 +341,7 @@ def plan_mappings(ff: FinalForm, ax, st: Structure, cls, targets: dict, accs, th
     return out, norm_stats
 
 
-# --------------------------------------------------------------------------- 6. scores in registers
-
-def fuse_scores(ff: FinalForm, ax, st: Structure, targets: dict, accs: list, th: Threads):
-    """A normalising accumulator (row statistics, weights, contraction with the weights) fed
-    by a contraction whose only reader it is keeps the scores in registers when one thread
-    mapping serves both contractions: rows of the statistics axis owned by the same thread
-    in both micro-tiles, the lanes of a row an aligned group inside one warp, every thread
-    active.  Then the statistics are lane reductions (warp shuffles), the rescale is applied
-    to the main state in registers, and the weights go through a warp-private staging area
-    (``syncwarp``, no block barrier): the scores never make a round trip through a shared
-    buffer that the whole block synchronises on.  Returns (accs, targets, fused score vars)."""
-    dd = ff.diagram
-    targets, accs = dict(targets), list(accs)
-    fused: dict[int, int] = {}
-    updates = {n.acc: n for n, _ in ff.walk() if isinstance(n, Update)}
-    for p in list(accs):
-        kind = ACC_CODEGEN[p.acc.rule]
-        if not (kind.stats and p.main_regs and p.stat_regs and isinstance(p.main, Micro)):
-            continue
-        s, v = dd.eqns[p.acc.eqn].ins
-        t = targets.get(s)
-        if (t is None or t.source is None or t.source in st.acc_of_var or t.to_global
-                or not isinstance(t.mapping, Micro)):
-            continue
-        if not CODEGEN_RULES[dd.eqns[st.eqn_of[t.source]].box.kind].contraction:
-            continue
-        if st.consumers[s] != (("acc", p.index),):
-            continue
-        if st.scope_of[id(st.def_node[s])] != st.scope_of[id(updates[p.index])]:
-            continue
-        rows = [a for a in p.stat_axes if ax[a].cap > 1]
-        x = p.acc.axis
-        if len(rows) != 1 or {t.mapping.row, t.mapping.col} != {rows[0], x}:
-            continue
-        r = rows[0]
-        if r not in (p.main.row, p.main.col):
-            continue
-        dcol = p.main.col if p.main.row == r else p.main.row
-        if (t.engine == "mma") != (p.engine == "mma"):
-            continue
-        joint = th.joint_frag(r, x, dcol) if p.engine == "mma" else th.joint_micro(r, x, dcol)
-        if joint is None:
-            continue
-        ms, mo = joint
-        targets[s] = replace(t, mapping=ms, to_smem=False)
-        accs[p.index] = replace(p, main=mo, stat=Rows(ms), fused=FusedScores(s, t.source, ms))
-        fused[s] = p.index
-        for v2, tt in targets.items():
-            if tt.source is not None and st.acc_of_var.get(tt.source) == p.index:
-                targets[v2] = replace(tt, mapping=mo)
-    return accs, targets, fused
+# --------------------------------------------------------------------------- 6. scores in registers: .fuse
 
 
 # --------------------------------------------------------------------------- 7. layouts and buffers
@@ -478,6 +429,11 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
     for p in list(accs):
         acc, kind = p.acc, ACC_CODEGEN[p.acc.rule]
         oname = acc.box.cod[0].name
+        if p.stats_of is not None:   # .fuse: the row statistics of an online softmax
+            o = accs[p.stats_of]
+            buf(("mupub", o.index), f"{o.acc.box.cod[0].name}_mu_s", o.stat_axes, f"row max of {o.acc.box.cod[0].name}")
+            buf(("zpub", o.index), f"{o.acc.box.cod[0].name}_z_s", o.stat_axes, f"normaliser of {o.acc.box.cod[0].name}")
+            continue
         for sname, axes, role in acc.states():
             if not (p.main_regs if role == "main" else p.stat_regs):
                 buf(("state", p.index, sname), f"{oname}_{sname}_s", axes, f"state {sname} of {oname}")
