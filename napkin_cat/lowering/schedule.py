@@ -44,7 +44,6 @@ from ..relabel.loopnest import FinalForm
 from ..relabel.rules import (check_blocks, fuse_norm_contract, fuse_softmax_contract, requirements, stream_plan,
                        tile_problem)
 from .plan import kernel_dtype
-from .reindex import remaps
 
 GPU_THREADS = 256
 SIM_THREADS = 16
@@ -371,12 +370,8 @@ def _build(d: Diagram, d0: Diagram, tiles: dict, tileable, streamable, main, sim
     # (an accumulator's loop outside the loops of accumulators that read its result)
     from ..relabel.loopnest import final_form
     first_error = None
-    one = _one_stream_per_contraction(d0, streamable, size)
-    orders = [p for p in itertools.permutations(one)][:24]
-    orders += [p for p in itertools.permutations(streamable) if p not in orders][:24 - len(orders)]
-    if any(remaps(e.box) for e in d0.eqns):   # convolutions: stream one axis, sum the rest in the block
-        orders += [(a,) for a in sorted(streamable, key=lambda a: -size(a)) if (a,) not in orders]
-    for order_ in orders:
+    for order_ in [tuple(streamable)] + [p for p in itertools.permutations(streamable)
+                                         if p != tuple(streamable)][:23]:
         try:
             cand = out
             for a in order_:
@@ -390,19 +385,6 @@ def _build(d: Diagram, d0: Diagram, tiles: dict, tileable, streamable, main, sim
             continue
         return _registers_for_states(cand, ff), how, chosen
     raise LoweringError(f"cannot relabel {d.short()} for lowering: {first_error}")
-
-
-def _one_stream_per_contraction(d0: Diagram, streamable, size) -> tuple:
-    """``streamable`` less all but the longest of the axes one contraction sums over (a
-    convolution's ``c, kh, kw``): the lowering streams one axis per accumulator and sums the
-    others inside the block."""
-    drop = set()
-    for e in d0.eqns:
-        if e.box.kind == "contract":
-            out = set(e.box.cod[0].axis_names)
-            red = [a for a in streamable if a not in out and any(a in x.axis_names for x in e.box.dom)]
-            drop |= set(sorted(red, key=lambda a: -size(a))[1:])
-    return tuple(a for a in streamable if a not in drop)
 
 
 def _registers_for_states(d: Diagram, ff: FinalForm, skip=frozenset()) -> Diagram:
