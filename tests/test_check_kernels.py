@@ -33,7 +33,7 @@ def kernel():
 def _broken(kernel):
     """The kernel with its rescale dropped (a planted code generation bug)."""
     mutant = copy.copy(kernel)
-    mutant.source = kernel.source.replace("o_regs[i, j] *= scale", "o_regs[i, j] *= 1.0")
+    mutant.source = kernel.source.replace("O_o[i, j] *= scale", "O_o[i, j] *= 1.0")
     assert mutant.source != kernel.source
     mutant._dispatcher, mutant._launchers = None, {}
     return mutant
@@ -52,7 +52,7 @@ def test_lower_refuses_to_return_a_wrong_kernel(kernel, monkeypatch):
     real = Kernel.__init__
 
     def init(self, diagram, source, *args):
-        real(self, diagram, source.replace("o_regs[i, j] *= scale", "o_regs[i, j] *= 1.0"), *args)
+        real(self, diagram, source.replace("O_o[i, j] *= scale", "O_o[i, j] *= 1.0"), *args)
 
     monkeypatch.setattr(Kernel, "__init__", init)
     with pytest.raises(nc.EquivalenceError, match="self-check") as info:
@@ -93,7 +93,7 @@ def test_check_lowered_reports_a_wrong_kernel_with_its_options(kernel, monkeypat
     real = Kernel.__init__
 
     def init(self, diagram, source, *args):
-        real(self, diagram, source.replace("o_regs[i, j] *= scale", "o_regs[i, j] *= 1.0"), *args)
+        real(self, diagram, source.replace("O_o[i, j] *= scale", "O_o[i, j] *= 1.0"), *args)
 
     monkeypatch.setattr(Kernel, "__init__", init)
     with pytest.raises(nc.EquivalenceError) as info:
