@@ -1,7 +1,7 @@
 """Regenerate docs/architectures.md and its pictures: ``python docs/make_architectures.py``.
 
 Every picture is drawn by ``nc.draw``, every cost is ``nc.cost`` of the library diagram, and the
-lowering line is what ``nc.lower`` answers today (its error, caught)."""
+kernel list is what ``nc.lower`` answers at small sizes (an error would be shown, caught)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,13 @@ def main(names=None) -> str:
         c = nc.cost(d)
         try:
             k = nc.lower(d.bind(sizes), verify=False)
-            lowered = (f"lowers to {len(k.kernels)} kernels: {', '.join(f'`{kk.name}`' for kk in k.kernels)}"
-                       if hasattr(k, "kernels") else f"lowers to one kernel: `{k.source.splitlines()[0]}`")
+            ks = list(getattr(k, "kernels", [k]))
+            rows = [f"| `{getattr(kk, 'name', type(kk).__name__)}` | `{', '.join(str(a) for a in kk.diagram.cod)}` | "
+                    f"{tuple(kk.launch.grid)} x {kk.launch.block[0]} | {kk.launch.dynamic_smem_bytes} |"
+                    for kk in ks if hasattr(kk, "launch")]
+            views = len(ks) - len(rows)
+            lowered = (f"{len(rows)} kernel{'s' * (len(rows) != 1)}" + (f" and {views} views" if views else "") + ":\n\n"
+                       "| kernel | computes | grid x threads | shared bytes |\n|---|---|---|---|\n" + "\n".join(rows))
         except nc.NapkinError as e:
             text = " ".join(str(e).split())
             text = text.split("for lowering: ", 1)[-1] if text.startswith("cannot relabel") else text
@@ -62,7 +67,7 @@ def main(names=None) -> str:
         out += [f"| transfers | {lv} | {_fmt(v)} |" for lv, v in c.transfers.items() if v != 0]
         out += [f"| memory (peak) | {lv} | {_fmt(v) if len(str(v)) < 300 else '`' + str(v)[:300] + ' …`'} |"
                 for lv, v in c.memory.items() if v != 0]
-        out += ["", f"Lowering today (`nc.lower(d.bind({sizes}), verify=False)`): {lowered}", ""]
+        out += ["", f"Lowering (`nc.lower(d.bind({sizes}), verify=False)`, as in the CUDA simulator): {lowered}", ""]
     return "\n".join(out) + "\n"
 
 

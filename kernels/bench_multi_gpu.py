@@ -1,12 +1,22 @@
 """Ring attention over the GPUs of one host: correctness, scaling, longest N, link time.
 
     torchrun --nproc_per_node 2 kernels/bench_multi_gpu.py [--out kernels/multi_gpu.json]
+    torchrun --nproc_per_node 4 kernels/bench_multi_gpu.py --causal --zigzag --check-only
+    python kernels/bench_multi_gpu.py --plan --world 4 --causal --zigzag     # CPU only: no GPU, no torchrun
 
 The diagram is ``attention(heads=h).tile(q, "devices").stream(x, "devices")`` with FlashAttention
 inside each device (``stream(x, s_x).tile(q, g_q).tile(h, 1)``, blocks chosen by ``nc.lower``);
 ``nc.torch_op`` runs it on NCCL, one process per GPU, the per-device work the generated fp32
 kernel.  Before any timing, every rank checks its output shard against a float64 reference on
 random data (and against the single-GPU kernel); a failure exits 1 before the table.
+``--check-only`` stops after the check.
+
+``--causal`` masks the attention causally (each device skips the key blocks its queries never
+see and runs the ones they see whole without the mask); ``--zigzag`` lays the queries and keys
+out zig-zag over the devices (device ``r`` of ``W`` holds chunks ``r`` and ``2W - 1 - r`` of ``2W``,
+:mod:`napkin_cat.relabel.devices`), balancing the causal work.  Inputs are cut into each rank's
+shards by ``napkin_cat.lowering.distributed.shard``.  ``--plan`` prints, without GPUs, the plan
+and the cost model's predictions (kept tiles per device, imbalance, predicted ring time).
 
 Measured (CUDA events, medians over ``--reps`` runs, the slowest rank's time):
 * strong scaling: one GPU (the single-device kernel on rank 0) against the ring at the same N;
@@ -34,17 +44,25 @@ import torch.distributed as dist  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.core.hierarchy import DEVICES  # noqa: E402
+from napkin_cat.lowering.distributed import device_plan, shard  # noqa: E402
+from napkin_cat.relabel.devices import pieces  # noqa: E402
 
 q, x, d, h = nc.axes("q x d h")
-ATTN = nc.library.attention(q=q, x=x, d=d, heads=h)
+OPTS = {"causal": False, "order": "contiguous"}     # set from the command line in main()
+
+
+def attention():
+    return nc.library.attention(q=q, x=x, d=d, heads=h, causal=OPTS["causal"])
 
 
 def ring_diagram():
-    return ATTN.tile(q, DEVICES).stream(x, DEVICES).stream(x, "s_x").tile(q, "g_q").tile(h, 1)
+    order = OPTS["order"]
+    return (attention().tile(q, DEVICES, order=order).stream(x, DEVICES, order=order)
+            .stream(x, "s_x").tile(q, "g_q").tile(h, 1))
 
 
 def single_diagram():
-    return ATTN.stream(x, "s_x").tile(q, "g_q").tile(h, 1)
+    return attention().stream(x, "s_x").tile(q, "g_q").tile(h, 1)
 
 
 def log(rank, *a):
@@ -77,13 +95,16 @@ def data(H, N, D, seed=0):
     return [torch.randn(H, N, D, generator=g, dtype=torch.float64) for _ in range(3)]
 
 
-def shard(t, rank, world):
-    n = t.shape[1] // world
-    return t[:, rank * n:(rank + 1) * n].contiguous()
+def rows(t, rank, world):
+    """The query rows of ``t`` (``[h, N, ...]``) that ``rank`` holds, in the layout's order."""
+    return torch.cat([t[:, s:s + n] for s, n in pieces(OPTS["order"], t.shape[1], world, rank)], 1)
 
 
 def reference(Q, K, V):
     s = torch.einsum("hqd,hxd->hqx", Q, K) / math.sqrt(Q.shape[-1])
+    if OPTS["causal"]:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -torch.inf)
     return torch.einsum("hqx,hxd->hqd", torch.softmax(s, -1), V)
 
 
@@ -93,18 +114,18 @@ def check(rank, world, H, D, N):
     want = reference(Q, K, V)
     dev = torch.device("cuda")
     op = nc.torch_op(ring_diagram(), verify=True)
-    got = op(*(shard(t, rank, world).float().to(dev) for t in (Q, K, V)))
-    err_ring = (got.double().cpu() - shard(want, rank, world)).abs().max().item()
+    got = op(*(t.float().to(dev) for t in shard(ring_diagram(), (Q, K, V), world, rank)))
+    err_ring = (got.double().cpu() - rows(want, rank, world)).abs().max().item()
     single = nc.lower(single_diagram().bind({q: N, x: N, d: D, h: H}), verify=True)
     one = single(*(t.float().to(dev) for t in (Q, K, V)))
     err_single = (one.double().cpu() - want).abs().max().item()
-    err_vs_single = (got.double().cpu() - shard(one.double().cpu(), rank, world)).abs().max().item()
+    err_vs_single = (got.double().cpu() - rows(one.double().cpu(), rank, world)).abs().max().item()
     errs = torch.tensor([err_ring, err_single, err_vs_single], device=dev)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     errs = [float(e) for e in errs]
     ok = errs[0] < 1e-4 and errs[1] < 1e-4
     return {"N": N, "H": H, "d": D, "max_err_ring_vs_f64": errs[0], "max_err_single_vs_f64": errs[1],
-            "max_err_ring_vs_single": errs[2], "ok": ok, "path": op.last_path}
+            "max_err_ring_vs_single": errs[2], "ok": ok, "path": op.last_path, "blocks": op.last_blocks}
 
 
 class Runner:
@@ -170,6 +191,34 @@ def predicted(world, H, D, N, hw):
     return t
 
 
+def plan_only(args):
+    """What runs, without GPUs: the plan, and the cost model's prediction per N."""
+    hw = nc.hardware.H200 if args.hw == "H200" else nc.hardware.H100
+    plan = device_plan(ring_diagram())
+    print(f"{ring_diagram()}\nplan: {plan.kind}, layouts {plan.layouts}, fold {plan.fold}, "
+          f"skipping masks {list(plan.skips)}", flush=True)
+    Q = torch.zeros(1, 8 * args.world, 1)
+    print("query rows per rank:", [shard(ring_diagram(), (Q, Q, Q), args.world, r)[0].shape[1]
+                                   for r in range(args.world)], flush=True)
+    for N in args.strong:
+        t = predicted(args.world, args.heads, args.dim, N, hw)
+        print(f"  N={N}: predicted ring {t.seconds * 1e3:.2f} ms, link {t.link_seconds * 1e3:.3f} ms, "
+              f"bandwidth-bound {t.bandwidth_bound}, kept tiles per device {list(t.tiles) or 'all'}, "
+              f"imbalance {t.imbalance:.2f}", flush=True)
+
+
+def init_distributed():
+    """Bind this process to its GPU (``LOCAL_RANK``) before the process group exists, so that
+    NCCL's communicator is created on it (``device_id`` where torch takes it)."""
+    import inspect
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    kw = {"device_id": torch.device("cuda", local)} \
+        if "device_id" in inspect.signature(dist.init_process_group).parameters else {}
+    dist.init_process_group("nccl", **kw)
+    return dist.get_rank(), dist.get_world_size()
+
+
 def longest(run, fits, start, max_n, max_seconds):
     """Largest N (doubling from ``start``) that runs, stopping before one that would not fit in
     memory (checked on every rank first, so that no rank fails alone inside a collective), at an
@@ -199,23 +248,47 @@ def main():
     ap.add_argument("--max-n", type=int, default=1 << 20)
     ap.add_argument("--max-seconds", type=float, default=20.0)
     ap.add_argument("--no-longest", action="store_true", help="skip the longest-N probe")
+    ap.add_argument("--causal", action="store_true", help="causal attention (skipped and unmasked blocks)")
+    ap.add_argument("--zigzag", action="store_true", help="zig-zag layout over the devices (causal balance)")
+    ap.add_argument("--check-only", action="store_true", help="check correctness on every rank, then stop")
+    ap.add_argument("--quick-check", action="store_true",
+                    help="check at the small size only (each size compiles kernels: ~25 s apiece)")
+    ap.add_argument("--plan", action="store_true", help="print the plan and predictions on the CPU, then stop")
+    ap.add_argument("--world", type=int, default=2, help="devices assumed by --plan")
+    ap.add_argument("--hw", choices=("H100", "H200"), default="H200", help="profile assumed by --plan")
     ap.add_argument("--out", default=str(Path(__file__).with_name("multi_gpu.json")))
     args = ap.parse_args()
+    OPTS.update(causal=args.causal, order="zigzag" if args.zigzag else "contiguous")
+    if args.plan:
+        plan_only(args)
+        return
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    rank, world = init_distributed()
+    print(f"rank {rank}/{world}: {torch.cuda.get_device_name()} (cuda:{torch.cuda.current_device()})", flush=True)
     hw = nc.hardware.H200 if "H200" in torch.cuda.get_device_name() else nc.hardware.H100
     H, D = args.heads, args.dim
     res = {"device": torch.cuda.get_device_name(), "world": world, "heads": H, "d": D, "reps": args.reps,
-           "profile": hw.name, "link_bandwidth": hw.link_bandwidth, "link_latency": hw.link_latency}
+           "profile": hw.name, "link_bandwidth": hw.link_bandwidth, "link_latency": hw.link_latency,
+           "causal": args.causal, "layout": OPTS["order"]}
 
-    log(rank, f"checking correctness on {world} x {res['device']} ...")
-    res["check"] = [check(rank, world, 2, D, 1024), check(rank, world, 3, D, 1000 * world)]
+    log(rank, f"checking correctness on {world} x {res['device']} ({'causal' if args.causal else 'full'}, "
+              f"{OPTS['order']}) ...")
+    # sizes that split into 2 x world chunks of whole 64-row tiles (zig-zag) and one that does not fill them
+    res["check"] = []
+    checks = ((2, 128 * world), (3, 1000 * world if not args.zigzag else 1000 * 2 * world))
+    for H_, N_ in checks[:1] if args.quick_check else checks:
+        res["check"].append(check(rank, world, H_, D, N_))
+        c = res["check"][-1]
+        log(rank, f"  N={N_}: ring vs f64 {c['max_err_ring_vs_f64']:.1e}, 1 GPU vs f64 "
+                  f"{c['max_err_single_vs_f64']:.1e}, blocks {c['blocks']} -> {'ok' if c['ok'] else 'FAILED'}")
     if not all(c["ok"] for c in res["check"]):
         log(rank, "FAILED correctness:", json.dumps(res["check"], indent=1))
         dist.destroy_process_group()
         sys.exit(1)
+    if args.check_only:
+        log(rank, "check only: done")
+        dist.destroy_process_group()
+        return
 
     run = Runner(rank, world, H, D, args.reps)
     res["strong"] = []

@@ -229,7 +229,7 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32"):
     flex_ms = cuda_time(lambda: flex(Q, K, V, score_mod=score, block_mask=bm))
     dense = 4 * B * H * N * N * D
     data = {"bt": aux_tensors["bt"].cpu().numpy()} if "bt" in aux_tensors else None
-    share = float(nc.cost(dia.stream(x, tiles["x"]).tile(q, tiles["q"]), data=data).flops["tensor"]) / dense
+    share = float(nc.cost(dia.stream("x", tiles["x"]).tile("q", tiles["q"]), data=data).flops["tensor"]) / dense
     r = {"kind": "flex", "variant": name, "dtype": dt, "N": N, "d": D, "BH": B * H, "tiles": tiles,
          "threads": threads, "prefetch": prefetch, "mma": "mma_" in kernel.source, "ms": ms,
          "rel_err": err, "flex_ms": flex_ms, "flex_rel_err": flex_err, "kept_share": share,

@@ -61,3 +61,43 @@ def test_fold_of_partials_is_attention_over_the_union():
     want_o, want_l = nc.evaluate(with_l, Q, K, V)
     assert np.abs(state[0].numpy() - want_o).max() < 1e-12
     assert np.abs(state[1].numpy() - want_l).max() < 1e-12
+
+
+def _brute_kept(rows_of, world: int, n: int, tile: int) -> list[int]:
+    """Per device, the (query tile, key tile) pairs with a kept entry of the causal mask
+    ``j <= i``, counted from the mask itself: device ``r`` holds the query rows ``rows_of(r)``
+    and meets every device's key rows (the same layout) once around the ring."""
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    keep = j <= i
+    out = []
+    for r in range(world):
+        mine = rows_of(r)
+        keys = np.concatenate([rows_of(s) for s in range(world)])
+        out.append(sum(bool(keep[np.ix_(mine[a:a + tile], keys[b:b + tile])].any())
+                       for a in range(0, len(mine), tile) for b in range(0, len(keys), tile)))
+    return out
+
+
+def test_zigzag_balances_causal_work_over_the_devices():
+    """The cost model's kept tiles per device equal a count from the mask, and zig-zag's
+    busiest device keeps fewer tiles than contiguous sharding's (the mean, where contiguous
+    gives its last device ``(2W - 1) / W`` times it, as the tile count grows)."""
+    hw, W, n, tile = nc.hardware.H200, 4, 4096, 256
+    causal = nc.library.attention(q=q, x=x, d=d, causal=True)
+    sizes = {q: n, x: n, d: 64, DEVICES: W, "s_x": tile, "g_q": tile}
+    c = n // (2 * W)
+    layouts = {"contiguous": lambda r: np.arange(r * n // W, (r + 1) * n // W),
+               "zigzag": lambda r: np.concatenate([np.arange(r * c, (r + 1) * c),
+                                                   np.arange((2 * W - 1 - r) * c, (2 * W - r) * c)])}
+    got = {}
+    for order, rows_of in layouts.items():
+        ring = causal.tile(q, DEVICES, order=order).stream(x, DEVICES, order=order).stream(x, "s_x").tile(q, "g_q")
+        got[order] = nc.cost(ring).devices(hw, sizes)
+        assert list(got[order].tiles) == _brute_kept(rows_of, W, n, tile), order
+    contiguous, zigzag = got["contiguous"], got["zigzag"]
+    assert sum(zigzag.tiles) == sum(contiguous.tiles)                 # the same work, spread differently
+    assert max(zigzag.tiles) < max(contiguous.tiles)
+    assert max(zigzag.tiles) == min(zigzag.tiles) and zigzag.imbalance == 1.0
+    k = n // tile                                                      # tiles per axis
+    assert max(contiguous.tiles) == sum(range(k - k // W + 1, k + 1))  # the last device: rows k - k/W .. k
+    assert zigzag.compute_step < contiguous.compute_step and zigzag.seconds < contiguous.seconds

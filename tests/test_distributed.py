@@ -42,6 +42,9 @@ def test_ring_order_is_simulated_device_by_device():
     (lambda: ATTN.tile(q, DEVICES, level="SMEM"), "lives in its HBM"),
     (lambda: ATTN.tile(x, DEVICES), "cannot tile x"),
     (lambda: RING.stream(q, 2).order("q"), "name it first"),
+    (lambda: ATTN.tile(q, 16, order="zigzag"), "orders the blocks over the devices"),
+    (lambda: ATTN.tile(q, DEVICES, order="striped"), "unknown layout"),
+    (lambda: ATTN.stream(x, "s_x", order="zigzag"), "orders the blocks over the devices"),
 ])
 def test_device_split_refusals_name_the_problem(make, words):
     with pytest.raises(nc.RelabelError, match=words):
@@ -54,6 +57,84 @@ def test_device_split_needs_a_dividing_world():
         nc.evaluate(RING, Q, K, V, sizes={DEVICES: 4})
     with pytest.raises(nc.NapkinError, match="pass sizes"):
         nc.evaluate(RING, Q, K, V)
+
+
+CAUSAL = nc.library.attention(q=q, x=x, d=d, causal=True)
+ZIGZAG = CAUSAL.tile(q, DEVICES, order="zigzag").stream(x, DEVICES, order="zigzag")
+
+
+def test_zigzag_layout_is_simulated_and_equivalent():
+    assert str(ZIGZAG).endswith("| tile(q, devices, order=zigzag), stream(x, devices, order=zigzag)")
+    window = nc.library.attention(q=q, x=x, d=d, window_size=3)
+    for a, b in ((CAUSAL, ZIGZAG.stream(x, 2).tile(q, 2)),
+                 (window, window.tile(q, DEVICES, order="zigzag").stream(x, DEVICES))):
+        assert nc.check_equivalent(a, b, examples=6, progress=False).examples == 6
+    rng = np.random.default_rng(2)
+    Q, K, V = (rng.standard_normal((12, 3)) for _ in range(3))
+    want = nc.evaluate(CAUSAL, Q, K, V)
+    for p in (1, 2, 3):
+        assert np.abs(nc.evaluate(ZIGZAG, Q, K, V, sizes={DEVICES: p}) - want).max() < 1e-12
+    with pytest.raises(nc.ShapeError, match="2 x devices=4 zig-zag chunks"):
+        nc.evaluate(ZIGZAG, Q, K, V, sizes={DEVICES: 4})
+
+
+def test_shard_and_unshard_follow_the_layout():
+    from napkin_cat.lowering.distributed import shard, unshard
+    Q = np.arange(16.0).reshape(8, 2)
+    rows = {r: shard(ZIGZAG, (Q, Q, Q), 2, r)[0][:, 0] / 2 for r in (0, 1)}
+    assert rows[0].tolist() == [0, 1, 6, 7] and rows[1].tolist() == [2, 3, 4, 5]
+    assert (unshard(ZIGZAG, [shard(ZIGZAG, (Q, Q, Q), 2, r)[0] for r in (0, 1)], 2) == Q).all()
+    t = torch.from_numpy(Q)
+    assert torch.equal(unshard(RING, [shard(RING, (t, t, t), 2, r)[0] for r in (0, 1)], 2), t)
+    with pytest.raises(nc.ShapeError, match=r"input Q\[q d\] f32, axis q: .* 4 must divide 6"):
+        shard(ZIGZAG, (Q[:6], Q, Q), 2, 0)
+
+
+def test_device_plan_refuses_what_it_cannot_place():
+    from napkin_cat.lowering.distributed import device_plan
+    from napkin_cat.ops.builder import Builder
+    doc = nc.aux("doc", q)                  # document ids over the split query axis itself
+    g = Builder()
+    Q, K, V, D = g.input("Q", q, d), g.input("K", x, d), g.input("V", x, d), g.input("doc", q)
+    S = g.mask(g.contract(Q, K, out=(q, x), name="S"), q, x, nc.mask_mod(lambda b, h, i, j: doc[i] >= 0), D)
+    O = g.contract(g.softmax(S, x), V, out=(q, d), name="O")
+    split = g.diagram(O).tile(q, DEVICES).stream(x, DEVICES)
+    Q_, K_, V_, D_ = np.ones((4, 2)), np.ones((4, 2)), np.ones((4, 2)), np.zeros(4)
+    assert np.abs(nc.evaluate(split, Q_, K_, V_, D_, sizes={DEVICES: 2}) - 1).max() < 1e-12   # simulated: fine
+    with pytest.raises(nc.LoweringError, match=r"mask .* gathers from doc\[q\] f32, which carries q"):
+        device_plan(split)
+    biased = nc.library.attention(q=q, x=x, d=d, bias="input").tile(q, DEVICES).stream(x, DEVICES)
+    with pytest.raises(nc.LoweringError, match="B.* carries both q"):
+        device_plan(biased)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["causal", "window", "alibi"])
+def test_shifted_blocks_lower_to_kernels_that_match_the_global_mask(kind):
+    """What a GPU runs for a block pair: the block's diagram lowered (numba.cuda simulator),
+    against attention of the block's queries over the block's keys with the mask and bias
+    written out in NumPy at global indices."""
+    from napkin_cat.lowering.distributed import device_plan
+    from napkin_cat.relabel.devices import block_view
+    opts = {"causal": dict(causal=True), "window": dict(window_size=3),
+            "alibi": dict(causal=True, bias=nc.alibi(0.5))}[kind]
+    plan = device_plan(nc.library.attention(q=q, x=x, d=d, **opts).tile(q, DEVICES).stream(x, DEVICES))
+    rng = np.random.default_rng(5)
+    Q, K, V = (rng.standard_normal((4, 3)).astype(np.float32) for _ in range(3))
+    for rows, cols in (((4, 8), (6, 10)), ((4, 8), (0, 4)), ((8, 12), (2, 6))):
+        view = block_view(plan.local, {"q": rows, "x": cols}, {"q": 12, "x": 12, "d": 3}, plan.skips)
+        o, lse = nc.lower(view.diagram.bind({q: 4, x: 4, d: 3}), verify=True)(Q, K, V)
+        i, j = np.arange(*rows)[:, None], np.arange(*cols)[None, :]
+        s = Q.astype(np.float64) @ K.T / np.sqrt(3) + (0.5 * (j - i) if kind == "alibi" else 0.0)
+        keep = (j >= i - 3) & (j <= i) if kind == "window" else j <= i
+        s = np.where(keep, s, -np.inf)
+        top = np.where(keep.any(1), s.max(1), 0.0)[:, None]
+        z = np.exp(s - top).sum(1)
+        want_o = np.where(z[:, None] > 0, np.exp(s - top) / np.where(z > 0, z, 1)[:, None], 0.0) @ V
+        with np.errstate(divide="ignore"):
+            want_l = np.log(z) + top[:, 0]
+        assert np.abs(np.asarray(o) - want_o).max() < 1e-5, (kind, rows, cols, view.key)
+        assert np.allclose(np.asarray(lse), want_l, atol=1e-5), (kind, rows, cols, view.key)
 
 
 def test_link_transfers_and_device_time():
@@ -133,3 +214,70 @@ def test_runtime_on_two_gloo_processes_matches_the_oracle(tmp_path):
         assert res["ring"][1] == "ring:executor" and res["gather"][1] == "gather:executor"
         assert res["ring_f32"][0] < 1e-5 and res["ring_f32"][1]
         assert "axis q should be 4" in res["shape_error"]
+
+
+def _masked_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from napkin_cat.lowering.distributed import shard, unshard
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rng = np.random.default_rng(4)
+    Q, K, V = (rng.standard_normal((8, 3)) for _ in range(3))
+    window = nc.library.attention(q=q, x=x, d=d, window_size=2)
+    alibi = nc.library.attention(q=q, x=x, d=d, causal=True, bias=nc.alibi(0.5))
+    late = nc.library.attention(q=q, x=x, d=d, mask=nc.causal(-6))   # queries 0..5 see no key
+    res = {}
+    for name, oracle, dg in (
+            ("causal", CAUSAL, CAUSAL.tile(q, DEVICES).stream(x, DEVICES).stream(x, 2).tile(q, 2)),
+            ("causal_zigzag", CAUSAL, ZIGZAG.stream(x, 2).tile(q, 2)),
+            ("window", window, window.tile(q, DEVICES).stream(x, DEVICES).stream(x, 2).tile(q, 2)),
+            ("late", late, late.tile(q, DEVICES).stream(x, DEVICES).stream(x, 2).tile(q, 2)),
+            ("alibi_zigzag", alibi, alibi.tile(q, DEVICES, order="zigzag").stream(x, DEVICES, order="zigzag")
+             .stream(x, 2).tile(q, 2))):
+        op = nc.torch_op(dg)
+        got = op(*(torch.from_numpy(np.ascontiguousarray(t)) for t in shard(dg, (Q, K, V), world, rank)))
+        outs = [None] * world
+        dist.all_gather_object(outs, got.numpy())
+        res[name] = [float(np.abs(unshard(dg, outs, world) - nc.evaluate(oracle, Q, K, V)).max()),
+                     op.last_path, op.last_blocks]
+    try:        # zig-zag shards of 3 rows: 2 x 2 chunks do not divide the 6 queries
+        nc.torch_op(ZIGZAG)(torch.ones(3, 3, dtype=torch.float64), torch.ones(4, 3, dtype=torch.float64),
+                            torch.ones(4, 3, dtype=torch.float64))
+    except nc.ShapeError as e:
+        res["refused"] = str(e)
+    dist.destroy_process_group()
+    with open(f"{out}/{rank}.json", "w") as f:
+        json.dump(res, f)
+
+
+def test_masked_ring_on_two_gloo_processes_matches_the_oracle(tmp_path):
+    import torch.multiprocessing as mp
+    mp.start_processes(_masked_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
+    res = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    for r in res:
+        for name in ("causal", "causal_zigzag", "window", "late", "alibi_zigzag"):
+            assert r[name][0] < 1e-12 and r[name][1] == "ring:executor", (name, r[name])
+        assert "2 x 2 zig-zag chunks" in r["refused"]
+    # contiguous causal: rank 0 skips the later block, rank 1 runs the earlier one unmasked
+    assert res[0]["causal"][2] == {"partial": 1, "empty": 1} and res[1]["causal"][2] == {"partial": 1, "full": 1}
+    # zig-zag: both ranks do the same work (2 diagonal chunks masked, 3 whole, 3 skipped of 8)
+    assert res[0]["causal_zigzag"][2] == res[1]["causal_zigzag"][2] == {"partial": 2, "full": 3, "empty": 3}
+    # a window of 2 reaches one block back: the earlier block is partial, the later one skipped
+    assert res[0]["window"][2] == {"partial": 1, "empty": 1} and res[1]["window"][2] == {"partial": 2}
+    # rank 0's queries see no key at all: nothing computed, zero rows (as the oracle's)
+    assert res[0]["late"][2] == {"empty": 2} and res[1]["late"][2] == {"partial": 1, "empty": 1}
+
+
+def test_bench_script_plans_on_the_cpu(capsys, monkeypatch):
+    """kernels/bench_multi_gpu.py imports without a GPU and its planning runs (--plan)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "bench_multi_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_multi_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr("sys.argv", ["bench", "--plan", "--world", "4", "--strong", "4096", "--causal", "--zigzag"])
+    bench.main()
+    out = capsys.readouterr().out
+    assert "order=zigzag" in out and "plan: ring" in out and "query rows per rank: [8, 8, 8, 8]" in out, out
+    assert "kept tiles per device [520, 520, 520, 520], imbalance 1.00" in out, out

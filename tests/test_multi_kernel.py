@@ -96,13 +96,13 @@ def test_wide_softmax_generates_statistics_then_normalise():
 
 
 def test_flat_gqa_head_axis_lowers_with_views():
-    k = nc.lower(_flat_gqa(), verify=False)
+    # where the whole fits a block, the split and merge are read through their index maps in one
+    # kernel (napkin_cat.lowering.reindex); over the shared memory they are views between kernels
+    k = nc.lower(_flat_gqa(), verify=False, hw=TINY_SMEM)
     assert len(k.kernels) == 1 and [s.name for s in k.steps] == ["view_split", k.kernels[0].name, "view_merge"]
 
 
 def test_refusals_name_the_reason():
-    with pytest.raises(LoweringError, match="unfold"):
-        nc.lower(L.conv1d(stride=2, padding=1).bind({"c": 2, "o": 2, "l": 8, "lo": 4}), verify=False)
     d = L.mlp(Axis("t", 2), Axis("d", 2), Axis("f", 3))
     with pytest.raises(LoweringError, match="schedules one kernel"):
         nc.lower(d.tile("t", 2).place("H", "HBM"), verify=False)

@@ -82,6 +82,25 @@ def _repr_param(value) -> str:
     return repr(value)
 
 
+def _derived_sizes(d: "Diagram") -> dict:
+    """Sizes of still symbolic axes that box parameters derive from bound ones (a parameter
+    with ``derived_sizes()``: a convolution's output length, :mod:`napkin_cat.ops.sizes`); a
+    bound size that disagrees is refused, naming the size the parameter gives."""
+    have = {a.name: a for a in d.axes}
+    out = {}
+    for e in d.eqns:
+        for _, v in e.box.params:
+            derive = getattr(v, "derived_sizes", None)
+            for name, n in (derive() if derive is not None else {}).items():
+                a = have.get(name)
+                if a is not None and a.symbolic:
+                    out[name] = n
+                elif a is not None and a.size != n:
+                    raise TypingError(f"axis {name} has size {a.size}, but {e.box.name} needs {n}: {v.explain()}; "
+                                      f"bind {name} to {n} or leave it unbound")
+    return out
+
+
 def _bind_param(value, sizes):
     if isinstance(value, Axis):
         return value.bind(sizes)
@@ -322,9 +341,11 @@ class Diagram:
         A[a=4 b=8] f32, B[b=8 c=2] f32 -> C[a=4 c=2] f32
         """
         check_size_keys(self, sizes, "bind")
-        return Diagram(self.dom.bind(sizes), self.cod.bind(sizes),
-                       tuple(Eqn(e.box.bind(sizes), e.ins) for e in self.eqns), self.outs,
-                       tuple(_bind_relabel(r, sizes) for r in self.schedule))
+        d = Diagram(self.dom.bind(sizes), self.cod.bind(sizes),
+                    tuple(Eqn(e.box.bind(sizes), e.ins) for e in self.eqns), self.outs,
+                    tuple(_bind_relabel(r, sizes) for r in self.schedule))
+        derived = _derived_sizes(d)
+        return d.bind(derived) if derived else d
 
     def rename(self, *names: str, inputs: bool = False) -> "Diagram":
         """Relabel the output (or input) wires' names; types are unchanged."""
@@ -340,35 +361,40 @@ class Diagram:
         return Diagram(self.dom, new, self.eqns, self.outs, self.schedule)
 
     # ---- relabelings (the relabel stage registers them; methods for the fluent API)
-    def tile(self, axis, size, level: str | None = None) -> "Diagram":
+    def tile(self, axis, size, level: str | None = None, partial: str | None = None,
+             order: str | None = None) -> "Diagram":
         """Tile ``axis`` across cores: groups of ``size`` indices, one per block of the grid,
         their arrays held at ``level`` (default ``"SMEM"``).
 
         ``axis``: an :class:`Axis` or its name; ``size``: an int, or a name for a symbolic tile
         size (``"g_q"``) that :func:`napkin_cat.cost` keeps as a symbol.  Returns a new diagram
         (this one is unchanged); an axis that cannot be tiled raises
-        :class:`~napkin_cat.core.errors.RelabelError` with the reason.
+        :class:`~napkin_cat.core.errors.RelabelError` with the reason.  ``partial="sum"`` tiles
+        an axis the diagram sums over: each block adds its partial sum into the outputs
+        (split-K; :mod:`napkin_cat.relabel.split`).  ``order="zigzag"`` lays out a split over
+        the devices zig-zag (:mod:`napkin_cat.relabel.devices`).
 
         >>> import napkin_cat as nc
         >>> print(nc.library.attention().tile("q", "g_q"))
         Q[q d] f32, K[x d] f32, V[x d] f32 -> O[q d] f32  | tile(q, g_q)
         """
-        return registry.verb('tile')(self, axis, size, level)
+        return registry.verb('tile')(self, axis, size, level, partial, order)
 
-    def stream(self, axis, size, level: str | None = None) -> "Diagram":
+    def stream(self, axis, size, level: str | None = None, order: str | None = None) -> "Diagram":
         """Stream ``axis`` through fast memory: a loop over chunks of ``size`` staged at ``level``
         (default ``"SMEM"``).
 
         A softmax (or streamable normalisation) followed by a contraction over ``axis`` is first
         fused into an accumulator (online softmax); anything else that needs the whole axis is
         refused with a :class:`~napkin_cat.core.errors.RelabelError` naming the reason.  ``size``
-        is an int or a symbol name (``"s_x"``).  Returns a new diagram.
+        is an int or a symbol name (``"s_x"``); ``order="zigzag"`` lays out a split over the
+        devices zig-zag (:mod:`napkin_cat.relabel.devices`).  Returns a new diagram.
 
         >>> import napkin_cat as nc
         >>> print(nc.library.attention().stream("x", 64))
         Q[q d] f32, K[x d] f32, V[x d] f32 -> O[q d] f32  | stream(x, 64)
         """
-        return registry.verb('stream')(self, axis, size, level)
+        return registry.verb('stream')(self, axis, size, level, order)
 
     def place(self, array: str, level: str) -> "Diagram":
         """Keep the wire(s) named ``array`` at memory ``level`` (``"SMEM"``, ``"registers"``,
@@ -462,6 +488,10 @@ def _relabel_str(r: Relabel) -> str:
         args = [str(a) for a in r.extra]
     else:
         args = [r.axis] + ([str(r.size)] if r.size is not None else [])
+        if r.size == DEVICES and r.extra:   # tile(q, devices, order=zigzag): the blocks' layout
+            args.append(f"order={r.extra[0]}")
+        elif r.op == "tile" and r.extra:   # tile(b, 16, partial=sum): partial sums across blocks
+            args.append(f"partial={r.extra[0]}")
     return f"{r.op}({', '.join(args)})"
 
 

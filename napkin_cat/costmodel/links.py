@@ -31,6 +31,23 @@ is *bandwidth-bound* when a step's transfer outlasts its compute.
 (False, 97.2)
 >>> nc.cost(ring).devices(nc.hardware.H200, {q: 2048, x: 2048, d: 64, "devices": 2}).bandwidth_bound
 True
+
+Under a mask the devices' shares differ: :func:`~napkin_cat.relabel.balance.kept_tiles` counts,
+per device, the tiles it keeps (its query pieces against every key piece, cut into the tiles of
+its relabelings inside a device, less those a mask on the ring's stream removes whole).  The
+cost model counts the loops of a device split dense (:mod:`.skips`); the timing is the busiest
+device's: a dense device's compute times its kept tiles over the dense ones.  ``imbalance`` is
+the largest count over the mean: a causal ring laid out contiguously makes the last device do
+nearly twice the mean, zig-zag (``order="zigzag"``) makes them equal.
+
+>>> causal = nc.library.attention(q=q, x=x, d=d, causal=True)
+>>> sizes = {q: 4096, x: 4096, d: 64, "devices": 4, "s": 256, "g": 256}
+>>> for order in ("contiguous", "zigzag"):
+...     r = causal.tile(q, "devices", order=order).stream(x, "devices", order=order).stream(x, "s").tile(q, "g")
+...     t = nc.cost(r).devices(nc.hardware.H200, sizes)
+...     print(order, t.tiles, round(t.imbalance, 2))
+contiguous (10, 26, 42, 58) 1.71
+zigzag (34, 34, 34, 34) 1.0
 """
 
 from __future__ import annotations
@@ -40,8 +57,9 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ..core.diagram import DType, f32
-from ..core.errors import CostError
+from ..core.errors import CostError, ShapeError
 from ..core.hierarchy import DEVICES, LINK
+from ..relabel.balance import kept_tiles, ring_skips
 from ..relabel.loopnest import FinalForm, Loop
 from ..relabel.symbols import size_expr, size_symbol
 from .records import ZERO, Move, check_hw
@@ -87,7 +105,9 @@ class DeviceTiming:
     ``link_step`` (one block over the link, latency included), ``steps`` (blocks per device),
     ``seconds`` (compute overlapped with the transfers: the first step's compute, then each later
     step the longer of the two), ``link_seconds`` (the transfers alone) and
-    ``bandwidth_bound`` (a step waits for its block)."""
+    ``bandwidth_bound`` (a step waits for its block); under a mask on the ring, ``tiles``
+    (the tiles each device keeps, of ``dense_tiles`` each) and ``imbalance`` (the largest over
+    the mean); the compute above is then the busiest device's."""
 
     devices: int
     compute_step: float
@@ -98,6 +118,9 @@ class DeviceTiming:
     link_bytes_per_device: float
     bandwidth_bound: bool
     hardware: str
+    tiles: tuple[int, ...] = ()
+    dense_tiles: int = 0
+    imbalance: float = 1.0
 
 
 def device_time(cost, hw, sizes: dict, dtype: DType | None = None) -> DeviceTiming:
@@ -123,7 +146,16 @@ def device_time(cost, hw, sizes: dict, dtype: DType | None = None) -> DeviceTimi
         prec = dtype or prec
         work[o.unit] = work.get(o.unit, 0.0) + float(o.total.subs(subs)) / hw.rate(o.unit, prec)
     steps = p if "stream" in loops and "grid" in loops else 1
-    compute_step = max(work.values(), default=0.0) / (p * steps)
+    tiles, dense, imbalance, busiest = (), 0, 1.0, 1.0
+    if ring_skips(cost.diagram):        # a mask on the ring: the devices' shares differ
+        try:
+            tiles = kept_tiles(cost.diagram, {**sizes, DEVICES: p})
+            dense = kept_tiles(cost.diagram, {**sizes, DEVICES: p}, masked=False)[0]
+        except ShapeError as e:
+            raise CostError(f"devices: {e}") from None
+        imbalance = max(tiles) * len(tiles) / sum(tiles) if sum(tiles) else 1.0
+        busiest = max(tiles) / dense
+    compute_step = max(work.values(), default=0.0) / (p * steps) * busiest
     link_bytes = float(sum((m.values * (dtype or m.dtype).bytes for m in cost.moves if m.upper == LINK),
                            ZERO).subs(subs)) / p
     messages = (p - 1) if link_bytes else 0
@@ -133,4 +165,4 @@ def device_time(cost, hw, sizes: dict, dtype: DType | None = None) -> DeviceTimi
     else:
         seconds = compute_step + messages * link_step
     return DeviceTiming(p, compute_step, link_step, steps, seconds, messages * link_step, link_bytes,
-                        link_step > compute_step, hw.name)
+                        link_step > compute_step, hw.name, tiles, dense, imbalance)

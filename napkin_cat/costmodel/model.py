@@ -50,6 +50,8 @@ from ..core.diagram import Diagram, DType, f32
 from ..core.errors import CostError
 from ..core.hierarchy import Hierarchy
 from ..relabel.loopnest import Compute, Init, Load, Loop, Store, Update, param_vars
+from ..relabel.split import AddStore
+from .atomics import add_store_records, zero_fill_moves
 from .links import link_moves
 from .records import ZERO, Move, Op, Resident, frozen
 from .report import Cost
@@ -154,6 +156,11 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None, data: dict | None = Non
             if node.level != node.src:
                 key, b = buf(("var", node.var) if node.final else ("copy", node.var, node.level), loops)
                 move("load", key, b, node.src, node.level, loops)
+        elif isinstance(node, AddStore):   # a read-modify-write: fp32 atomics (.atomics)
+            key, b = buf(("var", node.var), loops)
+            added_moves, added_ops = add_store_records(ff, node, b, execs(loops, set(b.axes)), loops)
+            moves.extend(added_moves)
+            ops.extend(added_ops)
         elif isinstance(node, Store):
             if node.level != node.dst:
                 key, b = buf(("copy", node.var, node.level) if node.flush else ("var", node.var), loops)
@@ -200,6 +207,7 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None, data: dict | None = Non
             rows.append(Resident(b.level, b.size, name, dt, stat, b.key[0] == "state"))
         columns.append(tuple(rows))
     moves.extend(link_moves(ff))
+    moves.extend(zero_fill_moves(ff))
     transfers: dict[str, sp.Expr] = {}
     for m in moves:
         transfers[m.upper] = transfers.get(m.upper, ZERO) + m.values

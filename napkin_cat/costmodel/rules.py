@@ -135,6 +135,17 @@ def rule_index_bias(box, vol, phase):
     return (Work("fma", 2 * v, "bias and add", box.cod),)
 
 
+def rule_index_map(box, vol, phase):
+    return _expr_work(box.param("fn"), vol(box.cod[0].axis_names), "index map", box.cod)
+
+
+def rule_scatter_aux(box, vol, phase):
+    """Per element of its input: the gather's index arithmetic, then one add into the tensor."""
+    v = vol(box.dom[0].axis_names)
+    ops = sum(sum(k.work().values()) for k in box.param("at").index)
+    return (Work("fma", (ops + 1) * v, "scatter-add (index and add)", box.cod),)
+
+
 def rule_free(box, vol, phase):
     return ()
 
@@ -184,6 +195,7 @@ COST_RULES: dict[str, Callable] = {
     "normalize": rule_normalize, "mask": rule_mask, "index_bias": rule_index_bias,
     "reindex": rule_free, "param": rule_free, "const": rule_free, "cast": rule_cast,
     "softmax_contract": rule_softmax_contract, "norm_contract": rule_norm_contract,
+    "index_map": rule_index_map, "scatter_aux": rule_scatter_aux,
 }
 
 

@@ -21,8 +21,10 @@ from .records import (ZERO, Optimum, check_dtypes, check_hw, check_level, dtype_
 from .usable import RULE, register_capacity, register_exprs, register_use, usable_size
 
 
-def search(cost, sizes, hw, dtype, level, fixed, memory, divides, usable, threads) -> Optimum:
-    """One search; see :meth:`Cost.optimize`."""
+def search(cost, sizes, hw, dtype, level, fixed, memory, divides, usable, threads, *,
+           tiles_only: bool = False) -> Optimum | dict:
+    """One search; see :meth:`Cost.optimize`.  ``tiles_only``: return the chosen sizes
+    ``{name: int}`` without the report (transfers, bound, gap) that most of the time goes to."""
     check_level(level, "optimize")
     check_dtypes(dtype, "optimize")
     if not isinstance(usable, bool):
@@ -161,6 +163,8 @@ def search(cost, sizes, hw, dtype, level, fixed, memory, divides, usable, thread
     exact = sorted(close, key=lambda a: (obj_e.subs(a), mem_e.subs(a), tuple(a[s] for s in free)))
     choice = exact[0]
     tiles = {n: int(choice.get(size_symbol(n), subs.get(size_symbol(n)))) for n in blocks}
+    if tiles_only:
+        return tiles
     opt = _optimum(cost, tiles, subs, choice, level, cap, unit, dtype, exhaustive, obj_e)
     caps = {level: cap}
     if hw is not None:

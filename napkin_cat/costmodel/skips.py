@@ -46,8 +46,9 @@ Error of the symbolic form against the exact count: at most ``s`` columns per bo
 ``N`` (the last, partial tile is taken with the slope of a full one); ``tests/test_cost.py``
 checks it at ragged and aligned sizes.  Not counted (the loop is costed dense, an upper
 bound): a support that is not piecewise linear in the row tile with one slope, a stream nested
-in another loop over its own axis, masks on a second row axis, and a second skipping stream
-around the same node.
+in another loop over its own axis, masks on a second row axis, a second skipping stream
+around the same node, and loops inside a split over the devices (whose blocks sit at the
+device's global offsets; :func:`napkin_cat.costmodel.links.device_time` counts their tiles).
 
 >>> import napkin_cat as nc
 >>> q, x, d = nc.axes("q x d", q=1024, x=1024, d=64)
@@ -64,6 +65,7 @@ from fractions import Fraction
 
 import sympy as sp
 
+from ..core.hierarchy import DEVICES
 from ..ops.index import IntAlgebra
 from ..ops.index_support import BoolLogic
 from ..relabel.loopnest import FinalForm, Loop
@@ -123,6 +125,8 @@ class SkipCounter:
     def trips(self, loops: tuple[Loop, ...], axes=None) -> SkippedTrips | None:
         """The trips replaced for a node inside ``loops`` touching a buffer with ``axes``
         (None: work, not a buffer), or None when no enclosing stream skips chunks."""
+        if any(lp.step == DEVICES for lp in loops):
+            return None
         for i, lp in enumerate(loops):
             skips = self.skips(lp)
             if not skips:

@@ -64,6 +64,8 @@ KIND_STYLES: dict[str, KindStyle] = {
     "normalize": KindStyle("#e3f4e8", "#2e7d32", "round"),
     "mask": KindStyle("#ffffff", "#c62828", "dashed"),
     "index_bias": KindStyle("#ffffff", "#c62828", "dashed"),
+    "index_map": KindStyle("#ffffff", "#c62828", "dashed"),
+    "scatter_aux": KindStyle("#e3f4e8", "#c62828", "dashed"),
     "reindex": KindStyle("#ececec", "#616161", "trapezoid"),
     "param": KindStyle("#f3e5f5", "#6a1b9a", "square", line_width=1.3),
     "const": KindStyle("#f3e5f5", "#6a1b9a", "square"),

@@ -22,7 +22,9 @@ from typing import Sequence
 
 from ..core import Axis, Diagram, DType, f32
 from ..core.errors import TypingError
-from ..ops import Builder, merge_box, split_box
+from ..core.diagram import Box
+from ..ops import Builder, merge_box, split_box, unfold_box
+from ..ops.sizes import ConvLength
 
 
 def _axis(value, name: str, what: str) -> Axis:
@@ -110,22 +112,30 @@ def conv(c, o, spatial: Sequence[Axis], kernel: Sequence[Axis], *, out: Sequence
     X = g.input("X", c, *spatial)
     W = g.input("W", *((ci, og) if transposed else (o, cg)), *kernel)
     B = g.input("bias", o) if bias else None
+    gx = Axis("g", groups)
+    Wg, Bg = W, B
+    if groups > 1:   # the splits of the weights first: views of HBM that leave the rest one kernel
+        Wg = g.box(split_box(g.ty(W), ci if transposed else o, gx, cg if transposed else og), W)
+        Bg = g.box(split_box(g.ty(B), o, gx, og), B) if B is not None else None
     U = g.rename(X, c, ci) if ci != c else X
-    for a, new, k, s, p, dl in zip(spatial, out, kernel, stride, padding, dilation):
+    for a, new, k, s, p, dl, op in zip(spatial, out, kernel, stride, padding, dilation, output_padding):
         how = dict(stride=1, dilation=-dl, offset=p, divisor=s) if transposed else \
             dict(stride=s, dilation=dl, offset=-p)
-        U = g.unfold(U, a, new, k, **how)
-    Wg = W
+        box = unfold_box(g.ty(U), a, new, k, **how)
+        if new.symbolic:   # its size follows from a's when that is bound (Diagram.bind)
+            rule = ConvLength(new.name, a, k, s, p, dl, transposed, op)
+            box = Box(box.kind, box.dom, box.cod, box.params + (("length", rule),), box.name)
+        U = g.box(box, U)
     if groups > 1:
-        gx = Axis("g", groups)
         U = g.box(split_box(g.ty(U), ci, gx, cg), U)
-        Wg = g.box(split_box(g.ty(W), ci if transposed else o, gx, cg if transposed else og), W)
         Y = g.contract(U, Wg, out=(gx, og, *out), name="Y")
+        if Bg is not None:
+            Y = g.map("add", Y, Bg, out=(gx, og, *out))
         Y = g.box(merge_box(g.ty(Y), gx, og, o), Y)
     else:
         Y = g.contract(U, Wg, out=(o, *out), name="Y")
-    if B is not None:
-        Y = g.map("add", Y, B, out=(o, *out))
+        if B is not None:
+            Y = g.map("add", Y, B, out=(o, *out))
     d = g.diagram(Y, names=["Y"])
     return d if batch is None else d.weave(_axis(batch, "n", what), inputs=(0,))
 

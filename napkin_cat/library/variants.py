@@ -7,7 +7,8 @@ the query head: ``h * size(g) + g`` under grouped-query attention), the auxiliar
 inputs of the diagram, and a score modification becomes boxes the rest of the pipeline already
 knows: a score-free term added to the score is an ``index_bias`` box, ``where(cond, s, -inf)``
 a ``mask`` box, a unary function or a constant scale a ``map`` box.  What has no such form (the
-score times an index-dependent value, say) is refused with the reason.
+score times an index-dependent value, say) is one ``index_map`` box (:mod:`napkin_cat.ops.aux_grad`),
+which evaluates, lowers and differentiates (its auxiliary tensors included) from the expression.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from ..core import Axis
 from ..core.errors import TypingError
 from ..ops import IndexBias, Predicate
+from ..ops.aux_grad import index_map_box
 from ..ops.index_expr import Aux, Ix, TraceError, lift, trace
 
 
@@ -159,9 +161,7 @@ class Binding:
                 return g.map("scale", self._build(S, x, whole), c=c)
             if x.uses_score() and y.uses_score():
                 return g.map("mul" if op == "mul" else "div", self._build(S, x, whole), self._build(S, y, whole))
-            raise TypingError(f"score_mod {whole}: the score {'times' if op == 'mul' else 'divided by'} an "
-                              f"index-dependent value ({y}) does not lower; a score_mod lowers as a chain "
-                              f"of functions of the score, constant scales and added index terms")
+            return self._index_map(S, e)   # the score times an index-dependent value
         if op == "neg":
             return g.map("neg", self._build(S, a[0], whole))
         if op == "fn":
@@ -177,9 +177,14 @@ class Binding:
                     return self._mask_expr(self._build(S, x, whole), cond)
                 if _neg_inf(x):
                     return self._mask_expr(self._build(S, y, whole), ~cond)
-        raise TypingError(f"score_mod {whole}: {e} has no lowering form; a score_mod lowers as functions "
-                          f"of the score (nc.ix.tanh...), constant scales, added index terms and "
-                          f"nc.ix.where(cond, score, -inf) masks")
+        return self._index_map(S, e)
+
+    def _index_map(self, S, e: Ix):
+        """``e`` (its score leaf ``S``) as one ``index_map`` box: a score modification that is
+        no chain of known boxes (``score * s[h]``, ``cap[h] * tanh(score / cap[h])``)."""
+        aux = self.wires(e)
+        box = index_map_box(self.g.ty(S), self.q, self.x, e, [self.g.ty(w) for w in aux])
+        return self.g.box(box, S, *aux)
 
     def _mask_expr(self, S, cond: Ix):
         return self.g.mask(S, self.q, self.x, Predicate("expr", (cond, self.q.name, self.x.name)), *self.wires(cond))

@@ -166,6 +166,8 @@ class Kernel:
         self.in_io = tuple(arr.dtype.name for arr in diagram.dom)     # what each array holds (.io)
         self.out_io = tuple(arr.dtype.name for arr in diagram.cod)
         self.mappings = gen.mappings()
+        from .atomics import zero_args
+        self.zero_args = zero_args(diagram)   # outputs the blocks add into: zero-filled at each launch
         self.notes: tuple[str, ...] = gen.notes   # what the generator chose, and what was verified
         self.verified = False                            # compared with the oracle by lower()
         self.options: dict = {}                          # the lower() options that rebuild it
@@ -212,7 +214,7 @@ class Kernel:
         if lc is None:
             from .runtime import Launcher
             lc = Launcher(self.dispatcher, self.launch.grid, self.launch.block, stream or 0,
-                          self.launch.dynamic_smem_bytes)
+                          self.launch.dynamic_smem_bytes, zero_args=self.zero_args)
             self._launchers[key] = (lc, stream)
             return lc
         return lc[0]
@@ -263,7 +265,7 @@ class Kernel:
             from .runtime import Launcher
             numba_stream = runtime.stream_from_torch()
             lc = (Launcher(self.dispatcher, self.launch.grid, self.launch.block, numba_stream,
-                           self.launch.dynamic_smem_bytes), numba_stream)
+                           self.launch.dynamic_smem_bytes, zero_args=self.zero_args), numba_stream)
             self._launchers[key] = lc
         return lc[0]
 
@@ -535,4 +537,4 @@ from ..verify import backend as _backend  # noqa: E402 -- the table verification
 from .multi import MultiKernel  # noqa: E402
 
 _backend.register(lower=lower, Kernel=Kernel, MultiKernel=MultiKernel, simulator_active=_simulator_active,
-                  driver_present=_driver_present)
+                  driver_present=_driver_present, Launch=Launch)

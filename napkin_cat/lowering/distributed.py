@@ -15,6 +15,24 @@ One process per GPU (started by ``torchrun``), each holding its blocks of the sp
              states are all-gathered and folded in rank order (every device gets the output).
 ``sharded``  ``tile(q, DEVICES)`` alone: no communication; the other inputs are replicated.
 
+Masks and biases read global indices (causal, window, ALiBi, ``nc.mask_mod`` / ``nc.bias_mod``):
+for each pair of a query piece and a key piece a device holds, the host knows their global
+offsets and classifies the pair from the mask's derived block sparsity
+(:func:`~napkin_cat.relabel.devices.block_view`): *empty* (a mask on the ring's stream removes
+all of it: nothing is computed, the block still travels), *full* (the mask keeps all of it: the
+diagram runs without it) or *partial* (the mask, shifted to the pair's offsets: ``causal(c)``
+becomes ``causal(c + q0 - x0)``, an index expression reads ``i + q0``, ``j + x0``).  Each
+distinct block diagram is one kernel (a causal ring compiles two: the shifted mask on the
+diagonal blocks, none on the others).  Refused, with a :class:`LoweringError` naming it: a mask
+or bias gathering from an auxiliary tensor over a split axis (a device holds only its block of
+it, the gather reads global indices), and an input carrying both split axes.
+
+The layout of a split (``tile(q, "devices", order="zigzag")``, :mod:`napkin_cat.relabel.devices`)
+says which pieces of the axis each device's shard holds: contiguous, one block per device, or
+zig-zag, chunks ``r`` and ``2W - 1 - r`` of ``2W`` concatenated (causal work balanced).
+:func:`shard` cuts full inputs into a rank's shards, :func:`unshard` puts the ranks' outputs
+back together.
+
 The per-device work is the diagram's relabelings inside a device, bound at the block sizes:
 the generated kernel on float32 CUDA tensors (``nc.lower``, verified), the tiled NumPy executor
 otherwise (float64 in float64; gloo on the CPU).  ``op.last_path`` says which
@@ -27,6 +45,18 @@ refused (the ring's backward is not written).
 >>> plan = device_plan(ring.stream(x, 16).tile(q, 32))
 >>> plan.kind, plan.tiled, plan.ring, plan.fold, str(plan.local)
 ('ring', 'q', 'x', 'online_softmax', 'Q[q d] f32, K[x d] f32, V[x d] f32 -> O[q d] f32, L[q] f32  | stream(x, 16), tile(q, 32)')
+>>> causal = nc.library.attention(q=q, x=x, d=d, causal=True)
+>>> zig = causal.tile(q, "devices", order="zigzag").stream(x, "devices", order="zigzag")
+>>> plan = device_plan(zig)
+>>> plan.layouts, len(plan.skips)
+(('zigzag', 'zigzag'), 1)
+>>> import numpy as np
+>>> Q = np.arange(16.0).reshape(8, 2)
+>>> shard(zig, (Q, Q, Q), world=2, rank=1)[0][:, 0]          # chunks 1 and 2 of 4: rows 2, 3, 4, 5
+array([ 4.,  6.,  8., 10.])
+>>> parts = [shard(zig, (Q, Q, Q), 2, r)[0] for r in (0, 1)]
+>>> bool((unshard(zig, parts, 2) == Q).all())
+True
 >>> try:
 ...     nc.torch_op(ring)(*[__import__("torch").ones(4, 2)] * 3)
 ... except nc.NapkinError as e:
@@ -42,10 +72,12 @@ import numpy as np
 import torch
 
 from ..core.diagram import Diagram
-from ..core.errors import LoweringError, ShapeError, TypingError
+from ..core.errors import LoweringError, NapkinError, ShapeError, TypingError
 from ..core.hierarchy import DEVICES
 from ..ops.kinds import spec
 from ..ops.residuals import with_logsumexp
+from ..relabel.balance import ring_skips
+from ..relabel.devices import CHUNKS, block_view, layout_of, mask_key, pieces
 from ..relabel.loopnest import final_form
 from ..relabel.rules import device_splits
 
@@ -56,7 +88,9 @@ FOLDS = {"online_softmax": "online_softmax", "sum_contract": "sum"}
 class DevicePlan:
     """How a diagram split over the devices runs: ``kind`` (ring, gather, sharded), the axes
     split (``tiled``, ``ring``), the per-device diagram ``local`` (its relabelings inside a
-    device; with the logsumexp outputs an online-softmax fold reads) and the ``fold``."""
+    device; with the logsumexp outputs an online-softmax fold reads), the ``fold``, the
+    ``layouts`` of the tiled and ring axes, and ``skips``: the masks (by
+    :func:`~napkin_cat.relabel.devices.mask_key`) that empty a block they remove whole."""
 
     kind: str
     tiled: str | None
@@ -64,6 +98,8 @@ class DevicePlan:
     local: Diagram
     fold: str | None
     outputs: int
+    layouts: tuple[str, str] = ("contiguous", "contiguous")
+    skips: tuple[str, ...] = ()
 
 
 def device_plan(d: Diagram) -> DevicePlan | None:
@@ -74,11 +110,21 @@ def device_plan(d: Diagram) -> DevicePlan | None:
         return None
     tiled, ring = splits.get("tile"), splits.get("stream")
     plain = d.unrelabelled()
+    split = {a for a in (tiled, ring) if a}
+    both = [arr for arr in plain.dom if tiled and ring and arr.has(tiled) and arr.has(ring)]
+    if both:
+        raise LoweringError(f"torch_op({d.short()}): input {both[0]} carries both {tiled} (tiled over the "
+                            f"devices) and {ring} (rotating around the ring); the ring moves inputs without "
+                            f"the tiled axis only")
     for e in plain.eqns:
-        if spec(e.box).indexed:
-            raise LoweringError(f"torch_op({d.short()}): {e.box.name} reads global indices, and each device "
-                                f"runs its blocks at local ones (the kernels take no block offsets yet); "
-                                f"nc.evaluate and nc.check_equivalent run this split on one machine")
+        if not spec(e.box).indexed:
+            continue
+        for aux in e.box.dom[1:]:
+            if split & set(aux.axis_names):
+                raise LoweringError(f"torch_op({d.short()}): {e.box.name} gathers from {aux}, which carries "
+                                    f"{sorted(split & set(aux.axis_names))[0]}, split over the devices: a device "
+                                    f"holds only its block of {aux.name}, and the gather reads it at global "
+                                    f"indices; give the auxiliary tensor an axis of its own")
     inner = tuple(r for r in d.schedule if r.size != DEVICES)
     fold, local = None, plain
     if ring is not None:
@@ -95,7 +141,70 @@ def device_plan(d: Diagram) -> DevicePlan | None:
                                     f"with its logsumexp; this diagram has {len(d.cod)} outputs")
     local = Diagram(local.dom, local.cod, local.eqns, local.outs, inner)
     kind = "ring" if tiled and ring else ("gather" if ring else "sharded")
-    return DevicePlan(kind, tiled, ring, local, fold, len(d.cod))
+    skips = tuple(mask_key(k.row, k.col, k.pred) for k in ring_skips(d))
+    layouts = (layout_of(d, tiled) if tiled else "contiguous", layout_of(d, ring) if ring else "contiguous")
+    return DevicePlan(kind, tiled, ring, local, fold, len(d.cod), layouts, skips)
+
+
+# --------------------------------------------------------------------------- shards of full arrays
+
+def _cat(parts, dim: int):
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts, dim)
+    return np.concatenate(parts, dim)
+
+
+def _split_axes(d: Diagram) -> dict[str, str]:
+    return {a: layout_of(d, a) for a in device_splits(d).values()}
+
+
+def shard(d: Diagram, arrays, world: int, rank: int) -> tuple:
+    """The shards of the full input ``arrays`` (NumPy arrays or tensors) that device ``rank``
+    of ``world`` passes to ``nc.torch_op(d)``: each axis split over the devices cut to the
+    pieces that rank holds in its layout (:func:`~napkin_cat.relabel.devices.pieces`)."""
+    if len(arrays) != len(d.dom):
+        raise ShapeError(f"shard({d.short()}): {len(d.dom)} inputs ({', '.join(map(str, d.dom))}), got {len(arrays)}")
+    split = _split_axes(d)
+    out = []
+    for arr, t in zip(d.dom, arrays):
+        if len(t.shape) != len(arr.axes):
+            raise ShapeError(f"shard({d.short()}): {arr} has {len(arr.axes)} axes, got shape {tuple(t.shape)}")
+        for k, name in enumerate(arr.axis_names):
+            if name in split:
+                idx = (slice(None),) * k
+                try:
+                    got = pieces(split[name], t.shape[k], world, rank)
+                except ShapeError as e:
+                    raise ShapeError(f"shard({d.short()}): input {arr}, axis {name}: {e}") from None
+                t = _cat([t[idx + (slice(s, s + n),)] for s, n in got], k)
+        out.append(t)
+    return tuple(out)
+
+
+def unshard(d: Diagram, outputs, world: int):
+    """The full output of ``d`` from the ranks' outputs (``outputs[r]``: rank ``r``'s output, or
+    its tuple of outputs): the pieces of an axis split over the devices put back in place; an
+    output without one (every rank holds all of it) is rank 0's."""
+    if len(outputs) != world:
+        raise ShapeError(f"unshard({d.short()}): one output per rank, {world} ranks, got {len(outputs)}")
+    split = _split_axes(d)
+    many = isinstance(outputs[0], tuple)
+    per_rank = [o if many else (o,) for o in outputs]
+    full = []
+    for i, arr in enumerate(d.cod):
+        got = per_rank[0][i]
+        k = next((k for k, name in enumerate(arr.axis_names) if name in split), None)
+        if k is not None:      # (global start, the rank's output cut to that piece), sorted
+            layout, n = split[arr.axis_names[k]], got.shape[k] * world
+            parts = []
+            for r in range(world):
+                at = 0
+                for s, m in pieces(layout, n, world, r):
+                    parts.append((s, per_rank[r][i][(slice(None),) * k + (slice(at, at + m),)]))
+                    at += m
+            got = _cat([t for _, t in sorted(parts, key=lambda p: p[0])], k)
+        full.append(got)
+    return tuple(full) if many else full[0]
 
 
 # --------------------------------------------------------------------------- folding partials
@@ -126,12 +235,15 @@ def fold_online_softmax(state, part, names: tuple, stat: tuple):
 
 class DistributedOp:
     """``op(*shards)`` on every rank of the default process group (or ``group``): see the module
-    docstring.  ``last_path``: ``"<kind>:<gpu|executor>"``; ``notes``: what was chosen and why."""
+    docstring.  ``last_path``: ``"<kind>:<gpu|executor>"``; ``notes``: what was chosen and why;
+    ``last_blocks``: how many block pairs of the last call were ``empty`` (skipped), ``full``
+    (run without their mask) and ``partial``."""
 
     def __init__(self, d: Diagram, tiles: dict, threads, verify, group=None):
         self.diagram, self.plan = d, device_plan(d)
         self.tiles, self.threads, self.verify, self.group = tiles, threads, verify, group
         self.last_path: str | None = None
+        self.last_blocks: dict[str, int] = {}
         self.notes: list[str] = []
         self._cache: dict = {}
 
@@ -152,6 +264,7 @@ class DistributedOp:
         d, plan = self.diagram, self.plan
         if len(shards) != len(d.dom):
             raise ShapeError(f"{self!r} takes {len(d.dom)} shards ({', '.join(map(str, d.dom))}), got {len(shards)}")
+        chunks = {a: CHUNKS[lay] for a, lay in zip((plan.tiled, plan.ring), plan.layouts) if a}
         local: dict[str, int] = {}
         for arr, t in zip(d.dom, shards):
             if not isinstance(t, torch.Tensor):
@@ -167,65 +280,151 @@ class DistributedOp:
             if t.dim() != len(arr.axes):
                 raise ShapeError(f"{self!r}: shard of {arr}: expected {len(arr.axes)} axes, got shape {tuple(t.shape)}")
             for ax, n in zip(arr.axes, t.shape):
-                split = ax.name in (plan.tiled, plan.ring)
+                k = chunks.get(ax.name)
+                how = "" if k in (None, 1) else f" in 2 x {world} zig-zag chunks"
+                if k and (ax.size if not ax.symbolic else n * world) % (k * world):
+                    raise ShapeError(f"{self!r}: axis {ax.name} = {ax.size if not ax.symbolic else n * world} does "
+                                     f"not split over {world} devices{how} ({k * world} must divide it)")
                 if not ax.symbolic:
-                    if split and ax.size % world:
-                        raise ShapeError(f"{self!r}: axis {ax.name} = {ax.size} does not split over "
-                                         f"{world} devices (the world size must divide it)")
-                    want = ax.size // world if split else ax.size
+                    want = ax.size // world if k else ax.size
                     if n != want:
                         raise ShapeError(f"{self!r}: shard of {arr}: axis {ax.name} should be {want} "
-                                         f"({ax.name} = {ax.size}{f' over {world} devices' if split else ''}), "
+                                         f"({ax.name} = {ax.size}{f' over {world} devices' if k else ''}), "
                                          f"got shape {tuple(t.shape)}")
                 if local.setdefault(ax.name, int(n)) != n:
                     raise ShapeError(f"{self!r}: shard of {arr}: axis {ax.name} is {n} here and "
                                      f"{local[ax.name]} in another input shard")
         return local
 
-    # ---- the work of one device
-    def _compute(self, sizes: dict, tensors) -> tuple[torch.Tensor, ...]:
+    # ---- the work of one device on one block pair
+    def _compute(self, local: Diagram, key: tuple, sizes: dict, tensors) -> tuple[torch.Tensor, ...]:
         first = tensors[0]
-        local = self.plan.local
         names = {a.name for a in local.axes}
-        bound = local.bind({k: v for k, v in sizes.items() if k in names})
-        key = tuple(sorted(sizes.items()))
+        sizes = {k: v for k, v in sizes.items() if k in names}
+        key = (key, tuple(sorted(sizes.items())))
         if first.device.type == "cuda" and first.dtype == torch.float32:
             from . import lower
             if ("kernel", key) not in self._cache:
-                self._cache[("kernel", key)] = lower(bound, tiles=self.tiles or None, threads=self.threads,
-                                                     verify=self.verify)
+                self._cache[("kernel", key)] = lower(local.bind(sizes), tiles=self.tiles or None,
+                                                     threads=self.threads, verify=self.verify)
             outs = self._cache[("kernel", key)](*(t.contiguous() for t in tensors))
-            self._path = "gpu"
             return outs if isinstance(outs, tuple) else (outs,)
         from ..verify.executor import evaluate
-        from .schedule import choose
         if ("schedule", key) not in self._cache:
-            self._cache[("schedule", key)] = choose(bound, self.tiles or None, self.threads, simulate=False).diagram
+            self._cache[("schedule", key)] = self._schedule(local, key, sizes)
         outs = evaluate(self._cache[("schedule", key)], *(t.detach().cpu().numpy() for t in tensors),
                         reference=first.dtype == torch.float64)
         outs = outs if isinstance(outs, tuple) else (outs,)
-        self._path = "executor"
         return tuple(torch.as_tensor(np.ascontiguousarray(o)).to(first.device, first.dtype) for o in outs)
 
+    def _schedule(self, local: Diagram, key: tuple, sizes: dict) -> Diagram:
+        """The executor's relabelings of a block's diagram: those chosen once for the device's
+        diagram at these sizes (a block's variant differs only in its masks' offsets), applied
+        verb by verb, or chosen afresh where one does not apply."""
+        from .schedule import choose
+        base = ("schedule", ((), key[1]))
+        if base not in self._cache:
+            self._cache[base] = choose(self.plan.local.bind(sizes), self.tiles or None, self.threads,
+                                       simulate=False).diagram
+        if key == base[1]:
+            return self._cache[base]
+        d = local.bind(sizes).unrelabelled()
+        try:
+            for r in self._cache[base].schedule:
+                if r.op in ("tile", "stream"):
+                    d = getattr(d, r.op)(r.axis, r.size, r.level or None, *r.extra[:1])
+                elif r.op == "place":
+                    d = d.place(r.extra[0], r.level)
+                elif r.op == "require":
+                    d = d.require(r.axis, r.size)
+                elif r.op == "order":
+                    d = d.order(*r.extra)
+        except NapkinError:
+            return choose(local.bind(sizes), self.tiles or None, self.threads, simulate=False).diagram
+        return d
+
     def _fold(self, state, part):
+        if self.plan.fold is None:        # sharded: one block of the columns, nothing to fold
+            return part
         if self.plan.fold == "sum":
             return tuple(part) if state is None else tuple(s + p for s, p in zip(state, part))
         o, lse = self.plan.local.cod[0], self.plan.local.cod[1]
         return fold_online_softmax(state, part, o.axis_names, lse.axis_names)
 
+    def _empty(self, sizes: dict, like: torch.Tensor):
+        """The state of rows no block reached: zeros (and a logsumexp of ``-inf``)."""
+        out = []
+        for i, arr in enumerate(self.plan.local.cod):
+            fill = -torch.inf if self.plan.fold == "online_softmax" and i == 1 else 0.0
+            out.append(torch.full(tuple(sizes[n] for n in arr.axis_names), fill, dtype=like.dtype, device=like.device))
+        return tuple(out)
+
+    def _pieces(self, which: int, totals: dict, world: int, rank: int):
+        """``(global start, local start, length)`` of the pieces of the tiled (0) or ring (1) axis
+        that ``rank`` holds; ``[None]`` (the whole axis) when that axis is not split."""
+        axis = (self.plan.tiled, self.plan.ring)[which]
+        if axis is None:
+            return [None]
+        out, at = [], 0
+        for s, n in pieces(self.plan.layouts[which], totals[axis], world, rank):
+            out.append((s, at, n))
+            at += n
+        return out
+
+    def _blocks(self, states: list, tensors, moving: dict, rows, cols, sizes: dict, totals: dict) -> None:
+        """Fold every (row piece, column piece) pair into ``states`` (one per row piece):
+        ``tensors`` are the shards, the ring's moving inputs replaced by ``moving``."""
+        plan, local = self.plan, self.plan.local
+        for a, rp in enumerate(rows):
+            for cp in cols:
+                ranges, cut, block = {}, {}, dict(sizes)
+                for axis, p in ((plan.tiled, rp), (plan.ring, cp)):
+                    if p is not None:
+                        ranges[axis], cut[axis], block[axis] = (p[0], p[0] + p[2]), (p[1], p[2]), p[2]
+                vkey = tuple(sorted(ranges.items()))
+                if vkey not in self._cache:
+                    self._cache[vkey] = block_view(local, ranges, totals, plan.skips)
+                view = self._cache[vkey]
+                kind = "empty" if view.empty else "full" if view.key and all(k == ("drop",) for k in view.key) \
+                    else "partial" if view.key else "unmasked"
+                self.last_blocks[kind] = self.last_blocks.get(kind, 0) + 1
+                if view.empty:
+                    continue
+                views = []
+                for i, (arr, t) in enumerate(zip(self.diagram.dom, tensors)):
+                    t = moving.get(i, t)
+                    for k, name in enumerate(arr.axis_names):
+                        if name in cut and (cut[name][0], cut[name][1]) != (0, t.shape[k]):
+                            t = t.narrow(k, *cut[name])
+                    views.append(t)
+                states[a] = self._fold(states[a], self._compute(view.diagram, view.key, block, views))
+
     def __call__(self, *shards):
         rank, world = self._world()
         sizes = self._check(shards, world)
         plan = self.plan
+        split = {a for a in (plan.tiled, plan.ring) if a}
+        totals = {a: n * world if a in split else n for a, n in sizes.items()}
+        rows = self._pieces(0, totals, world, rank)
+        self.last_blocks = {}
+        self._path = "gpu" if shards[0].device.type == "cuda" and shards[0].dtype == torch.float32 else "executor"
         with torch.no_grad():
-            if plan.kind == "sharded":
-                state = self._compute(sizes, shards)
-            elif plan.kind == "gather":
-                state = self._gather(self._compute(sizes, shards), world)
+            states = [None] * len(rows)
+            if plan.kind == "ring":
+                self._ring(states, sizes, totals, shards, rows, rank, world)
             else:
-                state = self._ring(sizes, shards, rank, world)
+                self._blocks(states, shards, {}, rows, self._pieces(1, totals, world, rank), sizes, totals)
+            for a, rp in enumerate(rows):
+                if states[a] is None:
+                    states[a] = self._empty({**sizes, **({plan.tiled: rp[2]} if rp else {})}, shards[0])
+            if plan.kind == "gather":
+                states = [self._gather(states[0], world)]
         self.last_path = f"{plan.kind}:{self._path}"
-        outs = state[:plan.outputs]
+        outs = []
+        for i in range(plan.outputs):
+            arr = plan.local.cod[i]
+            k = arr.axis_names.index(plan.tiled) if plan.tiled in arr.axis_names else None
+            outs.append(states[0][i] if k is None or len(states) == 1 else torch.cat([s[i] for s in states], k))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _gather(self, part, world: int):
@@ -240,10 +439,10 @@ class DistributedOp:
             state = self._fold(state, tuple(g[j] for g in gathered))
         return state
 
-    def _ring(self, sizes: dict, shards, rank: int, world: int):
+    def _ring(self, states: list, sizes: dict, totals: dict, shards, rows, rank: int, world: int) -> None:
         """``world`` steps; at step ``t`` this device holds the block of rank ``rank - t`` and
         sends it on to ``rank + 1`` while computing on it (two buffers: one computed on, one
-        received into)."""
+        received into).  An empty block pair is not computed; its block travels all the same."""
         import torch.distributed as dist
         moving = [i for i, a in enumerate(self.diagram.dom) if a.has(self.plan.ring) and not a.has(self.plan.tiled)]
         shapes = [shards[i].shape for i in moving]
@@ -252,17 +451,14 @@ class DistributedOp:
         spare = torch.empty_like(cur)
         peer = lambda r: dist.get_global_rank(self.group, r) if self.group is not None else r  # noqa: E731
         send_to, recv_from = peer((rank + 1) % world), peer((rank - 1) % world)
-        state = None
         for step in range(world):
             reqs = []
             if step + 1 < world:
                 reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, cur, send_to, self.group),
                                                dist.P2POp(dist.irecv, spare, recv_from, self.group)])
-            views = list(shards)
-            for i, part in zip(moving, torch.split(cur, counts)):
-                views[i] = part.view(shapes[moving.index(i)])
-            state = self._fold(state, self._compute(sizes, views))
+            held = {i: part.view(shapes[j]) for j, (i, part) in enumerate(zip(moving, torch.split(cur, counts)))}
+            cols = self._pieces(1, totals, world, (rank - step) % world)
+            self._blocks(states, shards, held, rows, cols, sizes, totals)
             for r in reqs:
                 r.wait()
             cur, spare = spare, cur
-        return state

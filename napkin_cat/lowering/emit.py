@@ -16,8 +16,10 @@ from dataclasses import dataclass, replace
 
 from ..core.errors import LoweringError
 from ..relabel.loopnest import Compute, Finalise, Init, Load, Loop, Store, Update
+from .atomics import atomic_add, check_added_outputs
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES
+from . import reindex
 from .emit_loads import Loads
 from .emit_threads import GROUP_HELPERS, Phases
 from .plan import Buffer, KernelPlan, Target
@@ -78,6 +80,7 @@ class Emitter(Loads, Phases):
         self.full_flags: dict = {}              # (row, col, predicate) -> its chunk's 'keeps all' flag
         self.arg_names: dict = {}
         self.out_args: list[str] = []
+        self.added = check_added_outputs(self.ff)   # outputs summed across blocks: atomics (.atomics)
 
     def _bind_names(self):
         """Constants and identifiers of the axes, then of the shared buffers (in plan order)."""
@@ -195,9 +198,12 @@ class Emitter(Loads, Phases):
             k = self.st.eqn_of[v]
             e = self.dd.eqns[k]
             rule = CODEGEN_RULES[e.box.kind]
-            n = len(e.ins) if rule.pointwise is None else rule.pointwise(e.box)  # the rest are gathered
-            args = [self.value(a, env, src, memo, regs, define) for a in e.ins[:n]] + list(e.ins[n:])
-            expr = rule.expr(self, e.box, args, env)
+            if rule.remaps is not None and rule.remaps(e.box):   # read through its index map
+                expr = reindex.read(self, e.box, e.ins[0], env, src, define)
+            else:
+                n = len(e.ins) if rule.pointwise is None else rule.pointwise(e.box)  # the rest are gathered
+                args = [self.value(a, env, src, memo, regs, define) for a in e.ins[:n]] + list(e.ins[n:])
+                expr = rule.expr(self, e.box, args, env)
             tmp = self.names.fresh(f"{self.types[v].name}_{v}")
             src(f"{tmp} = {expr}")
             expr = tmp
@@ -412,7 +418,9 @@ class Emitter(Loads, Phases):
             cond = self.valid(self.plan.caps(arr.axis_names)[0], env)
             with src.maybe(cond):
                 for pos, ov in enumerate(self.dd.outs):
-                    if ov == t.var:
+                    if ov == t.var and t.var in self.added:
+                        src(atomic_add(self.out_args[pos], self.gindex(arr, env), val))
+                    elif ov == t.var:
                         src(f"{self.out_args[pos]}[{self.gindex(arr, env)}] = {self.gvalue(arr, val)}")
 
     def _emit_target(self, t: Target, src: Source):

@@ -16,6 +16,7 @@ from ..core.errors import LoweringError
 from ..ops.functions import CUDA_CONSTANTS, FUNCTIONS
 from ..ops.index import constant_value
 from ..ops.kinds import NORMALISATIONS
+from . import reindex
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class KindRule:
     # how many leading inputs are values at the element; the others reach ``expr`` as variable
     # ids (auxiliary tensors an index expression gathers from: :func:`index_code`)
     pointwise: Callable | None = None
+    # the input axes a reindexing reads at other indices (:mod:`.reindex`: read through its map)
+    remaps: Callable | None = None
 
 
 def fn_expr(consts, fn: str, args: list[str], c: str | None = None) -> str:
@@ -83,7 +86,8 @@ def index_code(em, box, fn, args, env) -> str:
         # rows and columns of a ragged tile read a valid entry; their scores are discarded)
         v = aux_vars[n.value.name]
         axes_ = em.types[v].axis_names
-        idx = {a: f"min(max({k.to_code(leaf, fconst, fn_code)}, 0), {em.sizes[a] - 1})"
+        # uint32: a shared offset (uint32) plus an int64 index is a float64 in numba's typing
+        idx = {a: f"uint32(min(max({k.to_code(leaf, fconst, fn_code)}, 0), {em.sizes[a] - 1}))"
                for a, k in zip(axes_, n.args)}
         return em.sread(("var", v), idx)
 
@@ -146,11 +150,14 @@ def _expr_index_bias(em, box, args, env):
     return f"{args[0]} + {bias}"
 
 
-def _check_reindex(box):
-    if box.param("op") != "transpose":
-        return (f"{box.name}: reindexing ({box.param('op')}) changes the index space; only "
-                f"transposes (renamings of the same named axes) lower")
-    return None
+def _expr_index_map(em, box, args, env):
+    return index_code(em, box, box.param("fn"), args, env)
+
+
+def _check_scatter_aux(box):
+    return (f"{box.name}: scatter-add into aux {box.param('at').aux.name} (the adjoint of a gather: "
+            f"many positions add into one entry) is not lowered; it runs in the NumPy executor or "
+            f"through its torch semantics")
 
 
 def _expr_identity(em, box, args, env):
@@ -182,7 +189,7 @@ CODEGEN_RULES: dict[str, KindRule] = {
                                                           box.param("eps"))),
     "mask": KindRule("elementwise", _check_mask, _expr_mask, pointwise=_pointwise),
     "index_bias": KindRule("elementwise", _check_index_bias, _expr_index_bias, pointwise=_pointwise),
-    "reindex": KindRule("elementwise", _check_reindex, _expr_identity),
+    "reindex": KindRule("elementwise", reindex.check, _expr_identity, remaps=reindex.remapped),
     "param": KindRule("unsupported", lambda box: (
         f"parameter {box.param('pname')!r} is a value bound at evaluation time; pass it to the "
         f"kernel as an input of the diagram instead")),
@@ -190,6 +197,8 @@ CODEGEN_RULES: dict[str, KindRule] = {
     "cast": KindRule("elementwise", _check_cast, _expr_identity),
     "softmax_contract": KindRule("unsupported", _streamed_only("softmax")),
     "norm_contract": KindRule("unsupported", _streamed_only("normalize")),
+    "index_map": KindRule("elementwise", None, _expr_index_map, pointwise=_pointwise),
+    "scatter_aux": KindRule("unsupported", _check_scatter_aux),
 }
 
 # reductions: identity, binary combine, group (cross-thread) helper

@@ -9,10 +9,17 @@ whose boundary wires are stored to HBM by one kernel and loaded back by the next
 Where to cut comes from the cost model.  Each candidate piece ``[i, j)`` of the equations is
 lowered as one kernel (its tiles and chunks chosen by :func:`~.schedule.choose` as for any
 diagram); a piece that is refused cannot be one kernel, and longer pieces from the same start
-are not tried.  Among the cuts into pieces that all lower, the one with the fewest HBM bytes
-moved wins: the sum over kernels of :meth:`napkin_cat.costmodel.Cost.bytes` at HBM of each
-kernel's relabelled diagram (its inputs, re-read per tile, and its outputs; a cut wire is
-written once and read by every later kernel that needs it).  ``place(wire, "HBM")`` forbids
+are not tried.  Among the cuts into pieces that all lower, the one of least cost wins: the sum
+over kernels of :meth:`napkin_cat.costmodel.Cost.bytes` at HBM of each kernel's relabelled
+diagram (its inputs, re-read per tile, and its outputs; a cut wire is written once and read by
+every later kernel that needs it), each multiplied by its *fill factor*: how many times fewer
+blocks it launches than the device has SMs, where its outputs could fill them (a piece that
+keeps a whole 1024-token layer in one block moves few bytes, on one SM of 132).  A piece
+whose inputs and outputs alone cost more than the best way found to its end is not lowered.
+A piece made only of reindexings
+(a convolution's unfolds whose input does not fit one block) is a gather kernel
+(:mod:`.gather`: one thread per element, read from HBM through the index maps); it moves one
+read per valid element and one write per element.  ``place(wire, "HBM")`` forbids
 pieces that span the wire.  A softmax whose row cannot be one block is first written in its
 two-pass form (a statistics pass ``L = logsumexp(X)`` streamed along the row, then
 ``P = exp(X - L)``), so that the cut can fall between the passes.
@@ -39,6 +46,7 @@ from dataclasses import dataclass, field
 from ..core.diagram import Diagram
 from ..core.errors import LoweringError, NapkinError, RelabelError, ShapeError
 from ..relabel.cut import Piece, cut_after, forced_cuts, piece, softmax_two_pass
+from .gather import gather_bytes, gather_kernel, is_gather
 
 MAX_PIECES_TRIED = 400   # candidate kernels lowered while searching for the cut
 
@@ -52,6 +60,11 @@ class _Search:
     options: dict
     base: str
     tried: dict = field(default_factory=dict)
+
+    def sms(self) -> int:
+        """SMs of the device the kernels are for (``hw=``, else an H100)."""
+        from ..core.hardware import H100
+        return (self.options.get("hw") or H100).sms
 
     def kernel(self, start: int, stop: int):
         key = (start, stop)
@@ -69,6 +82,9 @@ class _Search:
                      if (k.name if hasattr(k, "name") else k) in names}
             opts = {**self.options, "tiles": tiles or None, "name": f"{self.base}_{start}_{stop}"}
             try:
+                if is_gather(p.diagram):   # reindexings only: one thread per element, read from HBM
+                    self.tried[key] = (p, gather_kernel(p.diagram, opts["name"]))
+                    return self.tried[key]
                 self.tried[key] = (p, self.lower_one(p.diagram, **opts))
             except (LoweringError, RelabelError) as e:
                 self.tried[key] = (p, _first_line(str(e)))
@@ -83,14 +99,43 @@ def _hbm_bytes(kernel) -> float:
     """HBM bytes the cost model gives one kernel's relabelled diagram (its inputs and outputs,
     re-read per tile); if the cost model cannot read it, its inputs and outputs once; a
     :class:`View` moves nothing."""
-    from ..costmodel.model import cost
     if isinstance(kernel, View):
         return 0.0
+    return kernel.diagram.memo(("lowering.multi.hbm_bytes",), lambda: _diagram_hbm_bytes(kernel.diagram))
+
+
+def _diagram_hbm_bytes(d: Diagram) -> float:
+    from ..costmodel.model import cost
+    if is_gather(d):
+        return float(gather_bytes(d))
     try:
-        return float(cost(kernel.diagram).bytes("HBM"))
+        return float(cost(d).bytes("HBM"))
     except (NapkinError, TypeError, ValueError):
-        d = kernel.diagram
         return float(sum(a.dtype.bytes * _size(a) for a in (*d.dom, *d.cod)))
+
+
+def _fill_factor(kernel, sms: int) -> float:
+    """How many times fewer blocks ``kernel`` launches than the device has SMs, where its
+    outputs (one thread per element, 256 per block) could fill them: a cut kernel with one
+    block for a 1024-token layer runs on one SM of 132.  At least 1; 1 for a view."""
+    if isinstance(kernel, View) or kernel.launch is None:
+        return 1.0
+    blocks = 1
+    for g in kernel.launch.grid:
+        blocks *= g
+    could = min(sms, max(1, sum(_size(a) for a in kernel.diagram.cod) // 256))
+    return max(1.0, could / max(1, blocks))
+
+
+def _kernel_cost(kernel, sms: int) -> float:
+    """What the cut minimises: the kernel's HBM bytes (:func:`_hbm_bytes`), times its
+    :func:`_fill_factor` (a kernel on a fraction of the SMs moves its bytes that much slower)."""
+    return _hbm_bytes(kernel) * _fill_factor(kernel, sms)
+
+
+def _io_bytes(p: Piece) -> int:
+    """A lower bound of any kernel's cost for piece ``p``: its inputs read once, outputs written once."""
+    return sum(a.dtype.bytes * _size(a) for a in (*p.diagram.dom, *p.diagram.cod))
 
 
 def _size(arr) -> int:
@@ -116,13 +161,19 @@ def _expand_softmaxes(d: Diagram, search_for) -> tuple[Diagram, list[str]]:
 
 
 def _segment(search: _Search, lo: int, hi: int) -> list[tuple[int, int]]:
-    """Pieces covering equations ``lo..hi-1`` with the fewest HBM bytes (dynamic programming
-    over cut points; from each start, pieces grow until one is refused)."""
+    """Pieces covering equations ``lo..hi-1`` at the least :func:`_kernel_cost` (dynamic
+    programming over cut points; from each start, pieces grow until one is refused).  A piece
+    of several equations whose inputs and outputs alone (:func:`_io_bytes`, a lower bound of
+    its cost) cannot beat the best way found to its end is not lowered."""
+    sms = search.sms()
     best: dict[int, tuple[float, list]] = {lo: (0.0, [])}
     for i in range(lo, hi):
         if i not in best:
             continue
         for j in range(i + 1, hi + 1):
+            if j > i + 1 and j in best and (i, j) not in search.tried and \
+                    best[i][0] + _io_bytes(piece(search.d, i, j)) >= best[j][0]:
+                continue
             p, got = search.kernel(i, j)
             if isinstance(got, str):
                 if j == i + 1:
@@ -130,7 +181,7 @@ def _segment(search: _Search, lo: int, hi: int) -> list[tuple[int, int]]:
                     raise LoweringError(f"cannot lower equation {i} ({box.name or box.kind}: {p.diagram.short()}) "
                                         f"even as a kernel of its own: {got}")
                 break
-            total = best[i][0] + _hbm_bytes(got)
+            total = best[i][0] + _kernel_cost(got, sms)
             if j not in best or total < best[j][0]:
                 best[j] = (total, best[i][1] + [(i, j)])
     return best[hi][1]
@@ -191,6 +242,9 @@ def _cut_notes(work: Diagram, search: _Search, spans, chosen, fixed) -> list[str
         b = _hbm_bytes(k)
         total += b
         what = "a view, no kernel" if isinstance(k, View) else f"cost model: {b:.0f} HBM bytes"
+        fill = _fill_factor(k, search.sms())
+        if fill > 1:
+            what += f", {fill:.1f}x fewer blocks than SMs it could fill (counted {fill:.1f}x)"
         notes.append(f"Step {n + 1} of {len(spans)} ({k.name}): equations {i}..{j - 1}, "
                      f"{p.diagram.short()}; {what}.")
     for (i, j), (p, _) in zip(spans[:-1], chosen[:-1]):
@@ -204,7 +258,7 @@ def _cut_notes(work: Diagram, search: _Search, spans, chosen, fixed) -> list[str
         else:
             nxt = search.tried.get((i, j + 1))
             why = f"equations {i}..{j} as one kernel are refused: {nxt[1]}" if nxt and isinstance(nxt[1], str) else \
-                "fewest HBM bytes by the cost model"
+                "least cost: HBM bytes, times the fill factor of kernels with few blocks"
         notes.append(f"Cut after equation {j - 1}: {wires} stored to HBM ({why}).")
     kernels = sum(not isinstance(k, View) for _, k in chosen)
     notes.append(f"Cut chosen by the cost model: {total:.0f} HBM bytes over {kernels} kernels.")

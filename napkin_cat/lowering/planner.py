@@ -33,6 +33,7 @@ from ..relabel.skipping import chunk_skips
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, REDUCE_OPS
 from .fuse import fuse_scores
+from .reindex import check_axes as check_reindexed_axes, remaps
 from .threads import Threads, _check_micro
 from .plan import (AccPlan, AxisPlan, Buffer, Coop, Frag, KernelPlan, LaunchPlan, Micro, Rows,
                    Structure, Target, acc_reduced_axes, axes_set, caps, frozen_map, kernel_dtype, load_plan,
@@ -82,6 +83,7 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
                             f"got {prefetch!r}")
     ff = final_form(d) if ff is None else ff
     ax, grid_loops, inner = plan_axes(ff, tuple(batch_axes))
+    check_reindexed_axes(ff, ax)   # reindexings read whole axes (.reindex)
     st = read_structure(ff, ax)
     cls = classify(ff)
     targets, absorbed = plan_targets(ff, ax, st, cls)
@@ -233,7 +235,7 @@ def _chain_top(c: int, dd, ax, st: Structure, cls) -> int:
         if len(cons) != 1 or cons[0][0] != "eqn":
             break
         k = cons[0][1]
-        if cls[k] != "elementwise":
+        if cls[k] != "elementwise" or remaps(dd.eqns[k].box):   # a reindexing reads other elements
             break
         (out,) = dd.eqn_outputs(k)
         if axes_set(types[out], ax) != axes_set(types[c], ax) or st.scope_of[id(st.def_node[out])] != scope:

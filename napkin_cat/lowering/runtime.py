@@ -281,13 +281,16 @@ class Launcher:
     Under the simulator the configuration is re-applied at every call, because the
     simulator's kernel object stores it on itself (two Launchers of one kernel would
     otherwise share the last one).
+
+    ``zero_args``: positions of arguments filled with zeros before every launch (outputs that
+    the blocks add into with atomics: :mod:`.atomics`); such a launch is never packed.
     """
 
-    __slots__ = ("kernel", "grid", "block", "stream", "dynamic_smem_bytes", "writeback",
+    __slots__ = ("kernel", "grid", "block", "stream", "dynamic_smem_bytes", "writeback", "zero_args",
                  "_configured", "_simulated", "_needs_optin", "_optin_checked")
 
     def __init__(self, kernel: Any, grid: Any, block: Any, stream: Any = 0,
-                 dynamic_smem_bytes: int | None = None, *, writeback: bool = True):
+                 dynamic_smem_bytes: int | None = None, *, writeback: bool = True, zero_args: tuple = ()):
         if not _is_dispatcher(kernel):
             raise LoweringError(f"Launcher expects a cuda.jit kernel, got {type(kernel).__name__}")
         self.kernel = kernel
@@ -298,6 +301,7 @@ class Launcher:
         self.dynamic_smem_bytes = int(dynamic_smem_bytes)
         self.stream = stream
         self.writeback = writeback
+        self.zero_args = tuple(zero_args)
         limits = device_limits()
         threads = self.block[0] * self.block[1] * self.block[2]
         if threads > limits.max_threads_per_block:
@@ -317,6 +321,10 @@ class Launcher:
                 f"dynamic_smem_bytes={self.dynamic_smem_bytes})")
 
     def __call__(self, *args: Any) -> None:
+        if self.zero_args:
+            from .atomics import zero_fill
+            for i in self.zero_args:
+                zero_fill(args[i], self.stream)
         if self._simulated:
             self.kernel[self.grid, self.block, self.stream, self.dynamic_smem_bytes](*args)
         elif self._needs_optin:
@@ -437,7 +445,7 @@ class PackedLaunch:
     @classmethod
     def of(cls, launcher: "Launcher", args: tuple) -> "PackedLaunch | None":
         """Pack ``launcher``'s configuration for arguments laid out like ``args`` (see above)."""
-        if launcher._simulated or not args:
+        if launcher._simulated or not args or launcher.zero_args:   # zero-filled outputs: see Launcher
             return None
         if not all(getattr(a, "__cuda_ndarray__", False) for a in args):
             return None

@@ -6,7 +6,10 @@ sizes), or none.  This module completes it:
 * **Which axes.**  Axes the diagram is weaved over (``relabel.tile_problem`` is None) are
   tiled.  The *main* tiled axes are the weaved ones among the last two axes of an output (the
   matrix dimensions an input is shared across); the other weaved axes that every equation
-  keeps (batch, heads, groups) get tiles of 1 and become extra grid dimensions.  Axes removed
+  keeps (batch, heads, groups) get tiles of 1 and become extra grid dimensions.  Where the main
+  axes all come from one operand of a contraction (a convolution's ``Y[b o ho wo]``: ``ho, wo``
+  from the input), the other operand's last kept axis (``o``) is main too: an implicit GEMM
+  tiles rows and columns.  Axes removed
   by an accumulator (``relabel.stream_plan``) are streamed.
 * **How much.**  ``tiles={axis or symbol: size}`` wins.  Otherwise stream chunks come from a
   rule of thumb (64 for a normalised contraction's scores, 16 for a plain contraction, 4 and 3
@@ -14,7 +17,9 @@ sizes), or none.  This module completes it:
   with the chunks fixed and the memory at the SMEM level capped at a per-block budget (half
   the device's opt-in shared memory per block, so two blocks fit on an SM), rounded down to a
   power of two that the thread mapping covers (at most 8 x 8 register accumulators per thread
-  per tile pair).  Without the cost model, or if it fails, a heuristic (64 per main tiled axis,
+  per tile pair); where no multiple of 16 fits (a convolution's rows), the optimum over every
+  integer.  On a GPU the tiles are then halved (not below 16) while the grid has fewer blocks
+  than 90% of the SMs.  Without the cost model, or if it fails, a heuristic (64 per main tiled axis,
   128 for two-axis tiles; 4 under the simulator).  :attr:`Schedule.how` records which.
 * **Requirements.**  ``require(axis, k)`` holds for every size chosen here: a rule of thumb or
   the cost model's size is rounded down to a multiple of ``k`` (up to ``k`` if smaller); an axis
@@ -44,6 +49,7 @@ from ..relabel.loopnest import FinalForm
 from ..relabel.rules import (check_blocks, fuse_norm_contract, fuse_softmax_contract, requirements, stream_plan,
                        tile_problem)
 from .plan import kernel_dtype
+from .reindex import remaps
 
 GPU_THREADS = 256
 SIM_THREADS = 16
@@ -140,11 +146,31 @@ def _analyse(d0: Diagram):
         for a in arr.axis_names[-2:]:
             if a in tileable and a not in main:
                 main.append(a)
+    main += _gemm_columns(d0, tileable, main)
     types = d0.var_types()
     everywhere = [a for a in tileable
                   if all(all(types[v].has(a) for v in d0.eqn_outputs(k)) for k in range(len(d0.eqns)))]
     batch = [a for a in tileable if a not in main and a in everywhere]
     return tileable, streamable, batch, main
+
+
+def _gemm_columns(d0: Diagram, tileable, main) -> list[str]:
+    """The other side of an implicit GEMM whose main axes all come from one operand: a
+    convolution ``Y[b o ho wo] = X[b c ho kh wo kw] W[o c kh kw]`` tiles ``ho, wo`` (rows,
+    from ``X``) and also ``o`` (columns, from ``W``), so a block reuses its ``X`` tile for a
+    tile of output channels instead of re-reading ``X`` once per channel."""
+    out = []
+    for e in d0.eqns:
+        if e.box.kind != "contract" or len(e.box.dom) != 2:
+            continue
+        kept = e.box.cod[0].axis_names
+        sides = [set(x.axis_names) & set(kept) for x in e.box.dom]
+        own = [s - sides[1 - i] for i, s in enumerate(sides)]   # axes of one operand only
+        for i in (0, 1):
+            if main and all(a in own[i] for a in main):
+                cols = [a for a in kept if a in own[1 - i] and a in tileable and a not in main + out]
+                out += cols[-1:]
+    return out
 
 
 def choose(d: Diagram, tiles: dict | None = None, threads: int | None = None,
@@ -362,6 +388,8 @@ def _build(d: Diagram, d0: Diagram, tiles: dict, tileable, streamable, main, sim
             else:
                 for a in free:
                     chosen[a] = _heuristic_tile(d0, a, main, simulate, T)
+        if not simulate and not _sixteen_bit(d0) and _fill_device(d0, free, chosen, streamable, hw):
+            how += ", halved until the grid fills the device"
         for a in free:
             chosen[a] = _fit(size(a), chosen[a], req.get(a, 1), f"tile of {a}")
         if any(req.get(a, 1) > 1 for a in free):
@@ -370,8 +398,12 @@ def _build(d: Diagram, d0: Diagram, tiles: dict, tileable, streamable, main, sim
     # (an accumulator's loop outside the loops of accumulators that read its result)
     from ..relabel.loopnest import final_form
     first_error = None
-    for order_ in [tuple(streamable)] + [p for p in itertools.permutations(streamable)
-                                         if p != tuple(streamable)][:23]:
+    one = _one_stream_per_contraction(d0, streamable, size)
+    orders = [p for p in itertools.permutations(one)][:24]
+    orders += [p for p in itertools.permutations(streamable) if p not in orders][:24 - len(orders)]
+    if any(remaps(e.box) for e in d0.eqns):   # convolutions: stream one axis, sum the rest in the block
+        orders += [(a,) for a in sorted(streamable, key=lambda a: -size(a)) if (a,) not in orders]
+    for order_ in orders:
         try:
             cand = out
             for a in order_:
@@ -385,6 +417,19 @@ def _build(d: Diagram, d0: Diagram, tiles: dict, tileable, streamable, main, sim
             continue
         return _registers_for_states(cand, ff), how, chosen
     raise LoweringError(f"cannot relabel {d.short()} for lowering: {first_error}")
+
+
+def _one_stream_per_contraction(d0: Diagram, streamable, size) -> tuple:
+    """``streamable`` less all but the longest of the axes one contraction sums over (a
+    convolution's ``c, kh, kw``): the lowering streams one axis per accumulator and sums the
+    others inside the block."""
+    drop = set()
+    for e in d0.eqns:
+        if e.box.kind == "contract":
+            out = set(e.box.cod[0].axis_names)
+            red = [a for a in streamable if a not in out and any(a in x.axis_names for x in e.box.dom)]
+            drop |= set(sorted(red, key=lambda a: -size(a))[1:])
+    return tuple(a for a in streamable if a not in drop)
 
 
 def _registers_for_states(d: Diagram, ff: FinalForm, skip=frozenset()) -> Diagram:
@@ -455,11 +500,47 @@ def _resolve_symbols(d: Diagram, d0: Diagram, tiles: dict, simulate, T, hw):
     return _registers_for_states(d, ff, skip=placed), how, chosen
 
 
+MIN_FILL_TILE = 16   # the thread mappings' granule: tiles are not halved below it to fill the grid
+
+
+def _fill_device(d0: Diagram, free, chosen: dict, streamable, hw) -> bool:
+    """Halve the largest of the ``free`` tiles (not below :data:`MIN_FILL_TILE`) while the grid
+    has fewer than 90% as many blocks as the device has SMs: a 1024 x 512 output in tiles of
+    128 x 128 is 32 blocks for 132 SMs, and a block per SM moves more bytes per second than the
+    tiles' reuse saves.  Changes ``chosen``; returns whether it did."""
+    from ..core.hardware import H100
+    sms = (hw or H100).sms
+    batch = analyse(d0)[2]
+
+    def blocks() -> int:
+        n = 1
+        for a in d0.axes:
+            if a.name in streamable:
+                continue
+            if a.name in chosen:
+                n *= -(-a.size // chosen[a.name])
+            elif a.name in batch:
+                n *= a.size
+        return n
+
+    changed = False
+    while 10 * blocks() < 9 * sms:
+        big = [a for a in free if chosen[a] >= 2 * MIN_FILL_TILE]
+        if not big:
+            break
+        a = max(big, key=lambda a: (chosen[a], -free.index(a)))
+        chosen[a] //= 2
+        changed = True
+    return changed
+
+
 def _cost_tiles(d0: Diagram, free, chosen, streamable, T, hw) -> dict | None:
     """Tile sizes from the cost model: fewest HBM->SMEM transfers with the SMEM memory under a
     per-block budget, then rounded down to powers of two the thread mapping covers."""
     from ..core.hardware import H100
     from ..costmodel.model import cost
+    from ..costmodel.search import search
+    from ..costmodel.usable import THREADS
     hw = hw or H100
     try:
         sym = d0
@@ -472,16 +553,26 @@ def _cost_tiles(d0: Diagram, free, chosen, streamable, T, hw) -> dict | None:
         for a, v in chosen.items():
             if a not in streamable:
                 sym = sym.tile(a, v)
+        for a in analyse(d0)[2]:   # batch axes: grid dimensions of one (choose adds them)
+            if a not in chosen and a not in names:
+                sym = sym.tile(a, 1)
         c = cost(sym)
         sizes = {a.name: a.size for a in d0.axes}
         budget = int(hw.capacity("SMEM")) // 2 // 4   # values: half the opt-in shared memory
-        best = c.optimize(sizes, memory=budget)
+        # Cost.optimize's search for the sizes alone: its report (transfers, bound, gap) and
+        # its second, unconstrained search are most of the time of planning a kernel
+        try:
+            best = search(c, sizes, None, None, "SMEM", None, budget, False, True, THREADS, tiles_only=True)
+        except NapkinError:
+            # no multiple of 16 fits (a convolution's rows: each output row reads kh*kw
+            # input values per channel): the optimum over every integer, rounded down below
+            best = search(c, sizes, None, None, "SMEM", None, budget, False, False, THREADS, tiles_only=True)
     except NapkinError:
         return None
     out = {}
     limit = 8 * math.isqrt(T) if len(free) >= 2 else 128
     for a in free:
-        v = best.tiles.get(names[a])
+        v = best.get(names[a])
         if not isinstance(v, int) or v < 1:
             return None
         out[a] = max(1, min(_pow2_floor(v), limit, _pow2_floor(d0.axis(a).size) if d0.axis(a).size >= 1 else 1))

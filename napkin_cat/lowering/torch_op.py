@@ -40,6 +40,10 @@ gradient) it returns the backward diagram and what the forward must save for it.
   or when a part refuses to lower (the refusal in ``op.notes``), the NumPy executor runs it in
   float64: ``"executor-fa2"``.  A forward with ``L`` that does not lower is replaced by the
   kernel of ``d`` for its outputs and the executor for ``L`` (said in ``op.notes``).
+  The auxiliary tensors of an attention variant (a learned bias table, a per-head scale) form a
+  third part (:mod:`.backward_parts`): their gradient is a scatter-add that no kernel computes, so
+  on the kernel paths it runs through the torch semantics of its diagram on the tensors' device
+  (said in ``op.notes``) while the other parts run as kernels.
 * Otherwise (an MLP; or the relabelings do not apply to the augmented diagram, said in
   ``op.notes``): :func:`napkin_cat.grad`, which recomputes the forward values it needs, so only
   the inputs are saved.  It runs through the NumPy executor (float64 inside, cast to the inputs'
@@ -69,12 +73,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..core.diagram import Diagram, Eqn
-from ..core.errors import LoweringError, NapkinError, RelabelError, ShapeError, TypingError
+from ..core.diagram import Diagram
+from ..core.errors import LoweringError, NapkinError, ShapeError, TypingError
 from ..core.types import DTYPES, Ty
 from ..ops.boxes import retype
 from ..ops.grad import grad
 from ..ops.residuals import grad_with_residuals, saved_softmaxes, with_logsumexp
+from .backward_parts import fa2_parts, has_scatter, read_only, relabel_like, run_torch_part
 from .distributed import DistributedOp, device_plan
 
 __all__ = ["torch_op", "TorchOp", "BackwardPlan", "backward_plan", "relabel_like"]
@@ -171,9 +176,9 @@ def backward_plan(d: Diagram, wrt: tuple[int, ...] | None = None) -> BackwardPla
                                          f"from the inputs: {e}",))
     cts = [a.name for a in d.cod]
     whole = grad_with_residuals(aug, wrt, cotangents=cts)
-    whole = _read_only(whole, keep=cts)
+    whole = read_only(whole, keep=cts)
     saves = tuple(a.name for a in whole.dom)[: len(whole.dom) - len(cts)]
-    parts, notes = _fa2_parts(aug, wrt, cts, d.schedule)
+    parts, notes = fa2_parts(aug, wrt, cts, d.schedule)
     return BackwardPlan(whole, saves, wrt, forward, parts, notes)
 
 
@@ -184,76 +189,6 @@ def at_dtype(d: Diagram, dtype, fixed: dict | None = None) -> Diagram:
     if (typed.dom, typed.cod, typed.eqns) == (d.dom, d.cod, d.eqns):
         return d
     return relabel_like(typed, d.schedule)
-
-
-def relabel_like(d: Diagram, schedule) -> Diagram:
-    """``d`` relabelled by ``schedule`` (another diagram's ``Relabel`` values), verb by verb;
-    a relabeling ``d`` refuses raises its :class:`~napkin_cat.core.errors.RelabelError`."""
-    for r in schedule:
-        if r.op == "tile":
-            d = d.tile(r.axis, r.size, r.level or None)
-        elif r.op == "stream":
-            d = d.stream(r.axis, r.size, r.level or None)
-        elif r.op == "place":
-            d = d.place(r.extra[0], r.level)
-        elif r.op == "require":
-            d = d.require(r.axis, r.size)
-        elif r.op == "order":
-            d = d.order(*r.extra)
-        else:
-            raise RelabelError(f"relabel_like: unknown relabeling {r.op!r} in {r!r}")
-    return d
-
-
-def _fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=()) -> tuple[tuple[Diagram, ...], tuple[str, ...]]:
-    """The backward of ``aug`` split as FlashAttention-2 does: the inputs with the normalised
-    axis ``x`` (K, V) on key tiles streaming the queries, the others (Q) on query tiles streaming
-    the keys; the forward's tilings of other axes (``schedule``: heads, batch) kept where a part
-    has the axis.  One softmax-contraction, and one row axis the other operand lacks (``q``), or
-    no split (``()``, the reason in the notes)."""
-    saved = saved_softmaxes(aug)
-    if len(saved) != 1:
-        return (), (f"the backward of {aug.short()} is not split FlashAttention-2's way: it has "
-                    f"{len(saved)} softmax-contractions (the split takes one)",)
-    (sv,) = saved
-    types = aug.var_types()
-    x = sv.axis
-    rows = [n for n in types[sv.s].axis_names if n != x and not types[sv.v].has(n)]
-    if len(rows) != 1:
-        return (), (f"the backward of {aug.short()} is not split: the scores' row axes {rows} are not "
-                    f"one query axis",)
-    qn = rows[0]
-    groups = ([i for i in wrt if aug.dom[i].has(x)], "tile", x, "g_" + x, qn, "s_" + qn), \
-             ([i for i in wrt if not aug.dom[i].has(x)], "tile", qn, "g_" + qn, x, "s_" + x)
-    parts, notes = [], []
-    others = [r for r in schedule if r.op == "tile" and r.axis not in (x, qn)]
-    for idx, _, tiled, g, streamed, s_ in groups:
-        if not idx:
-            continue
-        part = _read_only(grad_with_residuals(aug, idx, cotangents=cts), keep=cts)
-        try:
-            names = {a.name for a in part.axes}
-            parts.append(relabel_like(part.tile(tiled, g).stream(streamed, s_),
-                                      [r for r in others if r.axis in names]))
-        except NapkinError as e:
-            notes.append(f"backward part -> {', '.join(a.name for a in part.cod)} not relabelled "
-                         f"tile({tiled}).stream({streamed}), so it runs unrelabelled: {e}")
-            parts.append(part)
-    return tuple(parts), tuple(notes)
-
-
-def _read_only(d: Diagram, keep=()) -> Diagram:
-    """``d`` without the inputs nothing reads (the names in ``keep`` stay): the arrays the forward
-    need not save."""
-    read = set(d.outs) | {v for e in d.eqns for v in e.ins}
-    mine = [i for i, a in enumerate(d.dom) if i in read or a.name in keep]
-    if len(mine) == len(d.dom):
-        return d
-    new = {v: k for k, v in enumerate(mine)}
-    shift = len(d.dom) - len(mine)
-    renum = lambda v: new[v] if v < len(d.dom) else v - shift   # noqa: E731
-    eqns = tuple(Eqn(e.box, tuple(renum(v) for v in e.ins)) for e in d.eqns)
-    return Diagram(Ty(*(d.dom[i] for i in mine)), d.cod, eqns, tuple(renum(v) for v in d.outs), d.schedule)
 
 
 # --------------------------------------------------------------------------- the op
@@ -505,6 +440,11 @@ class TorchOp:
         got, fell = {}, False
         for part in plan.parts:
             ins = [named[a.name].detach().contiguous() for a in part.dom]
+            if has_scatter(part):   # auxiliary tensors' gradients: a scatter-add, not lowered
+                self._note(f"the gradients {', '.join(a.name for a in part.cod)} (scatter-adds into auxiliary "
+                           f"tensors, not lowered) ran through their torch semantics on {device}")
+                got.update(zip((a.name for a in part.cod), run_torch_part(part, ins, _out_dtypes(part, dtype))))
+                continue
             kernel = self._backward_kernel(part, wrt, sizes, device)
             if kernel is None:
                 outs, fell = _to_torch(evaluate(part.unrelabelled(), *_host(ins), reference=True),

@@ -12,6 +12,10 @@ elementwise functions), ``ins`` / ``outs`` the box's input and output wires (the
 already traced), ``cts`` the cotangents of its outputs.  An elementwise function is
 differentiated by its one definition (``Function.derivative`` in :mod:`.functions`).
 
+The auxiliary tensors an index expression gathers from (a learned bias table, a per-head
+scale) get the expression's derivative scattered back along the gathers
+(:mod:`.aux_grad`: ``index_map`` and ``scatter_aux`` boxes); a mask's get none.
+
 Policy (docs/NAN_POLICY.md): a fully masked softmax row has output 0 and gradient 0, never NaN;
 a masked score gets cotangent 0 (the cotangent is multiplied by ``exp(mask(0))``).
 
@@ -31,10 +35,12 @@ from typing import Callable, Sequence
 
 from ..core.diagram import Array, Axis, Diagram, Eqn
 from ..core.errors import TypingError, UnknownKindError
+from .aux_grad import SCORE, derivative, gathers, index_map_box, scatter_aux_box
 from .boxes import const_box, contract_box, diagonal_box, merge_box, normalize_box, rename_box, split_box, unfold_box
 from .builder import Builder, Wire
 from .functions import FUNCTIONS
 from .index import AxisPower, causal, window
+from .index_expr import Aux, Ix
 from .kinds import NORMALISATIONS
 
 
@@ -184,7 +190,63 @@ def vjp_mask(t: Tracer, box, ins, outs, cts):
 
 
 def vjp_index_bias(t: Tracer, box, ins, outs, cts):
-    return (cts[0],) + (None,) * (len(ins) - 1)
+    """The score's cotangent passes; each auxiliary tensor gets :func:`aux_cotangents`."""
+    bias = box.param("bias")
+    if bias.kind != "expr" or len(ins) == 1:
+        return (cts[0],) + (None,) * (len(ins) - 1)
+    return (cts[0], *aux_cotangents(t, box, bias.expr, cts[0], None, ins[1:]))
+
+
+def vjp_index_map(t: Tracer, box, ins, outs, cts):
+    """``dx = g * de/dscore`` and :func:`aux_cotangents`, both from the expression's derivative."""
+    e = box.param("fn").expr
+    dx = _weighted(t, box, e, derivative(e, SCORE), cts[0], ins[0], ins[1:])
+    return (None if dx is None else t.fit(dx, box.dom[0]), *aux_cotangents(t, box, e, cts[0], ins[0], ins[1:]))
+
+
+def aux_cotangents(t: Tracer, box, e, g: Wire, score: Wire | None, aux: Sequence[Wire]) -> tuple:
+    """One cotangent per auxiliary tensor of ``e`` (None: no gradient reaches it): for each
+    distinct gather ``A[idx]``, ``g * de/dA[idx]`` scattered back into ``A`` at ``idx``
+    (``scatter_aux``), summed over the gathers of ``A``."""
+    names = [a.name for a in e.auxes()]
+    parts: dict[str, list] = {n: [] for n in names}
+    for node in gathers(e):
+        w = _weighted(t, box, e, derivative(e, node), g, score, aux)
+        if w is not None:
+            arr = t.ty(aux[names.index(node.value.name)])
+            parts[node.value.name].append(
+                t.box(scatter_aux_box(t.ty(w), arr, node, box.param("row"), box.param("col")), w))
+    return tuple(t.total(parts[n], t.ty(a)) if parts[n] else None for n, a in zip(names, aux))
+
+
+def _weighted(t: Tracer, box, e, w, g: Wire, score: Wire | None, aux: Sequence[Wire]) -> Wire | None:
+    """``g * w`` over ``g``'s axes (``w`` a derivative of ``e``, whose auxiliary tensors are the
+    wires ``aux``): ``g`` itself for ``w = 1``; one ``index_map`` reading ``g`` as its score when
+    ``w`` does not read the score, else ``g`` times ``w`` mapped over the score."""
+    if w is None:
+        return None
+    if w.op == "const" and w.value == 1.0:
+        return g
+    names = [a.name for a in e.auxes()]
+    mine = [aux[names.index(a.name)] for a in w.auxes()]
+    row, col = box.param("row"), box.param("col")
+    if not w.uses_score():
+        return t.box(index_map_box(t.ty(g), row, col, SCORE * w, [t.ty(a) for a in mine]), g, *mine)
+    m = t.box(index_map_box(t.ty(score), row, col, w, [t.ty(a) for a in mine]), score, *mine)
+    return t.map("mul", g, m, out=t.ty(g).axes)
+
+
+def vjp_scatter_aux(t: Tracer, box, ins, outs, cts):
+    """The adjoint of a scatter-add is the gather: ``dw = dA[clamp(idx)]`` over ``w``'s axes
+    (an ``index_map`` that reads no score)."""
+    at, src, dst = box.param("at"), box.dom[0], box.cod[0]
+    own = {a.name for a in at.aux.axes}
+    if any(n not in own for n in dst.axis_names):
+        raise TypingError(f"cannot differentiate box {box.name}: its output {dst} has axes besides "
+                          f"{at.aux!r}'s (it was woven); the gather back is not built for them")
+    back = Ix("gather", at.index, Aux(f"d{at.aux.name}", at.aux.axes))
+    ct = t.fit(cts[0], dst)
+    return (t.box(index_map_box(src, box.param("row"), box.param("col"), back, [t.ty(ct)]), ins[0], ct),)
 
 
 def vjp_reindex(t: Tracer, box, ins, outs, cts):
@@ -276,6 +338,7 @@ VJP_RULES: dict[str, Callable] = {
     "normalize": vjp_normalize, "mask": vjp_mask, "index_bias": vjp_index_bias,
     "reindex": vjp_reindex, "param": vjp_source, "const": vjp_source, "cast": vjp_cast,
     "softmax_contract": vjp_softmax_contract, "norm_contract": vjp_norm_contract,
+    "index_map": vjp_index_map, "scatter_aux": vjp_scatter_aux,
 }
 
 

@@ -29,6 +29,7 @@ from ..core.diagram import Box
 from ..core.errors import TypingError, UnknownKindError
 from .functions import FUNCTIONS
 from .index import constant_value
+from .index_support import keeps_neg_inf as _expr_keeps_neg_inf
 
 # the normalisation family N(x)_i = a1(x_i) / b(sum_j a2(x_j)); names from FUNCTIONS
 NORMALISATIONS = {
@@ -79,6 +80,10 @@ def _exp_normalised(box: Box, sizes=None) -> bool:
     return box.param("a1") == "exp"
 
 
+def _index_map_keeps(box: Box, sizes=None) -> bool:
+    return _expr_keeps_neg_inf(box.param("fn").expr)
+
+
 def _reduce_softmax_like(box: Box, sizes=None) -> bool:
     return box.param("op") in ("max", "logsumexp")
 
@@ -105,6 +110,10 @@ SPECS: dict[str, KindSpec] = {s.name: s for s in (
              axis="axis", fused=True, softmax_like=_yes),
     KindSpec("norm_contract", "reduction", "a normalisation along axis, then contraction over it (fused)",
              axis="axis", fused=True, softmax_like=_exp_normalised),
+    KindSpec("index_map", "elementwise", "y = e(x, indices, aux gathers): an index expression whose score is x "
+             "(ops.aux_grad)", indexed=True, keeps_neg_inf=_index_map_keeps),
+    KindSpec("scatter_aux", "reduction", "out[clamp(idx)] += w: the adjoint of one aux gather (ops.aux_grad)",
+             indexed=True),
 )}
 KINDS = tuple(SPECS)
 

@@ -29,6 +29,7 @@ import numpy as np
 from ..core.diagram import Array, Axis, Box, Diagram, DType, Ty
 from ..core.errors import EmptyAxisError, ShapeError, TypingError, UnknownKindError
 from .arrays import NUMPY
+from .aux_grad import rule_index_map, rule_scatter_aux
 from .functions import FUNCTIONS
 from .index import constant_value
 from .kinds import NORMALISATIONS
@@ -288,6 +289,7 @@ RULES: dict[str, Callable] = {
     "normalize": rule_normalize, "mask": rule_mask, "index_bias": rule_index_bias,
     "reindex": rule_reindex, "param": rule_param, "const": rule_const, "cast": rule_cast,
     "softmax_contract": rule_softmax_contract, "norm_contract": rule_norm_contract,
+    "index_map": rule_index_map, "scatter_aux": rule_scatter_aux,
 }
 NUMPY_RULES = RULES   # NumPy and torch read the same rules (through their namespaces)
 

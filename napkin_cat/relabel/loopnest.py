@@ -46,6 +46,7 @@ from ..ops.kinds import spec
 from .rules import stream_plan
 from .nodes import Buffer, Column, Compute, Finalise, Init, Load, Loop, Store, Update  # noqa: F401 (re-exported)
 from .symbols import size_expr, size_symbol
+from .split import AddStore, add_stores, loop_note
 
 
 # --------------------------------------------------------------------------- final form
@@ -240,14 +241,15 @@ class FinalForm:
                     how = "sharded" if n.kind == "grid" else "ring"
                     text = f"for {n.axis} in {what} of {self.extent(n.axis, loops + (n,))} over the devices  ({how}, {n.level})"
                 else:
-                    text = f"for {n.axis} in {what} of {n.step}  ({n.kind}, {n.level})"
+                    text = f"for {n.axis} in {what} of {n.step}  ({n.kind}, {n.level}{loop_note(self, n)})"
             elif (v := self.loaded(n)) is not None:
                 b = self.buffer(("var", v) if n.final else ("copy", v, n.level), loops)
                 src = "" if n.src == FULL.top else f"{n.src} "
                 text = f"load {'' if isinstance(n, Load) else 'param '}{b.describe()} {src}-> {b.level}"
             elif isinstance(n, Store):
                 b = self.buffer(("copy", n.var, n.level) if n.flush else ("var", n.var), loops)
-                text = f"{'flush' if n.flush else 'store'} {b.describe()} -> {n.dst}"
+                text = n.describe(b) if isinstance(n, AddStore) else \
+                    f"{'flush' if n.flush else 'store'} {b.describe()} -> {n.dst}"
             elif isinstance(n, Compute):
                 e = d.eqns[n.eqn]
                 outs = [self.buffer(("var", v), loops) for v in d.eqn_outputs(n.eqn)]
@@ -309,7 +311,7 @@ def _final_form(d: Diagram) -> FinalForm:
     for r in reversed(sorted(tiles, key=lambda r: FULL.index(r.level))):  # slower levels outside
         body = (Loop(r.axis, r.size, "grid", r.level, body),)
     ff = FinalForm(plain, body, tuple(accs), placements)
-    return FinalForm(plain, _insert_moves(ff), tuple(accs), placements)
+    return FinalForm(plain, add_stores(d, _insert_moves(ff)), tuple(accs), placements)
 
 
 def _build(d: Diagram, eqns: tuple[int, ...], streams: tuple, accs: list, pending: tuple = ()) -> tuple:

@@ -3,6 +3,8 @@
 ``tile(axis, g)``    group partition: ``axis/g`` groups run on lower-level cores.  Allowed only
                      when the computation is weaved over ``axis`` (no box acts along it, every
                      output keeps it); inputs without ``axis`` are sent to every group.
+``tile(axis, g, partial="sum")``  a summed axis tiled across blocks, each adding its partial
+                     sum into the outputs (split-K; the conditions are in :mod:`.split`).
 ``stream(axis, s)``  stream partition: ``axis`` arrives ``s`` at a time while a state stays
                      resident.  Allowed when every box acting on ``axis`` is weaved over it up
                      to the boxes that remove it, each of which has an accumulator (fusion
@@ -15,7 +17,9 @@
 of ``axis/devices`` per GPU, living in its ``HBM``: a tiled axis is sharded (each device keeps
 its block), a streamed one rotates around a ring of devices (ring attention: each device's
 online-softmax state meets every block of keys), under the same conditions as on one GPU.
-A device split comes before the relabelings inside a device.
+A device split comes before the relabelings inside a device.  ``order="zigzag"`` lays the
+blocks out zig-zag (device ``r`` of ``W`` holds chunks ``r`` and ``2W - 1 - r`` of ``2W``: causal
+work balanced over the devices; :mod:`.devices`).
 
 Every relabeling and rewrite is a registered :class:`Rule` value (name, side conditions,
 function, proof obligation); ``tests/test_rules.py`` checks every registered rule generically.
@@ -34,11 +38,13 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .accumulators import Accumulator, derive_accumulator
+from .devices import check_layout
 from ..core.diagram import Axis, Box, Diagram, Eqn, Relabel
 from ..core.errors import RelabelError
 from ..core.hierarchy import DEVICES, FULL
 from ..ops.boxes import norm_contract_box, softmax_contract_box
 from ..ops.kinds import normalises_along, spec
+from .split import check_partial, split_problem
 
 DEFAULT_LEVEL = "SMEM"
 
@@ -307,8 +313,10 @@ def _check_level(level: str) -> str:
     return level
 
 
-def _device_split(d: Diagram, op: str, axis: str, level) -> Relabel:
-    """The ``Relabel`` of ``op(axis, DEVICES)``: one block of ``axis/devices`` per GPU, in its HBM."""
+def _device_split(d: Diagram, op: str, axis: str, level, order=None) -> Relabel:
+    """The ``Relabel`` of ``op(axis, DEVICES)``: one block of ``axis/devices`` per GPU, in its
+    HBM, laid out by ``order`` (recorded in ``extra``: ``("zigzag",)``, or nothing for contiguous)."""
+    extra = check_layout(op, axis, DEVICES, order)
     if level not in (None, "HBM"):
         raise RelabelError(f"{op}({axis}, {DEVICES!r}): a device's block lives in its HBM; got level {level!r}")
     inner = [r for r in d.schedule if r.op in ("tile", "stream") and r.size != DEVICES]
@@ -318,7 +326,7 @@ def _device_split(d: Diagram, op: str, axis: str, level) -> Relabel:
     if any(r.op == op and r.size == DEVICES for r in d.schedule):
         raise RelabelError(f"{op}({axis}, {DEVICES!r}): {d.short()} already has a {op} over the devices "
                            f"({d._sched_str()}); one axis per kind of device split")
-    return Relabel(op, axis, DEVICES, "HBM")
+    return Relabel(op, axis, DEVICES, "HBM", extra)
 
 
 def device_splits(d: Diagram) -> dict[str, str]:
@@ -326,15 +334,21 @@ def device_splits(d: Diagram) -> dict[str, str]:
     return {r.op: r.axis for r in d.schedule if r.op in ("tile", "stream") and r.size == DEVICES}
 
 
-def tile(d: Diagram, axis, size, level: str | None = None) -> Diagram:
+def tile(d: Diagram, axis, size, level: str | None = None, partial: str | None = None,
+         order: str | None = None) -> Diagram:
     """Group partition of ``axis`` into groups of ``size`` living at ``level`` (default SMEM);
-    ``size=DEVICES`` (``"devices"``): one group per device."""
+    ``size=DEVICES`` (``"devices"``): one group per device, laid out by ``order``
+    (``"contiguous"``, the default, or ``"zigzag"``: :mod:`.devices`).  ``partial="sum"``: ``axis`` is
+    summed over, each group adds its partial sum into the outputs (:mod:`.split`)."""
     name = _axis_name(d, axis)
+    check_layout("tile", name, size, order)
+    if check_partial(partial):
+        return split_tile(d, name, size, level, partial)
     problem = tile_problem(d.unrelabelled(), name)
     if problem:
         raise RelabelError(f"cannot tile {name}: {problem}")
     if size == DEVICES:
-        return replace(d, schedule=d.schedule + (_device_split(d, "tile", name, level),))
+        return replace(d, schedule=d.schedule + (_device_split(d, "tile", name, level, order),))
     _check_size(d, name, size, "tile")
     if any(r.op == "stream" and r.axis == name for r in d.schedule):
         raise RelabelError(f"cannot tile {name}: it is already streamed; tile before streaming")
@@ -342,15 +356,35 @@ def tile(d: Diagram, axis, size, level: str | None = None) -> Diagram:
     return replace(d, schedule=d.schedule + (Relabel("tile", name, size, level),))
 
 
-def stream(d: Diagram, axis, size, level: str | None = None) -> Diagram:
-    """Stream partition of ``axis`` in chunks of ``size`` staged at ``level`` (default SMEM).
+def split_tile(d: Diagram, name: str, size, level, partial: str) -> Diagram:
+    """``tile(name, size, level, partial=...)``: the checks of :mod:`.split`, then a tile."""
+    problem = split_problem(d.unrelabelled(), name, acts_along)
+    if problem:
+        raise RelabelError(f"cannot tile {name} with partial={partial!r}: {problem}")
+    if size == DEVICES:
+        raise RelabelError(f"tile({name}, {DEVICES!r}, partial={partial!r}): partial sums over the devices "
+                           f"(an all-reduce) are not supported; tile {name} within a device")
+    level = DEFAULT_LEVEL if level is None else level
+    if level != DEFAULT_LEVEL:
+        raise RelabelError(f"tile({name}, {size}, {level!r}, partial={partial!r}): the blocks add their partial "
+                           f"sums into HBM with atomics; a split axis is tiled at {DEFAULT_LEVEL}")
+    _check_size(d, name, size, "tile")
+    if any(r.op == "stream" and r.axis == name for r in d.schedule):
+        raise RelabelError(f"cannot tile {name}: it is already streamed; tile before streaming")
+    return replace(d, schedule=d.schedule + (Relabel("tile", name, size, _check_level(level), (partial,)),))
+
+
+def stream(d: Diagram, axis, size, level: str | None = None, order: str | None = None) -> Diagram:
+    """Stream partition of ``axis`` in chunks of ``size`` staged at ``level`` (default SMEM);
+    ``size=DEVICES``: one block per device, laid out by ``order`` (as in :func:`tile`).
 
     Softmax (or a streamable normalisation) followed by a contraction over ``axis`` is first
     rewritten into the fused accumulator form; anything else that needs the whole axis is
     refused with the reason."""
     name = _axis_name(d, axis)
+    check_layout("stream", name, size, order)
     if size == DEVICES:
-        step = _device_split(d, "stream", name, level)
+        step = _device_split(d, "stream", name, level, order)
     else:
         _check_size(d, name, size, "stream")
         step = Relabel("stream", name, size, _check_level(DEFAULT_LEVEL if level is None else level))

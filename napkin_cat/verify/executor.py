@@ -18,9 +18,11 @@ from ..core.hierarchy import DEVICES
 from ..ops.semantics import (Ctx, _as_numpy, apply_box, check_call_options, check_inputs, concrete_shape,
                              resolve_sizes, run_eqns)
 from ..relabel.accumulators import Accumulator
+from ..relabel.devices import device_visits, layout_of
 from ..relabel.loopnest import Compute, Finalise, Init, Load, Loop, Store, Update, final_form
 from ..relabel.rules import check_blocks
 from ..relabel.skipping import chunk_skips, visited
+from ..relabel.split import AddStore, added_outputs
 from ..ops.index import IntAlgebra
 from . import accumulators as acc_steps
 
@@ -99,10 +101,11 @@ def execute(d: Diagram, inputs: list[np.ndarray], ctx: Ctx) -> list[np.ndarray]:
     dd = ff.diagram
     types = dd.var_types()
     out_arrays = {}
+    added = added_outputs(ff)   # summed across blocks: they start at zero, each block adds its part
     for pos, v in enumerate(dd.outs):
         arr = types[v]
         shape = tuple(ctx.sizes[a] for a in arr.axis_names)
-        out_arrays.setdefault(v, np.full(shape, np.nan, dtype=ctx.dtype(arr.dtype)))
+        out_arrays.setdefault(v, np.full(shape, 0.0 if v in added else np.nan, dtype=ctx.dtype(arr.dtype)))
     ranges = {a.name: (0, ctx.sizes[a.name]) for a in dd.axes}
     env: dict[int, np.ndarray] = {}
     env_start: dict[int, tuple[int, ...]] = {}   # var -> global index of its position 0, per axis
@@ -139,24 +142,23 @@ def execute(d: Diagram, inputs: list[np.ndarray], ctx: Ctx) -> list[np.ndarray]:
             if isinstance(n, Loop):
                 start, stop = ranges[n.axis]
                 if n.step == DEVICES:
-                    step = device_block(n.axis, stop - start, ctx.sizes)
+                    # each device's blocks in its layout; the ring: device i meets its own block
+                    # first, then those of i-1, i-2, ... as they arrive (relabel/devices.py)
+                    device_block(n.axis, stop - start, ctx.sizes)
+                    visits = device_visits(layout_of(d, n.axis), n.kind, n.axis, start, stop, ctx.sizes, device[0])
                 else:
                     step = _concrete(n.step, ctx.sizes, f"{n.kind} of {n.axis}")
-                if step < 1:
-                    raise ShapeError(f"{n.kind} size for {n.axis} must be >= 1, got {step}")
+                    if step < 1:
+                        raise ShapeError(f"{n.kind} size for {n.axis} must be >= 1, got {step}")
+                    visits = [(None, s, s + step) for s in chunk_starts(start, stop, step)]
                 # chunks a mask removes for every row of the tile are skipped, as in the kernel
                 lo, hi = visited(chunk_skips(ff, n), ranges, stop, IntAlgebra)
-                starts = list(chunk_starts(start, stop, step))
-                if n.step == DEVICES and n.kind == "stream":
-                    # the ring: device i meets its own block first, then i-1, i-2, ... as they arrive
-                    k = device[0] % len(starts)
-                    starts = [starts[(k - j) % len(starts)] for j in range(len(starts))]
-                for i, s in enumerate(starts):
-                    if s + step <= lo or s >= hi:
+                for dev, s, reach in visits:
+                    if reach <= lo or s >= hi:
                         continue
-                    if n.step == DEVICES and n.kind == "grid":
-                        device[0] = i
-                    ranges[n.axis] = (s, min(s + step, stop))
+                    if dev is not None:
+                        device[0] = dev
+                    ranges[n.axis] = (s, min(reach, stop))
                     run(n.body)
                 ranges[n.axis] = (start, stop)
             elif isinstance(n, Load):
@@ -182,6 +184,8 @@ def execute(d: Diagram, inputs: list[np.ndarray], ctx: Ctx) -> list[np.ndarray]:
                 outs = acc_steps.finalise(acc, states.pop(n.acc), ctx)
                 for v, o in zip(dd.eqn_outputs(acc.eqn), outs):
                     define(v, np.asarray(o, dtype=ctx.dtype(types[v].dtype)))
+            elif isinstance(n, AddStore):
+                out_arrays[n.var][slices(types[n.var].axis_names)] += read(n.var)
             elif isinstance(n, Store) and not n.flush:  # a flush writes back what is already written
                 out_arrays[n.var][slices(types[n.var].axis_names)] = read(n.var)
 

@@ -11,6 +11,7 @@ import numpy as np
 from ..core.diagram import Axis, Diagram
 from ..core.errors import TypingError
 from ..core.hierarchy import DEVICES
+from ..relabel.devices import device_multiple
 from ..ops.kinds import spec
 from ..relabel.rules import requirements
 from .data import _INT_DATA, REGIMES
@@ -47,6 +48,7 @@ class _Problem:
     axis_symbol: dict = field(default_factory=dict)  # axis name -> size symbol or int
     devices: tuple = ()              # numbers of devices to draw (a split over the devices), or ()
     device_syms: frozenset = frozenset()   # size symbols of the axes split over the devices
+    device_chunks: int = 1           # pieces per device (2 for a zig-zag layout: relabel/devices.py)
 
     @staticmethod
     def build(a: Diagram, b: Diagram, sizes: dict, max_size: int, max_chunks: int = 6) -> "_Problem":
@@ -104,11 +106,12 @@ class _Problem:
             (("masked",) if score_inputs or score_params else ())
         split = {r.axis for d in (a, b) for r in d.schedule if r.size == DEVICES}
         whole = [fixed.get(axis_symbol[n], fixed.get(n, axis_symbol[n])) for n in split]
-        devices = tuple(p for p in (1, 2, 3, 4) if all(not isinstance(n, int) or n % p == 0 for n in whole)) \
-            if split else ()
+        chunks = max(device_multiple(a), device_multiple(b))
+        devices = tuple(p for p in (1, 2, 3, 4) if all(not isinstance(n, int) or n % (chunks * p) == 0
+                                                        for n in whole)) if split else ()
         return _Problem(a, b, fixed, symbols, blocks, masks, regimes, frozenset(score_inputs),
                         frozenset(score_params), params, max_size, axis_symbol, devices,
-                        frozenset(axis_symbol[n] for n in split if isinstance(axis_symbol[n], str)))
+                        frozenset(axis_symbol[n] for n in split if isinstance(axis_symbol[n], str)), chunks)
 
     # ---- drawing
     def draw(self, data, st, options: dict | None = None) -> _Example:
@@ -130,8 +133,9 @@ class _Problem:
         blocks = {}
         if self.devices:   # one equal block per device: the axes split over them are multiples
             p = blocks[DEVICES] = data.draw(st.sampled_from(self.devices[::-1]), label=DEVICES)
+            m = p * self.device_chunks
             for sym in self.device_syms & set(sizes):
-                sizes[sym] = p * max(1, sizes[sym] // p)
+                sizes[sym] = m * max(1, sizes[sym] // m)
         for sym, k in self.blocks.items():
             top = max(1, self.max_size // k)   # small blocks favoured: many chunks per axis
             blocks[sym] = k * data.draw(st.one_of(st.integers(1, min(3, top)), st.integers(1, top)),

@@ -1,0 +1,131 @@
+"""The parts a residual backward is split into (:func:`fa2_parts`), read by :mod:`.torch_op`.
+
+FlashAttention-2 splits the backward of an attention by the inputs it differentiates: those
+with the key axis (K, V) on key tiles streaming the queries, the others (Q) on query tiles
+streaming the keys.  The *auxiliary tensors* of an attention variant (a learned relative-bias
+table, a per-head scale: :mod:`napkin_cat.ops.aux_grad`) form a third part: their gradient is a
+scatter-add over every score (``scatter_aux``), which no tiling keeps independent and no kernel
+computes, so that part stays unrelabelled and runs through its torch semantics on the tensors'
+device (:func:`run_torch_part`) while the other parts run as kernels.
+
+>>> import napkin_cat as nc
+>>> from napkin_cat.ops.residuals import with_logsumexp
+>>> q, x, d = nc.axes("q x d")
+>>> rb = nc.aux("rb", nc.Axis("nr", 5))
+>>> att = nc.library.attention(q=q, x=x, d=d, bias=nc.bias_mod(lambda b, h, i, j: rb[i - j + 2]))
+>>> aux_inputs(att)
+(3,)
+>>> parts, notes = fa2_parts(with_logsumexp(att), (0, 1, 2, 3), ["O"])
+>>> [[a.name for a in p.cod] for p in parts], [has_scatter(p) for p in parts]
+([['dK', 'dV'], ['dQ'], ['drb']], [False, False, True])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.diagram import Diagram, Eqn
+from ..core.errors import NapkinError, RelabelError
+from ..core.types import Ty
+from ..ops.residuals import grad_with_residuals, saved_softmaxes
+
+__all__ = ["fa2_parts", "relabel_like", "read_only", "aux_inputs", "has_scatter", "run_torch_part"]
+
+_INDEX_KINDS = ("mask", "index_bias", "index_map")
+
+
+def aux_inputs(d: Diagram) -> tuple[int, ...]:
+    """The inputs of ``d`` that index expressions gather from (their boxes' inputs after the first)."""
+    d = d.unrelabelled() if d.schedule else d
+    n = len(d.dom)
+    return tuple(sorted({v for e in d.eqns if e.box.kind in _INDEX_KINDS for v in e.ins[1:] if v < n}))
+
+
+def has_scatter(d: Diagram) -> bool:
+    """``d`` adds into an auxiliary tensor (a ``scatter_aux`` box: not lowered)."""
+    return any(e.box.kind == "scatter_aux" for e in d.eqns)
+
+
+def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=()) -> tuple[tuple[Diagram, ...], tuple[str, ...]]:
+    """The backward of ``aug`` split as FlashAttention-2 does: the inputs with the normalised
+    axis ``x`` (K, V) on key tiles streaming the queries, the others (Q) on query tiles streaming
+    the keys, the auxiliary tensors unrelabelled; the forward's tilings of other axes
+    (``schedule``: heads, batch) kept where a part has the axis.
+    One softmax-contraction, and one row axis the other operand lacks (``q``), or no split
+    (``()``, the reason in the notes)."""
+    saved = saved_softmaxes(aug)
+    if len(saved) != 1:
+        return (), (f"the backward of {aug.short()} is not split FlashAttention-2's way: it has "
+                    f"{len(saved)} softmax-contractions (the split takes one)",)
+    (sv,) = saved
+    types = aug.var_types()
+    x = sv.axis
+    rows = [n for n in types[sv.s].axis_names if n != x and not types[sv.v].has(n)]
+    if len(rows) != 1:
+        return (), (f"the backward of {aug.short()} is not split: the scores' row axes {rows} are not "
+                    f"one query axis",)
+    qn = rows[0]
+    aux = [i for i in wrt if i in aux_inputs(aug)]
+    groups = ([i for i in wrt if aug.dom[i].has(x) and i not in aux], x, "g_" + x, qn, "s_" + qn), \
+             ([i for i in wrt if not aug.dom[i].has(x) and i not in aux], qn, "g_" + qn, x, "s_" + x)
+    parts, notes = [], []
+    others = [r for r in schedule if r.op == "tile" and r.axis not in (x, qn)]
+    for idx, tiled, g, streamed, s_ in groups:
+        if not idx:
+            continue
+        part = read_only(grad_with_residuals(aug, idx, cotangents=cts), keep=cts)
+        try:
+            names = {a.name for a in part.axes}
+            parts.append(relabel_like(part.tile(tiled, g).stream(streamed, s_),
+                                      [r for r in others if r.axis in names]))
+        except NapkinError as e:
+            notes.append(f"backward part -> {', '.join(a.name for a in part.cod)} not relabelled "
+                         f"tile({tiled}).stream({streamed}), so it runs unrelabelled: {e}")
+            parts.append(part)
+    if aux:
+        parts.append(read_only(grad_with_residuals(aug, aux, cotangents=cts), keep=cts))
+    return tuple(parts), tuple(notes)
+
+
+def relabel_like(d: Diagram, schedule) -> Diagram:
+    """``d`` relabelled by ``schedule`` (another diagram's ``Relabel`` values), verb by verb;
+    a relabeling ``d`` refuses raises its :class:`~napkin_cat.core.errors.RelabelError`."""
+    for r in schedule:
+        if r.op == "tile":
+            d = d.tile(r.axis, r.size, r.level or None)
+        elif r.op == "stream":
+            d = d.stream(r.axis, r.size, r.level or None)
+        elif r.op == "place":
+            d = d.place(r.extra[0], r.level)
+        elif r.op == "require":
+            d = d.require(r.axis, r.size)
+        elif r.op == "order":
+            d = d.order(*r.extra)
+        else:
+            raise RelabelError(f"relabel_like: unknown relabeling {r.op!r} in {r!r}")
+    return d
+
+
+def read_only(d: Diagram, keep=()) -> Diagram:
+    """``d`` without the inputs nothing reads (the names in ``keep`` stay): the arrays the forward
+    need not save."""
+    read = set(d.outs) | {v for e in d.eqns for v in e.ins}
+    mine = [i for i, a in enumerate(d.dom) if i in read or a.name in keep]
+    if len(mine) == len(d.dom):
+        return d
+    new = {v: k for k, v in enumerate(mine)}
+    shift = len(d.dom) - len(mine)
+    renum = lambda v: new[v] if v < len(d.dom) else v - shift   # noqa: E731
+    eqns = tuple(Eqn(e.box, tuple(renum(v) for v in e.ins)) for e in d.eqns)
+    return Diagram(Ty(*(d.dom[i] for i in mine)), d.cod, eqns, tuple(renum(v) for v in d.outs), d.schedule)
+
+
+def run_torch_part(part: Diagram, tensors, dtypes) -> tuple[torch.Tensor, ...]:
+    """``part`` through its torch semantics (:func:`napkin_cat.to_torch`) on the tensors' device:
+    float64 stays float64, the kernel dtypes compute in float32; each output in ``dtypes``."""
+    from ..ops.torch_semantics import to_torch
+    work = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        outs = to_torch(part.unrelabelled())(*(t.detach().to(work) for t in tensors))
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return tuple(o.to(dt) for o, dt in zip(outs, dtypes))
