@@ -34,6 +34,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
@@ -65,9 +66,19 @@ def single_diagram():
     return attention().stream(x, "s_x").tile(q, "g_q").tile(h, 1)
 
 
+T0 = time.perf_counter()
+
+
 def log(rank, *a):
+    """Rank 0's progress, with seconds since start (compiles dominate: about 25 s a kernel)."""
     if rank == 0:
-        print(*a, flush=True)
+        print(f"[{time.perf_counter() - T0:6.1f} s]", *a, flush=True)
+
+
+def save(rank, path, res):
+    """The results so far (rank 0): a run stopped by a time limit keeps what it measured."""
+    if rank == 0:
+        Path(path).write_text(json.dumps(res, indent=1))
 
 
 def timed(fn, reps, group_max=True):
@@ -278,6 +289,7 @@ def main():
     checks = ((2, 128 * world), (3, 1000 * world if not args.zigzag else 1000 * 2 * world))
     for H_, N_ in checks[:1] if args.quick_check else checks:
         res["check"].append(check(rank, world, H_, D, N_))
+        save(rank, args.out, res)
         c = res["check"][-1]
         log(rank, f"  N={N_}: ring vs f64 {c['max_err_ring_vs_f64']:.1e}, 1 GPU vs f64 "
                   f"{c['max_err_single_vs_f64']:.1e}, blocks {c['blocks']} -> {'ok' if c['ok'] else 'FAILED'}")
@@ -302,11 +314,13 @@ def main():
                               "predicted_bandwidth_bound": p.bandwidth_bound})
         log(rank, f"  strong N={N}: 1 GPU {t1:.2f} ms, ring {tr:.2f} ms, link {link:.3f} ms "
                   f"(predicted {p.link_seconds * 1e3:.3f})")
+        save(rank, args.out, res)
     res["weak"] = []
     for N in args.weak:
         N2 = int(round(N * math.sqrt(world) / (64 * world))) * 64 * world
         t1, tr = run.single(N), run.ring(N2)
         res["weak"].append({"N_one": N, "N_ring": N2, "one_gpu_ms": t1, "ring_ms": tr, "efficiency": t1 / tr})
+        save(rank, args.out, res)
         log(rank, f"  weak N={N} -> {N2}: 1 GPU {t1:.2f} ms, ring {tr:.2f} ms")
     if not args.no_longest:
         start = args.strong[-1]
