@@ -412,7 +412,14 @@ class Emitter(Loads, Phases):
     # ---- writing a target's value
     def write_target(self, t: Target, env, val: str, src: Source):
         arr = self.types[t.var]
-        if t.to_smem:
+        if t.to_smem and self.bufs[("var", t.var)].bits == 16:
+            # rounded once to the kernel's dtype (.sixteen_bit); zero past a ragged extent, where
+            # ldmatrix reads whole fragments as it does from a zero-filled input chunk
+            key = ("var", t.var)
+            bits = f"{DTYPES[self.plan.dtype].from_f32}({val})"
+            cond = self.valid(self.bufs[key].axes, env)
+            src(f"{self.swrite(key, env)} = " + (f"{bits} if {cond} else ZERO16" if cond else bits))
+        elif t.to_smem:
             src(f"{self.sread(('var', t.var), env)} = {val}")
         if t.to_global:
             cond = self.valid(self.plan.caps(arr.axis_names)[0], env)

@@ -8,9 +8,12 @@ then one ``mma`` per (row tile, column tile) into the fp32 accumulators ``acc[i,
 of the kernel (epilogues, row statistics, stores) reads ``acc[i, j]`` at the row and column
 :func:`frag_rows` / :func:`frag_cols` give, as for any micro-tile.
 
-Operand fragments are packed from the operands' values (fp32, read from shared memory or
-computed by a fused elementwise chain) with ``pack_f16`` / ``pack_bf16``: any operand the
-CUDA-core engine can read, the tensor cores can multiply.  An operand held in registers in the
+An operand held as 16-bit patterns in shared memory (:attr:`Operand.buffer`: an f16 / bf16 input,
+or an intermediate that only tensor cores read, stored in 16 bits by :mod:`.sixteen_bit`) is read
+into fragments by ``ldmatrix`` (:class:`LdMatrix`, either orientation).  Other operand fragments
+are packed from the operands' values (fp32, read from shared memory or computed by a fused
+elementwise chain) with ``pack_f16`` / ``pack_bf16``: any operand the CUDA-core engine can read,
+the tensor cores can multiply.  An operand held in registers in the
 C layout of the same rows (:attr:`Operand.frag`: FlashAttention-2's probabilities, which never
 leave the registers) is packed from there: the C fragment of two adjacent 8-column tiles is the
 A fragment of one 16-wide step.  Entries past a ragged reduced extent read as zero unless the

@@ -179,11 +179,13 @@ class Phases:
     def contraction_operands(self, ins) -> list[Operand]:
         ops = []
         for v in ins:
-            load = self.plan.storage(v) == "load"
-            raw = load and self.bufs[("var", v)].bits == 16
+            where = self.plan.storage(v)
+            # 16-bit patterns (an input, or an intermediate of .sixteen_bit) are read as they are,
+            # zero past ragged extents (zero-filled chunks; zeros written there)
+            raw = where in ("load", "smem") and self.bufs[("var", v)].bits == 16
             ops.append(Operand(self.plan.axes_set(v),
                                (lambda v: lambda env, memo, src: self.value(v, env, src, memo))(v),
-                               padded=load, buffer=("var", v) if raw else None))
+                               padded=where == "load" or raw, buffer=("var", v) if raw else None))
         return ops
 
     def contract(self, engine: str, m, acc: str, operands: list[Operand], red: list[str], src: Source,

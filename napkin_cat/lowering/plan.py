@@ -79,7 +79,8 @@ class Buffer:
     copies: int = 1              # 2: double-buffered chunks
     pad: int = 0                 # extra elements per row of the last axis (bank spreading)
     name: str = ""               # its identifier, chosen by the renderer
-    bits: int = 32               # 32: fp32 values; 16: 16-bit patterns (an f16 / bf16 input)
+    bits: int = 32               # 32: fp32 values; 16: 16-bit patterns (an f16 / bf16 input, or an
+                                 # intermediate read only by tensor cores: .sixteen_bit)
 
     @property
     def ld(self) -> int:

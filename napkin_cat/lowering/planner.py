@@ -14,7 +14,8 @@
        register micro-tiles for contractions with two output axes, groups of lanes per output
        for reductions with few outputs, else a flat element loop;
     6. :func:`fuse_scores`      scores kept in registers (:class:`~.plan.FusedScores`);
-    7. :func:`plan_layouts` / :func:`plan_buffers`  shared-memory layouts and offsets;
+    7. :func:`~.sixteen_bit.sixteen_bit_targets`  intermediates read only by tensor cores, kept
+       in 16 bits; :func:`plan_layouts` / :func:`plan_buffers`  shared-memory layouts and offsets;
     8. :func:`plan_launch`      grid, chunk skipping, launch bounds.
 
 The tunables below are read at each call (``kernels/variants.py`` switches them).
@@ -34,6 +35,7 @@ from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, REDUCE_OPS
 from .fuse import fuse_scores
 from .reindex import check_axes as check_reindexed_axes, remaps
+from .sixteen_bit import sixteen_bit_buffer, sixteen_bit_targets
 from .threads import Threads, _check_micro
 from .plan import (AccPlan, AxisPlan, Buffer, Coop, Frag, KernelPlan, LaunchPlan, Micro, Rows,
                    Structure, Target, acc_reduced_axes, axes_set, caps, frozen_map, kernel_dtype, load_plan,
@@ -91,8 +93,10 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     accs = plan_accumulators(ff, threads_)
     targets, norm_stats = plan_mappings(ff, ax, st, cls, targets, accs, threads_)
     accs, targets, fused = fuse_scores(ff, ax, st, targets, accs, threads_) if FUSE_SCORES else (accs, targets, {})
-    prefs = plan_layouts(ff, st, targets, absorbed, accs, ax)
-    buffers, accs = plan_buffers(ff, ax, st, targets, absorbed, accs, norm_stats, prefs, threads, prefetch)
+    sixteen = sixteen_bit_targets(ff, st, cls, targets, absorbed, accs, threads_.dtype)
+    prefs = plan_layouts(ff, st, targets, absorbed, accs, ax, sixteen)
+    buffers, accs = plan_buffers(ff, ax, st, targets, absorbed, accs, norm_stats, prefs, threads, prefetch,
+                                 sixteen)
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
     launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch)
@@ -348,8 +352,10 @@ def plan_mappings(ff: FinalForm, ax, st: Structure, cls, targets: dict, accs, th
 
 # --------------------------------------------------------------------------- 7. layouts and buffers
 
-def plan_layouts(ff: FinalForm, st: Structure, targets, absorbed, accs, ax) -> dict[tuple, str]:
-    """Shared buffers read by a micro-tile along one axis put that axis last (contiguous)."""
+def plan_layouts(ff: FinalForm, st: Structure, targets, absorbed, accs, ax,
+                 sixteen=frozenset()) -> dict[tuple, str]:
+    """Shared buffers read by a micro-tile along one axis put that axis last (contiguous);
+    16-bit buffers (inputs, and the targets in ``sixteen``) keep their own order."""
     dd = ff.diagram
     types = dd.var_types()
     n_in = len(dd.dom)
@@ -362,10 +368,10 @@ def plan_layouts(ff: FinalForm, st: Structure, targets, absorbed, accs, ax) -> d
         axes = axes_set(types[v], ax)
         has_r, has_c = m.row in axes, m.col in axes
         if isinstance(m, Frag):
-            # a 16-bit input keeps its global order (cp.async; ldmatrix reads either
+            # a 16-bit input or intermediate keeps its order (cp.async; ldmatrix reads either
             # orientation); other operands are packed from pairs along the reduced axis
             k = [a for a in red if a in axes]
-            if k and has_r != has_c and types[v].dtype.name not in ("f16", "bf16"):
+            if k and has_r != has_c and types[v].dtype.name not in ("f16", "bf16") and v not in sixteen:
                 pref[key] = k[0]
         elif has_r != has_c:
             pref[key] = m.row if has_r else m.col
@@ -386,9 +392,10 @@ def plan_layouts(ff: FinalForm, st: Structure, targets, absorbed, accs, ax) -> d
 
 
 def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list, norm_stats, pref,
-                 T: int, prefetch) -> tuple[dict[tuple, Buffer], list[AccPlan]]:
+                 T: int, prefetch, sixteen=frozenset()) -> tuple[dict[tuple, Buffer], list[AccPlan]]:
     """(every shared buffer with its layout and its 16-byte aligned offset, the accumulator
-    plans with the buffers of their weights: ``p_buf``)."""
+    plans with the buffers of their weights: ``p_buf``); the targets in ``sixteen`` are held
+    as 16-bit patterns (:mod:`.sixteen_bit`)."""
     dd = ff.diagram
     accs = list(accs)
     types = dd.var_types()
@@ -411,7 +418,7 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
         b = buf(("var", v), f"{arr.name}_s", arr.axis_names, f"input {arr.name}")
         names = [a for a in arr.axis_names if ax[a].cap > 1]
         if arr.dtype.name in ("f16", "bf16"):
-            b = bufs[b.key] = _sixteen_bit_buffer(b)
+            b = bufs[b.key] = sixteen_bit_buffer(b)
         elif len(b.axes) >= 2 and names and b.axes[-1] != names[-1] and v in chunked:
             # a chunk written transposed (global order in, threads along the global last
             # axis): a row of 4 more floats keeps 16-byte alignment and spreads the stores
@@ -422,7 +429,11 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
     for t in sorted(targets.values(), key=lambda t: t.var):
         if t.to_smem:
             arr = types[t.var]
-            buf(("var", t.var), f"{arr.name}_s", arr.axis_names, f"{arr.name} (materialised)")
+            if t.var in sixteen:
+                b = buf(("var", t.var), f"{arr.name}_s", arr.axis_names, arr.name)
+                bufs[b.key] = sixteen_bit_buffer(b, "materialised, ")
+            else:
+                buf(("var", t.var), f"{arr.name}_s", arr.axis_names, f"{arr.name} (materialised)")
     for k in norm_stats:
         box = dd.eqns[k].box
         stat = tuple(a for a in box.dom[0].axis_names if a != box.param("axis"))
@@ -470,19 +481,6 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
         bufs[key] = replace(b, offset=off)
         off += -(-b.size // 4) * 4   # 16-byte aligned offsets
     return bufs, accs
-
-
-def _sixteen_bit_buffer(b: Buffer) -> Buffer:
-    """An f16 / bf16 input's buffer: 16-bit patterns, rows of a multiple of 8 elements (16-byte
-    ``cp.async`` stores) and an odd number of 16-byte units (the 8 rows one ``ldmatrix`` phase
-    reads fall in different banks)."""
-    if len(b.caps) < 2 or b.caps[-1] < 8:
-        return replace(b, bits=16, what=b.what + " (16-bit)")
-    ld = -(-b.caps[-1] // 8) * 8
-    if (ld // 8) % 2 == 0:
-        ld += 8
-    return replace(b, bits=16, pad=ld - b.caps[-1],
-                   what=b.what + f" (16-bit, rows padded by {ld - b.caps[-1]})")
 
 
 # --------------------------------------------------------------------------- 8. launch
