@@ -45,7 +45,7 @@ MUTANTS = {
         ATTN, r"delta = math\.exp\((\w+) - (\w+)\)",
         r"delta = math.exp(\1 - \2) if not (float32(20.0) < \2 - \1 < float32(1e4)) else float32(1.0)"),
     "initial_max_zero": (ATTN, r"(\w+_mu\[\w+\]) = NEG_INF", r"\1 = ZERO"),
-    "rescale_applied_twice": (ATTN, r"(o_regs\[i, j\]) \*= scale", r"\1 *= scale * scale"),
+    "rescale_applied_twice": (ATTN, r"(O_o\[i, j\]) \*= scale", r"\1 *= scale * scale"),
     "normaliser_not_rescaled": (ATTN, r"(\w+_z\[\w+\]) = delta \* \1 \+ psum", r"\1 = \1 + psum"),
     "fully_masked_row_not_guarded": (BIASED, r" / z if z != ZERO else ZERO\)", r" / z)"),
     "doubled_last_chunk": (
