@@ -26,6 +26,7 @@ import torch
 
 from ..core.diagram import Diagram, Eqn
 from ..core.errors import NapkinError, RelabelError
+from ..core.hierarchy import DEVICES
 from ..core.types import Ty
 from ..ops.residuals import grad_with_residuals, saved_softmaxes
 
@@ -91,10 +92,14 @@ def relabel_like(d: Diagram, schedule) -> Diagram:
     """``d`` relabelled by ``schedule`` (another diagram's ``Relabel`` values), verb by verb;
     a relabeling ``d`` refuses raises its :class:`~napkin_cat.core.errors.RelabelError`."""
     for r in schedule:
+        # ``extra``: a device split's layout (``order``), or a tile's ``partial`` sums
+        extra = r.extra[0] if r.extra else None
         if r.op == "tile":
-            d = d.tile(r.axis, r.size, r.level or None)
+            device = r.size == DEVICES
+            d = d.tile(r.axis, r.size, r.level or None, partial=None if device else extra,
+                       order=extra if device else None)
         elif r.op == "stream":
-            d = d.stream(r.axis, r.size, r.level or None)
+            d = d.stream(r.axis, r.size, r.level or None, order=extra)
         elif r.op == "place":
             d = d.place(r.extra[0], r.level)
         elif r.op == "require":

@@ -321,6 +321,7 @@ class DistributedOp:
         """The executor's relabelings of a block's diagram: those chosen once for the device's
         diagram at these sizes (a block's variant differs only in its masks' offsets), applied
         verb by verb, or chosen afresh where one does not apply."""
+        from .backward_parts import relabel_like
         from .schedule import choose
         base = ("schedule", ((), key[1]))
         if base not in self._cache:
@@ -328,20 +329,10 @@ class DistributedOp:
                                        simulate=False).diagram
         if key == base[1]:
             return self._cache[base]
-        d = local.bind(sizes).unrelabelled()
         try:
-            for r in self._cache[base].schedule:
-                if r.op in ("tile", "stream"):
-                    d = getattr(d, r.op)(r.axis, r.size, r.level or None, *r.extra[:1])
-                elif r.op == "place":
-                    d = d.place(r.extra[0], r.level)
-                elif r.op == "require":
-                    d = d.require(r.axis, r.size)
-                elif r.op == "order":
-                    d = d.order(*r.extra)
+            return relabel_like(local.bind(sizes).unrelabelled(), self._cache[base].schedule)
         except NapkinError:
             return choose(local.bind(sizes), self.tiles or None, self.threads, simulate=False).diagram
-        return d
 
     def _fold(self, state, part):
         if self.plan.fold is None:        # sharded: one block of the columns, nothing to fold
