@@ -36,8 +36,13 @@ back together.
 The per-device work is the diagram's relabelings inside a device, bound at the block sizes:
 the generated kernel on float32 CUDA tensors (``nc.lower``, verified), the tiled NumPy executor
 otherwise (float64 in float64; gloo on the CPU).  ``op.last_path`` says which
-(``"ring:gpu"``, ``"ring:executor"``, ...).  Forward only: an input that requires a gradient is
-refused (the ring's backward is not written).
+(``"ring:gpu"``, ``"ring:executor"``, ...).
+
+Shards that require a gradient make the op differentiable (:mod:`.distributed_backward`): the
+forward keeps each row's ``(O, L)``, and ``backward()`` runs FlashAttention-2's backward block
+by block against them, the key blocks rotating again with their gradient accumulators, which
+end on the devices that hold the blocks.  ``op.last_backward_path`` (``"ring:gpu-fa2"``,
+``"ring:executor-fa2"``, ...) and ``op.last_backward_blocks`` say what ran.
 
 >>> import napkin_cat as nc
 >>> q, x, d = nc.axes("q x d")
@@ -80,6 +85,7 @@ from ..relabel.balance import ring_skips
 from ..relabel.devices import CHUNKS, block_view, layout_of, mask_key, pieces
 from ..relabel.loopnest import final_form
 from ..relabel.rules import device_splits
+from .distributed_backward import SplitBackward, SplitFunction
 
 FOLDS = {"online_softmax": "online_softmax", "sum_contract": "sum"}
 
@@ -100,6 +106,7 @@ class DevicePlan:
     outputs: int
     layouts: tuple[str, str] = ("contiguous", "contiguous")
     skips: tuple[str, ...] = ()
+    block: Diagram | None = None
 
 
 def device_plan(d: Diagram) -> DevicePlan | None:
@@ -139,11 +146,14 @@ def device_plan(d: Diagram) -> DevicePlan | None:
             if len(local.cod) != 2 * len(d.cod) or len(d.cod) != 1:
                 raise LoweringError(f"torch_op({d.short()}): the ring folds one softmax-contraction output "
                                     f"with its logsumexp; this diagram has {len(d.cod)} outputs")
+    if ring is None and len(d.cod) == 1 and with_logsumexp(plain) is not None:
+        local = with_logsumexp(plain)       # sharded attention keeps L for its backward
     local = Diagram(local.dom, local.cod, local.eqns, local.outs, inner)
+    block = Diagram(plain.dom, plain.cod, plain.eqns, plain.outs, inner)
     kind = "ring" if tiled and ring else ("gather" if ring else "sharded")
     skips = tuple(mask_key(k.row, k.col, k.pred) for k in ring_skips(d))
     layouts = (layout_of(d, tiled) if tiled else "contiguous", layout_of(d, ring) if ring else "contiguous")
-    return DevicePlan(kind, tiled, ring, local, fold, len(d.cod), layouts, skips)
+    return DevicePlan(kind, tiled, ring, local, fold, len(d.cod), layouts, skips, block)
 
 
 # --------------------------------------------------------------------------- shards of full arrays
@@ -239,11 +249,14 @@ class DistributedOp:
     ``last_blocks``: how many block pairs of the last call were ``empty`` (skipped), ``full``
     (run without their mask) and ``partial``."""
 
-    def __init__(self, d: Diagram, tiles: dict, threads, verify, group=None):
+    def __init__(self, d: Diagram, tiles: dict, threads, verify, group=None, backward_op=None):
         self.diagram, self.plan = d, device_plan(d)
         self.tiles, self.threads, self.verify, self.group = tiles, threads, verify, group
         self.last_path: str | None = None
         self.last_blocks: dict[str, int] = {}
+        self.last_backward_path: str | None = None
+        self.last_backward_blocks: dict[str, int] = {}
+        self._backward = SplitBackward(self, self.plan.block, backward_op)
         self.notes: list[str] = []
         self._cache: dict = {}
 
@@ -274,9 +287,6 @@ class DistributedOp:
                                   f"torch.float32 (kernels) or torch.float64 (reference executor)")
             if t.device != shards[0].device:
                 raise ShapeError(f"{self!r}: input {arr} is on {t.device}, {d.dom[0]} on {shards[0].device}")
-            if t.requires_grad and torch.is_grad_enabled():
-                raise LoweringError(f"{self!r}: input {arr} requires a gradient; the backward of a split "
-                                    f"over the devices is not written (run it under torch.no_grad())")
             if t.dim() != len(arr.axes):
                 raise ShapeError(f"{self!r}: shard of {arr}: expected {len(arr.axes)} axes, got shape {tuple(t.shape)}")
             for ax, n in zip(arr.axes, t.shape):
@@ -391,6 +401,14 @@ class DistributedOp:
                 states[a] = self._fold(states[a], self._compute(view.diagram, view.key, block, views))
 
     def __call__(self, *shards):
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in shards):
+            outs = SplitFunction.apply(self, *shards)
+        else:
+            outs = self._run(shards)[0]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _run(self, shards):
+        """``(outputs, per row piece states, local sizes, global sizes, rank, world)``."""
         rank, world = self._world()
         sizes = self._check(shards, world)
         plan = self.plan
@@ -416,7 +434,7 @@ class DistributedOp:
             arr = plan.local.cod[i]
             k = arr.axis_names.index(plan.tiled) if plan.tiled in arr.axis_names else None
             outs.append(states[0][i] if k is None or len(states) == 1 else torch.cat([s[i] for s in states], k))
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        return tuple(outs), states, sizes, totals, rank, world
 
     def _gather(self, part, world: int):
         import torch.distributed as dist

@@ -220,7 +220,7 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
     if not len(d.cod):
         raise TypingError(f"torch_op({d.short()}): the diagram has no output")
     if device_plan(d) is not None:   # split over the devices: one process per GPU (distributed.py)
-        return DistributedOp(d, dict(tiles or {}), threads, verify)
+        return DistributedOp(d, dict(tiles or {}), threads, verify, backward_op=TorchOp)
     return TorchOp(d, dict(tiles or {}), threads, simulate, verify)
 
 
