@@ -26,6 +26,11 @@ Measured (CUDA events, medians over ``--reps`` runs, the slowest rank's time):
 * link time: the ring's block exchanges alone (no compute), against the cost model's
   ``nc.cost(ring).devices(hw, sizes).link_seconds``; and the ring's time against its predicted
   ``seconds`` (compute overlapped with the link).
+* ``--backward N ...``: forward + backward (``O.backward(dO)``: the ring's gradients travel back
+  with their accumulators, :mod:`napkin_cat.lowering.distributed_backward`) of the ring against
+  ``nc.torch_op`` on one GPU, after the gradients are checked against float64 autograd on every
+  rank; beside each, the prediction (``nc.cost(ring).devices`` plus
+  :func:`napkin_cat.costmodel.backward_device_time`).  ``--backward-only`` skips the forward rows.
 The table is printed last (rank 0); the JSON has every number.
 """
 import argparse
@@ -45,6 +50,7 @@ import torch.distributed as dist  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.core.hierarchy import DEVICES  # noqa: E402
+from napkin_cat.costmodel import backward_device_time  # noqa: E402
 from napkin_cat.lowering.distributed import device_plan, shard  # noqa: E402
 from napkin_cat.relabel.devices import pieces  # noqa: E402
 
@@ -139,6 +145,26 @@ def check(rank, world, H, D, N):
             "max_err_ring_vs_single": errs[2], "ok": ok, "path": op.last_path, "blocks": op.last_blocks}
 
 
+def check_backward(rank, world, H, D, N):
+    """The ring's gradients (fp32 kernels) against float64 autograd of the reference, every rank."""
+    Q, K, V = data(H, N, D, seed=3)
+    dO = data(H, N, D, seed=4)[0]
+    leaves = [t.clone().requires_grad_() for t in (Q, K, V)]
+    (reference(*leaves) * dO).sum().backward()
+    dev = torch.device("cuda")
+    mine = [t.float().to(dev).requires_grad_() for t in shard(ring_diagram(), (Q, K, V), world, rank)]
+    op = nc.torch_op(ring_diagram(), verify=True)
+    O = op(*mine)
+    O.backward(rows(dO, rank, world).float().to(dev))
+    want = shard(ring_diagram(), tuple(t.grad for t in leaves), world, rank)
+    errs = torch.tensor([((m.grad.double().cpu() - w).abs().max() / w.abs().max()).item()
+                         for m, w in zip(mine, want)], device=dev)
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    errs = [float(e) for e in errs]
+    return {"N": N, "H": H, "d": D, "max_rel_err_dQ_dK_dV": errs, "ok": max(errs) < 1e-4,
+            "path": op.last_backward_path, "blocks": op.last_backward_blocks, "notes": op.notes}
+
+
 class Runner:
     def __init__(self, rank, world, H, D, reps):
         self.rank, self.world, self.H, self.D, self.reps = rank, world, H, D, reps
@@ -173,6 +199,24 @@ class Runner:
             raise torch.cuda.OutOfMemoryError(f"one GPU at N={N}")
         return float(out.item())
 
+    def ring_fwd_bwd(self, N):
+        op = self.ops.setdefault(("fb", N), nc.torch_op(ring_diagram(), verify=False))
+        Q, K, V = (t.requires_grad_() for t in self.inputs(N, True))
+        dO = self.inputs(N, True)[0]
+        return timed(lambda: op(Q, K, V).backward(dO), self.reps)
+
+    def single_fwd_bwd(self, N):
+        """``nc.torch_op`` forward + backward on one GPU, rank 0 only (the others wait)."""
+        out = torch.zeros(1, device="cuda")
+        if self.rank == 0:
+            op = self.singles.setdefault(("fb", N), nc.torch_op(single_diagram(), verify=False))
+            Q, K, V = (t.requires_grad_() for t in self.inputs(N, False))
+            dO = self.inputs(N, False)[0]
+            out[0] = timed(lambda: op(Q, K, V).backward(dO), self.reps, group_max=False)
+        dist.barrier()
+        dist.broadcast(out, 0)
+        return float(out.item())
+
     def fits(self, N, sharded):
         """Whether the inputs, outputs and ring buffers (about 10 arrays of a shard) fit."""
         n = N // self.world if sharded else N
@@ -202,6 +246,11 @@ def predicted(world, H, D, N, hw):
     return t
 
 
+def predicted_backward(world, H, D, N, hw):
+    sizes = {q: N, x: N, d: D, h: H, DEVICES: world, "s_x": 64, "g_q": 64}
+    return backward_device_time(ring_diagram(), hw, sizes)
+
+
 def plan_only(args):
     """What runs, without GPUs: the plan, and the cost model's prediction per N."""
     hw = nc.hardware.H200 if args.hw == "H200" else nc.hardware.H100
@@ -216,6 +265,11 @@ def plan_only(args):
         print(f"  N={N}: predicted ring {t.seconds * 1e3:.2f} ms, link {t.link_seconds * 1e3:.3f} ms, "
               f"bandwidth-bound {t.bandwidth_bound}, kept tiles per device {list(t.tiles) or 'all'}, "
               f"imbalance {t.imbalance:.2f}", flush=True)
+    for N in args.backward:
+        f, b = predicted(args.world, args.heads, args.dim, N, hw), predicted_backward(args.world, args.heads, args.dim, N, hw)
+        print(f"  N={N}: predicted ring forward + backward {(f.seconds + b.seconds) * 1e3:.2f} ms (backward "
+              f"{b.seconds * 1e3:.2f} ms, its link {b.link_seconds * 1e3:.3f} ms, bandwidth-bound {b.bandwidth_bound})",
+              flush=True)
 
 
 def init_distributed():
@@ -267,6 +321,8 @@ def main():
     ap.add_argument("--plan", action="store_true", help="print the plan and predictions on the CPU, then stop")
     ap.add_argument("--world", type=int, default=2, help="devices assumed by --plan")
     ap.add_argument("--hw", choices=("H100", "H200"), default="H200", help="profile assumed by --plan")
+    ap.add_argument("--backward", type=int, nargs="*", default=[], help="N at which to time forward + backward")
+    ap.add_argument("--backward-only", action="store_true", help="check and time only the forward + backward rows")
     ap.add_argument("--out", default=str(Path(__file__).with_name("multi_gpu.json")))
     args = ap.parse_args()
     OPTS.update(causal=args.causal, order="zigzag" if args.zigzag else "contiguous")
@@ -293,6 +349,14 @@ def main():
         c = res["check"][-1]
         log(rank, f"  N={N_}: ring vs f64 {c['max_err_ring_vs_f64']:.1e}, 1 GPU vs f64 "
                   f"{c['max_err_single_vs_f64']:.1e}, blocks {c['blocks']} -> {'ok' if c['ok'] else 'FAILED'}")
+    if args.backward:
+        res["check_backward"] = check_backward(rank, world, 2, D, 128 * world)
+        save(rank, args.out, res)
+        c = res["check_backward"]
+        log(rank, f"  backward N={c['N']}: dQ, dK, dV vs f64 {', '.join(f'{e:.1e}' for e in c['max_rel_err_dQ_dK_dV'])} "
+                  f"({c['path']}) -> {'ok' if c['ok'] else 'FAILED'}")
+        res["check"].append({**c, "max_err_ring_vs_f64": max(c["max_rel_err_dQ_dK_dV"]),
+                             "max_err_single_vs_f64": 0.0, "max_err_ring_vs_single": 0.0})
     if not all(c["ok"] for c in res["check"]):
         log(rank, "FAILED correctness:", json.dumps(res["check"], indent=1))
         dist.destroy_process_group()
@@ -303,8 +367,19 @@ def main():
         return
 
     run = Runner(rank, world, H, D, args.reps)
+    res["backward"] = []
+    for N in args.backward:
+        t1, tr = run.single_fwd_bwd(N), run.ring_fwd_bwd(N)
+        f, b = predicted(world, H, D, N, hw), predicted_backward(world, H, D, N, hw)
+        res["backward"].append({"N": N, "one_gpu_ms": t1, "ring_ms": tr, "speedup": t1 / tr,
+                                "predicted_ring_ms": (f.seconds + b.seconds) * 1e3,
+                                "predicted_backward_link_ms": b.link_seconds * 1e3,
+                                "predicted_bandwidth_bound": b.bandwidth_bound})
+        log(rank, f"  forward + backward N={N}: 1 GPU {t1:.2f} ms, ring {tr:.2f} ms "
+                  f"(predicted {(f.seconds + b.seconds) * 1e3:.2f})")
+        save(rank, args.out, res)
     res["strong"] = []
-    for N in args.strong:
+    for N in ([] if args.backward_only else args.strong):
         t1, tr = run.single(N), run.ring(N)
         p = predicted(world, H, D, N, hw)
         link = run.link_only(N)
@@ -316,13 +391,13 @@ def main():
                   f"(predicted {p.link_seconds * 1e3:.3f})")
         save(rank, args.out, res)
     res["weak"] = []
-    for N in args.weak:
+    for N in ([] if args.backward_only else args.weak):
         N2 = int(round(N * math.sqrt(world) / (64 * world))) * 64 * world
         t1, tr = run.single(N), run.ring(N2)
         res["weak"].append({"N_one": N, "N_ring": N2, "one_gpu_ms": t1, "ring_ms": tr, "efficiency": t1 / tr})
         save(rank, args.out, res)
         log(rank, f"  weak N={N} -> {N2}: 1 GPU {t1:.2f} ms, ring {tr:.2f} ms")
-    if not args.no_longest:
+    if not args.no_longest and not args.backward_only:
         start = args.strong[-1]
         n1, why1 = longest(run.single, lambda n: run.fits(n, False), start, args.max_n, args.max_seconds)
         n2, why2 = longest(run.ring, lambda n: run.fits(n, True), start, args.max_n, args.max_seconds)
@@ -339,6 +414,9 @@ def main():
             print(f"{r['N']:>7} {r['one_gpu_ms']:>9.2f} {r['ring_ms']:>9.2f} {r['speedup']:>8.2f} "
                   f"{r['link_only_ms']:>8.3f} {r['predicted_link_ms']:>9.3f} {r['predicted_ring_ms']:>9.2f} "
                   f"{str(r['predicted_bandwidth_bound']):>8}")
+        for r in res["backward"]:
+            print(f"forward + backward N={r['N']}: 1 GPU {r['one_gpu_ms']:.2f} ms, ring {r['ring_ms']:.2f} ms "
+                  f"(speedup {r['speedup']:.2f}; predicted ring {r['predicted_ring_ms']:.2f} ms)")
         for r in res["weak"]:
             print(f"weak: 1 GPU N={r['N_one']} {r['one_gpu_ms']:.2f} ms, ring N={r['N_ring']} "
                   f"{r['ring_ms']:.2f} ms, efficiency {r['efficiency']:.2f}")

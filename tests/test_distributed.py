@@ -350,8 +350,10 @@ def test_bench_script_plans_on_the_cpu(capsys, monkeypatch):
     spec = importlib.util.spec_from_file_location("bench_multi_gpu", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    monkeypatch.setattr("sys.argv", ["bench", "--plan", "--world", "4", "--strong", "4096", "--causal", "--zigzag"])
+    monkeypatch.setattr("sys.argv", ["bench", "--plan", "--world", "4", "--strong", "4096", "--causal", "--zigzag",
+                                     "--backward", "4096"])
     bench.main()
     out = capsys.readouterr().out
+    assert "N=4096: predicted ring forward + backward" in out, out
     assert "order=zigzag" in out and "plan: ring" in out and "query rows per rank: [8, 8, 8, 8]" in out, out
     assert "kept tiles per device [520, 520, 520, 520], imbalance 1.00" in out, out

@@ -123,9 +123,16 @@ class DeviceTiming:
     imbalance: float = 1.0
 
 
-def device_time(cost, hw, sizes: dict, dtype: DType | None = None) -> DeviceTiming:
+def device_time(cost, hw, sizes: dict, dtype: DType | None = None, *, ops=None,
+                accumulators: bool = False) -> DeviceTiming:
     """Per-device timing of a split over the devices (see the module docstring): compute at
-    the roofline of one GPU (:meth:`Cost.time`'s rates), link bytes at ``hw.link_bandwidth``."""
+    the roofline of one GPU (:meth:`Cost.time`'s rates), link bytes at ``hw.link_bandwidth``.
+
+    ``ops``: the work a device does, split as the forward's (default ``cost.ops``; the backward
+    passes its own, :mod:`.backward_links`).  ``accumulators``: the ring's blocks travel with
+    the accumulators of their gradients (as many bytes again per step, overlapped with the
+    compute like the blocks), and after the last step each accumulator makes one more hop home."""
+    ops = cost.ops if ops is None else ops
     check_hw(hw, "devices")
     loops = device_loops(cost.form)
     if not loops:
@@ -137,11 +144,11 @@ def device_time(cost, hw, sizes: dict, dtype: DType | None = None) -> DeviceTimi
         raise CostError(f"devices: pass the number of devices, sizes={{..., {DEVICES!r}: 2}}")
     subs = cost._subs(sizes)
     p = int(subs[size_symbol(DEVICES)])
-    sym = [s for s in set().union(*(sp.sympify(o.total).free_symbols for o in cost.ops)) if s not in subs]
+    sym = [s for s in set().union(*(sp.sympify(o.total).free_symbols for o in ops)) if s not in subs]
     if sym:
         raise CostError(f"devices: sizes for {sorted(map(str, sym))} are needed (block sizes too)")
     work = {}
-    for o in cost.ops:
+    for o in ops:
         prec = max((dt for _, dt in o.precision), key=lambda t: t.bytes, default=f32)
         prec = dtype or prec
         work[o.unit] = work.get(o.unit, 0.0) + float(o.total.subs(subs)) / hw.rate(o.unit, prec)
@@ -160,6 +167,16 @@ def device_time(cost, hw, sizes: dict, dtype: DType | None = None) -> DeviceTimi
                            ZERO).subs(subs)) / p
     messages = (p - 1) if link_bytes else 0
     link_step = link_bytes / messages / hw.link_bandwidth + hw.link_latency if messages else 0.0
+    if accumulators:
+        if steps == 1:
+            raise CostError(f"devices: {cost.diagram.short()} is not a ring (tile and stream over the devices); "
+                            f"the backward's timing covers the ring, whose gradient accumulators travel")
+        hop = link_step                       # an accumulator: the gradients of the block, its size
+        link_bytes += link_bytes / messages * p
+        step = link_step + hop                # the next block and the held block's accumulator
+        seconds = compute_step + (steps - 1) * max(compute_step, step) + hop
+        return DeviceTiming(p, compute_step, step, steps, seconds, messages * link_step + p * hop, link_bytes,
+                            step > compute_step, hw.name, tiles, dense, imbalance)
     if steps > 1:
         seconds = compute_step + (steps - 1) * max(compute_step, link_step)
     else:
