@@ -1,6 +1,7 @@
 """Forward + backward attention through ``nc.torch_op``, checked and timed against its peers.
 
     NUMBA_ENABLE_CUDASIM=0 python kernels/bench_fwd_bwd.py --cases "f16,4096,64,0;f16,4096,64,1" --out DIR
+        [--backward auto|one|two|both]
 
 Each case ``dtype,N,d,causal`` (dtype f16, bf16 or f32; B*H heads merged into one axis ``h``,
 ``--bh``, default 32 for N <= 4096 and 16 above, the forward table's sizes) runs
@@ -8,11 +9,15 @@ Each case ``dtype,N,d,causal`` (dtype f16, bf16 or f32; B*H heads merged into on
     op = nc.torch_op(attention(heads=h, causal=...).stream(x, "s_x").tile(q, "g_q").tile(h, 1))
     O = op(Q, K, V); dQ, dK, dV = torch.autograd.grad(O, (Q, K, V), dO)
 
-on CUDA tensors: the generated forward with its logsumexp, then the two generated
-FlashAttention-2 backward kernels (``op.last_backward_path == "gpu-fa2"``), block sizes chosen
-by ``nc.lower``.  Before timing, O, dQ, dK and dV are checked against torch autograd in float64
-on the same (rounded) inputs, all heads, a few heads at a time (``err``: max abs error / max
-|ref| over the four).  Peers in the same run, same inputs and dtype: SDPA (default backend),
+on CUDA tensors: the generated forward with its logsumexp, then the generated backward in the
+form ``--backward`` names (``nc.torch_op(..., backward=...)``): ``auto`` (default) the one the cost
+model predicts faster, ``one`` the one kernel adding dQ across key tiles with fp32 atomics
+(``op.last_backward_path == "gpu-fa2-atomic"``), ``two`` FlashAttention-2's two kernels
+(``"gpu-fa2"``); ``both`` runs ``auto`` and also times forward + backward with each form forced
+(``ours_one_ms``, ``ours_two_ms``) beside the cost model's two backward predictions
+(``predicted_one_ms``, ``predicted_two_ms``). Block sizes chosen by ``nc.lower``.  Before timing,
+O, dQ, dK and dV are checked against torch autograd in float64 on the same (rounded) inputs, all
+heads, a few heads at a time (``err``: max abs error / max |ref| over the four).  Peers in the same run, same inputs and dtype: SDPA (default backend),
 FlexAttention (``torch.compile(flex_attention)``, dynamo's cache limits raised, causal through
 ``create_block_mask``) and naive torch (``softmax(Q K^T / sqrt(d)) V``, autograd).  Times are
 CUDA-event medians of the whole forward + backward (and of the forward alone); extra memory is
@@ -42,6 +47,7 @@ import napkin_cat as nc  # noqa: E402
 from bench import compiled_flex, cuda_time, environment  # noqa: E402
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+FORMS = {"auto": None, "one": "one kernel", "two": "two kernels", "both": None}
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
@@ -129,18 +135,23 @@ def peak_extra(fn) -> float:
     return (peak - base) / 2 ** 20
 
 
-def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool) -> dict:
+def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: str = "auto") -> dict:
     t0 = time.perf_counter()
     g = torch.Generator(device="cuda").manual_seed(0)
     Q, K, V, dO = (torch.randn(BH, N, D, device="cuda", generator=g).to(DTYPES[dt]) for _ in range(4))
     Q, K, V = (t.requires_grad_() for t in (Q, K, V))
-    op = nc.torch_op(flash(causal), verify=False)
+    op = nc.torch_op(flash(causal), verify=False, backward=FORMS[backward])
     O = op(Q, K, V)
     grads = torch.autograd.grad(O, (Q, K, V), dO)
     torch.cuda.synchronize()
+    choice = op.backward_choice
     res = {"dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH, "path": op.last_path,
            "backward_path": op.last_backward_path, "notes": list(getattr(op, "notes", [])),
+           "backward_form": choice and choice.form, "backward_why": choice and choice.why,
            "compile_s": time.perf_counter() - t0}
+    for key, form in (("one", "one kernel"), ("two", "two kernels")):
+        if choice is not None and choice.seconds(form) is not None:
+            res[f"predicted_{key}_ms"] = choice.seconds(form) * 1e3
     if check:
         want = reference(Q.detach(), K.detach(), V.detach(), dO, causal)
         res["errs"] = {n: rel(a, b) for n, a, b in zip(("O", "dQ", "dK", "dV"), (O,) + grads, want)}
@@ -150,6 +161,11 @@ def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool) -> dict:
     res["ours_fwd_ms"] = cuda_time(lambda: op(Q, K, V))
     res["ours_ms"] = cuda_time(lambda: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
     res["ours_extra_mib"] = peak_extra(lambda: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
+    if backward == "both":   # each form forced, timed the same way
+        for key, form in (("one", "one kernel"), ("two", "two kernels")):
+            forced = nc.torch_op(flash(causal), verify=False, backward=form)
+            res[f"ours_{key}_ms"] = cuda_time(lambda: torch.autograd.grad(forced(Q, K, V), (Q, K, V), dO))
+            res[f"backward_path_{key}"] = forced.last_backward_path
     res.update(peers(Q, K, V, dO, causal))
     flops = 4 * BH * N * N * D * (0.5 if causal else 1) * 3.5   # forward 2 matmuls, backward 5
     res["ours_tflops"] = flops / res["ours_ms"] / 1e9
@@ -161,6 +177,8 @@ def main(argv=None):
     ap.add_argument("--cases", default="f16,4096,64,0;f16,4096,64,1")
     ap.add_argument("--bh", type=int, default=0, help="B*H (0: 32 for N <= 4096, else 16)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--backward", choices=sorted(FORMS), default="auto",
+                    help="the backward's form: auto (the cost model's), one, two, or both timed")
     ap.add_argument("--out", default=str(ROOT / "kernels"))
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -172,7 +190,7 @@ def main(argv=None):
         N, D, causal = int(N), int(D), c.strip() in ("1", "yes", "true", "causal")
         BH = args.bh or (32 if N <= 4096 else 16)
         try:
-            r = case(dt, N, D, causal, BH, not args.no_check)
+            r = case(dt, N, D, causal, BH, not args.no_check, args.backward)
         except Exception as e:  # noqa: BLE001 - recorded with the case, the run goes on
             r = {"dtype": dt, "N": N, "d": D, "causal": causal, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         results["cases"].append(r)
@@ -192,6 +210,15 @@ def main(argv=None):
         print(f"| {r['dtype']} | {r['N']} | {r['d']} | {r['causal']} | {r['path']}/{r['backward_path']} "
               f"| {r.get('err', float('nan')):.1e} | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | {f(r, 'sdpa_ms')} "
               f"| {f(r, 'flex_ms')} | {f(r, 'naive_ms')} | {ratio('flex_ms')} | {ratio('sdpa_ms')} | {mem} |")
+    both = [r for r in results["cases"] if "ours_one_ms" in r]
+    if both:   # --backward both: the cost model's pick against the measured faster form
+        print("\n| dtype | N | d | causal | predicted backward ms one / two | measured fwd+bwd ms one / two "
+              "| predicted faster | measured faster |")
+        for r in both:
+            pred = " / ".join(f(r, f"predicted_{k}_ms") for k in ("one", "two"))
+            fast = "one kernel" if r["ours_one_ms"] < r["ours_two_ms"] else "two kernels"
+            print(f"| {r['dtype']} | {r['N']} | {r['d']} | {r['causal']} | {pred} | {r['ours_one_ms']:.3f} / "
+                  f"{r['ours_two_ms']:.3f} | {r['backward_form']} | {fast} |")
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ def test_torch_op_gives_aux_tensors_their_grad_on_cpu():
 @pytest.mark.slow   # the simulator runs the two lowered FlashAttention-2 parts (about 10 s)
 def test_torch_op_on_the_simulator_runs_the_aux_part_through_torch_semantics():
     dia = _attention("head_scale", n=8)
-    op = nc.torch_op(dia.stream("x", 4).tile("q", 4), simulate=True)
+    op = nc.torch_op(dia.stream("x", 4).tile("q", 4), simulate=True, backward="two kernels")
     ins = _inputs(dia, np.random.default_rng(8))
     ts = [torch.tensor(v, dtype=torch.float32, requires_grad=True) for v in ins]
     op(*ts).sum().backward()

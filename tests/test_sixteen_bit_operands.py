@@ -33,7 +33,7 @@ def _parts(dtype, sizes, causal=False, heads=False):
     fl = fl.stream(x, "s_x").tile(q, "g_q")
     if heads:
         fl = fl.tile(h, 1)
-    op = torch_op(fl, verify=False)
+    op = torch_op(fl, verify=False, backward="two kernels")
     return op.backward_plan((0, 1, 2), tuple(sorted(sizes.items())), dtype).parts
 
 

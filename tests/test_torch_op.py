@@ -122,7 +122,7 @@ def test_torch_op_backward_only_for_inputs_that_need_it():
     V.requires_grad_(False)
     op(Q, K, V).sum().backward()
     assert Q.grad is None and V.grad is None and K.grad is not None
-    assert ("plan", (1,)) in op._cache
+    assert any(k[:2] == ("plan", (1,)) for k in op._cache)
 
 
 def test_backward_plan_recomputing_saves_the_inputs():
@@ -255,7 +255,7 @@ needs_sim = pytest.mark.skipif(not simulator_active(), reason="numba.cuda is not
 @pytest.mark.slow   # 9 s: a forward and two verified backward kernels in the simulator
 @needs_sim
 def test_torch_op_simulator_path_attention():
-    op = torch_op(flash(causal=True), simulate=True)
+    op = torch_op(flash(causal=True), simulate=True, backward="two kernels")
     check_against_reference(op, inputs(op.diagram, SIZES, torch.float32), 1e-4)
     assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2"), op.notes
     assert op.last_saves == ("Q", "K", "V", "O", "L") and op.notes == []
@@ -270,7 +270,7 @@ def test_torch_op_simulator_path_attention():
 @pytest.mark.parametrize("name", ["plain", "heads"])
 def test_torch_op_simulator_residual_plan(name):
     user = nc.library.attention(q=q, x=x, d=d, **VARIANTS[name]).stream(x, "s_x").tile(q, "g_q")
-    op = torch_op(user, simulate=True)
+    op = torch_op(user, simulate=True, backward="two kernels")
     check_against_reference(op, inputs(user, RSIZES, torch.float32), 1e-4)
     assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2"), op.notes
 
@@ -320,7 +320,7 @@ def test_torch_op_gpu_path(causal):
     tensors = [t.detach().cuda().requires_grad_() for t in inputs(op.diagram, sizes, torch.float32)]
     check_against_reference(op, tensors, 1e-4)
     assert op.last_path == "gpu"
-    assert op.last_backward_path == "gpu-fa2" or any("not lowered" in n for n in op.notes), op.notes
+    assert op.last_backward_path.startswith("gpu-fa2") or any("not lowered" in n for n in op.notes), op.notes
 
 
 @needs_gpu
@@ -331,7 +331,7 @@ def test_torch_op_gpu_backward_refused_is_noted_and_float64_runs_the_executor():
     op(*tensors).sum().backward()
     assert op.last_path == "gpu" and op.last_saves == ("Q", "K", "V", "O", "L")
     # FlashAttention-2's parts lower where nc.grad's backward did not (shared memory); a refusal is noted
-    assert op.last_backward_path == "gpu-fa2" or any("not lowered" in n for n in op.notes), op.notes
+    assert op.last_backward_path.startswith("gpu-fa2") or any("not lowered" in n for n in op.notes), op.notes
     assert all(t.grad.is_cuda for t in tensors)
     ref = torch_op(flash())
     check_against_reference(ref, [t.detach().cuda().requires_grad_() for t in inputs(ref.diagram, SIZES)], 1e-10)

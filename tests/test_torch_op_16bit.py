@@ -95,7 +95,7 @@ def test_torch_op_16bit_plan_keeps_the_logsumexp_in_fp32_and_leaves_the_diagram_
 @needs_sim
 def test_torch_op_fp16_simulator_on_cuda_cores_matches_fp64_autograd():
     """d = 2 fits no fragment: CUDA-core kernels with fp16 inputs and outputs, ragged tiles."""
-    op = torch_op(flash(), simulate=True, verify=False)
+    op = torch_op(flash(), simulate=True, verify=False, backward="two kernels")
     check_16bit(op, inputs(op.diagram, {"q": 3, "x": 5, "d": 2}, torch.float16))
     assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2"), op.notes
 
@@ -105,7 +105,7 @@ def test_torch_op_fp16_simulator_on_cuda_cores_matches_fp64_autograd():
 @HALVES
 def test_torch_op_16bit_simulator_on_tensor_cores_matches_fp64_autograd(dtype):
     """Tiles of 16 and d = 16: the forward on mma fragments (the backward parts where they fit)."""
-    op = torch_op(flash(chunk=16, tile=16), threads=32, simulate=True, verify=False)
+    op = torch_op(flash(chunk=16, tile=16), threads=32, simulate=True, verify=False, backward="two kernels")
     check_16bit(op, inputs(op.diagram, {"q": 16, "x": 16, "d": 16}, dtype))
     assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2"), op.notes
     fwd = op._cache[("kernel", f"residuals {dtype}", (("d", 16), ("q", 16), ("x", 16)), "cpu")]

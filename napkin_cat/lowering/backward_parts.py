@@ -6,7 +6,9 @@ streaming the keys.  The *auxiliary tensors* of an attention variant (a learned 
 table, a per-head scale: :mod:`napkin_cat.ops.aux_grad`) form a third part: their gradient is a
 scatter-add over every score (``scatter_aux``), which no tiling keeps independent and no kernel
 computes, so that part stays unrelabelled and runs through its torch semantics on the tensors'
-device (:func:`run_torch_part`) while the other parts run as kernels.
+device (:func:`run_torch_part`) while the other parts run as kernels.  The one-kernel form
+(``form="one kernel"``) puts the gradients of Q, K and V in one part on key tiles, dQ added
+across them (``tile(x, g_x, partial="sum")``); :mod:`.backward_forms` chooses between the two.
 
 >>> import napkin_cat as nc
 >>> from napkin_cat.ops.residuals import with_logsumexp
@@ -18,6 +20,9 @@ device (:func:`run_torch_part`) while the other parts run as kernels.
 >>> parts, notes = fa2_parts(with_logsumexp(att), (0, 1, 2, 3), ["O"])
 >>> [[a.name for a in p.cod] for p in parts], [has_scatter(p) for p in parts]
 ([['dK', 'dV'], ['dQ'], ['drb']], [False, False, True])
+>>> parts, _ = fa2_parts(with_logsumexp(att), (0, 1, 2, 3), ["O"], form="one kernel")
+>>> [([a.name for a in p.cod], p._sched_str()) for p in parts]
+[(['dQ', 'dK', 'dV'], 'tile(x, g_x, partial=sum), stream(q, s_q)'), (['drb'], '')]
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from ..core.hierarchy import DEVICES
 from ..core.types import Ty
 from ..ops.residuals import grad_with_residuals, saved_softmaxes
 
-__all__ = ["fa2_parts", "relabel_like", "read_only", "aux_inputs", "has_scatter", "run_torch_part"]
+__all__ = ["fa2_parts", "fa2_axes", "relabel_like", "read_only", "aux_inputs", "has_scatter", "run_torch_part"]
 
 _INDEX_KINDS = ("mask", "index_bias", "index_map")
 
@@ -47,39 +52,59 @@ def has_scatter(d: Diagram) -> bool:
     return any(e.box.kind == "scatter_aux" for e in d.eqns)
 
 
-def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=()) -> tuple[tuple[Diagram, ...], tuple[str, ...]]:
-    """The backward of ``aug`` split as FlashAttention-2 does: the inputs with the normalised
-    axis ``x`` (K, V) on key tiles streaming the queries, the others (Q) on query tiles streaming
-    the keys, the auxiliary tensors unrelabelled; the forward's tilings of other axes
-    (``schedule``: heads, batch) kept where a part has the axis.
-    One softmax-contraction, and one row axis the other operand lacks (``q``), or no split
-    (``()``, the reason in the notes)."""
+def fa2_axes(aug: Diagram) -> tuple[str, str] | str:
+    """``(x, q)``: the normalised (key) axis of ``aug``'s one softmax-contraction and its one
+    query axis (a row axis of the scores the values lack); else the reason there are not."""
     saved = saved_softmaxes(aug)
     if len(saved) != 1:
-        return (), (f"the backward of {aug.short()} is not split FlashAttention-2's way: it has "
-                    f"{len(saved)} softmax-contractions (the split takes one)",)
+        return (f"the backward of {aug.short()} is not split FlashAttention-2's way: it has "
+                f"{len(saved)} softmax-contractions (the split takes one)")
     (sv,) = saved
     types = aug.var_types()
-    x = sv.axis
-    rows = [n for n in types[sv.s].axis_names if n != x and not types[sv.v].has(n)]
+    rows = [n for n in types[sv.s].axis_names if n != sv.axis and not types[sv.v].has(n)]
     if len(rows) != 1:
-        return (), (f"the backward of {aug.short()} is not split: the scores' row axes {rows} are not "
-                    f"one query axis",)
-    qn = rows[0]
+        return f"the backward of {aug.short()} is not split: the scores' row axes {rows} are not one query axis"
+    return sv.axis, rows[0]
+
+
+def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=(),
+              form: str = "two kernels") -> tuple[tuple[Diagram, ...], tuple[str, ...]]:
+    """The backward of ``aug`` split as FlashAttention-2 does (``form="two kernels"``): the
+    inputs with the normalised axis ``x`` (K, V) on key tiles streaming the queries, the others
+    (Q) on query tiles streaming the keys, the auxiliary tensors unrelabelled; the forward's
+    tilings of other axes (``schedule``: heads, batch) kept where a part has the axis.
+    One softmax-contraction, and one row axis the other operand lacks (``q``), or no split
+    (``()``, the reason in the notes).  ``form="one kernel"``: the gradients of Q, K and V in one
+    part on key tiles streaming the queries, ``tile(x, g_x, partial="sum")`` when a gradient
+    sums over ``x`` (dQ: added across the key tiles, :mod:`napkin_cat.relabel.split`); where
+    that form cannot be had the :class:`~napkin_cat.core.errors.RelabelError` says why."""
+    axes_ = fa2_axes(aug)
+    if isinstance(axes_, str):
+        if form == "one kernel":
+            raise RelabelError(axes_)
+        return (), (axes_,)
+    x, qn = axes_
     aux = [i for i in wrt if i in aux_inputs(aug)]
-    groups = ([i for i in wrt if aug.dom[i].has(x) and i not in aux], x, "g_" + x, qn, "s_" + qn), \
-             ([i for i in wrt if not aug.dom[i].has(x) and i not in aux], qn, "g_" + qn, x, "s_" + x)
+    if form == "one kernel":
+        idx = [i for i in wrt if i not in aux]
+        groups = [(idx, x, "g_" + x, qn, "s_" + qn, any(not aug.dom[i].has(x) for i in idx))]
+    else:
+        groups = [([i for i in wrt if aug.dom[i].has(x) and i not in aux], x, "g_" + x, qn, "s_" + qn, False),
+                  ([i for i in wrt if not aug.dom[i].has(x) and i not in aux], qn, "g_" + qn, x, "s_" + x, False)]
     parts, notes = [], []
     others = [r for r in schedule if r.op == "tile" and r.axis not in (x, qn)]
-    for idx, tiled, g, streamed, s_ in groups:
+    for idx, tiled, g, streamed, s_, added in groups:
         if not idx:
             continue
         part = read_only(grad_with_residuals(aug, idx, cotangents=cts), keep=cts)
         try:
             names = {a.name for a in part.axes}
-            parts.append(relabel_like(part.tile(tiled, g).stream(streamed, s_),
+            parts.append(relabel_like(part.tile(tiled, g, partial="sum" if added else None).stream(streamed, s_),
                                       [r for r in others if r.axis in names]))
         except NapkinError as e:
+            if form == "one kernel":
+                raise RelabelError(f"the backward -> {', '.join(a.name for a in part.cod)} is not relabelled "
+                                   f"tile({tiled}, {g}, partial=sum).stream({streamed}, {s_}): {e}") from None
             notes.append(f"backward part -> {', '.join(a.name for a in part.cod)} not relabelled "
                          f"tile({tiled}).stream({streamed}), so it runs unrelabelled: {e}")
             parts.append(part)

@@ -33,12 +33,22 @@ gradient) it returns the backward diagram and what the forward must save for it.
   a contraction over its axis (attention): the forward runs the diagram with each row logsumexp
   ``L`` as an extra output (``d``'s relabelings re-applied to it), saves the inputs, ``O`` and
   ``L`` (``op.last_saves``), and the backward is FlashAttention-2's
-  (:func:`~napkin_cat.ops.residuals.grad_with_residuals`), split into ``(dK, dV)`` relabelled
-  ``tile(x, g_x).stream(q, s_q)`` and ``dQ`` relabelled ``tile(q, g_q).stream(x, s_x)``.  On the
+  (:func:`~napkin_cat.ops.residuals.grad_with_residuals`) in one of two forms
+  (:mod:`.backward_forms`), the ``backward=`` option: ``"two kernels"``, ``(dK, dV)`` relabelled
+  ``tile(x, g_x).stream(q, s_q)`` and ``dQ`` relabelled ``tile(q, g_q).stream(x, s_x)``; or
+  ``"one kernel"``, all of them relabelled ``tile(x, g_x, partial="sum").stream(q, s_q)``, each key
+  tile adding its partial ``dQ`` into a zero-filled fp32 output with atomics (with 16-bit inputs
+  that fp32 ``dQ`` is converted to their dtype after the kernel).  ``None`` (default): the form
+  whose parts the cost model predicts faster at the call's sizes and dtype, on the hardware
+  profile of the tensors' device (the H100's on the CPU and under the simulator);
+  ``op.backward_choice`` holds both predicted times, and a one-kernel form that cannot be had is
+  said in ``op.notes``.  A form asked for by name that cannot be had raises a
+  :class:`~napkin_cat.core.errors.LoweringError` (never the other form in its place).  On the
   ``"gpu"`` and ``"simulator"`` paths each part is lowered (:func:`napkin_cat.lower` picks the
-  block sizes) and ``op.last_backward_path`` is ``"gpu-fa2"`` / ``"simulator-fa2"``; otherwise,
-  or when a part refuses to lower (the refusal in ``op.notes``), the NumPy executor runs it in
-  float64: ``"executor-fa2"``.  A forward with ``L`` that does not lower is replaced by the
+  block sizes) and ``op.last_backward_path`` is ``"gpu-fa2"`` / ``"simulator-fa2"``, with
+  ``"-atomic"`` when ``dQ`` was added across key tiles; otherwise, or when a part refuses to
+  lower (the refusal in ``op.notes``), the NumPy executor runs the whole backward (or that
+  part) in float64: ``"executor-fa2"``.  A forward with ``L`` that does not lower is replaced by the
   kernel of ``d`` for its outputs and the executor for ``L`` (said in ``op.notes``).
   The auxiliary tensors of an attention variant (a learned bias table, a per-head scale) form a
   third part (:mod:`.backward_parts`): their gradient is a scatter-add that no kernel computes, so
@@ -68,142 +78,48 @@ once, as the kernels round what they store.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 import torch
 
 from ..core.diagram import Diagram
-from ..core.errors import LoweringError, NapkinError, ShapeError, TypingError
+from ..core.errors import LoweringError, ShapeError, TypingError
 from ..core.types import DTYPES, Ty
-from ..ops.boxes import retype
-from ..ops.grad import grad
-from ..ops.residuals import grad_with_residuals, saved_softmaxes, with_logsumexp
-from .backward_parts import fa2_parts, has_scatter, read_only, relabel_like, run_torch_part
+from ..ops.residuals import with_logsumexp
+from ..relabel.split import split_axes
+from .backward_forms import (FORMS, BackwardChoice, BackwardPlan, at_dtype, backward_plan, check_form,
+                             choose_form, hardware_for)
+from .backward_parts import has_scatter, relabel_like, run_torch_part
 from .distributed import DistributedOp, device_plan
 
-__all__ = ["torch_op", "TorchOp", "BackwardPlan", "backward_plan", "relabel_like"]
+__all__ = ["torch_op", "TorchOp", "BackwardPlan", "backward_plan", "relabel_like", "FORMS"]
 
 KERNEL_DTYPE = torch.float32       # what the generated kernels compute in
 REFERENCE_DTYPE = torch.float64    # the executor's reference path (gradcheck)
 HALF_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}   # kernels with 16-bit inputs and outputs
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}
 PATHS = ("gpu", "simulator", "executor")
-BACKWARD_PATHS = (*PATHS, "gpu-fa2", "simulator-fa2", "executor-fa2")
-
-
-# --------------------------------------------------------------------------- the backward seam
-
-@dataclass(frozen=True)
-class BackwardPlan:
-    """What the backward pass runs and what the forward keeps for it.
-
-    ``diagram``: ``(saved arrays in the order of saves, one cotangent per output of d) ->
-    (one cotangent per input in wrt)``, unrelabelled (the executor's reference).  ``saves``:
-    names of the forward's arrays saved for it.  ``wrt``: indices of the inputs of ``d`` that
-    get a cotangent.  The residual plan adds ``forward``: the diagram the forward runs instead
-    of ``d`` (``d``'s outputs first, then the logsumexps; relabelled like ``d``), and ``parts``:
-    the backward split FlashAttention-2's way, each part relabelled and reading its inputs by
-    name from ``diagram.dom``.  ``notes``: why the residual plan was not taken, or was cut."""
-
-    diagram: Diagram
-    saves: tuple[str, ...]
-    wrt: tuple[int, ...]
-    forward: Diagram | None = None
-    parts: tuple[Diagram, ...] = ()
-    notes: tuple[str, ...] = ()
-
-    @property
-    def residual(self) -> bool:
-        return self.forward is not None
-
-    def bind(self, sizes: dict) -> "BackwardPlan":
-        def b(dg):
-            names = {a.name for a in dg.axes}
-            got = {k: n for k, n in sizes.items() if k in names}
-            return dg.bind(got) if got else dg
-        return BackwardPlan(b(self.diagram), self.saves, self.wrt,
-                            None if self.forward is None else b(self.forward),
-                            tuple(b(p) for p in self.parts), self.notes)
-
-    def at(self, dtype) -> "BackwardPlan":
-        """The plan for inputs of ``dtype`` (a napkin_cat DType): every wire of every diagram
-        in ``dtype`` (:func:`~napkin_cat.ops.boxes.retype`, the relabelings re-applied), except
-        the logsumexps, which stay fp32 (as FlashAttention keeps them: ``P = exp(S - L)`` needs
-        ``L`` to the scores' precision, and one fp32 per row is O(N) memory)."""
-        fixed = {}
-        if self.forward is not None:
-            fw = self.forward.unrelabelled()
-            fixed = {fw.var_types()[sv.l].name: DTYPES["f32"] for sv in saved_softmaxes(fw)}
-        return BackwardPlan(at_dtype(self.diagram, dtype, fixed), self.saves, self.wrt,
-                            None if self.forward is None else at_dtype(self.forward, dtype, fixed),
-                            tuple(at_dtype(p, dtype, fixed) for p in self.parts), self.notes)
-
-
-def backward_plan(d: Diagram, wrt: tuple[int, ...] | None = None) -> BackwardPlan:
-    """The backward diagram of ``d`` and what the forward must save.
-
-    When :func:`~napkin_cat.ops.residuals.with_logsumexp` finds a softmax-contraction in ``d``
-    (attention), the residual plan: the forward also computes each row logsumexp ``L`` (``d``'s
-    relabelings re-applied to the augmented diagram), saves the inputs, ``O`` and ``L`` (what the
-    backward reads), and the backward is :func:`~napkin_cat.ops.residuals.grad_with_residuals`,
-    split into ``(dK, dV)`` relabelled ``tile(x, g_x).stream(q, s_q)`` and ``dQ`` relabelled
-    ``tile(q, g_q).stream(x, s_x)``.  Otherwise ``nc.grad(d, wrt)``, which recomputes what it
-    needs from the inputs, so the inputs are all that is saved.
-
-    >>> import napkin_cat as nc
-    >>> plan = backward_plan(nc.library.matmul(*nc.axes("a b c")), wrt=(1,))
-    >>> plan.saves, plan.wrt, [a.name for a in plan.diagram.cod], plan.residual
-    (('A', 'B'), (1,), ['dB'], False)
-    >>> plan = backward_plan(nc.library.attention().stream("x", "s_x").tile("q", "g_q"))
-    >>> plan.saves, str(plan.forward)
-    (('Q', 'K', 'V', 'O', 'L'), 'Q[q d] f32, K[x d] f32, V[x d] f32 -> O[q d] f32, L[q] f32  | stream(x, s_x), tile(q, g_q)')
-    >>> for part in plan.parts:
-    ...     print([a.name for a in part.dom], [a.name for a in part.cod], part._sched_str())
-    ['Q', 'K', 'V', 'O', 'L', 'dO'] ['dK', 'dV'] tile(x, g_x), stream(q, s_q)
-    ['Q', 'K', 'V', 'O', 'L', 'dO'] ['dQ'] tile(q, g_q), stream(x, s_x)
-    """
-    wrt = tuple(i for i, a in enumerate(d.dom) if a.dtype.kind == "float") if wrt is None else tuple(wrt)
-    recompute = BackwardPlan(grad(d, wrt), tuple(a.name for a in d.dom), wrt)
-    aug = with_logsumexp(d)
-    if aug is None or not wrt:
-        return recompute
-    try:
-        forward = relabel_like(aug, d.schedule)
-    except NapkinError as e:
-        return replace(recompute, notes=(f"the forward with its logsumexp could not be relabelled like "
-                                         f"{d.short()} ({d._sched_str()}), so the backward recomputes "
-                                         f"from the inputs: {e}",))
-    cts = [a.name for a in d.cod]
-    whole = grad_with_residuals(aug, wrt, cotangents=cts)
-    whole = read_only(whole, keep=cts)
-    saves = tuple(a.name for a in whole.dom)[: len(whole.dom) - len(cts)]
-    parts, notes = fa2_parts(aug, wrt, cts, d.schedule)
-    return BackwardPlan(whole, saves, wrt, forward, parts, notes)
-
-
-def at_dtype(d: Diagram, dtype, fixed: dict | None = None) -> Diagram:
-    """``d`` with its float wires in ``dtype`` (those named in ``fixed`` in theirs), relabelled
-    like ``d``; ``d`` itself when its wires already have those dtypes."""
-    typed = retype(d, dtype, fixed)
-    if (typed.dom, typed.cod, typed.eqns) == (d.dom, d.cod, d.eqns):
-        return d
-    return relabel_like(typed, d.schedule)
+BACKWARD_PATHS = (*PATHS, "gpu-fa2", "simulator-fa2", "executor-fa2", "gpu-fa2-atomic", "simulator-fa2-atomic")
 
 
 # --------------------------------------------------------------------------- the op
 
 def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = None,
-             simulate: bool | None = None, verify: bool | int = True) -> "TorchOp":
+             simulate: bool | None = None, verify: bool | int = True, backward: str | None = None) -> "TorchOp":
     """``d`` as a differentiable torch callable ``op(*tensors)`` (see the module docstring).
 
     ``tiles``, ``threads``, ``verify``: passed to :func:`napkin_cat.lower` (and ``tiles`` to the
     executor's schedule); a ``tiles`` entry applies to the diagrams that have its block symbol or
     axis, the backward parts' symbols included.  ``simulate``: for float32 CPU tensors, ``None`` runs the generated
     kernel under numba's simulator when it is active and the executor otherwise; ``True``
-    requires the simulator; ``False`` always takes the executor."""
+    requires the simulator; ``False`` always takes the executor.  ``backward``: the form of an
+    attention's backward (:mod:`.backward_forms`): ``None`` chooses by the cost model's prediction
+    at each call's sizes, ``"one kernel"`` (dQ added across key tiles with fp32 atomics) or
+    ``"two kernels"`` (FlashAttention-2's); a form asked for that cannot be had raises."""
     if not isinstance(d, Diagram):
         raise TypingError(f"torch_op needs a Diagram, got {type(d).__name__}")
+    check_form(backward, "torch_op")
     if simulate not in (None, True, False):
         raise TypingError(f"torch_op: simulate must be None, True or False, got {simulate!r}")
     if tiles is not None and not isinstance(tiles, dict):
@@ -219,21 +135,30 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
                           f"takes float inputs only (every input is differentiable)")
     if not len(d.cod):
         raise TypingError(f"torch_op({d.short()}): the diagram has no output")
+    if backward is not None and with_logsumexp(d) is None:
+        raise TypingError(f"torch_op({d.short()}): backward={backward!r} chooses the form of an attention's "
+                          f"backward, and this diagram has no softmax-contraction (its backward is nc.grad's)")
     if device_plan(d) is not None:   # split over the devices: one process per GPU (distributed.py)
-        return DistributedOp(d, dict(tiles or {}), threads, verify, backward_op=TorchOp)
-    return TorchOp(d, dict(tiles or {}), threads, simulate, verify)
+        # each block pair's backward is a single-device op in the form asked for
+        block_op = TorchOp if backward is None else partial(TorchOp, backward=backward)
+        return DistributedOp(d, dict(tiles or {}), threads, verify, backward_op=block_op)
+    return TorchOp(d, dict(tiles or {}), threads, simulate, verify, backward)
 
 
 class TorchOp:
     """A diagram as a torch operation: ``op(*tensors)`` returns one tensor (or a tuple, one per
     output) that autograd differentiates.  ``last_path`` / ``last_backward_path``: the path the
     last forward / backward took (:data:`PATHS`, :data:`BACKWARD_PATHS`); ``last_saves``: the
-    names of the arrays the last forward saved for the backward; ``notes``: why a path was not the fast one
+    names of the arrays the last forward saved for the backward; ``backward_choice``: the
+    :class:`~.backward_forms.BackwardChoice` of the last plan (its form, both predicted times;
+    None for a plan with no FlashAttention-2 parts); ``notes``: why a path was not the fast one
     (a refused lowering, a copy to the host), each said once."""
 
-    def __init__(self, d: Diagram, tiles: dict, threads, simulate, verify):
+    def __init__(self, d: Diagram, tiles: dict, threads, simulate, verify, backward: str | None = None):
         self.diagram = d
         self.tiles, self.threads, self.simulate, self.verify = tiles, threads, simulate, verify
+        self.backward_form = backward   # the option: None (the cost model chooses) or one of FORMS
+        self.backward_choice: BackwardChoice | None = None
         self.last_path: str | None = None
         self.last_backward_path: str | None = None
         self.last_saves: tuple[str, ...] = ()
@@ -332,18 +257,51 @@ class TorchOp:
             return self.diagram
         return self._cached(("typed", dtype), lambda: at_dtype(self.diagram, DTYPES[_io_name(dtype)]))
 
-    def backward_plan(self, wrt: tuple[int, ...], sizes: tuple = (), dtype: torch.dtype | None = None) -> BackwardPlan:
-        """:func:`backward_plan` of this op's diagram, bound at ``sizes``, its diagrams at the
-        inputs' ``dtype`` for a kernel dtype (:meth:`BackwardPlan.at`; None or float64: as
-        derived) (cached)."""
+    def backward_plan(self, wrt: tuple[int, ...], sizes: tuple = (), dtype: torch.dtype | None = None,
+                      device: torch.device | None = None) -> BackwardPlan:
+        """:func:`backward_plan` of this op's diagram in the form of the ``backward`` option (None:
+        the one :func:`~.backward_forms.choose_form` predicts faster on the profile of ``device``,
+        :func:`~.backward_forms.hardware_for`; float64 keeps two kernels, the executor runs it),
+        bound at ``sizes``, its diagrams at the inputs' ``dtype`` for a kernel dtype
+        (:meth:`BackwardPlan.at`; None or float64: as derived) (cached; sets ``backward_choice``)."""
+        hw = hardware_for(device)
+        plan, choice = self._cached(("chosen", wrt, sizes, dtype, hw.name),
+                                    lambda: self._chosen(wrt, sizes, dtype, hw))
+        self.backward_choice = choice
+        return plan
+
+    def _form_plan(self, wrt, sizes, dtype, form: str) -> BackwardPlan:
         def make():
-            plan = self._cached(("plan", wrt), lambda: backward_plan(self.diagram, wrt))
+            plan = self._cached(("plan", wrt, form), lambda: backward_plan(self.diagram, wrt, form))
             for n in plan.notes:
                 self._note(n)
             if dtype is not None and dtype != REFERENCE_DTYPE:
-                plan = self._cached(("plan", wrt, dtype), lambda: plan.at(DTYPES[_io_name(dtype)]))
+                plan = self._cached(("plan", wrt, form, dtype), lambda: plan.at(DTYPES[_io_name(dtype)]))
             return plan.bind(dict(sizes))
-        return self._cached(("plan", wrt, sizes, dtype), make)
+        return self._cached(("plan", wrt, form, sizes, dtype), make)
+
+    def _chosen(self, wrt, sizes, dtype, hw) -> tuple[BackwardPlan, BackwardChoice | None]:
+        if self.backward_form is not None:
+            try:
+                plan = self._form_plan(wrt, sizes, dtype, self.backward_form)
+            except LoweringError as e:
+                raise LoweringError(f"{self!r}: {e}") from None
+            asked = BackwardChoice(self.backward_form, (), hw.name, f"backward={self.backward_form!r}")
+            return plan, asked if plan.parts else None
+        two = self._form_plan(wrt, sizes, dtype, "two kernels")
+        if not two.parts:
+            return two, None
+        if dtype in (None, REFERENCE_DTYPE):
+            return two, BackwardChoice("two kernels", (), hw.name, "float64 (or no dtype given): the NumPy "
+                                       "executor runs the backward, no kernels to choose between")
+        try:
+            one = self._form_plan(wrt, sizes, dtype, "one kernel")
+        except LoweringError as e:
+            one = str(e)
+        choice = choose_form(two, one, hw, self._tiles, self.threads)
+        if choice.why.startswith("one kernel is not eligible"):
+            self._note(f"backward of {self.diagram.short()} at {dict(sizes)}: {choice.why}")
+        return (one if choice.form == "one kernel" else two), choice
 
     # ---- forward
     def _forward_path(self, dtype: torch.dtype, device: torch.device) -> str:
@@ -408,8 +366,8 @@ class TorchOp:
     def backward(self, sizes: tuple, wrt: tuple[int, ...], saved, cotangents,
                  dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """The cotangents of the inputs in ``wrt``, in the inputs' ``dtype``."""
-        plan = self.backward_plan(wrt, sizes, dtype)
         device = saved[0].device
+        plan = self.backward_plan(wrt, sizes, dtype, device)
         typed = self._bound(sizes, self.typed(dtype), f"forward {dtype}")
         cts = tuple(torch.zeros(_shape(a), dtype=t, device=device) if g is None else g
                     for g, a, t in zip(cotangents, typed.cod, _out_dtypes(typed, dtype)))
@@ -452,8 +410,10 @@ class TorchOp:
             else:
                 outs = _launch(kernel, ins, part)
             got.update(zip((a.name for a in part.cod), outs))
-        self.last_backward_path = "executor-fa2" if fell else f"{path}-fa2"
-        return tuple(got[a.name] for a in plan.diagram.cod)
+        atomic = "-atomic" if any(map(split_axes, plan.parts)) else ""   # dQ added across key tiles
+        self.last_backward_path = "executor-fa2" if fell else f"{path}-fa2{atomic}"
+        # the one-kernel form's fp32 dQ, converted to the inputs' dtype
+        return tuple(got[a.name].to(t) for a, t in zip(plan.diagram.cod, _out_dtypes(plan.diagram, dtype)))
 
     def _backward_kernel(self, diagram: Diagram, wrt, sizes, device):
         """The lowered backward diagram, or None (the refusal recorded in ``notes``).  ``tiles``
@@ -477,7 +437,7 @@ class _DiagramFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: TorchOp, sizes: tuple, *tensors):
         wrt = tuple(i for i, n in enumerate(ctx.needs_input_grad[2:]) if n)
-        plan = op.backward_plan(wrt, sizes, tensors[0].dtype) if wrt else None
+        plan = op.backward_plan(wrt, sizes, tensors[0].dtype, tensors[0].device) if wrt else None
         outs = op.forward(sizes, tensors, plan)
         ctx.op, ctx.sizes, ctx.n_in, ctx.dtype = op, sizes, len(tensors), tensors[0].dtype
         names = [a.name for a in op.diagram.dom] + ([a.name for a in plan.forward.cod] if plan and plan.residual else [])

@@ -1,0 +1,268 @@
+"""The backward plan of ``nc.torch_op`` (:func:`backward_plan`, :class:`BackwardPlan`: what the
+backward runs and what the forward saves for it), and the form of an attention's backward, one
+kernel or two, with the cost model's choice between them (:func:`choose_form`).
+
+``nc.torch_op(d, backward=...)`` runs the residual backward of an attention in one of two forms
+(:func:`~.backward_parts.fa2_parts`), both from :func:`~napkin_cat.ops.residuals.grad_with_residuals`:
+
+* ``"two kernels"`` (FlashAttention-2): ``(dK, dV)`` on key tiles streaming the queries, then
+  ``dQ`` on query tiles streaming the keys; ``S = Q K^T`` and ``dP = dO V^T`` are computed in
+  both (14 tensor FLOPs per ``d q x``).
+* ``"one kernel"``: ``dQ, dK, dV`` on key tiles streaming the queries,
+  ``tile(x, g_x, partial="sum")``: each key tile adds its partial ``dQ`` into a zero-filled fp32
+  output with atomics (10 tensor FLOPs per ``d q x``, plus an fp32 read and write of ``dQ``
+  per key tile).  With 16-bit inputs ``dQ`` is that fp32 buffer, converted to the inputs'
+  dtype after the kernel (FlashAttention-2's ``dq_accum``), since the atomics add fp32 values.
+* ``None`` (the default): :func:`choose_form`.  Each form's parts are bound at the call's sizes
+  and dtype, given the block sizes the lowering picks for a GPU (:func:`~.schedule.choose`,
+  the op's ``tiles`` and ``threads``), and timed by the roofline of :func:`napkin_cat.cost` on
+  the hardware profile of the tensors' device (:func:`hardware_for`); the 16-bit conversion of
+  the fp32 ``dQ`` adds its HBM traffic.  The faster prediction runs; a tie keeps two kernels.
+  The one-kernel form is not eligible where its relabeling is refused (the reason in the
+  choice and ``op.notes``); where no gradient sums over the keys (only dK, dV are needed) the
+  forms are the same kernel, and two kernels is the name kept.
+
+An auxiliary tensor's gradient (a scatter-add, run through torch) is the same in both forms and
+left out of both predictions.
+
+>>> import napkin_cat as nc
+>>> q, x, d = nc.axes("q x d")
+>>> att = nc.library.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q")
+>>> sizes = {"q": 1024, "x": 1024, "d": 64}
+>>> two, one = (backward_plan(att, form=f).bind(sizes) for f in FORMS[::-1])
+>>> c = choose_form(two, one, nc.hardware.H100, lambda p: None, None)
+>>> c.form, round(c.seconds("one kernel") * 1e6), round(c.seconds("two kernels") * 1e6)
+('one kernel', 83, 116)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from math import prod
+
+from ..core.diagram import Diagram
+from ..core.errors import LoweringError, NapkinError, TypingError
+from ..core.hardware import A100_SXM4, H100, H200, Hardware
+from ..core.types import DTYPES
+from ..ops.boxes import retype
+from ..ops.grad import grad
+from ..ops.residuals import grad_with_residuals, saved_softmaxes, with_logsumexp
+from ..relabel.split import split_axes
+from .backward_parts import fa2_parts, has_scatter, read_only, relabel_like
+
+__all__ = ["FORMS", "BackwardPlan", "backward_plan", "at_dtype", "BackwardChoice", "check_form", "choose_form",
+           "hardware_for"]
+
+FORMS = ("one kernel", "two kernels")
+
+# a CUDA device's name -> the profile whose numbers predict it (the first key in the name)
+_PROFILES = (("H200", H200), ("H100", H100), ("A100", A100_SXM4))
+
+
+def check_form(value, where: str):
+    """``value`` if it is a value of the ``backward=`` option, else a TypingError naming them."""
+    if value is None or (isinstance(value, str) and value in FORMS):
+        return value
+    raise TypingError(f"{where}: backward must be None (chosen by the cost model), "
+                      f"{' or '.join(repr(f) for f in FORMS)}, got {value!r}")
+
+
+def hardware_for(device=None) -> Hardware:
+    """The profile the prediction uses for tensors on ``device``: a CUDA device's by its name
+    (H200, H100, A100; another GPU gets the H100's numbers), and the H100, the GPU the kernels
+    are written for, on the CPU and under the simulator (as :data:`~.devices.H100_DEFAULTS`).
+
+    >>> import torch
+    >>> hardware_for(torch.device("cpu")).name
+    'H100 SXM5 80GB'
+    """
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+        name = torch.cuda.get_device_name(device)
+        return next((hw for key, hw in _PROFILES if key in name), H100)
+    return H100
+
+
+@dataclass(frozen=True)
+class BackwardChoice:
+    """Which form ran and why: ``form`` (one of :data:`FORMS`); ``predicted``: ``(form, seconds)``
+    for each form the cost model timed; ``hardware``: the profile's name; ``why``: the rule that
+    decided (the predictions compared, the form asked for, or why one form was not eligible)."""
+
+    form: str
+    predicted: tuple[tuple[str, float], ...]
+    hardware: str
+    why: str
+
+    def seconds(self, form: str) -> float | None:
+        """The predicted time of ``form``, or None when it was not timed."""
+        return dict(self.predicted).get(form)
+
+
+def predict(plan, hw: Hardware, tiles_of, threads) -> float:
+    """Predicted seconds of ``plan``'s (bound, typed) parts on ``hw``: each part at the block sizes
+    the lowering picks for a GPU (``tiles_of(part)``: the op's ``tiles`` for it), plus the
+    conversion of an fp32 output added across blocks to its gradient's dtype (read + write)."""
+    from ..costmodel import cost
+    from .schedule import choose
+    final = {a.name: a.dtype for a in plan.diagram.cod}
+    total = 0.0
+    for part in plan.parts:
+        if has_scatter(part):
+            continue
+        scheduled = choose(part, tiles_of(part), threads, simulate=False, hw=hw).diagram
+        total += float(cost(scheduled).time(hw, {}).seconds)
+        if split_axes(part):
+            moved = sum(prod(ax.size for ax in a.axes) * (a.dtype.bytes + final[a.name].bytes)
+                        for a in part.cod if a.name in final and final[a.name] != a.dtype)
+            total += moved / hw.bandwidth("HBM")
+    return total
+
+
+def choose_form(two, one, hw: Hardware, tiles_of, threads) -> BackwardChoice:
+    """The form whose parts :func:`predict` times faster: ``two`` is the two-kernel plan, ``one``
+    the one-kernel plan or the reason it cannot be had (a string)."""
+    if isinstance(one, str):
+        return BackwardChoice("two kernels", (), hw.name, f"one kernel is not eligible: {one}")
+    if not any(split_axes(p) for p in one.parts):
+        return BackwardChoice("two kernels", (), hw.name, "no gradient sums over the keys (no dQ): "
+                              "the two forms are the same kernel")
+    unbound = sorted({a.name for p in two.parts for a in p.axes if a.symbolic})
+    if unbound:
+        return BackwardChoice("two kernels", (), hw.name, f"no sizes for {', '.join(unbound)}: nothing to predict")
+    try:
+        t_two = predict(two, hw, tiles_of, threads)
+    except NapkinError as e:   # a part the schedule or the cost model refuses: nothing to compare
+        return BackwardChoice("two kernels", (), hw.name, f"the two kernels were not costed, so they are "
+                              f"kept: {type(e).__name__}: {e}")
+    try:
+        t_one = predict(one, hw, tiles_of, threads)
+    except NapkinError as e:
+        return BackwardChoice("two kernels", (), hw.name, f"one kernel is not eligible: it was not "
+                              f"scheduled or costed: {type(e).__name__}: {e}")
+    form = "one kernel" if t_one < t_two else "two kernels"
+    return BackwardChoice(form, (("one kernel", t_one), ("two kernels", t_two)), hw.name,
+                          f"predicted on {hw.name}: one kernel {t_one * 1e3:.4g} ms, two kernels "
+                          f"{t_two * 1e3:.4g} ms")
+
+
+# --------------------------------------------------------------------------- the backward seam
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """What the backward pass runs and what the forward keeps for it.
+
+    ``diagram``: ``(saved arrays in the order of saves, one cotangent per output of d) ->
+    (one cotangent per input in wrt)``, unrelabelled (the executor's reference).  ``saves``:
+    names of the forward's arrays saved for it.  ``wrt``: indices of the inputs of ``d`` that
+    get a cotangent.  The residual plan adds ``forward``: the diagram the forward runs instead
+    of ``d`` (``d``'s outputs first, then the logsumexps; relabelled like ``d``), and ``parts``:
+    the backward split FlashAttention-2's way, each part relabelled and reading its inputs by
+    name from ``diagram.dom``; ``form``: theirs, ``"two kernels"`` or ``"one kernel"``
+    (:mod:`.backward_forms`).  ``notes``: why the residual plan was not taken, or was cut."""
+
+    diagram: Diagram
+    saves: tuple[str, ...]
+    wrt: tuple[int, ...]
+    forward: Diagram | None = None
+    parts: tuple[Diagram, ...] = ()
+    notes: tuple[str, ...] = ()
+    form: str | None = None
+
+    @property
+    def residual(self) -> bool:
+        return self.forward is not None
+
+    def bind(self, sizes: dict) -> "BackwardPlan":
+        def b(dg):
+            names = {a.name for a in dg.axes}
+            got = {k: n for k, n in sizes.items() if k in names}
+            return dg.bind(got) if got else dg
+        return replace(self, diagram=b(self.diagram), forward=None if self.forward is None else b(self.forward),
+                       parts=tuple(b(p) for p in self.parts))
+
+    def at(self, dtype) -> "BackwardPlan":
+        """The plan for inputs of ``dtype`` (a napkin_cat DType): every wire of every diagram
+        in ``dtype`` (:func:`~napkin_cat.ops.boxes.retype`, the relabelings re-applied), except
+        the logsumexps, which stay fp32 (as FlashAttention keeps them: ``P = exp(S - L)`` needs
+        ``L`` to the scores' precision, and one fp32 per row is O(N) memory), and a part's
+        outputs added across blocks (the one-kernel form's ``dQ``: fp32 atomics), converted to
+        ``dtype`` after the kernel."""
+        fixed = {}
+        if self.forward is not None:
+            fw = self.forward.unrelabelled()
+            fixed = {fw.var_types()[sv.l].name: DTYPES["f32"] for sv in saved_softmaxes(fw)}
+
+        def part_at(p):
+            added = {a.name: DTYPES["f32"] for a in p.cod if any(not a.has(ax) for ax in split_axes(p))}
+            return at_dtype(p, dtype, {**fixed, **added})
+        return replace(self, diagram=at_dtype(self.diagram, dtype, fixed),
+                       forward=None if self.forward is None else at_dtype(self.forward, dtype, fixed),
+                       parts=tuple(part_at(p) for p in self.parts))
+
+
+def backward_plan(d: Diagram, wrt: tuple[int, ...] | None = None, form: str = "two kernels") -> BackwardPlan:
+    """The backward diagram of ``d`` and what the forward must save.
+
+    When :func:`~napkin_cat.ops.residuals.with_logsumexp` finds a softmax-contraction in ``d``
+    (attention), the residual plan: the forward also computes each row logsumexp ``L`` (``d``'s
+    relabelings re-applied to the augmented diagram), saves the inputs, ``O`` and ``L`` (what the
+    backward reads), and the backward is :func:`~napkin_cat.ops.residuals.grad_with_residuals`,
+    split into ``(dK, dV)`` relabelled ``tile(x, g_x).stream(q, s_q)`` and ``dQ`` relabelled
+    ``tile(q, g_q).stream(x, s_x)`` (``form="two kernels"``), or all in one part relabelled
+    ``tile(x, g_x, partial="sum").stream(q, s_q)`` (``form="one kernel"``: dQ added across the key
+    tiles; a :class:`~napkin_cat.core.errors.LoweringError` says why where that form cannot be had).
+    Otherwise ``nc.grad(d, wrt)``, which recomputes what it needs from the inputs, so the inputs
+    are all that is saved.
+
+    >>> import napkin_cat as nc
+    >>> plan = backward_plan(nc.library.matmul(*nc.axes("a b c")), wrt=(1,))
+    >>> plan.saves, plan.wrt, [a.name for a in plan.diagram.cod], plan.residual
+    (('A', 'B'), (1,), ['dB'], False)
+    >>> flash = nc.library.attention().stream("x", "s_x").tile("q", "g_q")
+    >>> plan = backward_plan(flash)
+    >>> plan.saves, str(plan.forward)
+    (('Q', 'K', 'V', 'O', 'L'), 'Q[q d] f32, K[x d] f32, V[x d] f32 -> O[q d] f32, L[q] f32  | stream(x, s_x), tile(q, g_q)')
+    >>> for part in plan.parts:
+    ...     print([a.name for a in part.dom], [a.name for a in part.cod], part._sched_str())
+    ['Q', 'K', 'V', 'O', 'L', 'dO'] ['dK', 'dV'] tile(x, g_x), stream(q, s_q)
+    ['Q', 'K', 'V', 'O', 'L', 'dO'] ['dQ'] tile(q, g_q), stream(x, s_x)
+    >>> [part._sched_str() for part in backward_plan(flash, form="one kernel").parts]
+    ['tile(x, g_x, partial=sum), stream(q, s_q)']
+    """
+    check_form(form, "backward_plan")
+    wrt = tuple(i for i, a in enumerate(d.dom) if a.dtype.kind == "float") if wrt is None else tuple(wrt)
+    recompute = BackwardPlan(grad(d, wrt), tuple(a.name for a in d.dom), wrt)
+    aug = with_logsumexp(d)
+    refused = f"backward='one kernel' for {d.short()} cannot be honoured"
+    if aug is None or not wrt:
+        if form == "one kernel" and aug is None:
+            raise LoweringError(f"{refused}: it has no softmax-contraction (attention), so its backward "
+                                f"is nc.grad's, recomputed from the inputs; use backward=None")
+        return recompute
+    try:
+        forward = relabel_like(aug, d.schedule)
+    except NapkinError as e:
+        note = (f"the forward with its logsumexp could not be relabelled like {d.short()} ({d._sched_str()}), "
+                f"so the backward recomputes from the inputs: {e}")
+        if form == "one kernel":
+            raise LoweringError(f"{refused}: {note}") from None
+        return replace(recompute, notes=(note,))
+    cts = [a.name for a in d.cod]
+    whole = grad_with_residuals(aug, wrt, cotangents=cts)
+    whole = read_only(whole, keep=cts)
+    saves = tuple(a.name for a in whole.dom)[: len(whole.dom) - len(cts)]
+    try:
+        parts, notes = fa2_parts(aug, wrt, cts, d.schedule, form)
+    except NapkinError as e:   # only the one-kernel form raises
+        raise LoweringError(f"{refused}: {e}") from None
+    return BackwardPlan(whole, saves, wrt, forward, parts, notes, form if parts else None)
+
+
+def at_dtype(d: Diagram, dtype, fixed: dict | None = None) -> Diagram:
+    """``d`` with its float wires in ``dtype`` (those named in ``fixed`` in theirs), relabelled
+    like ``d``; ``d`` itself when its wires already have those dtypes."""
+    typed = retype(d, dtype, fixed)
+    if (typed.dom, typed.cod, typed.eqns) == (d.dom, d.cod, d.eqns):
+        return d
+    return relabel_like(typed, d.schedule)
