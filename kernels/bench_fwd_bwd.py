@@ -22,7 +22,11 @@ FlexAttention (``torch.compile(flex_attention)``, dynamo's cache limits raised, 
 ``create_block_mask``) and naive torch (``softmax(Q K^T / sqrt(d)) V``, autograd).  Times are
 CUDA-event medians of the whole forward + backward (and of the forward alone); extra memory is
 the peak of ``torch.cuda.max_memory_allocated`` during forward + backward above what was
-allocated before (inputs, dO), the gradients included.  Progress goes to stdout as it happens
+allocated before (inputs, dO), the gradients included.  ``--prefetch none|regs|double`` is passed
+to ``nc.torch_op`` (every kernel of the op: the next chunk into registers, or two shared-memory
+buffers per chunked input filled by ``cp.async``).  ``ours_kernels``: the CUDA time per kernel of
+one forward + backward (``torch.profiler``, CUPTI: the generated kernels and torch's own, by
+name, milliseconds per call averaged over 5 calls), so a slow total names its kernel.  Progress goes to stdout as it happens
 (flushed); the table is printed last; ``fwd_bwd.json`` under ``--out`` has every field.
 """
 
@@ -135,17 +139,38 @@ def peak_extra(fn) -> float:
     return (peak - base) / 2 ** 20
 
 
-def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: str = "auto") -> dict:
+PREFETCH = {"none": False, "regs": True, "double": "double"}
+
+
+def kernel_breakdown(fn, calls: int = 5) -> dict:
+    """CUDA milliseconds per call of each kernel ``fn`` launches (torch.profiler, CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            out[ev.key[:60]] = round(t / 1e3 / calls, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:10])
+
+
+def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: str = "auto",
+         prefetch: str = "none") -> dict:
     t0 = time.perf_counter()
     g = torch.Generator(device="cuda").manual_seed(0)
     Q, K, V, dO = (torch.randn(BH, N, D, device="cuda", generator=g).to(DTYPES[dt]) for _ in range(4))
     Q, K, V = (t.requires_grad_() for t in (Q, K, V))
-    op = nc.torch_op(flash(causal), verify=False, backward=FORMS[backward])
+    op = nc.torch_op(flash(causal), verify=False, backward=FORMS[backward], prefetch=PREFETCH[prefetch])
     O = op(Q, K, V)
     grads = torch.autograd.grad(O, (Q, K, V), dO)
     torch.cuda.synchronize()
     choice = op.backward_choice
-    res = {"dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH, "path": op.last_path,
+    res = {"dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH, "prefetch": prefetch, "path": op.last_path,
            "backward_path": op.last_backward_path, "notes": list(getattr(op, "notes", [])),
            "backward_form": choice and choice.form, "backward_why": choice and choice.why,
            "compile_s": time.perf_counter() - t0}
@@ -161,9 +186,13 @@ def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: 
     res["ours_fwd_ms"] = cuda_time(lambda: op(Q, K, V))
     res["ours_ms"] = cuda_time(lambda: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
     res["ours_extra_mib"] = peak_extra(lambda: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
+    try:
+        res["ours_kernels"] = kernel_breakdown(lambda: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
+    except Exception as e:  # noqa: BLE001 - the profiler is optional; the timings above stand
+        res["ours_kernels"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     if backward == "both":   # each form forced, timed the same way
         for key, form in (("one", "one kernel"), ("two", "two kernels")):
-            forced = nc.torch_op(flash(causal), verify=False, backward=form)
+            forced = nc.torch_op(flash(causal), verify=False, backward=form, prefetch=PREFETCH[prefetch])
             res[f"ours_{key}_ms"] = cuda_time(lambda: torch.autograd.grad(forced(Q, K, V), (Q, K, V), dO))
             res[f"backward_path_{key}"] = forced.last_backward_path
     res.update(peers(Q, K, V, dO, causal))
@@ -179,6 +208,8 @@ def main(argv=None):
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--backward", choices=sorted(FORMS), default="auto",
                     help="the backward's form: auto (the cost model's), one, two, or both timed")
+    ap.add_argument("--prefetch", choices=sorted(PREFETCH), default="none",
+                    help="nc.torch_op(prefetch=...): none, regs (next chunk into registers), double (cp.async)")
     ap.add_argument("--out", default=str(ROOT / "kernels"))
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -190,7 +221,7 @@ def main(argv=None):
         N, D, causal = int(N), int(D), c.strip() in ("1", "yes", "true", "causal")
         BH = args.bh or (32 if N <= 4096 else 16)
         try:
-            r = case(dt, N, D, causal, BH, not args.no_check, args.backward)
+            r = case(dt, N, D, causal, BH, not args.no_check, args.backward, args.prefetch)
         except Exception as e:  # noqa: BLE001 - recorded with the case, the run goes on
             r = {"dtype": dt, "N": N, "d": D, "causal": causal, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         results["cases"].append(r)

@@ -110,3 +110,24 @@ def test_torch_op_16bit_simulator_on_tensor_cores_matches_fp64_autograd(dtype):
     assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2"), op.notes
     fwd = op._cache[("kernel", f"residuals {dtype}", (("d", 16), ("q", 16), ("x", 16)), "cpu")]
     assert "mma_" in fwd.source
+
+
+def test_torch_op_refuses_a_prefetch_outside_the_options():
+    for bad in (1, "triple", None):
+        with pytest.raises(nc.TypingError, match=r"prefetch must be False, True or 'double', got"):
+            torch_op(flash(), prefetch=bad)
+
+
+@pytest.mark.slow
+@needs_sim
+@HALVES
+def test_torch_op_16bit_double_buffered_kernels_match_fp64_autograd(dtype):
+    """``prefetch="double"`` reaches every kernel of the op (the forward with its logsumexp and
+    both backward parts), each verified against the oracle before use: three ragged chunks of 16
+    on mma fragments, the next chunk's cp.async in flight while this one is computed."""
+    op = torch_op(flash(causal=True, chunk=16, tile=16), threads=32, simulate=True, verify=True,
+                  backward="two kernels", prefetch="double")
+    check_16bit(op, inputs(op.diagram, {"q": 40, "x": 37, "d": 16}, dtype))
+    assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2"), op.notes
+    kernels = [k for key, k in op._cache.items() if key[0] in ("kernel", "backward kernel")]
+    assert len(kernels) == 3 and all("double-buffered" in k.source and "mma_" in k.source for k in kernels)

@@ -249,8 +249,8 @@ class DistributedOp:
     ``last_blocks``: how many block pairs of the last call were ``empty`` (skipped), ``full``
     (run without their mask) and ``partial``."""
 
-    def __init__(self, d: Diagram, tiles: dict, threads, verify, group=None, backward_op=None):
-        self.diagram, self.plan = d, device_plan(d)
+    def __init__(self, d: Diagram, tiles: dict, threads, verify, group=None, backward_op=None, prefetch=False):
+        self.diagram, self.plan, self.prefetch = d, device_plan(d), prefetch
         self.tiles, self.threads, self.verify, self.group = tiles, threads, verify, group
         self.last_path: str | None = None
         self.last_blocks: dict[str, int] = {}
@@ -316,7 +316,8 @@ class DistributedOp:
             from . import lower
             if ("kernel", key) not in self._cache:
                 self._cache[("kernel", key)] = lower(local.bind(sizes), tiles=self.tiles or None,
-                                                     threads=self.threads, verify=self.verify)
+                                                     threads=self.threads, verify=self.verify,
+                                                     prefetch=self.prefetch)
             outs = self._cache[("kernel", key)](*(t.contiguous() for t in tensors))
             return outs if isinstance(outs, tuple) else (outs,)
         from ..verify.executor import evaluate

@@ -106,7 +106,8 @@ BACKWARD_PATHS = (*PATHS, "gpu-fa2", "simulator-fa2", "executor-fa2", "gpu-fa2-a
 # --------------------------------------------------------------------------- the op
 
 def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = None,
-             simulate: bool | None = None, verify: bool | int = True, backward: str | None = None) -> "TorchOp":
+             simulate: bool | None = None, verify: bool | int = True, backward: str | None = None,
+             prefetch: bool | str = False) -> "TorchOp":
     """``d`` as a differentiable torch callable ``op(*tensors)`` (see the module docstring).
 
     ``tiles``, ``threads``, ``verify``: passed to :func:`napkin_cat.lower` (and ``tiles`` to the
@@ -116,10 +117,16 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
     requires the simulator; ``False`` always takes the executor.  ``backward``: the form of an
     attention's backward (:mod:`.backward_forms`): ``None`` chooses by the cost model's prediction
     at each call's sizes, ``"one kernel"`` (dQ added across key tiles with fp32 atomics) or
-    ``"two kernels"`` (FlashAttention-2's); a form asked for that cannot be had raises."""
+    ``"two kernels"`` (FlashAttention-2's); a form asked for that cannot be had raises.
+    ``prefetch``: passed to every :func:`napkin_cat.lower` of the op (forward, backward parts, the
+    blocks of a split over the devices): ``False``, ``True`` (the next chunk into registers) or
+    ``"double"`` (two shared-memory buffers per chunked input); the executor paths have no chunks
+    to prefetch, so there it changes nothing but the kernels it would build."""
     if not isinstance(d, Diagram):
         raise TypingError(f"torch_op needs a Diagram, got {type(d).__name__}")
     check_form(backward, "torch_op")
+    if not (prefetch is False or prefetch is True or prefetch == "double"):
+        raise TypingError(f"torch_op: prefetch must be False, True or 'double', got {prefetch!r}")
     if simulate not in (None, True, False):
         raise TypingError(f"torch_op: simulate must be None, True or False, got {simulate!r}")
     if tiles is not None and not isinstance(tiles, dict):
@@ -140,9 +147,9 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
                           f"backward, and this diagram has no softmax-contraction (its backward is nc.grad's)")
     if device_plan(d) is not None:   # split over the devices: one process per GPU (distributed.py)
         # each block pair's backward is a single-device op in the form asked for
-        block_op = TorchOp if backward is None else partial(TorchOp, backward=backward)
-        return DistributedOp(d, dict(tiles or {}), threads, verify, backward_op=block_op)
-    return TorchOp(d, dict(tiles or {}), threads, simulate, verify, backward)
+        block_op = partial(TorchOp, backward=backward, prefetch=prefetch)
+        return DistributedOp(d, dict(tiles or {}), threads, verify, backward_op=block_op, prefetch=prefetch)
+    return TorchOp(d, dict(tiles or {}), threads, simulate, verify, backward, prefetch=prefetch)
 
 
 class TorchOp:
@@ -154,9 +161,11 @@ class TorchOp:
     None for a plan with no FlashAttention-2 parts); ``notes``: why a path was not the fast one
     (a refused lowering, a copy to the host), each said once."""
 
-    def __init__(self, d: Diagram, tiles: dict, threads, simulate, verify, backward: str | None = None):
+    def __init__(self, d: Diagram, tiles: dict, threads, simulate, verify, backward: str | None = None, *,
+                 prefetch: bool | str = False):
         self.diagram = d
         self.tiles, self.threads, self.simulate, self.verify = tiles, threads, simulate, verify
+        self.prefetch = prefetch
         self.backward_form = backward   # the option: None (the cost model chooses) or one of FORMS
         self.backward_choice: BackwardChoice | None = None
         self.last_path: str | None = None
@@ -235,7 +244,8 @@ class TorchOp:
     def _kernel(self, sizes: tuple, device: torch.device, d: Diagram | None = None, tag: str = "forward"):
         from . import lower
         return self._cached(("kernel", tag, sizes, str(device)), lambda: lower(
-            self._bound(sizes, d, tag), tiles=self._tiles(d), threads=self.threads, verify=self.verify))
+            self._bound(sizes, d, tag), tiles=self._tiles(d), threads=self.threads, verify=self.verify,
+            prefetch=self.prefetch))
 
     def _tiles(self, d: Diagram) -> dict | None:
         """The ``tiles`` entries naming a block symbol or an axis of ``d``: one dict serves the
@@ -422,7 +432,8 @@ class TorchOp:
 
         def make():
             try:
-                return lower(diagram, tiles=self._tiles(diagram), threads=self.threads, verify=self.verify)
+                return lower(diagram, tiles=self._tiles(diagram), threads=self.threads, verify=self.verify,
+                             prefetch=self.prefetch)
             except LoweringError as e:
                 self._note(f"backward {diagram.short()} of {self.diagram.short()} at {dict(sizes)} was not "
                            f"lowered, so it ran in the NumPy executor on host copies: {e}")
