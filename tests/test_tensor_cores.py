@@ -219,3 +219,45 @@ def test_sixteen_bit_inputs_and_outputs_keep_their_dtype():
     with pytest.raises(nc.ShapeError, match="numpy has no bfloat16"):
         kernel(A, B, out=np.empty((16, 8), np.float32))
     assert io.host_input(np.ones(3), "f16").dtype == np.int16
+
+
+def cp_async_races(source: str) -> list[str]:
+    """The barriers that other threads could pass while this thread's ``cp.async`` copies are
+    still in flight: a ``cuda.syncthreads()`` reached after a ``cp_async16`` with no
+    ``cp_async_wait_*`` between them, in the text of the kernel (the simulator copies at once,
+    so only the text can show it).  Each is ``"line N"``."""
+    races, outstanding = [], False
+    for n, line in enumerate(source.splitlines(), 1):
+        code = line.split("#")[0]
+        if "cp_async16(" in code and "import" not in code:
+            outstanding = True
+        elif "cp_async_wait" in code and "import" not in code:
+            outstanding = False
+        elif "cuda.syncthreads()" in code and outstanding:
+            races.append(f"line {n}")
+    return races
+
+
+@pytest.mark.parametrize("prefetch", [False, "double"])
+def test_cp_async_copies_are_waited_for_before_every_barrier(prefetch, monkeypatch):
+    """The kernels ``nc.torch_op`` builds for a GPU (fp16 FlashAttention forward with its
+    logsumexp, both backward parts): the copies of one step's inputs are in flight together and
+    waited for once, before the barrier that publishes them; none is left out."""
+    import torch
+
+    import napkin_cat.lowering as lw
+    from napkin_cat.lowering.torch_op import torch_op
+    monkeypatch.setattr(lw, "_gpu_present", lambda runtime: True)          # plan as for a GPU
+    q, x, d, h = nc.axes("q x d h")
+    attn = nc.library.attention(q=q, x=x, d=d, heads=h).stream(x, "s_x").tile(q, "g_q").tile(h, 1)
+    plan = torch_op(attn, backward="two kernels").backward_plan(
+        (0, 1, 2), (("d", 64), ("h", 4), ("q", 512), ("x", 512)), torch.float16)
+    for dia in (plan.forward, *plan.parts):
+        src = nc.lower(dia, verify=False, prefetch=prefetch).source
+        assert src.count("cp_async16(") >= 2 and not cp_async_races(src), (dia.short(), cp_async_races(src))
+        if not prefetch:      # Q, O, dO of a chunk (or K, V): one wait for all of them
+            loop = src[src.index("# stream "):]
+            first = loop[: loop.index("cuda.syncthreads()")]
+            assert first.count("cp_async16(") >= 2 and first.count("cp_async_wait_all()") == 1, dia.short()
+    planted = "cp_async16(smem16, 0, X, 0, True)\ncuda.syncthreads()\n"
+    assert cp_async_races(planted) == ["line 2"]

@@ -77,6 +77,7 @@ class Emitter(Loads, Phases):
         self.cur: dict[tuple, str] = {}         # copy in use of a double-buffered chunk
         self.state_names: dict[int, dict] = {}  # accumulator -> state -> identifier
         self.pending_sync = False               # a shared write not yet behind a barrier
+        self.pending_async = False              # cp.async copies not yet waited for (.emit_loads)
         self.full_flags: dict = {}              # (row, col, predicate) -> its chunk's 'keeps all' flag
         self.arg_names: dict = {}
         self.out_args: list[str] = []
@@ -235,7 +236,7 @@ class Emitter(Loads, Phases):
                 self.arg_names[("out", pos)] = name
         self.names.used |= argn.used
         body = Source(1)
-        self.pending_sync = False
+        self.pending_sync = self.pending_async = False
         try:
             self._emit_prologue(body)
             self._emit_nodes(self.plan.inner, body)
@@ -346,6 +347,12 @@ class Emitter(Loads, Phases):
                 rest = nxt
 
     def sync(self, src: Source):
+        """The barrier before shared memory written since the last one is read; ``cp.async``
+        copies issued since (the inputs of one step, all in flight together) are waited for
+        first, each thread its own, so the barrier publishes them."""
+        if self.pending_async:
+            src("cp_async_wait_all()  # every cp.async copy issued above has landed")
+            self.pending_async = False
         if self.pending_sync:
             src("cuda.syncthreads()")
             self.pending_sync = False

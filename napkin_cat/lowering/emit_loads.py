@@ -115,6 +115,7 @@ class Loads:
             with src.block("else:"):
                 src("cp_async_wait_all()")
             src("cuda.syncthreads()")
+            self.pending_async = False    # earlier copies were committed with the first chunk's
             for b in bufs:
                 self.cur[b.key] = self.names.fresh(f"{b.name}_cur")
                 src(f"{self.cur[b.key]} = {base[b.name]} + {par} * {stride[b.name]}")
@@ -374,8 +375,9 @@ class Loads:
 
     def _vector_load(self, v: int, src: Source, wait: bool = True) -> bool:
         """``cp.async`` of input ``v``'s block (:meth:`_vector_ok`), 16 bytes per thread and step,
-        zero-filled past a ragged end; then (``wait``) wait for them.  Returns False (nothing
-        emitted) where that does not apply."""
+        zero-filled past a ragged end; ``wait``: waited for at the next barrier (:meth:`sync`),
+        so the inputs loaded one after another are in flight together (``False``: the caller
+        commits and waits).  Returns False (nothing emitted) where that does not apply."""
         if not self._vector_ok(v):
             return False
         arr = self.types[v]
@@ -397,8 +399,8 @@ class Loads:
                 cond = self.valid(names, env) or "True"
                 src(f"cp_async16(smem16, {self.s16base(b.key)} + {self.sidx(b, env)}, {self.garg(v)}, "
                     f"{self.gindex(arr, env)}, {cond})")
-        if wait:
-            src("cp_async_wait_all()")
+        if wait:        # waited for at the next barrier, with the copies issued after it
+            self.pending_async = True
         self.pending_sync = True
         return True
 
