@@ -4,8 +4,10 @@ In the FlashAttention-2 backward ``dS = P * (dP - D)`` is written to shared memo
 and read only by the ``dK`` / ``dQ`` contractions on tensor cores: it is stored as f16 / bf16
 patterns (rounded once where it is written), padded like a 16-bit input buffer and read with
 ``ldmatrix`` (``.trans`` in the key-tile part, where its layout is [q x] and the fragments' rows
-are x).  ``P`` in the key-tile part is also read by the elementwise ``dS`` epilogue on CUDA cores,
-so it stays fp32 (:mod:`napkin_cat.lowering.sixteen_bit`).
+are x).  ``P`` in the key-tile part is read by the ``dV`` update and by the product ``dS = P *
+(dP - D)``, itself 16-bit, so it is stored in 16 bits too and converted once for the product;
+``dP`` in the query-tile part feeds a difference and stays fp32
+(:mod:`napkin_cat.lowering.sixteen_bit`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def _body(src: str) -> str:
 
 def test_backward_parts_for_a_gpu_keep_ds_in_sixteen_bits_read_by_ldmatrix(monkeypatch):
     """Planned as for a GPU (nothing compiled) at N = 4096, d = 64: in both parts dS is a 16-bit
-    buffer with rows padded for ldmatrix, written once with f2h and read only by ldmatrix."""
+    buffer with rows padded for ldmatrix, written once with f2h and read only by ldmatrix; so is
+    the key-tile part's P, which the dS product also reads (through one conversion)."""
     monkeypatch.setattr(lowering, "_gpu_present", lambda rt: True)
     parts = _parts(torch.float16, {"q": 4096, "x": 4096, "d": 64, "h": 32}, heads=True)
     reads, shared_lines = [], []
@@ -62,8 +65,14 @@ def test_backward_parts_for_a_gpu_keep_ds_in_sixteen_bits_read_by_ldmatrix(monke
         reads += [ln.split("=")[1].split("(")[0].strip() for ln in body.splitlines()
                   if "ldsm_" in ln and "dS_s" in ln]
     assert set(reads) == {"ldsm_x4", "ldsm_x4_t"}, reads   # dQ: [q x] rows; dK: [q x] transposed
-    # the key-tile part's P also feeds the elementwise dS epilogue (CUDA cores): it stays fp32
-    assert "(P (materialised))" in shared_lines[0], shared_lines[0]
+    # the key-tile part's P feeds the dV update and the product dS = P * (dP - D), itself
+    # 16-bit: P is 16-bit too, read by ldmatrix for dV and converted once for the product;
+    # the query-tile part's dP feeds a difference (dP - D): it stays fp32
+    assert "(P (materialised, 16-bit, rows padded by 8))" in shared_lines[0], shared_lines[0]
+    key_part = _body(lowering._lower_one(parts[0]).source)
+    assert "pack_f16(smem[P_s" not in key_part and "ldsm_x4_t(smem16, P_s" in key_part
+    assert "h2f(smem16[P_s" in key_part
+    assert "(dP (materialised))" in shared_lines[1], shared_lines[1]
 
 
 @pytest.mark.slow

@@ -10,6 +10,13 @@ read by ``ldmatrix`` (``.trans`` where its layout needs it) instead of being pac
 fragments element by element.  Entries past a ragged extent are written as zero, so the
 fragments read zero there as they do from a zero-filled input chunk.
 
+One more reader is allowed, for a target a tensor-core contraction also reads: a product
+(``mul`` / ``scale``, and ``neg``) inlined into the definition of another target that is itself
+stored in 16 bits (FlashAttention-2's ``P``: the ``dV`` update reads it, and so does
+``dS = P * (dP - D)``, rounded to 16 bits where it is stored).  A product carries the relative
+error of its factor, so reading ``P`` rounded costs ``dS`` at most one more rounding of the same
+size as its own; a sum or a difference could cancel (``dP - D``), so ``dP`` stays fp32.
+
 Anything else reads fp32 values: a target that is an output, that an elementwise box, a
 reduction or a normaliser reads on CUDA cores, that an accumulator reads for its row statistics,
 or that is written by a cooperative mapping (not every element written) stays in an fp32 buffer.
@@ -29,13 +36,40 @@ def sixteen_bit_targets(ff, st: Structure, cls, targets, absorbed, accs, dtype: 
     if dtype == "f32":
         return frozenset()
     dd = ff.diagram
-    chosen = set()
-    for v, t in targets.items():
-        if not t.to_smem or t.to_global or not isinstance(t.mapping, (Micro, Flat)):
-            continue
-        if all(_mma_operand(v, c, dd, st, cls, targets, absorbed, accs) for c in st.consumers[v]):
-            chosen.add(v)
+    chosen: set[int] = set()
+    open_ = [v for v, t in targets.items()
+             if t.to_smem and not t.to_global and isinstance(t.mapping, (Micro, Flat))]
+    grew = True
+    while grew:          # a product into a 16-bit target counts once that target is chosen
+        grew = False
+        for v in open_:
+            if v in chosen:
+                continue
+            mma = [c for c in st.consumers[v] if _mma_operand(v, c, dd, st, cls, targets, absorbed, accs)]
+            rest = [c for c in st.consumers[v] if c not in mma]
+            if not rest or (mma and all(_product_into(v, c, dd, st, cls, targets, chosen) for c in rest)):
+                chosen.add(v)
+                grew = True
     return frozenset(chosen)
+
+
+PRODUCTS = ("mul", "scale", "neg")
+"""Elementwise functions whose result carries the relative error of a factor (no cancellation)."""
+
+
+def _product_into(v: int, c: tuple, dd, st: Structure, cls, targets, chosen) -> bool:
+    """Whether consumer ``c`` of ``v`` is a product inlined (through more products) into the
+    definition of a target in ``chosen`` other than ``v``."""
+    while True:
+        if c[0] != "eqn" or cls[c[1]] != "elementwise" or dd.eqns[c[1]].box.kind != "map" \
+                or dd.eqns[c[1]].box.param("fn") not in PRODUCTS:
+            return False
+        (u,) = dd.eqn_outputs(c[1])
+        if u in targets:
+            return u in chosen and u != v
+        if len(st.consumers[u]) != 1:
+            return False
+        (c,) = st.consumers[u]
 
 
 def _mma_operand(v: int, c: tuple, dd, st: Structure, cls, targets, absorbed, accs) -> bool:
