@@ -54,7 +54,8 @@ def _signature(kernel) -> str:
 
 def ptxas_report(kernel, arch: str = "sm_90") -> dict:
     """``{"registers", "spill_stores", "spill_loads", "stack"}`` of a generated kernel."""
-    from numba import cuda
+    from napkin_cat.lowering.devices import import_cuda
+    cuda = import_cuda()            # what a GPU build uses, the linear singly-assigned pass included
     from numba.cuda.cudadrv import nvrtc
     from cuda.bindings import nvjitlink as nj
     cc = (int(arch[3]), int(arch[4:]))

@@ -90,6 +90,9 @@ def import_cuda():
         warnings.warn("no CUDA driver found: numba.cuda runs in its CUDA simulator", stacklevel=2)
     from numba import cuda
 
+    if not simulator_active():      # kernels compile here: numba's quadratic pass made linear
+        from .numba_patches import install
+        install()
     return cuda
 
 
