@@ -296,3 +296,25 @@ def test_prefetch_with_window_start_past_the_axis_matches_evaluate():
     e_ = nc.axes("e")[0]
     dia = L.attention(q=q, x=x, d=d, window_size=1, dv=e_).stream(x, 1).tile(q, 1)
     _check(dia, {q: 3, d: 1, x: 1, e_: 1}, prefetch=True)
+
+
+def test_an_elementwise_map_fills_its_blocks(monkeypatch):
+    """Found by kernels/bench_networks.py: with nothing streamed and no row held whole, the
+    schedule tiled every axis by 1 (a residual add at [2048, 512]: a million blocks of 256
+    threads, one element each).  Now the threads a block has left after its row are shared
+    among the tiled axes, innermost first; a row reduction keeps its one row per block."""
+    import napkin_cat.lowering as lw
+    monkeypatch.setattr(lw, "_gpu_present", lambda runtime: True)      # plan as for a GPU
+    t, dd, b = nc.Axis("t", 2048), nc.Axis("d", 512), nc.Axis("b", 4)
+    g = nc.Builder()
+    A, B = g.input("A", t, dd), g.input("B", t, dd)
+    k = nc.lower(g.diagram(g.map("add", A, B)), verify=False)
+    grid = k.launch.grid[0] * k.launch.grid[1] * k.launch.grid[2]
+    assert 2048 * 512 // grid >= k.launch.block[0], (k.launch, k.diagram._sched_str())
+    assert "tile(d, 256)" in k.diagram._sched_str()
+    norm = nc.library.layernorm(t, dd, batch=b) if "batch" in inspect.signature(nc.library.layernorm).parameters \
+        else nc.library.layernorm(t, dd)
+    k = nc.lower(norm, verify=False)
+    assert "tile(t, 1)" in k.diagram._sched_str(), k.diagram._sched_str()   # a 512-wide row: one per block
+    small = nc.library.layernorm(t, nc.Axis("d", 32))
+    assert "tile(t, 8)" in nc.lower(small, verify=False).diagram._sched_str()  # 256 threads / 32 per row

@@ -336,13 +336,27 @@ def _tensor_core_threads(d0: Diagram) -> int | None:
     return 128 if norm else GPU_THREADS
 
 
-def _row_tile(d0: Diagram, axis: str, simulate: bool, T: int) -> int:
-    """Rows per block when nothing streams: the whole row is one block-level reduction."""
-    n = d0.axis(axis).size
-    row = math.prod(a.size for a in d0.axes if a.name != axis and isinstance(a.size, int)) or 1
+def _row_tiles(d0: Diagram, free: list[str], tileable: list[str], given: dict, simulate: bool, T: int) -> dict:
+    """Tiles of the ``free`` axes when nothing streams.  A block holds whole the axes that cannot
+    be tiled (a reduction's row: one block-level reduction); the threads left over by the row
+    (``T // row`` elements of the tiled axes, at least one) are shared among the ``free`` axes
+    innermost first (the outputs' last axis: coalesced), the ``given`` tiles counted.  An
+    elementwise map holds no row: about ``T`` elements per block, not one."""
+    sizes = {a.name: a.size for a in d0.axes if isinstance(a.size, int)}
     if simulate:
-        return min(n, 2)
-    return max(1, min(n, T // row if row < T else 1))
+        return {a: min(sizes.get(a, 2), 2) for a in free}
+    row = math.prod(n for a, n in sizes.items() if a not in tileable) or 1
+    budget = max(1, T // row if row < T else 1)
+    for a, n in given.items():
+        if a in tileable:
+            budget = max(1, budget // max(1, int(n)))
+    inner = [n for arr in d0.cod for n in reversed(arr.axis_names)]
+    order = sorted(free, key=lambda a: inner.index(a) if a in inner else len(inner))
+    out = {}
+    for a in order:
+        out[a] = max(1, min(sizes.get(a, 1), budget))
+        budget = max(1, budget // out[a])
+    return out
 
 
 def _pow2_floor(v: int) -> int:
@@ -376,8 +390,7 @@ def _build(d: Diagram, d0: Diagram, tiles: dict, tileable, streamable, main, sim
     how = "given" if not free else "heuristic"
     if free:
         if not streamable:
-            for a in free:
-                chosen[a] = _row_tile(d0, a, simulate, T)
+            chosen.update(_row_tiles(d0, free, tileable, chosen, simulate, T))
             how = "heuristic (rows per block)"
         else:
             best = None if simulate or (_sixteen_bit(d0) and len(free) < 2) else \
@@ -447,7 +460,7 @@ def _resolve_symbols(d: Diagram, d0: Diagram, tiles: dict, simulate, T, hw):
     chosen = {}
     how = "given"
     req = requirements(d)
-    _, _, _, main = analyse(d0)
+    tileable, _, _, main = analyse(d0)
     blocks = [r for r in d.schedule if r.op in ("tile", "stream")]
     symbols = {r.size for r in blocks if isinstance(r.size, str)}
     axes = {r.axis for r in blocks}
@@ -465,6 +478,10 @@ def _resolve_symbols(d: Diagram, d0: Diagram, tiles: dict, simulate, T, hw):
                                 f"{'tiles' if r.op == 'tile' else 'streams'} {r.axis} by {r.size} "
                                 f"({r.op}({r.axis}, {r.size})); relabel the unrelabelled diagram or "
                                 f"drop the key")
+    no_stream = not any(x.op == "stream" for x in d.schedule)
+    rows = _row_tiles(d0, [r.axis for r in d.schedule if r.op == "tile" and isinstance(r.size, str)
+                           and tiles.get(r.size, tiles.get(r.axis)) is None and r.size not in chosen],
+                      tileable, {}, simulate, T) if no_stream else {}
     for r in d.schedule:
         if r.op in ("tile", "stream") and isinstance(r.size, str):
             if r.size in tiles and r.axis in tiles and tiles[r.size] != tiles[r.axis]:
@@ -476,8 +493,8 @@ def _resolve_symbols(d: Diagram, d0: Diagram, tiles: dict, simulate, T, hw):
             if v is None:
                 if r.op == "stream":
                     v = _chunk(d0, r.axis, simulate)
-                elif not any(x.op == "stream" for x in d.schedule):
-                    v = _row_tile(d0, r.axis, simulate, T)
+                elif no_stream:
+                    v = rows.get(r.axis) or _row_tiles(d0, [r.axis], tileable, {}, simulate, T)[r.axis]
                 else:
                     v = _heuristic_tile(d0, r.axis, main, simulate, T)
                 v = _fit(d0.axis(r.axis).size, v, req.get(r.axis, 1), f"{r.op} of {r.axis}")
