@@ -65,16 +65,19 @@ def test_resnet_block_56x56_batch8_lowers(gpu_plan):
 
 
 @pytest.mark.slow
-def test_transformer_block_1024_tokens_fused_attention_full_grids(gpu_plan):
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_transformer_block_1024_tokens_fused_attention_full_grids(gpu_plan, dtype):
+    """One FlashAttention kernel in the cut.  In fp16 the scores alone are a piece that does not
+    lower (refused); the search once stopped growing pieces there and wrote S to HBM (16 MB)."""
     start = time.process_time()        # CPU seconds: the machine may be shared
-    k = nc.lower(L.transformer_block(1024, 512, 8, 64, 2048), verify=False)
+    k = nc.lower(L.transformer_block(1024, 512, 8, 64, 2048, dtype=nc.DTYPES[dtype]), verify=False)
     took = time.process_time() - start
     ks = _kernels(k)
     flash = [kk for kk in ks if any(acc.rule == "online_softmax" for acc in kk.diagram.loop_nest().accumulators)]
     assert len(flash) == 1, [kk.diagram.short() for kk in ks]
     assert not any(e.box.kind == "softmax" for kk in ks if kk not in flash for e in kk.diagram.eqns)
     for kk in ks:
-        assert _blocks(kk) >= 100, (kk.name, kk.launch)   # an H100 has 132 SMs
+        assert _blocks(kk) >= (100 if dtype == "f32" else 64), (kk.name, kk.launch)   # an H100 has 132 SMs
     assert took < 35, f"planning took {took:.0f} s, 13 s when measured (47 s before the search kept only sizes)"
 
 

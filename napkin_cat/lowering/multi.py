@@ -8,8 +8,10 @@ whose boundary wires are stored to HBM by one kernel and loaded back by the next
 
 Where to cut comes from the cost model.  Each candidate piece ``[i, j)`` of the equations is
 lowered as one kernel (its tiles and chunks chosen by :func:`~.schedule.choose` as for any
-diagram); a piece that is refused cannot be one kernel, and longer pieces from the same start
-are not tried.  Among the cuts into pieces that all lower, the one of least cost wins: the sum
+diagram); a piece that is refused cannot be one kernel, but a longer one from the same start
+may be (the scores of attention alone are a piece that does not stream, with the softmax and
+the product with V it is FlashAttention), so longer pieces are tried until
+:data:`MAX_REFUSED` in a row are refused.  Among the cuts into pieces that all lower, the one of least cost wins: the sum
 over kernels of :meth:`napkin_cat.costmodel.Cost.bytes` at HBM of each kernel's relabelled
 diagram (its inputs, re-read per tile, and its outputs; a cut wire is written once and read by
 every later kernel that needs it), each multiplied by its *fill factor*: how many times fewer
@@ -49,6 +51,7 @@ from ..relabel.cut import Piece, cut_after, forced_cuts, piece, softmax_two_pass
 from .gather import gather_bytes, gather_kernel, is_gather
 
 MAX_PIECES_TRIED = 400   # candidate kernels lowered while searching for the cut
+MAX_REFUSED = 4          # refused pieces in a row from one start before longer ones are not tried
 
 
 @dataclass
@@ -162,7 +165,8 @@ def _expand_softmaxes(d: Diagram, search_for) -> tuple[Diagram, list[str]]:
 
 def _segment(search: _Search, lo: int, hi: int) -> list[tuple[int, int]]:
     """Pieces covering equations ``lo..hi-1`` at the least :func:`_kernel_cost` (dynamic
-    programming over cut points; from each start, pieces grow until one is refused).  A piece
+    programming over cut points; from each start, pieces grow until :data:`MAX_REFUSED` in a
+    row are refused).  A piece
     of several equations whose inputs and outputs alone (:func:`_io_bytes`, a lower bound of
     its cost) cannot beat the best way found to its end is not lowered."""
     sms = search.sms()
@@ -170,6 +174,7 @@ def _segment(search: _Search, lo: int, hi: int) -> list[tuple[int, int]]:
     for i in range(lo, hi):
         if i not in best:
             continue
+        refused = 0
         for j in range(i + 1, hi + 1):
             if j > i + 1 and j in best and (i, j) not in search.tried and \
                     best[i][0] + _io_bytes(piece(search.d, i, j)) >= best[j][0]:
@@ -180,7 +185,11 @@ def _segment(search: _Search, lo: int, hi: int) -> list[tuple[int, int]]:
                     box = search.d.eqns[i].box
                     raise LoweringError(f"cannot lower equation {i} ({box.name or box.kind}: {p.diagram.short()}) "
                                         f"even as a kernel of its own: {got}")
-                break
+                refused += 1
+                if refused >= MAX_REFUSED:
+                    break
+                continue
+            refused = 0
             total = best[i][0] + _kernel_cost(got, sms)
             if j not in best or total < best[j][0]:
                 best[j] = (total, best[i][1] + [(i, j)])
