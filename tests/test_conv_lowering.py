@@ -240,3 +240,27 @@ def test_slice_pad_rename_split_merge_read_through_their_maps():
     (x,) = _inputs(p.diagram)
     np.testing.assert_array_equal(gather_kernel(p.diagram, "reshapes")(x),
                                   nc.evaluate(p.diagram, x.astype(np.float64)).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_sixteen_bit_gather_kernel_copies_bit_patterns(dtype):
+    """A 16-bit convolution's unfolds as a gather kernel (kernels/bench_networks.py found the
+    fp16 convolution at 56 x 56 refused: gather kernels moved fp32 only): the values are copied
+    exactly, zero where the windows leave the input."""
+    import torch
+    d = L.conv2d(2, 3, 5, 4, 3, padding=1, stride=(2, 1), dilation=(1, 2), dtype=nc.DTYPES[dtype])
+    p = piece(d, 0, 2)
+    assert is_gather(p.diagram) and p.diagram.dom[0].dtype.name == dtype
+    k = gather_kernel(p.diagram, "unfold_hw")
+    assert "ZERO16 = int16(0)" in k.source
+    x = torch.randn(*(a.size for a in p.diagram.dom[0].axes), generator=torch.Generator().manual_seed(3))
+    x = x.to({"f16": torch.float16, "bf16": torch.bfloat16}[dtype])
+    want = nc.evaluate(p.diagram, x.double().numpy())
+    got = k(x)
+    assert got.dtype == x.dtype and np.array_equal(got.double().numpy(), want)
+    from napkin_cat.lowering.typecheck import typecheck_kernel
+    try:       # numba's GPU front end types the int16 copies (the simulator types nothing)
+        typecheck_kernel(k.source, k.name, "void(int16[::1], int16[::1])")
+    except nc.LoweringError as e:
+        if "TypingError" in str(e) or not any(w in str(e) for w in ("NVVM", "nvvm", "libdevice")):
+            raise

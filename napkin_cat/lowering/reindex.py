@@ -104,7 +104,7 @@ def read(em, box, x: int, env: dict, src, define=None) -> str:
     val = em.value(x, env_in, src, {}, {}, define)
     if not conds:
         return val
-    zero = em.consts.f(0.0, "ZERO")
+    zero = getattr(em, "zero", None) or em.consts.f(0.0, "ZERO")   # a gather of 16-bit patterns: int16
     return f"{val} if {' and '.join(conds)} else {zero}"
 
 
