@@ -480,14 +480,17 @@ class Diagram:
         return "\n".join(lines)
 
 
-def _relabel_str(r: Relabel) -> str:
-    """``stream(x, s_x)``, ``place(O, SMEM)``, ``require(x, 4)``, ``order(x, c)``."""
+def _relabel_str(r: Relabel, levels: bool = False) -> str:
+    """``stream(x, s_x)``, ``place(O, SMEM)``, ``require(x, 4)``, ``order(x, c)``; ``levels``:
+    with the level of a tile or stream that is not SMEM (``tile(q, 32, L2)``)."""
     if r.op == "place":
-        args = [str(r.extra[0]), r.level]
+        args = [str(r.axis or (r.extra[0] if r.extra else "?")), str(r.level)]
     elif r.op == "order":
         args = [str(a) for a in r.extra]
     else:
         args = [r.axis] + ([str(r.size)] if r.size is not None else [])
+        if levels and r.op in ("tile", "stream") and r.level and r.level != "SMEM" and r.size != DEVICES:
+            args.append(str(r.level))
         if r.size == DEVICES and r.extra:   # tile(q, devices, order=zigzag): the blocks' layout
             args.append(f"order={r.extra[0]}")
         elif r.op == "tile" and r.extra:   # tile(b, 16, partial=sum): partial sums across blocks

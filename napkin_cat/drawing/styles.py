@@ -18,7 +18,7 @@ from matplotlib.colors import is_color_like
 from matplotlib.font_manager import FontProperties
 from matplotlib.textpath import TextPath
 
-from ..core.diagram import Array, Diagram
+from ..core.diagram import Array, Diagram, _relabel_str
 from ..core.errors import DrawingError, NapkinError
 from ..ops.kinds import spec
 
@@ -153,22 +153,19 @@ def _final_form_levels(d: Diagram) -> dict[int, str]:
 
 def relabel_text(r) -> str:
     """A relabeling as the call that made it: ``stream(x, s_x)``, ``tile(q, 32, L2)``,
-    ``place(S, registers)``, ``require(q, 16)``, ``order(x, b)`` (SMEM, the default level of
-    ``tile`` and ``stream``, is left out).
+    ``place(S, registers)``, ``require(q, 16)``, ``order(x, b)``, ``tile(q, devices,
+    order=zigzag)``, ``tile(x, g_x, partial=sum)`` (SMEM, the default level of ``tile`` and
+    ``stream``, is left out): the diagram's own text, with the levels.
 
     >>> from napkin_cat.core.types import Relabel
     >>> relabel_text(Relabel("place", "", None, "registers", ("S",)))
     'place(S, registers)'
+    >>> import napkin_cat as nc
+    >>> zig = nc.library.attention(causal=True).tile("q", "devices", order="zigzag")
+    >>> relabel_text(zig.schedule[0]), relabel_text(zig.tile("q", 8, level="L2").schedule[1])
+    ('tile(q, devices, order=zigzag)', 'tile(q, 8, L2)')
     """
-    if r.op in ("tile", "stream"):
-        args = [r.axis, str(r.size)] + ([r.level] if r.level and r.level != "SMEM" else [])
-    elif r.op == "place":
-        args = [str(r.axis or (r.extra[0] if r.extra else "?")), str(r.level)]
-    elif r.op == "require":
-        args = [r.axis, str(r.size)]
-    else:
-        args = [str(a) for a in (r.extra or (r.axis,)) if a != ""]
-    return f"{r.op}({', '.join(args)})"
+    return _relabel_str(r, levels=True)
 
 
 def schedule_text(d: Diagram) -> str:
