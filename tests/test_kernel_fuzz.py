@@ -13,6 +13,14 @@ the oracle under :func:`napkin_cat.verify.kernelcheck.kernel_outcome` (the rule 
 applies to kernels).  Each family's test then asserts how many kernels ran and which mappings
 of the generator they reached, so a fuzzer that silently stops reaching code fails by name.
 
+:mod:`test_kernel_fuzz_paths` runs four more families the same way, on diagrams of their own,
+each asserted to reach one generator path (named by :func:`_features`): reindexings read
+through their index maps and gather kernels of a multi-kernel cut (convolutions, flat-head GQA,
+slice / pad / split / merge chains), split reductions added with atomics (split-K matmul, a
+split sum, the one-kernel attention backward), a logsumexp read from an online softmax's row
+statistics, and materialised 16-bit operand buffers read by ldmatrix (f16 / bf16 backward
+parts and MLPs).
+
 ``HYPOTHESIS_PROFILE=ci`` (default) runs :data:`FUZZ_EXAMPLES` examples per family,
 derandomised; ``HYPOTHESIS_PROFILE=dev`` runs ten times as many, at random.
 """
@@ -30,6 +38,9 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, assume, given, note, settings, strategies as st  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
+from napkin_cat.lowering.gather import is_gather  # noqa: E402
+from napkin_cat.lowering.multi import MultiKernel  # noqa: E402
+from napkin_cat.lowering.reindex import remaps  # noqa: E402
 from napkin_cat.verify import kernelcheck  # noqa: E402
 from napkin_cat.verify.check import REGIMES  # noqa: E402
 
@@ -232,15 +243,29 @@ MAPPING_WORDS = {"register micro-tiles": "micro", "per thread": "flat", "lanes e
 
 
 def _features(kernel) -> set[str]:
-    """The thread mappings a kernel uses, its fused-scores path and its chunk loops."""
+    """The thread mappings a kernel uses, its fused-scores path and its chunk loops, and the
+    generator paths of :mod:`test_kernel_fuzz_paths`: reindexings read through their index maps
+    (``reindex``; ``reindex-predicate`` where the map can leave the input), a gather kernel of a
+    multi-kernel cut, atomic adds of partial sums, a logsumexp read from an online softmax's
+    statistics, a materialised 16-bit operand buffer.  A multi-kernel: its kernels' features."""
+    if isinstance(kernel, MultiKernel):
+        return {"multi-kernel"}.union(*(_features(k) for k in kernel.kernels))
+    if is_gather(kernel.diagram):
+        return {"gather-kernel"}
     out = {feat for desc in kernel.mappings.values() for words, feat in MAPPING_WORDS.items() if words in desc}
-    if "_group_" in kernel.source.split("@cuda.jit(fastmath")[-1]:
+    body = kernel.source.split("@cuda.jit(fastmath")[-1]
+    if "_group_" in body:
         out.add("group-reduction")
     if "len_" in kernel.source:
         out.add("ragged-chunk")
     if "warp-private" in kernel.source:
         out.add("fused-scores")
-    body = kernel.source.split("@cuda.jit(fastmath")[-1]
+    if any(remaps(eq.box) for eq in kernel.diagram.eqns):
+        out.add("reindex")
+        if "pos_" in body:
+            out.add("reindex-predicate")
+    if kernel.zero_args and "cuda.atomic.add(" in body:
+        out.add("atomic")
     for marker, feat in (("tensor-core fragments", "fragments"), ("weights stay in registers", "mma-registers"),
                          ("ldsm_x4(", "ldmatrix"), ("_t(smem16", "ldmatrix-trans"), ("cp_async16(", "cp.async"),
                          ("cp_async_wait1()", "cp.async-pipeline"), ("pack_f16(smem", "packed-operand"),
@@ -248,6 +273,12 @@ def _features(kernel) -> set[str]:
                          ("pack_bf16((smem", "packed-operand")):
         if marker in body or marker in "".join(kernel.mappings.values()):
             out.add(feat)
+    # the generator's notes in the kernel's docstring: L = mu + log z of the online softmax;
+    # a shared buffer "(materialised, 16-bit, ...)" in the shared-memory line
+    if "row statistics (L = mu + log z)" in kernel.source:
+        out.add("lse-from-stats")
+    if "(materialised, 16-bit" in kernel.source:
+        out.add("16-bit-operand")
     return out
 
 
@@ -312,6 +343,17 @@ def test_kernel_fuzz_matches_oracle(family):
 
 # --------------------------------------------------------------------------- the bugs it found
 
+def _split_sum():
+    g_ = nc.Builder(nc.f32)
+    return g_.diagram(g_.reduce("sum", g_.map("shift", g_.input("X", r, c), c=1.5), c, name="Y"), names=["Y"])
+
+
+def _split_two_axes():
+    g_ = nc.Builder(nc.f32)
+    A, B = g_.input("A", a, b, f), g_.input("B", b, f, c)
+    return g_.diagram(g_.contract(g_.map("shift", A, c=1.5), g_.map("shift", B, c=1.5), out=(a, c), name="C"),
+                      names=["C"])
+
 REGRESSIONS = {
     # spare threads of a non-power-of-two tile clamped onto its last row raced on the scores
     "tile_not_power_of_two": (L.attention(q=q, x=x, d=d), lambda dg: dg.stream(x, 4).tile(q, 3),
@@ -325,6 +367,12 @@ REGRESSIONS = {
                               {a: 4, b: 4, c: 4}, {}),
     "nested_streams_attention": (L.attention(q=q, x=x, d=d), lambda dg: dg.stream(x, 4).stream(q, 2),
                                  {q: 4, x: 8, d: 4}, {}),
+    # a sum over a split axis (tile(..., partial="sum")) ran over the whole ragged last tile: the
+    # padding's shift(0) = 1.5 was added in (test_kernel_fuzz_paths, split_reduction)
+    "split_sum_ragged_tile": (_split_sum(), lambda dg: dg.tile(c, 3, partial="sum"), {r: 3, c: 7}, {}),
+    # the same for a contraction summed over two axes, one of them split, by a group of lanes
+    "split_two_summed_axes": (_split_two_axes(), lambda dg: dg.tile(b, 3, partial="sum"),
+                              {a: 1, b: 7, f: 5, c: 1}, {}),
 }
 
 
@@ -340,3 +388,21 @@ def test_kernel_regression_correct_or_refused(case):
         return
     report = nc.check_equivalent(base, kernel, examples=6)
     assert report.kernels == 6
+
+
+def test_split_backward_sums_dq_over_the_ragged_key_tile_only():
+    """The same bug in dQ of the one-kernel backward (found by test_kernel_fuzz_paths): dS summed
+    past the ragged key tile (x = 3 in tiles of 2), where the padded keys give P = exp(0 - L),
+    inf for rows whose scores are all below -88, and inf * 0 = NaN.  The residuals O and L are
+    the forward's: random ones seldom make a row that negative."""
+    sizes = {q: 2, x: 3, d: 2}
+    fwd = L.attention(q=q, x=x, d=d, logsumexp=True)
+    bwd = nc.grad_with_residuals(fwd, wrt=["Q", "K", "V"])
+    kernel = nc.lower(bwd.tile(x, 2, partial="sum").stream(q, 2).bind(sizes), verify=False)
+    rng = np.random.default_rng(0)
+    Q, K = 10 + rng.standard_normal((2, 2)), -10 + rng.standard_normal((3, 2))
+    V, dO = rng.standard_normal((3, 2)), rng.standard_normal((2, 2))
+    O, lse = nc.evaluate(fwd.bind(sizes), Q, K, V)
+    assert lse.max() < -88
+    diff = kernelcheck.kernel_outcome(bwd.bind(sizes), kernel, [Q, K, V, O, lse, dO])
+    assert diff.failure is None, kernelcheck.describe_failure(diff.failure)

@@ -221,7 +221,9 @@ class Phases:
             steps = [None]
             for pos, a in enumerate(red):
                 ax = self.ax[a]
-                bound = ax.count if ax.role == "stream" else ax.cap_c
+                # the valid extent (a ragged chunk's, or a ragged tile's of an axis summed across
+                # blocks): values computed past it from the zero padding need not be zero
+                bound = ax.count
                 idx = self.names.fresh(ax.index)
                 unroll = _unroll_factor(self.unroll, ax.cap) if pos == len(red) - 1 and not ax.ragged else 1
                 if unroll > 1:
@@ -254,7 +256,7 @@ class Phases:
             e2 = dict(env)
             for a in red:
                 ax = self.ax[a]
-                bound = ax.count if ax.role == "stream" else ax.cap_c
+                bound = ax.count
                 idx = self.names.fresh(ax.index)
                 e2[a] = idx
                 blk = src.block(f"for {idx} in range({bound}):")
@@ -380,7 +382,7 @@ class Phases:
             raise LoweringError("internal: logsumexp uses lanes")
         ident, comb, _ = REDUCE_OPS[op]
         src(f"{r} = {k.f(ident)}")
-        with src.block(f"for {idx} in range({ax.cap_c}):"):
+        with src.block(f"for {idx} in range({ax.count}):"):   # a split axis: its ragged tile's extent
             val = self.value(x, e2, src, {})
             src(f"{r} = {comb.format(a=r, b=val)}")
         if op == "mean":
@@ -442,7 +444,7 @@ class Phases:
             e2 = dict(env)
             if names:
                 a = names[0]
-                bound = bounds.get(a, self.ax[a].count if self.ax[a].role == "stream" else self.ax[a].cap_c)
+                bound = bounds.get(a, self.ax[a].count)
                 idx = self.names.fresh(self.ax[a].index)
                 e2[a] = idx
                 loop = src.block(f"for {idx} in range({first}, {bound}, {k.u(m.R)}):")
@@ -459,7 +461,8 @@ class Phases:
                 sub = {}
                 self._decode(src, rr, tuple(names), sub)
                 e2.update(sub)
-                cond = " and ".join(f"{sub[a]} < {bounds[a]}" for a in names if a in bounds) or None
+                limit = {a: bounds.get(a, self.ax[a].count) for a in names if a in bounds or self.ax[a].ragged}
+                cond = " and ".join(f"{sub[a]} < {limit[a]}" for a in limit) or None
                 with src.maybe(cond):
                     val = term(e2, {})
                     src(f"{r} = {comb.format(a=r, b=val)}")

@@ -1,0 +1,390 @@
+"""The kernel fuzzer, continued: generator paths that only diagrams of their own reach.
+
+The families of :mod:`test_kernel_fuzz` do not build these, so each has one here, run the same
+way (random relabelling, ragged sizes of several chunks, non-power-of-two blocks where the rules
+allow them, ``threads``, a data regime; a ``LoweringError`` is counted, a wrong kernel fails)
+and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
+
+* ``reindex``: convolutions (1-d, 2-d; stride, padding, dilation, groups, transposed, batch),
+  the flat-head GQA attention (a split and a merge of the head axis) and a slice / pad / rename /
+  split / merge chain, read through their index maps inside the consumer kernel
+  (:mod:`napkin_cat.lowering.reindex`: ``reindex``, ``reindex-predicate`` where the map can leave
+  the input); or, lowered for a device whose block holds less shared memory than the input,
+  cut into kernels (:mod:`napkin_cat.lowering.multi`) where the unfolds become a ``gather-kernel``
+  (:mod:`napkin_cat.lowering.gather`);
+* ``split_reduction``: ``tile(axis, size, partial="sum")`` of split-K matmul, of a summing
+  reduction and of the one-kernel attention backward: blocks add their partial sums with
+  ``atomic`` adds (:mod:`napkin_cat.lowering.atomics`);
+* ``logsumexp``: attention with its logsumexp output, streamed with the scores in registers:
+  the logsumexp is read from the online softmax's row statistics (``lse-from-stats``,
+  :attr:`napkin_cat.lowering.plan.AccPlan.stats_of`);
+* ``sixteen_bit``: f16 / bf16 FlashAttention-2 backward parts and MLPs on simulated tensor
+  cores, whose dS or hidden layer is a ``16-bit-operand`` shared buffer read by ldmatrix
+  (:mod:`napkin_cat.lowering.sixteen_bit`); backward inputs are residuals the forward produced.
+
+``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+from typing import Callable, NamedTuple
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import assume, given, note, strategies as st  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat.core import Axis  # noqa: E402
+from napkin_cat.ops import Builder, merge_box, slice_box, split_box  # noqa: E402
+from napkin_cat.verify import kernelcheck  # noqa: E402
+from napkin_cat.verify.check import REGIMES  # noqa: E402
+from test_kernel_fuzz import (FUZZ_EXAMPLES, MICRO, PREFETCH, REGIME_NAMES, SETTINGS, THREADS,  # noqa: E402
+                              _features, _unary_chain)
+
+q, x, d, e, g, h, bb = nc.axes("q x d e g h bb")
+a, b, c, r, t, f = nc.axes("a b c r t f")
+L = nc.library
+
+
+class Case(NamedTuple):
+    """One drawn example: ``base`` relabelled by ``steps`` (``("split", axis, size)`` is
+    ``tile(axis, size, partial="sum")``), both bound at ``sizes``; ``oracle`` (unbound) is what
+    the kernel must compute; ``options`` go to ``nc.lower``; ``inputs(rng, regime)`` draws the
+    oracle's inputs where the regime's generator alone would not do (residuals), in one of
+    ``regimes``."""
+    label: str
+    base: nc.Diagram
+    steps: tuple
+    sizes: dict
+    oracle: nc.Diagram
+    options: dict
+    inputs: Callable | None = None
+    regimes: tuple = REGIME_NAMES
+
+
+# the regimes of backward and 16-bit examples.  Larger data is left out: in a backward's
+# dS = P * (dP - D) with one key (x = 1) dP and D are the same sum, which NumPy's fp32 evaluation
+# cancels exactly and a kernel summing in another order may not: on 'jumps', one ulp of dP
+# (2e-6) times K / sqrt(d) (23) is more than the check allows next to an fp32 oracle of exactly
+# 0 (a rounding, not a wrong kernel).  A 16-bit kernel's products must also stay in its range.
+SMALL_DATA = ("normal", "repeated")
+
+
+def _ragged(draw, label: str, block: int | None, top: int = 9) -> int:
+    """A size that is often not a multiple of ``block``, and often several blocks."""
+    if block is None:
+        return draw(st.integers(1, top), label=label)
+    top = max(top, min(6 * block - 1, 20))
+    return draw(st.one_of(st.integers(1, top), st.integers(min(3 * block + 1, top), top)), label=label)
+
+
+def _apply(diagram, steps):
+    for op, what, arg in steps:
+        diagram = diagram.tile(what, arg, partial="sum") if op == "split" else getattr(diagram, op)(what, arg)
+    return diagram
+
+
+def _fp32_options(draw) -> dict:
+    return {"threads": draw(st.sampled_from(THREADS), label="threads"),
+            "micro": draw(st.sampled_from(MICRO), label="micro"),
+            "prefetch": draw(st.sampled_from(PREFETCH), label="prefetch")}
+
+
+# --------------------------------------------------------------------------- index maps, gathers
+
+TIGHT_SMEM = (1024, 1536, 2048)   # bytes per block of a device on which a whole input does not fit
+
+
+@st.composite
+def _conv(draw, tight: bool):
+    """A convolution with every size concrete; ``tight``: an input of more than 2 KB."""
+    dim = draw(st.sampled_from((1, 2)))
+    transposed = draw(st.booleans())
+    groups = draw(st.sampled_from((1, 1, 2)))
+    ci, co = groups * draw(st.integers(1, 2)), groups * draw(st.integers(1, 2))
+    k = draw(st.integers(1, 3))
+    stride, dilation = draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    padding = draw(st.integers(0, 1 if transposed else 2))
+    op = draw(st.integers(0, max(stride, dilation) - 1)) if transposed else 0
+    low = max(1, dilation * (k - 1) + 1 - 2 * padding)
+    per = 2048 // (4 * ci) + 1     # positions per channel for an input over the largest TIGHT_SMEM
+    if not tight:
+        spatial = [draw(st.integers(low, 11 if dim == 1 else 7)) for _ in range(dim)]
+    elif dim == 1:
+        spatial = [draw(st.integers(max(low, per), per + 30))]
+    else:
+        w = draw(st.integers(max(low, 7), 12))
+        spatial = [max(draw(st.integers(max(low, 7), 12)), -(-per // w)), w]
+    kw = dict(stride=stride, dilation=dilation, padding=padding, groups=groups, transposed=transposed,
+              output_padding=op, bias=draw(st.booleans()))
+    if not tight and draw(st.integers(0, 3)) == 0:
+        kw["batch"] = Axis("n", draw(st.integers(1, 3)))
+    label = f"conv{dim}d({ci}, {co}, {spatial}, {k}, {kw})"
+    try:
+        diagram = L.conv1d(ci, co, spatial[0], k, **kw) if dim == 1 else L.conv2d(ci, co, *spatial, k, **kw)
+    except nc.NapkinError:
+        assume(False)
+    # with groups, o is merged from (g, og) after the contraction, and c split (reindexed) before it
+    tileable = [ax.name for ax in diagram.cod[0].axes if groups == 1 or ax.name != "o"]
+    streamable = ([] if groups > 1 else ["c"]) + (["k"] if dim == 1 else ["kh", "kw"])
+    return label, diagram, tileable, streamable
+
+
+def _flat_gqa(nq, nx, nd, nkh, ng):
+    """Attention with the query heads flat (``hq = kh * g``): a split before, a merge after."""
+    from napkin_cat.library.compose import call
+    qq, xx, dd, kh, gg, hq = (Axis("q", nq), Axis("x", nx), Axis("d", nd), Axis("kh", nkh), Axis("g", ng),
+                              Axis("hq", nkh * ng))
+    att = L.attention(q=qq, x=xx, d=dd, heads=kh, groups=gg)
+    bld = Builder()
+    Q, K, V = bld.input("Q", hq, qq, dd), bld.input("K", kh, xx, dd), bld.input("V", kh, xx, dd)
+    (O,) = call(bld, att, bld.box(split_box(bld.ty(Q), hq, kh, gg), Q), K, V)
+    return bld.diagram(bld.box(merge_box(bld.ty(O), kh, gg, hq), O), names=["O"])
+
+
+def _reshapes(na, nb, nc_, lo, hi, before):
+    """Slice rows ``lo..hi-1``, pad ``b`` (``before`` zeros in front), rename, split and merge
+    its padded axis, then contract."""
+    nbb = nb + before + 1
+    inner = next(m for m in (3, 2, 1) if nbb % m == 0)
+    aa, bx, cc, a2, b2, bbb, hi_, lo_ = (Axis("a", na), Axis("b", nb), Axis("c", nc_), Axis("a2", hi - lo),
+                                         Axis("b2", nbb), Axis("bb", nbb), Axis("hi", nbb // inner),
+                                         Axis("lo", inner))
+    bld = Builder()
+    X, W = bld.input("X", aa, bx), bld.input("W", bbb, cc)
+    S = bld.box(slice_box(bld.ty(X), aa, lo, hi, a2), X)
+    P = bld.unfold(S, bx, b2, offset=-before)
+    R = bld.rename(P, b2, bbb)
+    T = bld.box(split_box(bld.ty(R), bbb, hi_, lo_), R)
+    M = bld.box(merge_box(bld.ty(T), hi_, lo_, bbb), T)
+    return bld.diagram(bld.contract(M, W, out=(a2, cc), name="Y"))
+
+
+@st.composite
+def reindex_family(draw):
+    """Reindexings in front of a contraction, in one kernel (relabelled: output axes tiled, a
+    summed axis streamed) or, on a device with little shared memory, as the cut finds them."""
+    kind = draw(st.sampled_from(("conv", "conv", "conv", "flat_gqa", "reshapes")))
+    tight = draw(st.booleans())
+    if kind == "conv":
+        label, diagram, tileable, streamable = draw(_conv(tight))
+    elif kind == "flat_gqa":
+        sizes = [draw(st.integers(1, n), label=name) for n, name in ((9, "q"), (9, "x"), (4, "d"), (2, "kh"),
+                                                                      (3, "g"))]
+        label, diagram = f"flat-head gqa({sizes})", _flat_gqa(*sizes)
+        tileable, streamable = ["q"], ["x"]   # hq is merged after the attention, d is also contracted
+    else:
+        na, nb = draw(st.integers(2, 40 if tight else 9)), draw(st.integers(1, 40 if tight else 9))
+        lo = draw(st.integers(0, na - 1))
+        hi = draw(st.integers(lo + 1, na))
+        before = draw(st.integers(0, 3))
+        args = (na, nb, draw(st.integers(1, 5)), lo, hi, before)
+        label, diagram = f"reshapes{args}", _reshapes(*args)
+        tileable, streamable = ["a2", "c"], []   # bb, the contracted axis, is reindexed
+    options = {"threads": draw(st.sampled_from(THREADS), label="threads")}
+    if tight:
+        smem = draw(st.sampled_from(TIGHT_SMEM), label="smem")
+        options["hw"] = dataclasses.replace(nc.hardware.H100, smem_per_block_optin=smem)
+        return Case(f"{label} with {smem} B of shared memory", diagram, (), {}, diagram, options)
+    size = {ax.name: ax.size for ax in diagram.axes}
+    steps = [("tile", n, draw(st.integers(1, min(7, size[n])))) for n in tileable if draw(st.booleans())]
+    if streamable and draw(st.booleans()):
+        n = draw(st.sampled_from(streamable))
+        steps.append(("stream", n, draw(st.integers(1, min(5, size[n])))))
+    options.update(micro=draw(st.sampled_from(MICRO), label="micro"),
+                   prefetch=draw(st.sampled_from(PREFETCH), label="prefetch"))
+    return Case(label, diagram, tuple(steps), {}, diagram, options)
+
+
+# --------------------------------------------------------------------------- split reductions
+
+def _padding_shows(draw, bld, w):
+    """``w`` through random elementwise maps, most often ending in one that is not 0 at 0: the
+    zero padding of a ragged tile then has values that a sum must leave out."""
+    w = _unary_chain(draw, bld, w)
+    last = draw(st.sampled_from(("shift", "sigmoid", None)))
+    return w if last is None else bld.map(last, w, c=1.5 if last == "shift" else None)
+
+
+@st.composite
+def split_reduction_family(draw):
+    """An axis the diagram sums over tiled with ``partial="sum"``: each block adds its partial
+    sum into the zero-filled output with fp32 atomics."""
+    kind = draw(st.sampled_from(("matmul", "reduce", "attention backward")))
+    if kind == "matmul":
+        # a second summed axis f: the sum over both is one loop of lanes
+        two = draw(st.booleans())
+        bld = Builder(nc.f32)
+        A, B = bld.input("A", a, b, *((f,) if two else ())), bld.input("B", b, *((f,) if two else ()), c)
+        A, B = _padding_shows(draw, bld, A), _padding_shows(draw, bld, B)
+        mm = bld.diagram(bld.contract(A, B, out=(a, c), name="C"), names=["C"])
+        gb = draw(st.integers(1, 7))
+        steps = [("split", "b", gb)] + [("tile", n, draw(st.integers(1, 7))) for n in ("a", "c") if draw(st.booleans())]
+        blocks = {n: s for _, n, s in steps}
+        sizes = {ax: _ragged(draw, ax.name, blocks.get(ax.name)) for ax in (a, b, c)}
+        if two:
+            sizes[f] = draw(st.integers(1, 4), label="f")
+        return Case(f"split-K matmul(summed over {'b, f' if two else 'b'})", mm, tuple(steps), sizes, mm,
+                    _fp32_options(draw))
+    if kind == "reduce":
+        bld = Builder(nc.f32)
+        X = _padding_shows(draw, bld, bld.input("X", r, c))
+        red = bld.diagram(bld.reduce("sum", X, c, name="Y"), names=["Y"])
+        gc = draw(st.integers(1, 7))
+        steps = [("split", "c", gc)] + ([("tile", "r", draw(st.integers(1, 5)))] if draw(st.booleans()) else [])
+        sizes = {r: _ragged(draw, "r", dict((n, s) for _, n, s in steps).get("r")), c: _ragged(draw, "c", gc)}
+        return Case("split sum", red, tuple(steps), sizes, red, _fp32_options(draw))
+    causal = draw(st.booleans())
+    weave = draw(st.sampled_from(("heads", "gqa")))
+    kw = {"heads": h, **({"groups": g} if weave == "gqa" else {})}
+    fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True, **kw)
+    bwd = nc.grad_with_residuals(fwd, wrt=["Q", "K", "V"])
+    gx, sq = draw(st.integers(1, 5)), draw(st.integers(1, 4))
+    sizes = {q: _ragged(draw, "q", sq, 7), x: _ragged(draw, "x", gx, 7), d: draw(st.integers(1, 3), label="d"),
+             h: draw(st.integers(1, 2), label="h")}
+    if weave == "gqa":
+        sizes[g] = draw(st.integers(1, 2), label="g")
+    label = f"one-kernel attention backward({weave}, causal={causal})"
+    return Case(label, bwd, (("split", "x", gx), ("stream", "q", sq)), sizes, bwd,
+                {"threads": draw(st.sampled_from((16, 32)), label="threads")},
+                _residuals(fwd, sizes), SMALL_DATA)
+
+
+def _residuals(fwd, sizes):
+    """Inputs of the backward of ``fwd``: its inputs and the cotangent from the regime, ``O`` and
+    ``L`` computed by the forward from them (the logsumexp its scores produce)."""
+    bound = fwd.bind(sizes)
+
+    def inputs(rng, regime):
+        ins = [REGIMES[regime][0](rng, tuple(ax.size for ax in arr.axes)) for arr in bound.dom]
+        outs = nc.evaluate(bound, *ins)
+        return [*ins, *outs, REGIMES[regime][0](rng, outs[0].shape)]
+    return inputs
+
+
+# --------------------------------------------------------------------------- logsumexp from statistics
+
+@st.composite
+def logsumexp_family(draw):
+    """Attention with its logsumexp output, streamed with the scores in registers (chunks and
+    tiles of 4 or 8, d = 4), relabelled or through ``tiles=``; at times any other chunking (the
+    logsumexp then has an accumulator of its own)."""
+    causal = draw(st.booleans())
+    window = draw(st.sampled_from((None, None, 2)))
+    bias = draw(st.sampled_from((None, "input", nc.alibi(0.5))))
+    weave = draw(st.sampled_from(("none", "heads", "batch", "gqa")))
+    dv = draw(st.booleans())
+    kw = dict(causal=causal, window_size=window, bias=bias, dv=e if dv else None, logsumexp=True)
+    kw.update({"heads": dict(heads=h), "batch": dict(heads=h, batch=bb), "gqa": dict(groups=g, heads=h)}.get(weave, {}))
+    att = L.attention(q=q, x=x, d=d, **kw)
+    how = draw(st.sampled_from(("relabel", "relabel", "tiles", "any")))
+    sx, gq = draw(st.sampled_from((4, 8))), draw(st.sampled_from((4, 8)))
+    options = {"threads": draw(st.sampled_from((16, 32) if how != "tiles" else (32, 64)), label="threads"),
+               "prefetch": draw(st.sampled_from(PREFETCH), label="prefetch")}
+    if how == "relabel":
+        steps = (("stream", "x", sx), ("tile", "q", gq), ("place", "O", "registers"))
+    elif how == "tiles":
+        steps, options["tiles"] = (), {"x": sx, "q": gq}
+    else:
+        sx, gq = draw(st.integers(1, 5)), draw(st.integers(1, 7))
+        steps = (("stream", "x", sx), ("tile", "q", gq))
+    sizes = {q: _ragged(draw, "q", gq), x: _ragged(draw, "x", sx)}
+    sizes.update({ax: (4 if ax.name in ("d", "e") else draw(st.integers(1, 3), label=ax.name))
+                  for ax in att.axes if ax not in sizes})
+    label = f"attention+logsumexp({weave}, causal={causal}, window={window}, bias={bias}, dv={dv}, {how})"
+    return Case(label, att, steps, sizes, att, options)
+
+
+# --------------------------------------------------------------------------- 16-bit operand buffers
+
+@st.composite
+def sixteen_bit_family(draw):
+    """f16 / bf16 on simulated tensor cores (tiles and chunks of 16 or 32, d = 16): one part
+    of the FlashAttention-2 backward (dS a 16-bit buffer), or an MLP (its hidden layer)."""
+    from napkin_cat.lowering.torch_op import backward_plan   # the parts torch_op runs
+    dt = draw(st.sampled_from((nc.f16, nc.bf16)))
+    options = {"threads": draw(st.sampled_from((32, 64)), label="threads")}
+    if draw(st.sampled_from(("backward", "backward", "mlp"))) == "mlp":
+        gt = draw(st.sampled_from((16, 32)))
+        mlp = L.mlp(t=t, d=e, h=f, dtype=dt)
+        sizes = {t: draw(st.integers(1, 40), label="t"), e: 16, f: draw(st.sampled_from((16, 32)), label="f")}
+        return Case(f"{dt.name} mlp", mlp, (("tile", "t", gt),), sizes, mlp, options, regimes=SMALL_DATA)
+    causal = draw(st.booleans())
+    fl = L.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
+    which = draw(st.sampled_from((0, 1)))   # the key-tile part (dK, dV) or the query-tile part (dQ)
+    part = backward_plan(fl).at(dt).parts[which]
+    blocks = {n: draw(st.sampled_from((16, 32)), label=n) for n in ("g_x", "s_q", "g_q", "s_x")
+              if n in part._sched_str()}
+    sizes = {q: draw(st.integers(1, 24), label="q"), x: draw(st.integers(1, 24), label="x"), d: 16}
+    fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True)
+    label = f"{dt.name} attention backward ({', '.join(a.name for a in part.cod)}, causal={causal})"
+    return Case(label, part, (), sizes, part.unrelabelled(), {**options, "tiles": blocks}, _residuals(fwd, sizes),
+                SMALL_DATA)
+
+
+# --------------------------------------------------------------------------- one example
+
+FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family,
+            "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family}
+
+# what each family must reach across its examples (named by test_kernel_fuzz._features)
+EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
+                     "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
+                     "sixteen_bit": {"16-bit-operand", "ldmatrix-trans"}}
+
+
+def fuzz_case(family: str, data, stats: Counter):
+    case = data.draw(FAMILIES[family](), label="case")
+    try:
+        rel = _apply(case.base, case.steps).bind(case.sizes)
+    except nc.RelabelError as err:
+        stats["relabel refused"] += 1
+        note(f"relabel refused: {err}")
+        assume(False)
+    regime = data.draw(st.sampled_from(case.regimes), label="regime")
+    seed = data.draw(st.integers(0, 2 ** 16), label="seed")
+    note(f"{case.label}: {rel}  lower({case.options})")
+    try:
+        kernel = nc.lower(rel, verify=False, **case.options)
+    except nc.LoweringError as err:
+        stats["lowering refused"] += 1
+        stats["refusal: " + str(err).split(":")[0][:60]] += 1
+        return
+    oracle = case.oracle.bind(case.sizes)
+    rng = np.random.default_rng(seed)
+    inputs = case.inputs(rng, regime) if case.inputs else \
+        [REGIMES[regime][0](rng, tuple(ax.size for ax in arr.axes)) for arr in oracle.dom]
+    diff = kernelcheck.kernel_outcome(oracle, kernel, inputs)
+    stats["kernels"] += 1
+    stats["case " + case.label.split("(")[0].strip()] += 1
+    stats["non-power-of-two block"] += any(s & (s - 1) for op, _, s in case.steps if op != "place")
+    for feat in _features(kernel):
+        stats["feature " + feat] += 1
+    assert diff.failure is None, (f"{case.label}: kernel differs from the oracle: "
+                                  f"{kernelcheck.describe_failure(diff.failure)}\n{kernel!r}\nsource:\n"
+                                  + kernel.source)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_kernel_fuzz_reaches_generator_path(family):
+    if family == "sixteen_bit":
+        pytest.importorskip("torch")   # the backward parts come from napkin_cat.lowering.torch_op
+    stats: Counter = Counter()
+
+    @SETTINGS
+    @given(st.data())
+    def run(data):
+        fuzz_case(family, data, stats)
+
+    run()
+    print(f"\nkernel fuzz {family}: {dict(stats)}")
+    assert stats["kernels"] >= FUZZ_EXAMPLES // 2, f"too few kernels generated for {family}: {dict(stats)}"
+    reached = {k[len("feature "):] for k in stats if k.startswith("feature ")}
+    missing = EXPECTED_FEATURES[family] - reached
+    assert not missing, f"{family}: the fuzzer reached no {missing}: {dict(stats)}"
