@@ -166,7 +166,7 @@ def _expand_softmaxes(d: Diagram, search_for) -> tuple[Diagram, list[str]]:
 def _segment(search: _Search, lo: int, hi: int) -> list[tuple[int, int]]:
     """Pieces covering equations ``lo..hi-1`` at the least :func:`_kernel_cost` (dynamic
     programming over cut points; from each start, pieces grow until :data:`MAX_REFUSED` in a
-    row are refused).  A piece
+    row are refused, or until one is refused once half of :data:`MAX_PIECES_TRIED` is spent).  A piece
     of several equations whose inputs and outputs alone (:func:`_io_bytes`, a lower bound of
     its cost) cannot beat the best way found to its end is not lowered."""
     sms = search.sms()
@@ -185,8 +185,8 @@ def _segment(search: _Search, lo: int, hi: int) -> list[tuple[int, int]]:
                     box = search.d.eqns[i].box
                     raise LoweringError(f"cannot lower equation {i} ({box.name or box.kind}: {p.diagram.short()}) "
                                         f"even as a kernel of its own: {got}")
-                refused += 1
-                if refused >= MAX_REFUSED:
+                refused += 1     # past a refusal only while half the search's budget is left
+                if refused >= MAX_REFUSED or len(search.tried) >= MAX_PIECES_TRIED // 2:
                     break
                 continue
             refused = 0
