@@ -85,7 +85,7 @@ from ..relabel.balance import ring_skips
 from ..relabel.devices import CHUNKS, block_view, layout_of, mask_key, pieces
 from ..relabel.loopnest import final_form
 from ..relabel.rules import device_splits
-from .distributed_backward import SplitBackward, SplitFunction
+from .distributed_backward import SplitBackward, SplitFunction, cut_to
 
 FOLDS = {"online_softmax": "online_softmax", "sum_contract": "sum"}
 
@@ -373,33 +373,37 @@ class DistributedOp:
             at += n
         return out
 
-    def _blocks(self, states: list, tensors, moving: dict, rows, cols, sizes: dict, totals: dict) -> None:
-        """Fold every (row piece, column piece) pair into ``states`` (one per row piece):
-        ``tensors`` are the shards, the ring's moving inputs replaced by ``moving``."""
-        plan, local = self.plan, self.plan.local
+    def block_pairs(self, d: Diagram, tag: str, tensors, moving: dict, rows, cols, sizes: dict, totals: dict,
+                    counts: dict):
+        """Every (row piece, column piece) pair this device meets: ``(row piece index, block
+        sizes, the block's view of d, the inputs cut to the block, the cut)``, where ``tensors``
+        are the shards with the ring's moving inputs replaced by ``moving``.  Each pair is counted
+        in ``counts`` as ``empty`` (not yielded: a mask removes it whole), ``full`` (run without
+        the mask), ``partial`` or ``unmasked``; views are cached under ``tag``."""
+        plan = self.plan
         for a, rp in enumerate(rows):
             for cp in cols:
                 ranges, cut, block = {}, {}, dict(sizes)
                 for axis, p in ((plan.tiled, rp), (plan.ring, cp)):
                     if p is not None:
                         ranges[axis], cut[axis], block[axis] = (p[0], p[0] + p[2]), (p[1], p[2]), p[2]
-                vkey = tuple(sorted(ranges.items()))
-                if vkey not in self._cache:
-                    self._cache[vkey] = block_view(local, ranges, totals, plan.skips)
-                view = self._cache[vkey]
+                key = (tag, tuple(sorted(ranges.items())))
+                if key not in self._cache:
+                    self._cache[key] = block_view(d, ranges, totals, plan.skips)
+                view = self._cache[key]
                 kind = "empty" if view.empty else "full" if view.key and all(k == ("drop",) for k in view.key) \
                     else "partial" if view.key else "unmasked"
-                self.last_blocks[kind] = self.last_blocks.get(kind, 0) + 1
+                counts[kind] = counts.get(kind, 0) + 1
                 if view.empty:
                     continue
-                views = []
-                for i, (arr, t) in enumerate(zip(self.diagram.dom, tensors)):
-                    t = moving.get(i, t)
-                    for k, name in enumerate(arr.axis_names):
-                        if name in cut and (cut[name][0], cut[name][1]) != (0, t.shape[k]):
-                            t = t.narrow(k, *cut[name])
-                    views.append(t)
-                states[a] = self._fold(states[a], self._compute(view.diagram, view.key, block, views))
+                views = [cut_to(moving.get(i, t), arr, cut) for i, (arr, t) in enumerate(zip(self.diagram.dom, tensors))]
+                yield a, block, view, views, cut
+
+    def _blocks(self, states: list, tensors, moving: dict, rows, cols, sizes: dict, totals: dict) -> None:
+        """Fold every (row piece, column piece) pair into ``states`` (one per row piece)."""
+        for a, block, view, views, _ in self.block_pairs(self.plan.local, "forward view", tensors, moving, rows,
+                                                        cols, sizes, totals, self.last_blocks):
+            states[a] = self._fold(states[a], self._compute(view.diagram, view.key, block, views))
 
     def __call__(self, *shards):
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in shards):

@@ -38,7 +38,6 @@ import torch
 
 from ..core.diagram import Diagram
 from ..core.errors import LoweringError
-from ..relabel.devices import block_view
 
 
 class SplitBackward:
@@ -106,42 +105,26 @@ class SplitBackward:
         inputs that stay, into ``ring_grads`` for the blocks in ``held`` (the moving inputs)."""
         plan, op = self.op.plan, self.op
         state_names = [a.name for a in plan.local.cod]
-        for a, rp in enumerate(rows):
-            for cp in cols:
-                ranges, cut, block = {}, {}, dict(sizes)
-                for axis, p in ((plan.tiled, rp), (plan.ring, cp)):
-                    if p is not None:
-                        ranges[axis], cut[axis], block[axis] = (p[0], p[0] + p[2]), (p[1], p[2]), p[2]
-                key = ("backward view", tuple(sorted(ranges.items())))
-                if key not in op._cache:
-                    op._cache[key] = block_view(self.block, ranges, totals, plan.skips)
-                view = op._cache[key]
-                kind = "empty" if view.empty else "full" if view.key and all(k == ("drop",) for k in view.key) \
-                    else "partial" if view.key else "unmasked"
-                self.last_blocks[kind] = self.last_blocks.get(kind, 0) + 1
-                if view.empty:
-                    continue
-                views = []
-                for i, (arr, t) in enumerate(zip(op.diagram.dom, shards)):
-                    views.append(_cut(held.get(i, t), arr, cut))
-                bop = self._block_op(view)
-                names = {x.name for x in view.diagram.axes}
-                bsizes = tuple(sorted((k, n) for k, n in block.items() if k in names and _symbolic(view.diagram, k)))
-                bplan = bop.backward_plan(wrt, bsizes, views[0].dtype)
-                named = dict(zip((x.name for x in op.diagram.dom), views))
-                named.update(zip(state_names, states[a]))
-                missing = [n for n in bplan.saves if n not in named]
-                if missing:
-                    raise LoweringError(f"{op!r}: the backward of a block reads {', '.join(missing)}, which the "
-                                        f"forward over the devices does not keep (it keeps "
-                                        f"{', '.join(state_names)} per row)")
-                saved = tuple(named[n].contiguous() for n in bplan.saves)
-                got = bop.backward(bsizes, wrt, saved, cots[a], views[0].dtype)
-                self.last_path = bop.last_backward_path
-                for i, g in zip(wrt, got):
-                    arr = op.diagram.dom[i]
-                    target = ring_grads[i] if i in held else grads[i]
-                    _cut(target, arr, cut).add_(g.to(target.dtype))
+        for a, block, view, views, cut in op.block_pairs(self.block, "backward view", shards, held, rows, cols,
+                                                         sizes, totals, self.last_blocks):
+            bop = self._block_op(view)
+            names = {x.name for x in view.diagram.axes}
+            bsizes = tuple(sorted((k, n) for k, n in block.items() if k in names and _symbolic(view.diagram, k)))
+            bplan = bop.backward_plan(wrt, bsizes, views[0].dtype)
+            named = dict(zip((x.name for x in op.diagram.dom), views))
+            named.update(zip(state_names, states[a]))
+            missing = [n for n in bplan.saves if n not in named]
+            if missing:
+                raise LoweringError(f"{op!r}: the backward of a block reads {', '.join(missing)}, which the "
+                                    f"forward over the devices does not keep (it keeps "
+                                    f"{', '.join(state_names)} per row)")
+            saved = tuple(named[n].contiguous() for n in bplan.saves)
+            got = bop.backward(bsizes, wrt, saved, cots[a], views[0].dtype)
+            self.last_path = bop.last_backward_path
+            for i, g in zip(wrt, got):
+                arr = op.diagram.dom[i]
+                target = ring_grads[i] if i in held else grads[i]
+                cut_to(target, arr, cut).add_(g.to(target.dtype))
 
     def _ring(self, grads, shards, states, cots, moving, wrt, rows, sizes, totals, rank: int, world: int):
         """``world`` steps; at step ``t`` this device holds key block ``rank - t``.  While it
@@ -192,7 +175,7 @@ class SplitBackward:
                 grads[i].copy_(part.view(shards[i].shape))
 
 
-def _cut(t: torch.Tensor, arr, cut: dict) -> torch.Tensor:
+def cut_to(t: torch.Tensor, arr, cut: dict) -> torch.Tensor:
     """``t`` (over ``arr``'s axes) narrowed to the pieces in ``cut`` (axis -> (start, length))."""
     for k, name in enumerate(arr.axis_names):
         if name in cut and (cut[name][0], cut[name][1]) != (0, t.shape[k]):
