@@ -175,6 +175,11 @@ def test_kernel_outcome_follows_fp32_where_fp32_overflows():
     assert kernelcheck.compare_outputs(names, exact, low, (np.array([np.inf, 1.0]),), 1e-5, 1e-5).failure is None
     bad = kernelcheck.compare_outputs(names, exact, low, (np.array([3.0, 1.0]),), 1e-5, 1e-5).failure
     assert bad is not None and bad["coordinates"] == {"r": 0}
+    # a finite entry close to the exact answer stayed in range by its order of summation: fine
+    exact, low = (np.array([2.189153e38, 1.0]),), (np.array([np.inf, 1.0]),)
+    near = np.array([2.1891610e38, 1.0])
+    assert kernelcheck.compare_outputs(names, exact, low, (near,), 1e-5, 1e-5).failure is None
+    assert kernelcheck.compare_outputs(names, exact, low, (near * 1.01,), 1e-5, 1e-5).failure is not None
 
 
 def test_where_both_oracles_are_non_finite_the_kernel_follows_one_of_them():

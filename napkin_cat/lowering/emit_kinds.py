@@ -68,7 +68,8 @@ def _expr_map(em, box, args, env):
 
 def index_code(em, box, fn, args, env) -> str:
     """An index expression (:mod:`napkin_cat.ops.index_expr`) as numba.cuda code, from its tree:
-    axis indices as signed ints (``int(q0 + i_q)``: differences may be negative), sizes as
+    axis indices as signed ints (``int64(q0 + i_q)``: differences may be negative; numba's
+    ``int()`` keeps a uint32 unsigned, and ``i - j`` then wraps on the GPU), sizes as
     literals, gathers as reads of the auxiliary tensors' shared buffers (a whole tensor per
     block: its axes are neither tiled nor streamed, so a local index is the global one) at
     indices clamped into the tensor, the score as ``args[0]``."""
@@ -79,7 +80,7 @@ def index_code(em, box, fn, args, env) -> str:
             if n.value == "score":
                 return args[0]
             g = em.gidx(n.value, env)
-            return f"int{g}" if g.startswith("(") and g.endswith(")") else f"int({g})"
+            return f"int64{g}" if g.startswith("(") and g.endswith(")") else f"int64({g})"
         if n.op == "size":
             return str(em.sizes[n.value])
         # a gather: indices clamped into the tensor, as the NumPy meaning reads it (the padding

@@ -123,7 +123,7 @@ def gather_kernel(d: Diagram, name: str):
              f"Diagram: {d}", "One thread per output element; the input is read through the index maps "
              "of the reindexings (zero where they leave it)"
              + ("; 16-bit values are copied as their bit patterns (int16)." if sixteen else "."), '"""', "",
-             "from numba import cuda, float32, uint32" + (", int16" if sixteen else ""), "",
+             "from numba import cuda, float32, int64, uint32" + (", int16" if sixteen else ""), "",
              *(["ZERO16 = int16(0)"] if sixteen else []), *em.consts.header(), "", "",
              "@cuda.jit", f"def {name}(X, Y):", "    e = uint32(cuda.grid(1))", f"    if e < {total}:",
              *body.lines, f"        Y[e] = {val}", ""]

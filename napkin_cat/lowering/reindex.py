@@ -109,9 +109,10 @@ def read(em, box, x: int, env: dict, src, define=None) -> str:
 
 
 def _g(em, axis: str, env: dict) -> str:
-    """Global index of ``axis`` as a signed int."""
+    """Global index of ``axis`` as a signed int (``int64``: numba's ``int()`` keeps a uint32
+    unsigned, and unsigned minus signed is a float64 in its typing)."""
     g = em.gidx(axis, env)
-    return f"int{g}" if g.startswith("(") and g.endswith(")") else f"int({g})"
+    return f"int64{g}" if g.startswith("(") and g.endswith(")") else f"int64({g})"
 
 
 def _index_map(em, box, env, src):

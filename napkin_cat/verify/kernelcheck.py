@@ -14,7 +14,8 @@ answer as a plain implementation in its own precision (its largest error on that
 over (:data:`FASTMATH_FACTOR` times for kernels compiled with approximate exp and division, the
 default), and no further.  Where the
 low-precision oracle itself leaves the dtype's range (a finite float64 answer whose fp32
-evaluation is inf or NaN) the kernel must agree with the fp32 evaluation; where both are
+evaluation is inf or NaN) the kernel must agree with the fp32 evaluation, or be finite and within
+the tolerance of the float64 answer (a different order of summation may stay in range); where both are
 non-finite (float64 inf where fp32 gives NaN: an ``exp`` that overflows before a product, as in
 a backward pass fed a logsumexp its scores did not produce) it must agree with one of them
 exactly; every other non-finite entry must agree with the float64 oracle exactly (see
@@ -186,7 +187,11 @@ def compare_outputs(arrays, exact, low, got, rtol: float, atol: float,
         same_low = (k == lo) | (np.isnan(k) & np.isnan(lo)) | ~fk
         # both oracles non-finite: the kernel follows one of them exactly
         follows_low = ~fr & ~fl & ((k == lo) | (np.isnan(k) & np.isnan(lo)))
-        bad = np.where(out_of_range, ~same_low, np.where(fr & fk, diff > allowed, ~(same | follows_low)))
+        # where fp32 overflows, a finite kernel entry within the tolerance of the exact answer is
+        # fine too (its order of summation stayed in range: 2.19e38 against fp32's inf, measured
+        # on an H100 in a dQ kernel's self-check, regime 'jumps')
+        close = fk & (diff <= allowed)
+        bad = np.where(out_of_range, ~(same_low | close), np.where(fr & fk, diff > allowed, ~(same | follows_low)))
         note_difference(out, i, arr, r, k, diff, both, bad, allowed, atol * scale)
         if out.failure is not None and out.failure["output"] == i:
             out.failure["low_value"] = float(lo[out.failure["index"]])
