@@ -1,14 +1,18 @@
-"""Whole networks as generated kernels against torch: a transformer block and a convolution.
+"""Whole networks as generated kernels against torch: a transformer block, a convolution, a
+residual block, a U-Net and a vision transformer.
 
-    NUMBA_ENABLE_CUDASIM=0 python3 -u kernels/bench_networks.py --out $OUT     # H100, about 5 min
+    NUMBA_ENABLE_CUDASIM=0 python3 -u kernels/bench_networks.py --out $OUT     # H100, about 1 min
     NUMBA_ENABLE_CUDASIM=0 python3 -u kernels/bench_networks.py --cases block_f16 --budget-s 0 --out $OUT
+    NUMBA_ENABLE_CUDASIM=0 python3 -u kernels/bench_networks.py --cases vit_f32,resnet_f32,unet_f32 \
+        --budget-s 0 --out $OUT                                                # the architectures
     NUMBA_ENABLE_CUDASIM=1 python kernels/bench_networks.py --tiny --check-only   # CPU, under a minute
     python kernels/bench_networks.py --plan                # CPU: the GPU plans, nothing compiled
 
-The first command is the one to run on an H100 (a 560 s limit: each fp32 kernel compiles in
-about 25 s, each 16-bit one in 40-80 s: the fp32 block's 8 kernels, torch.compile's and the
-convolution's one fit; the 16-bit block, 9 kernels, is a run of its own, which may not finish
-within 560 s: ``--budget-s 0`` tries anyway, and the JSON keeps every finished step).
+The first command is the one to run on an H100 (a 560 s limit).  Measured on an H100 (this
+repository's kernels/BENCHMARKS.md): the fp32 block's 8 kernels compile and run in 24 s, the
+16-bit block's 8 in 46-49 s, the residual block's 6 in 5 s, the U-Net's 15 in 11 s, the ViT's 13 in
+17 s; ``--budget-s`` skips a case whose estimated compiles (``COMPILE_S`` per kernel, twice
+those figures, and ``TORCH_COMPILE_S``) would pass the budget.
 Cases (``--cases``, comma-separated, in the order given; the default first):
 
 * ``block_f32``: ``nc.library.transformer_block(1024, 512, 8, 64, 2048)`` (pre-norm, GELU, one
@@ -21,12 +25,20 @@ Cases (``--cases``, comma-separated, in the order given; the default first):
 * ``conv_f32``: ``nc.library.conv2d(64, 64, 56, 56, kernel=3, padding=1, batch=8)`` against
   ``F.conv2d`` (cuDNN, ``cudnn.benchmark`` on);
 * more, not run by default: ``block_f16``, ``block_bf16``, ``block_causal_f32``,
-  ``block_b2_f32`` (a batch axis of 2), ``block_2048_f32`` (2048 tokens), ``conv_f16``.
+  ``block_b2_f32`` (a batch axis of 2), ``block_2048_f32`` (2048 tokens), ``conv_f16``;
+* the architectures of ``nc.library``, not run by default, each against its function in
+  :mod:`torch_networks` in eager torch and under ``torch.compile``, with the same weights:
+  ``resnet_f32``, ``resnet_block(64, None, 56, 56, batch=8)`` (identity shortcut, batch norms
+  at inference; 6 kernels when planned on the CPU); ``unet_f32``, ``unet(3, 2, 128, 128,
+  (16, 32), batch=8)`` (3 channels in, 2 classes, one pooling; 15 kernels); ``vit_f32``,
+  ``vit(3, 224, 224, 16, 384, 6, 64, 1536, 1000, batch=8)`` (ViT-S/16 with one block; 13
+  kernels: its 59 equations need the cut search's per-equation budget,
+  ``lowering.multi.PIECES_PER_EQUATION``).
 
 For each case: the plan (``nc.lower(d, verify=False)``: the number of kernels, their grids and
 shared memory, the planning seconds), the compile (the first launch of every kernel, seconds
 apart from any timing), then the check: the generated result on seeded random inputs (weights
-scaled by 1/sqrt(fan-in), biases and the layer norms' shifts non-zero) against the block in
+scaled by 1/sqrt(fan-in), biases and the norms' shifts non-zero) against the network in torch in
 float64 on the same (rounded) inputs, ``rel_err`` = max abs error / max |reference|; a case over
 its tolerance (``TOL``) is not timed.  Times are medians of CUDA-event timings of back-to-back
 calls after a warm-up (``bench.cuda_time``); TF32 is off for torch's matmuls and cuDNN, so every
@@ -37,7 +49,10 @@ after every step (a run stopped by its time limit keeps what it measured); the t
 ``--tiny``: the same cases at toy sizes on the CPU under numba's CUDA simulator, lowered for a
 GPU of ``TINY_SMEM`` bytes of shared memory per block (so the block is cut into kernels, as at
 its real size), run and checked against the float64 torch reference and the NumPy oracle
-(``nc.evaluate``), which checks the reference itself; no timing, no ``torch.compile``.
+(``nc.evaluate``), which checks the reference itself; no timing, no ``torch.compile``.  The
+toy U-Net is lowered under 4096 bytes (5 kernels), the toy ViT under the device's own limit (one
+kernel: at toy sizes nearly every piece fits, and under 8192 bytes its cut search lowers more
+than its 708 candidate pieces).
 ``--plan``: each case planned as for a GPU (the kernels' source is generated, nothing is
 compiled or run).
 """
@@ -65,35 +80,47 @@ import torch  # noqa: E402
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0" if torch.cuda.is_available() else "1")
 
 import numpy as np  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 from bench import cuda_time  # noqa: E402
 from napkin_cat.core import DTYPES  # noqa: E402
+from torch_networks import encoder_layer, fan_in, flops, torch_form  # noqa: E402
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 TOL = {"f32": 1e-4, "f16": 2e-2, "bf16": 8e-2}          # rel_err a case must stay under to be timed
-COMPILE_S = {"f32": 25.0, "f16": 60.0, "bf16": 60.0}    # seconds to compile one kernel (H100, measured)
+# seconds to compile (and first run) one kernel of a network: on an H100 the fp32 cases took
+# 0.8-3.0 s per kernel, the 16-bit block 5.7-6.2 s (kernels/BENCHMARKS.md), doubled for margin
+COMPILE_S = {"f32": 6.0, "f16": 12.0, "bf16": 12.0}
 TORCH_COMPILE_S = 60.0                                   # torch.compile of the block, about
 TINY_SMEM = 8192   # --tiny: shared memory per block, small enough that the block cuts into kernels
 
 
 class Case(NamedTuple):
-    """A network at one size: ``kind`` "block" (sizes t, d, h, e, f, batch) or "conv" (n, c, o, hw)."""
+    """A network at one size: ``kind`` "block" (sizes t, d, h, e, f, batch), "conv" (n, c, o,
+    hw), "resnet" (n, c, hw), "unet" (n, c, k, hw, widths) or "vit" (n, c, hw, patch, d, h, e,
+    f, k, layers), ``n`` the batch; ``tiny_smem``: the shared memory per block ``--tiny`` lowers
+    for (None: the simulator's device, whose limit the toy sizes fit in one kernel)."""
 
     kind: str
     dtype: str
     sizes: dict
     tiny: dict
     causal: bool = False
+    tiny_smem: int | None = TINY_SMEM
 
 
 BLOCK = dict(t=1024, d=512, h=8, e=64, f=2048, batch=1)
 BLOCK_TINY = dict(t=16, d=16, h=2, e=8, f=32, batch=1)
 CONV = dict(n=8, c=64, o=64, hw=56)
 CONV_TINY = dict(n=2, c=4, o=4, hw=6)
+RESNET = dict(n=8, c=64, hw=56)
+RESNET_TINY = dict(n=2, c=8, hw=8)
+UNET = dict(n=8, c=3, k=2, hw=128, widths=(16, 32))
+UNET_TINY = dict(n=2, c=3, k=2, hw=8, widths=(4, 8))
+VIT = dict(n=8, c=3, hw=224, patch=16, d=384, h=6, e=64, f=1536, k=1000, layers=1)
+VIT_TINY = dict(n=2, c=3, hw=8, patch=4, d=16, h=2, e=8, f=32, k=5, layers=1)
 CASES = {
     "block_f32": Case("block", "f32", BLOCK, BLOCK_TINY),
     "conv_f32": Case("conv", "f32", CONV, CONV_TINY),
@@ -103,6 +130,9 @@ CASES = {
     "block_b2_f32": Case("block", "f32", {**BLOCK, "batch": 2}, {**BLOCK_TINY, "batch": 2}),
     "block_2048_f32": Case("block", "f32", {**BLOCK, "t": 2048}, BLOCK_TINY),
     "conv_f16": Case("conv", "f16", CONV, CONV_TINY),
+    "resnet_f32": Case("resnet", "f32", RESNET, RESNET_TINY),
+    "unet_f32": Case("unet", "f32", UNET, UNET_TINY, tiny_smem=4096),
+    "vit_f32": Case("vit", "f32", VIT, VIT_TINY, tiny_smem=None),
 }
 DEFAULT = "block_f32,conv_f32"
 T0 = time.perf_counter()
@@ -115,27 +145,26 @@ def log(*a):
 # ------------------------------------------------------------------------------ diagrams, inputs
 
 def diagram(case: Case, s: dict):
-    dt = DTYPES[case.dtype]
+    dt, L = DTYPES[case.dtype], nc.library
     if case.kind == "block":
         batch = nc.Axis("b", s["batch"]) if s["batch"] > 1 else None
-        return nc.library.transformer_block(s["t"], s["d"], s["h"], s["e"], s["f"], causal=case.causal,
-                                            batch=batch, dtype=dt)
-    return nc.library.conv2d(s["c"], s["o"], s["hw"], s["hw"], kernel=3, padding=1, batch=nc.Axis("b", s["n"]),
-                             dtype=dt)
-
-
-def fan_in(name: str, shape: tuple) -> int:
-    """Inputs summed into one output of the weight ``name`` (layouts of the library's diagrams)."""
-    if name == "W":                      # conv W[o c kh kw]
-        return math.prod(shape[1:])
-    if name == "attn_Wo":                # W[h e d]
-        return shape[0] * shape[1]
-    return shape[0]                      # attn_W{q,k,v}[d h e], mlp_W1[d f], mlp_W2[f d]
+        return L.transformer_block(s["t"], s["d"], s["h"], s["e"], s["f"], causal=case.causal, batch=batch, dtype=dt)
+    b, hw = nc.Axis("b", s["n"]), s["hw"]    # images: always a batch axis
+    if case.kind == "conv":
+        return L.conv2d(s["c"], s["o"], hw, hw, kernel=3, padding=1, batch=b, dtype=dt)
+    if case.kind == "resnet":
+        return L.resnet_block(s["c"], None, hw, hw, batch=b, dtype=dt)
+    if case.kind == "unet":
+        return L.unet(s["c"], s["k"], hw, hw, s["widths"], batch=b, dtype=dt)
+    return L.vit(s["c"], hw, hw, s["patch"], s["d"], s["h"], s["e"], s["f"], s["k"], layers=s["layers"], batch=b,
+                 dtype=dt)
 
 
 def inputs(d, seed: int, device) -> dict:
     """Seeded float64 inputs by name, in the diagram's layouts: ``X`` standard normal, weights
-    scaled by 1/sqrt(fan-in), layer norm scales 1 + 0.1 N(0, 1), shifts and biases 0.1 N(0, 1)."""
+    scaled by 1/sqrt(fan-in), norms' scales 1 + 0.1 N(0, 1), batch norms' variances
+    exp(0.1 N(0, 1)), everything else (shifts, biases, means, the class token, the position
+    embedding) 0.1 N(0, 1)."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for arr in d.dom:
@@ -144,6 +173,8 @@ def inputs(d, seed: int, device) -> dict:
         name = arr.name
         if name.endswith("_gamma"):
             v = 1 + 0.1 * v
+        elif name.endswith("_var"):
+            v = torch.exp(0.1 * v)
         elif name == "X":
             pass
         elif "_W" in name or name == "W":
@@ -156,49 +187,10 @@ def inputs(d, seed: int, device) -> dict:
 
 # ------------------------------------------------------------------------------ torch's side
 
-def torch_params(W: dict) -> dict:
-    """The block's weights in torch's layouts (``F.linear``'s ``[out, in]``, QKV fused)."""
-    d = W["attn_Wq"].shape[0]
-    proj = [W[f"attn_W{n}"].reshape(d, -1).T for n in "qkv"]
-    return {"ln1_w": W["ln1_gamma"], "ln1_b": W["ln1_beta"], "ln2_w": W["ln2_gamma"], "ln2_b": W["ln2_beta"],
-            "in_w": torch.cat(proj).contiguous(), "in_b": torch.cat([W[f"attn_b{n}"].reshape(-1) for n in "qkv"]),
-            "out_w": W["attn_Wo"].reshape(-1, d).T.contiguous(), "out_b": W["attn_bo"],
-            "w1": W["mlp_W1"].T.contiguous(), "b1": W["mlp_b1"], "w2": W["mlp_W2"].T.contiguous(), "b2": W["mlp_b2"]}
-
-
-def block_forward(X, P: dict, heads: int, causal: bool, eps: float = 1e-5):
-    """The pre-norm block in torch: ``X1 = X + MHA(LN1(X))``, ``Y = X1 + MLP(LN2(X1))``, GELU (erf)."""
-    dm = X.shape[-1]
-    A = F.layer_norm(X, (dm,), P["ln1_w"], P["ln1_b"], eps)
-    qkv = F.linear(A, P["in_w"], P["in_b"]).unflatten(-1, (3, heads, -1))     # [.. t 3 h e]
-    q, k, v = (z.transpose(-3, -2) for z in qkv.movedim(-3, 0))               # [.. h t e]
-    O = F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(-3, -2).flatten(-2)
-    X1 = X + F.linear(O, P["out_w"], P["out_b"])
-    B = F.layer_norm(X1, (dm,), P["ln2_w"], P["ln2_b"], eps)
-    return X1 + F.linear(F.gelu(F.linear(B, P["w1"], P["b1"])), P["w2"], P["b2"])
-
-
-def encoder_layer(P: dict, heads: int):
-    """``torch.nn.TransformerEncoderLayer`` holding ``P`` (batch first; inputs ``[b t d]``)."""
-    dm, ff = P["in_w"].shape[1], P["w1"].shape[0]
-    layer = torch.nn.TransformerEncoderLayer(dm, heads, ff, dropout=0.0, activation="gelu", batch_first=True,
-                                             norm_first=True, device=P["w1"].device, dtype=P["w1"].dtype).eval()
-    with torch.no_grad():
-        for mod, w, b in ((layer.self_attn, "in_w", "in_b"), (layer.self_attn.out_proj, "out_w", "out_b"),
-                          (layer.linear1, "w1", "b1"), (layer.linear2, "w2", "b2"),
-                          (layer.norm1, "ln1_w", "ln1_b"), (layer.norm2, "ln2_w", "ln2_b")):
-            if mod is layer.self_attn:
-                mod.in_proj_weight.copy_(P[w]), mod.in_proj_bias.copy_(P[b])
-            else:
-                mod.weight.copy_(P[w]), mod.bias.copy_(P[b])
-    return layer
-
-
 def reference(case: Case, s: dict, W: dict):
     """What ``case`` computes, by torch on the tensors ``W`` (diagram layouts) in their dtype."""
-    if case.kind == "block":
-        return block_forward(W["X"], torch_params(W), s["h"], case.causal)
-    return F.conv2d(W["X"], W["W"], W["bias"], padding=1)
+    fn, args = torch_form(case.kind, s, W, case.causal)
+    return fn(*args)
 
 
 def compiled(fn):
@@ -210,14 +202,6 @@ def compiled(fn):
         if hasattr(cfg, name):
             setattr(cfg, name, n)
     return torch.compile(fn, dynamic=False)
-
-
-def flops(case: Case, s: dict) -> float:
-    if case.kind == "conv":
-        return 2.0 * s["n"] * s["o"] * s["c"] * 9 * s["hw"] ** 2
-    t, dm, he, f = s["t"], s["d"], s["h"] * s["e"], s["f"]
-    attn = 4.0 * t * t * he * (0.5 if case.causal else 1.0)
-    return s["batch"] * (2.0 * t * dm * 3 * he + attn + 2.0 * t * he * dm + 4.0 * t * dm * f)
 
 
 def rel(got, want) -> tuple[float, float]:
@@ -232,11 +216,12 @@ def kernels_of(k) -> tuple:
     return getattr(k, "kernels", (k,))
 
 
-def tiny_hw():
-    """An H100 with ``TINY_SMEM`` bytes of shared memory per block: toy sizes cut into kernels
-    as the realistic ones do on the GPU (one fused kernel fits otherwise)."""
+def tiny_hw(smem: int | None):
+    """An H100 with ``smem`` bytes of shared memory per block (``Case.tiny_smem``): toy sizes cut
+    into kernels as the realistic ones do on the GPU (one fused kernel fits otherwise); None:
+    the simulator's device as it is."""
     import dataclasses
-    return dataclasses.replace(nc.hardware.H100, smem_per_block_optin=TINY_SMEM)
+    return None if smem is None else dataclasses.replace(nc.hardware.H100, smem_per_block_optin=smem)
 
 
 def plan(case: Case, s: dict, row: dict, hw=None):
@@ -263,8 +248,8 @@ def run_case(name: str, case: Case, args, save) -> dict:
            "tol": TOL[case.dtype]}
     log(f"{name}: planning {case.kind} {s} {case.dtype} ...")
     if args.tiny:
-        row["smem_limit"] = TINY_SMEM
-    d, k = plan(case, s, row, tiny_hw() if args.tiny else None)
+        row["smem_limit"] = case.tiny_smem
+    d, k = plan(case, s, row, tiny_hw(case.tiny_smem) if args.tiny else None)
     save(row)
     if k is None:
         log(f"{name}: refused: {row['refused'][:300]}")
@@ -272,7 +257,7 @@ def run_case(name: str, case: Case, args, save) -> dict:
     log(f"{name}: {row['kernels']} kernels planned in {row['plan_s']:.1f} s")
     gpu = not args.tiny
     if gpu and args.budget_s:
-        need = row["kernels"] * COMPILE_S[case.dtype] + (TORCH_COMPILE_S if case.kind == "block" else 0)
+        need = row["kernels"] * COMPILE_S[case.dtype] + (TORCH_COMPILE_S if case.kind != "conv" else 0)
         if time.perf_counter() - T0 + need > args.budget_s:
             row["skipped"] = (f"about {need:.0f} s of compiles would pass --budget-s {args.budget_s:.0f} "
                               f"({time.perf_counter() - T0:.0f} s gone)")
@@ -317,7 +302,7 @@ def run_case(name: str, case: Case, args, save) -> dict:
         return row
     del want
     timings(case, s, Wd, run, args.reps, save, row)
-    row["tflops"] = flops(case, s) / row["ours_ms"] / 1e9
+    row["tflops"] = flops(case.kind, s, case.causal) / row["ours_ms"] / 1e9
     return row
 
 
@@ -327,27 +312,27 @@ def timings(case: Case, s: dict, Wd: dict, run, reps: int, save, row: dict) -> N
     save(row)
     log(f"  ours {row['ours_ms']:.3f} ms")
     peers = {}
+    torch.backends.cudnn.benchmark = True    # cuDNN's fastest algorithm for every convolution
     with torch.inference_mode():
+        fn, fargs = torch_form(case.kind, s, Wd, case.causal)   # weights in torch's layouts, once
         if case.kind == "conv":
-            torch.backends.cudnn.benchmark = True
-            peers["cudnn"] = lambda: F.conv2d(Wd["X"], Wd["W"], Wd["bias"], padding=1)
+            peers["cudnn"] = lambda: fn(*fargs)
         else:
-            P = torch_params(Wd)
-            X = Wd["X"]
-            peers["eager"] = lambda: block_forward(X, P, s["h"], case.causal)
-            if s["h"] * s["e"] == s["d"]:   # nn.MultiheadAttention's heads are d / h wide
+            peers["eager"] = lambda: fn(*fargs)
+            if case.kind == "block" and s["h"] * s["e"] == s["d"]:   # nn.MultiheadAttention's heads are d / h wide
+                X, P = fargs[:2]
                 layer = encoder_layer(P, s["h"])
                 Xb = X if X.dim() == 3 else X[None]
                 mask = torch.nn.Transformer.generate_square_subsequent_mask(s["t"], device=X.device, dtype=X.dtype) \
                     if case.causal else None
                 peers["nn"] = lambda: layer(Xb, src_mask=mask, is_causal=case.causal)
-            fn = compiled(block_forward)
+            cfn = compiled(fn)
             t0 = time.perf_counter()
             try:
-                fn(X, P, s["h"], case.causal)
+                cfn(*fargs)
                 torch.cuda.synchronize()
                 row["torch_compile_s"] = time.perf_counter() - t0
-                peers["compiled"] = lambda: fn(X, P, s["h"], case.causal)
+                peers["compiled"] = lambda: cfn(*fargs)
             except Exception as e:  # noqa: BLE001 - a peer that cannot run is recorded, not fatal
                 row["compiled_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         for peer, f in peers.items():

@@ -1,6 +1,7 @@
 """kernels/bench_networks.py (the whole-network benchmark) runs its --tiny --check-only path on
 the CPU: each case lowered (the block cut into several kernels), run in numba's CUDA simulator
-and checked against float64 torch, whose block is itself checked against the NumPy oracle."""
+and checked against float64 torch, whose network is itself checked against the NumPy oracle;
+its --plan path plans the architectures as for an H100."""
 
 from __future__ import annotations
 
@@ -46,3 +47,23 @@ def test_bench_networks_checks_every_default_case_on_the_cpu(tmp_path, capsys):
     rows = _check_tiny(_bench().DEFAULT, tmp_path, capsys)
     block = next(r for r in rows if r["case"] == "block_f32")
     assert block["kernels"] > 1, block   # cut into kernels, as at the real size
+
+
+@pytest.mark.parametrize("case, cut", [("resnet_f32", True), ("unet_f32", True), ("vit_f32", False)])
+def test_bench_networks_checks_the_architectures_on_the_cpu(case, cut, tmp_path, capsys):
+    """The residual block and the U-Net cut into kernels at toy sizes, as at their real ones; the
+    ViT is one kernel (at toy sizes its cut search runs out under a small limit, see the bench's
+    docstring)."""
+    (row,) = _check_tiny(case, tmp_path, capsys)
+    assert (row["kernels"] > 1) == cut, row["launches"]
+
+
+@pytest.mark.slow
+def test_bench_networks_plans_the_architectures_for_an_h100(tmp_path):
+    """The residual block, the U-Net and the ViT-S/16 plan within an H100's shared memory, each
+    cut into several kernels (the ViT's 59 equations within the search's per-equation budget)."""
+    bench = _bench()
+    rows = bench.main(["--plan", "--cases", "resnet_f32,unet_f32,vit_f32", "--out", str(tmp_path)])["cases"]
+    for r in rows:
+        assert "refused" not in r and r["kernels"] > 1, r
+        assert all(launch["smem_bytes"] <= 232448 for launch in r["launches"]), r["launches"]

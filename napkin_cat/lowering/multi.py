@@ -50,7 +50,8 @@ from ..core.errors import LoweringError, NapkinError, RelabelError, ShapeError
 from ..relabel.cut import Piece, cut_after, forced_cuts, piece, softmax_two_pass
 from .gather import gather_bytes, gather_kernel, is_gather
 
-MAX_PIECES_TRIED = 400   # candidate kernels lowered while searching for the cut
+MAX_PIECES_TRIED = 400   # candidate kernels lowered while searching for the cut, at least ...
+PIECES_PER_EQUATION = 12  # ... and this many per equation (a ViT block's 59 equations lower ~440)
 MAX_REFUSED = 4          # refused pieces in a row from one start before longer ones are not tried
 
 
@@ -64,6 +65,13 @@ class _Search:
     base: str
     tried: dict = field(default_factory=dict)
 
+    @property
+    def budget(self) -> int:
+        """How many candidate pieces may be lowered: :data:`MAX_PIECES_TRIED`, or
+        :data:`PIECES_PER_EQUATION` per equation for a longer diagram (every start grows its
+        pieces until refusals, so the work grows with the length)."""
+        return max(MAX_PIECES_TRIED, PIECES_PER_EQUATION * len(self.d.eqns))
+
     def sms(self) -> int:
         """SMs of the device the kernels are for (``hw=``, else an H100)."""
         from ..core.hardware import H100
@@ -72,8 +80,8 @@ class _Search:
     def kernel(self, start: int, stop: int):
         key = (start, stop)
         if key not in self.tried:
-            if len(self.tried) >= MAX_PIECES_TRIED:
-                raise LoweringError(f"cannot cut {self.d.short()} into kernels: more than {MAX_PIECES_TRIED} "
+            if len(self.tried) >= self.budget:
+                raise LoweringError(f"cannot cut {self.d.short()} into kernels: more than {self.budget} "
                                     f"candidate pieces lowered; place(wire, 'HBM') fixes cuts by hand")
             p = piece(self.d, start, stop)
             view = View.of(p)
@@ -166,7 +174,7 @@ def _expand_softmaxes(d: Diagram, search_for) -> tuple[Diagram, list[str]]:
 def _segment(search: _Search, lo: int, hi: int) -> list[tuple[int, int]]:
     """Pieces covering equations ``lo..hi-1`` at the least :func:`_kernel_cost` (dynamic
     programming over cut points; from each start, pieces grow until :data:`MAX_REFUSED` in a
-    row are refused, or until one is refused once half of :data:`MAX_PIECES_TRIED` is spent).  A piece
+    row are refused, or until one is refused once half of the search's budget is spent).  A piece
     of several equations whose inputs and outputs alone (:func:`_io_bytes`, a lower bound of
     its cost) cannot beat the best way found to its end is not lowered."""
     sms = search.sms()
@@ -186,7 +194,7 @@ def _segment(search: _Search, lo: int, hi: int) -> list[tuple[int, int]]:
                     raise LoweringError(f"cannot lower equation {i} ({box.name or box.kind}: {p.diagram.short()}) "
                                         f"even as a kernel of its own: {got}")
                 refused += 1     # past a refusal only while half the search's budget is left
-                if refused >= MAX_REFUSED or len(search.tried) >= MAX_PIECES_TRIED // 2:
+                if refused >= MAX_REFUSED or len(search.tried) >= search.budget // 2:
                     break
                 continue
             refused = 0
