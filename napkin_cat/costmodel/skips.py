@@ -203,7 +203,7 @@ def chunk_states(skips, N: int, steps: list[int], n: int, s: int, data: dict | N
         for k in range(lo // s, min(-(-hi // s), last)):
             c0, c1 = k * s, min(k * s + s, n)
             atom = _table_atom(data, r0, r1, c0, c1)
-            states = [sk.pred.chunk_state(r0, r1, c0, c1, IntAlgebra, BoolLogic, atom) for sk in skips]
+            states = [sk.chunk_state(r0, r1, c0, c1, IntAlgebra, BoolLogic, atom) for sk in skips]
             out.append((r1 - r0, c1 - c0, any(e for _, e in states), tuple(f for f, _ in states)))
     return out
 

@@ -14,6 +14,9 @@ from .source import Code, CodeAlgebra, Source, paren as _paren, render_code
 
 
 _CMP_CODE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+# comments on the bounds of a stream over a mask's rows (its columns tiled: the backward's dK / dV)
+_TRANSPOSED_NOTES = ("later chunks are masked for every column of the tile (transposed support)",
+                     "earlier chunks are masked for every column of the tile (transposed support)")
 
 
 class _CodeLogic:
@@ -213,7 +216,8 @@ class Loads:
 
     def _stream_bounds(self, lp: Loop, src: Source) -> tuple[str, str]:
         """Chunks every score of which a mask sends to -inf contribute nothing to an online
-        softmax (or max / logsumexp): skip them.  The bounds are the supports of the masks
+        softmax (or max / logsumexp), nor to a sum of terms a mask zeroes: skip them.
+        The bounds are the supports of the masks
         (:func:`napkin_cat.relabel.skipping.chunk_skips`) over the rows of the block's tile:
         an end where a mask bounds the columns from above (``j <= i``), a start where it bounds
         them from below (``j >= i``), both for a window."""
@@ -222,8 +226,8 @@ class Loads:
         a = self.ax[lp.axis]
         for s in self.plan.skips[lp.axis]:
             r = self.ax[s.row]
-            first, end = s.pred.support(Code(r.start), Code(f"{r.start} + {r.count}"), CodeAlgebra)
-            later, earlier = s.pred.rule.skip_notes
+            first, end = s.support(Code(r.start), Code(f"{r.start} + {r.count}"), CodeAlgebra)
+            later, earlier = _TRANSPOSED_NOTES if s.transposed else s.pred.rule.skip_notes
             if end is not None:
                 end = render_code(end, k.u)
                 name = self.names.fresh(f"{a.name}_end")
@@ -265,7 +269,7 @@ class Loads:
         k = self.consts
         a = self.ax[lp.axis]
         flags = self.full_flags
-        skipping = {(s.row, s.pred) for s in self.plan.skips[lp.axis] if s.pred.block_atoms()}
+        skipping = {(s.row, s.pred) for s in self.plan.skips[lp.axis] if s.pred.block_atoms() and not s.transposed}
         empties = []
         lg = _CodeLogic(k.u)
         c0, c1 = Code(a.start), Code(f"{a.start} + {a.count}")

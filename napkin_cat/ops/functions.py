@@ -13,6 +13,11 @@ A :class:`Function` says everything any stage needs to know about ``exp`` or ``s
 ``keeps_neg_inf``  ``f(-inf, ...) == -inf`` and ``f`` is increasing in its first argument, so a
               masked score stays masked through it (read by the chunk-skipping analysis);
               a callable of the constant ``c`` (``scale`` keeps it only for ``c > 0``);
+``zero_at_neg_inf``  ``f(-inf) == 0`` exactly (``exp``): a masked score becomes a weight of 0;
+``keeps_zero``  the arguments at which an exact 0 gives an exact 0, the others finite (``mul``:
+              both, ``scale``: its one): a zero weight stays zero through it.  With
+              ``zero_at_neg_inf`` this lets a sum over a streamed axis skip the chunks a mask
+              removes (:mod:`napkin_cat.relabel.skipping`);
 ``derivative``  its vector-Jacobian product, read by :mod:`.grad`:
               ``derivative(t, g, y, *args, c)`` returns one cotangent per argument (None: zero),
               given the output cotangent ``g``, the output ``y = f(*args)`` and the arguments,
@@ -52,6 +57,8 @@ class Function:
     constant: bool = False
     keeps_neg_inf: Callable = _never
     derivative: Callable | None = None
+    zero_at_neg_inf: bool = False
+    keeps_zero: tuple = ()
 
     def __post_init__(self):
         if self.unit not in ("fma", "exp", "free"):
@@ -115,7 +122,7 @@ def _d_maximum(t, g, y, a, b, c):
 
 
 _ENTRIES = (
-    Function("exp", 1, "exp", lambda xp, x: xp.exp(x), "math.exp({a})",
+    Function("exp", 1, "exp", lambda xp, x: xp.exp(x), "math.exp({a})", zero_at_neg_inf=True,
              derivative=lambda t, g, y, x, c: (t("mul", g, y),)),
     Function("log", 1, "exp", lambda xp, x: xp.log(x), "math.log({a})",
              derivative=lambda t, g, y, x, c: (t("div", g, x),)),
@@ -149,7 +156,7 @@ _ENTRIES = (
     Function("tanh", 1, "exp", lambda xp, x: xp.tanh(x), "math.tanh({a})",
              derivative=lambda t, g, y, x, c: (t("mul", g, _one_minus(t, t("square", y))),)),
     Function("scale", 1, "fma", lambda xp, x, c: x * c, "{a} * {c}", constant=True,
-             keeps_neg_inf=lambda c: c > 0, derivative=lambda t, g, y, x, c: (t("scale", g, c=c),)),
+             keeps_neg_inf=lambda c: c > 0, derivative=lambda t, g, y, x, c: (t("scale", g, c=c),), keeps_zero=(0,)),
     Function("shift", 1, "fma", lambda xp, x, c: x + c, "{a} + {c}", constant=True, keeps_neg_inf=_always,
              derivative=lambda t, g, y, x, c: (g,)),
     Function("recip", 1, "exp", lambda xp, x: 1 / x, "{ONE} / {a}",
@@ -160,9 +167,9 @@ _ENTRIES = (
              derivative=lambda t, g, y, x, c: (None,)),
     Function("add", 2, "fma", lambda xp, x, y: xp.add(x, y), "{a} + {b}", keeps_neg_inf=_always,
              derivative=lambda t, g, y, a, b, c: (g, g)),
-    Function("sub", 2, "fma", lambda xp, x, y: xp.subtract(x, y), "{a} - {b}",
+    Function("sub", 2, "fma", lambda xp, x, y: xp.subtract(x, y), "{a} - {b}", keeps_neg_inf=_always,
              derivative=lambda t, g, y, a, b, c: (g, t("neg", g))),
-    Function("mul", 2, "fma", lambda xp, x, y: xp.multiply(x, y), "{a} * {b}",
+    Function("mul", 2, "fma", lambda xp, x, y: xp.multiply(x, y), "{a} * {b}", keeps_zero=(0, 1),
              derivative=lambda t, g, y, a, b, c: (t("mul", g, b), t("mul", g, a))),
     Function("div", 2, "fma", lambda xp, x, y: xp.divide(x, y), "{a} / {b}", derivative=_d_div),
     # 1 where the arguments are equal, else 0 (NaN equals nothing): the indicator the

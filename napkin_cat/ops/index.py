@@ -232,6 +232,29 @@ class Predicate(_IndexFunction):
         """``(lo, hi)``: the columns that may survive in rows ``[r0, r1)`` (None: all of them)."""
         return None if self.rule.support is None else self.rule.support(r0, r1, self.args, al)
 
+    def row_support(self, c0, c1, al):
+        """``(lo, hi)``: the rows that may keep an entry in the columns ``[c0, c1)`` (the
+        support transposed, for a stream over the rows: :mod:`napkin_cat.relabel.skipping`),
+        derived from :meth:`index_form` with the roles of ``i`` and ``j`` swapped; ``(0, None)``
+        where nothing bounds them (a custom predicate).
+
+        >>> causal(0).row_support(8, 12, IntAlgebra)    # j <= i: rows from the first column
+        (8, None)
+        >>> window(2, 1).row_support(8, 12, IntAlgebra)
+        (7, 14)
+        """
+        from .index_support import support
+        form = self.index_form()
+        if form is None:
+            return 0, None
+        e, i, j = form
+        return support(e, c0, c1, al, j, i)
+
+    def skips_rows(self) -> bool:
+        """A stream over the rows can skip chunks: :meth:`row_support` bounds them."""
+        far = 2 ** 31
+        return self.row_support(0, 1, IntAlgebra)[1] is not None or self.row_support(far, far + 1, IntAlgebra)[0] != 0
+
     def bounded(self) -> bool:
         """The support bounds the columns from above (a stream can skip chunks past it)."""
         if self.rule.support is None:

@@ -17,7 +17,12 @@ Traits
                 its input: the adversarial "jumps" data regime targets these;
 ``keeps_neg_inf(box, sizes)``  ``-inf`` in its first input stays ``-inf`` in the output and
                 the output is increasing in that input: a masked score stays masked, which
-                is what lets a stream skip chunks a mask removes (:mod:`napkin_cat.relabel`).
+                is what lets a stream skip chunks a mask removes (:mod:`napkin_cat.relabel`);
+``zero_at_neg_inf(box, sizes)``  ``-inf`` in its first input gives exactly 0 in the output
+                (``exp``): a masked score becomes a zero weight;
+``keeps_zero(box, sizes)``  the inputs at which an exact 0 gives an exact 0 output when the
+                other inputs are finite (a product): a zero weight stays zero, so a sum over a
+                streamed axis gains nothing from a chunk a mask removes.
 """
 
 from __future__ import annotations
@@ -49,6 +54,14 @@ def _yes(box, sizes=None) -> bool:
     return True
 
 
+def _none(box, sizes=None) -> tuple:
+    return ()
+
+
+def _first(box, sizes=None) -> tuple:
+    return (0,)
+
+
 @dataclass(frozen=True)
 class KindSpec:
     name: str
@@ -59,6 +72,8 @@ class KindSpec:
     fused: bool = False
     softmax_like: Callable = _no
     keeps_neg_inf: Callable = _no
+    zero_at_neg_inf: Callable = _no
+    keeps_zero: Callable = _none
 
     def __post_init__(self):
         if self.shape not in ("elementwise", "reduction", "normaliser", "source", "reindex"):
@@ -76,6 +91,14 @@ def _map_keeps(box: Box, sizes=None) -> bool:
     return f.keeps_neg_inf(c)
 
 
+def _map_zero_at_neg_inf(box: Box, sizes=None) -> bool:
+    return FUNCTIONS[box.param("fn")].zero_at_neg_inf
+
+
+def _map_keeps_zero(box: Box, sizes=None) -> tuple:
+    return FUNCTIONS[box.param("fn")].keeps_zero
+
+
 def _exp_normalised(box: Box, sizes=None) -> bool:
     return box.param("a1") == "exp"
 
@@ -91,7 +114,7 @@ def _reduce_softmax_like(box: Box, sizes=None) -> bool:
 SPECS: dict[str, KindSpec] = {s.name: s for s in (
     KindSpec("contract", "reduction", "einsum over named axes: output axes are the cod's, the rest are summed"),
     KindSpec("map", "elementwise", "an elementwise function from ops.functions, unary or binary",
-             keeps_neg_inf=_map_keeps),
+             keeps_neg_inf=_map_keeps, zero_at_neg_inf=_map_zero_at_neg_inf, keeps_zero=_map_keeps_zero),
     KindSpec("reduce", "reduction", "sum / max / min / mean / logsumexp over one axis", axis="axis",
              softmax_like=_reduce_softmax_like),
     KindSpec("softmax", "normaliser", "softmax over one axis (rows that are all -inf give zeros)",
@@ -105,7 +128,7 @@ SPECS: dict[str, KindSpec] = {s.name: s for s in (
     KindSpec("reindex", "reindex", "transpose, split, merge, slice, diagonal, rename, unfold (windows / pad)"),
     KindSpec("param", "source", "a named parameter (no inputs; value passed at evaluation)"),
     KindSpec("const", "source", "an array filled with a constant"),
-    KindSpec("cast", "elementwise", "change of dtype"),
+    KindSpec("cast", "elementwise", "change of dtype", keeps_zero=_first),
     KindSpec("softmax_contract", "reduction", "softmax along axis, then contraction over it (fused)",
              axis="axis", fused=True, softmax_like=_yes),
     KindSpec("norm_contract", "reduction", "a normalisation along axis, then contraction over it (fused)",

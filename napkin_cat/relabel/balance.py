@@ -33,7 +33,9 @@ def ring_skips(d: Diagram) -> tuple:
     devices (a mask on (tiled rows, streamed columns) feeding the online softmax)."""
     ff = final_form(d)
     loop = next((lp for lp in ff.loops if lp.step == DEVICES and lp.kind == "stream"), None)
-    return () if loop is None else chunk_skips(ff, loop)
+    # the ring's blocks are read in the mask's (row, column) order: a transposed skip (a stream
+    # over the mask's rows) is left to the executor and the kernel, which skip it exactly
+    return () if loop is None else tuple(s for s in chunk_skips(ff, loop) if not s.transposed)
 
 
 def _inner(d: Diagram, op: str, axis: str | None, sizes: dict) -> int | None:

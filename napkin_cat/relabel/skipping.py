@@ -9,9 +9,23 @@ stream, the rows ``[r0, r1)`` of a tile need only the columns of the predicate's
 (``j >= i``) or both (a window).  A mask that reads a block table
 (:meth:`~napkin_cat.ops.index.Predicate.block_atoms`) skips, besides, the chunks the table
 marks empty, chunk by chunk, when the kernel runs; and a chunk that a mask keeps whole
-(:meth:`~napkin_cat.ops.index.Predicate.chunk_state`) skips the mask's arithmetic.  The tiled executor, the cost model and the
-kernel generator all read :func:`chunk_skips` and :func:`visited`, so what the NumPy check
-verifies is what the kernel skips and what the cost model counts.
+(:meth:`~napkin_cat.ops.index.Predicate.chunk_state`) skips the mask's arithmetic.
+
+A sum over the streamed axis (a contraction: the backward's ``dV += P^T dO``, ``dK += dS^T Q``,
+``dQ += dS K``) gains nothing from a chunk where every summand is exactly 0.  A value is 0
+where a mask removes the entry when it is a box whose spec has ``zero_at_neg_inf`` (``exp``)
+applied to a score that a mask sends to ``-inf`` (as above), or a box whose spec's
+``keeps_zero`` names an input that is such a value (a product, a positive scale, a cast); a
+product of such a value with finite factors is 0 (``0 * inf`` is NaN: non-finite values at
+masked positions are not specified, docs/NAN_POLICY.md rule 5).  Any other box on the path
+stops the derivation.  When the mask's rows are the streamed axis and its columns the tiled
+one (keys tiled, queries streamed), the chunks kept are those of the transposed support
+(:meth:`~napkin_cat.ops.index.Predicate.row_support`; ``j <= i``: queries from the tile's
+first key).  A chunk is skipped only if every accumulator along the stream derives the mask.
+
+The tiled executor, the cost model and the kernel generator all read :func:`chunk_skips` and
+:func:`visited`, so what the NumPy check verifies is what the kernel skips and what the cost
+model counts.
 """
 
 from __future__ import annotations
@@ -24,55 +38,118 @@ from .loopnest import FinalForm, Loop, Update
 
 # accumulators that a chunk of -inf scores leaves unchanged
 SKIPPING_RULES = ("online_softmax", "logsumexp")
+# accumulators that a chunk of exact zeros leaves unchanged (sums)
+SUM_RULES = ("sum_contract",)
 
 
 @dataclass(frozen=True)
 class Skip:
     """Rows ``row`` (tiled by a grid loop) keep only the columns of ``pred``'s support along
-    the streamed axis ``col``."""
+    the streamed axis ``col``.  ``transposed``: the mask's rows are the streamed axis and its
+    columns the tiled one (a stream over queries, keys tiled: the backward's dK / dV), so the
+    chunks kept are those of :meth:`~napkin_cat.ops.index.Predicate.row_support`."""
 
     row: str
     col: str
     pred: Predicate
+    transposed: bool = False
+
+    def support(self, r0, r1, al):
+        """``(lo, hi)``: the streamed indices that may survive for the tiled ``[r0, r1)``."""
+        if self.transposed:
+            return self.pred.row_support(r0, r1, al)
+        return self.pred.support(r0, r1, al)
+
+    def chunk_state(self, r0, r1, c0, c1, al, lg, atom):
+        """:meth:`~napkin_cat.ops.index.Predicate.chunk_state` of the tile ``[r0, r1)`` x the
+        chunk ``[c0, c1)``, in the mask's own (row, column) order."""
+        if self.transposed:
+            return self.pred.chunk_state(c0, c1, r0, r1, al, lg, atom)
+        return self.pred.chunk_state(r0, r1, c0, c1, al, lg, atom)
 
 
 def _skipping(acc) -> bool:
     return acc.rule in SKIPPING_RULES or (acc.rule == "reduce" and acc.box.param("op") == "max")
 
 
+def _summing(acc) -> bool:
+    return acc.rule in SUM_RULES or (acc.rule == "reduce" and acc.box.param("op") == "sum")
+
+
+class _Paths:
+    """The masks a value descends from along boxes with a trait (ordered sets: dicts)."""
+
+    def __init__(self, ff: FinalForm, loop: Loop, grid: set):
+        self.dd, self.loop, self.grid = ff.diagram, loop, grid
+        self.n_in = len(self.dd.dom)
+        self.eqn_of = {v: k for k in range(len(self.dd.eqns)) for v in self.dd.eqn_outputs(k)}
+        self.sizes = _sizes(self.dd)
+
+    def _box(self, v):
+        e = self.dd.eqns[self.eqn_of[v]]
+        return e.box, e.ins
+
+    def neg_inf(self, v) -> dict:
+        """Masks that send ``v`` to ``-inf`` (through boxes that keep ``-inf``)."""
+        while v >= self.n_in:
+            box, ins = self._box(v)
+            if box.kind == "mask":
+                skip = self._skip(box)
+                return dict.fromkeys([skip] if skip else [])
+            if not spec(box).keeps_neg_inf(box, self.sizes):
+                return {}
+            v = ins[0]
+        return {}
+
+    def zero(self, v) -> dict:
+        """Masks where ``v`` is exactly 0: ``exp`` of a masked score, through products whose
+        other factors are finite (docs/NAN_POLICY.md, rule 5)."""
+        if v < self.n_in:
+            return {}
+        box, ins = self._box(v)
+        k = spec(box)
+        out = self.neg_inf(ins[0]) if k.zero_at_neg_inf(box, self.sizes) else {}
+        for p in k.keeps_zero(box, self.sizes):
+            out = {**out, **self.zero(ins[p])}
+        return out
+
+    def _skip(self, box) -> Skip | None:
+        pred, row, col = box.param("pred"), box.param("row"), box.param("col")
+        if col == self.loop.axis and row in self.grid and pred.skips_chunks():
+            return Skip(row, col, pred)
+        if row == self.loop.axis and col in self.grid and pred.skips_rows():
+            return Skip(col, row, pred, transposed=True)
+        return None
+
+
 def chunk_skips(ff: FinalForm, loop: Loop) -> tuple[Skip, ...]:
-    """The masks that bound the chunks ``loop`` (a stream loop) must visit."""
+    """The masks that bound the chunks ``loop`` (a stream loop) must visit: those that every
+    accumulator along the loop's axis derives (one that derives none: nothing is skipped)."""
     if loop.kind != "stream":
         return ()
-    dd = ff.diagram
-    n_in = len(dd.dom)
-    eqn_of = {v: k for k in range(len(dd.eqns)) for v in dd.eqn_outputs(k)}
     grid_rows = set()
-    found: list[Skip] = []
     for n, loops in ff.walk():
         if n is loop:
             grid_rows = {lp.axis for lp in loops if lp.kind == "grid"}
+    paths = _Paths(ff, loop, grid_rows)
+    found: list[Skip] | None = None
+    seen = set()
     for n, loops in ff.walk():
         if not isinstance(n, Update) or loop not in loops:
             continue
         acc = ff.accumulators[n.acc]
-        if acc.axis != loop.axis or not _skipping(acc):
+        if acc.axis != loop.axis or n.acc in seen:
             continue
-        v = dd.eqns[acc.eqn].ins[0]
-        # follow -inf preserving boxes back to a mask on (tiled row, streamed col)
-        while v >= n_in:
-            box = dd.eqns[eqn_of[v]].box
-            if box.kind == "mask":
-                pred, row = box.param("pred"), box.param("row")
-                if box.param("col") == loop.axis and row in grid_rows and pred.skips_chunks():
-                    skip = Skip(row, loop.axis, pred)
-                    if skip not in found:
-                        found.append(skip)
-                break
-            if not spec(box).keeps_neg_inf(box, _sizes(dd)):
-                break
-            v = dd.eqns[eqn_of[v]].ins[0]
-    return tuple(found)
+        seen.add(n.acc)
+        ins = ff.diagram.eqns[acc.eqn].ins
+        if _skipping(acc):
+            mine = paths.neg_inf(ins[0])
+        elif _summing(acc):
+            mine = {s: None for v in ins for s in paths.zero(v)}
+        else:
+            return ()
+        found = list(mine) if found is None else [s for s in found if s in mine]
+    return tuple(found or ())
 
 
 def _sizes(d) -> dict:
@@ -86,7 +163,7 @@ def visited(skips: tuple[Skip, ...], rows: dict, n, al):
     lo, hi = 0, n
     for s in skips:
         r0, r1 = rows[s.row]
-        a, b = s.pred.support(r0, r1, al)
+        a, b = s.support(r0, r1, al)
         if not _zero(a):            # bounded from below (j >= i): the early chunks are skipped
             lo = a if _zero(lo) else al.max(lo, a)
         if b is not None:
