@@ -270,7 +270,7 @@ def _features(kernel) -> set[str]:
                          ("ldsm_x4(", "ldmatrix"), ("_t(smem16", "ldmatrix-trans"), ("cp_async16(", "cp.async"),
                          ("cp_async_wait1()", "cp.async-pipeline"), ("pack_f16(smem", "packed-operand"),
                          ("pack_f16((smem", "packed-operand"), ("pack_bf16(smem", "packed-operand"),
-                         ("pack_bf16((smem", "packed-operand")):
+                         ("pack_bf16((smem", "packed-operand"), ("written out row by row", "fragment-rows")):
         if marker in body or marker in "".join(kernel.mappings.values()):
             out.add(feat)
     # the generator's notes in the kernel's docstring: L = mu + log z of the online softmax;

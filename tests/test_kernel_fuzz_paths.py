@@ -309,7 +309,10 @@ def sixteen_bit_family(draw):
     from napkin_cat.lowering.torch_op import backward_plan   # the parts torch_op runs
     dt = draw(st.sampled_from((nc.f16, nc.bf16)))
     options = {"threads": draw(st.sampled_from((32, 64)), label="threads")}
-    if draw(st.sampled_from(("backward", "backward", "mlp"))) == "mlp":
+    what = draw(st.sampled_from(("backward", "backward", "mlp", "document", "document")))
+    if what == "document":   # one warp: the scores and the output on the same fragment rows
+        return _document_case(draw, dt, {"threads": 32})
+    if what == "mlp":
         gt = draw(st.sampled_from((16, 32)))
         mlp = L.mlp(t=t, d=e, h=f, dtype=dt)
         sizes = {t: draw(st.integers(1, 40), label="t"), e: 16, f: draw(st.sampled_from((16, 32)), label="f")}
@@ -327,6 +330,26 @@ def sixteen_bit_family(draw):
                 SMALL_DATA)
 
 
+def _document_case(draw, dt, options):
+    """A document mask reading its block table (four gathers per score: the fragment epilogue
+    written out row by row, ``emit_acc.UNROLL_GATHERS``), ragged sizes, random documents."""
+    n = draw(st.integers(1, 40), label="n")
+    blk = draw(st.sampled_from((8, 16)), label="table block")
+    doc = nc.aux("doc", nc.Axis("n", n))
+    bt = nc.aux("bt", nc.Axis("rb", -(-n // blk)), nc.Axis("cb", -(-n // blk)))
+    m = nc.mask_mod(lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i))
+    att = L.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, blk, blk), dtype=dt)
+    steps = (("stream", "x", 16), ("tile", "q", 16), ("place", "O", "registers"))
+    sizes = {q: n, x: n, d: 16}
+
+    def inputs(rng, regime):
+        ids = np.cumsum(rng.random(n) < 0.2).astype(np.float32)
+        qkv = [REGIMES[regime][0](rng, (n, 16)) for _ in range(3)]
+        return [*qkv, nc.block_table(m, n, n, blk, blk, {"doc": ids}), ids]
+    return Case(f"{dt.name} document mask with its block table", att, steps, sizes, att, options, inputs,
+                SMALL_DATA)
+
+
 # --------------------------------------------------------------------------- one example
 
 FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family,
@@ -335,7 +358,7 @@ FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family
 # what each family must reach across its examples (named by test_kernel_fuzz._features)
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
                      "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
-                     "sixteen_bit": {"16-bit-operand", "ldmatrix-trans"}}
+                     "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows"}}
 
 
 def fuzz_case(family: str, data, stats: Counter):

@@ -330,3 +330,28 @@ def test_gallery_variant_on_tensor_cores_in_the_simulator(name, dtype):
     args = [a.astype(np.float16) if dtype == "f16" else a.astype(np.float32) for a in (Q, K, V, *extra)]
     out = np.asarray(kernel(*args), np.float64)
     assert np.abs(out - ref).max() < (2e-3 if dtype == "f16" else 2e-2)
+
+
+def test_fragment_epilogue_with_many_gathers_is_written_row_by_row():
+    """On tensor cores a mask reading four auxiliary entries per score (the document mask with
+    its block table) has its fragment epilogue written out row by row, so the compiler keeps
+    the fragment in registers (``emit_acc.UNROLL_GATHERS``, measured with ptxas); the plain
+    document mask (two) keeps the loops.  Both match the float64 oracle in f16."""
+    from napkin_cat.lowering.emit_acc import UNROLL_GATHERS
+    from napkin_cat.ops.arrays import round_to_dtype
+    n, dd, blocks = 32, 16, 16
+    ids = np.repeat([0.0, 1.0, 2.0], [9, 15, 8]).astype(np.float32)
+    m, blocked = _document(n, blocks)
+    table = nc.block_table(m, n, n, blocks, blocks, {"doc": ids})
+    rng = np.random.default_rng(11)
+    Q, K, V = (round_to_dtype(rng.standard_normal((n, dd)), "f16") for _ in range(3))
+    ref = nc.evaluate(nc.library.attention(q=q, x=x, d=d, mask=m).bind({q: n, x: n, d: dd}), Q, K, V, ids)
+    for mask, extra, rows in ((blocked, (table, ids), True), (m, (ids,), False)):
+        dia = nc.library.attention(q=q, x=x, d=d, mask=mask, dtype=nc.f16).bind({q: n, x: n, d: dd})
+        kernel = nc.lower(dia.stream("x", 16).tile("q", 16).place("O", "registers"), threads=32, verify=False)
+        assert "mma_" in kernel.source
+        assert ("written out row by row" in kernel.source) == rows, UNROLL_GATHERS
+        assert ("S_regs[0, j] = " in kernel.source) == rows
+        args = [a.astype(np.float16) for a in (Q, K, V)] + [np.asarray(a, np.float16) for a in extra]
+        out = np.asarray(kernel(*args), np.float64)
+        assert np.abs(out - ref).max() < 2e-3, (rows, np.abs(out - ref).max())
