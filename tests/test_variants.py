@@ -184,7 +184,7 @@ def test_generated_code_comes_from_the_expression():
     dia = nc.library.attention(q=q, x=x, d=d, mask=lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i),
                                score_mod=lambda s, b_, h_, i, j: s + abs(i - j) * 0.5).bind({q: 8, x: 8, d: 4})
     src = nc.lower(dia, tiles={"q": 4, "x": 4}, threads=16).source
-    assert "smem[doc_s + uint32(min(max(int(q0 + " in src and "abs((int(" in src
+    assert "smem[doc_s + uint32(min(max(int64(q0 + " in src and "abs((int64(" in src
     assert "x_end = min(" in src     # chunks past the causal part are skipped (derived)
 
 

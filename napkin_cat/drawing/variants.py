@@ -67,7 +67,10 @@ its cost, the drawing and the generated kernel; the tiles a mask removes for a w
 rows are derived from the expression (`napkin_cat/ops/index_support.py`), so the tiled executor,
 the cost model and the kernel skip them alike.  `tests/test_variants.py` checks each against an
 independent NumPy reference (`napkin_cat/library/variant_gallery.py`), tiled, and (slow tier)
-its kernel under the CUDA simulator.  Regenerate with `python -m napkin_cat.drawing.variants`.
+its kernel under the CUDA simulator.  On a GPU, `kernels/variants.py --only flex` checks the
+kernels of seven of them (fp32 and, on tensor cores, fp16) against float64 references computed
+from FlexAttention's own functions, then times them against FlexAttention: the H100 table is in
+`kernels/BENCHMARKS.md`.  Regenerate with `python -m napkin_cat.drawing.variants`.
 
 Semantics worth knowing: `window_size=0` keeps only the diagonal `j == i` (`None` is no window);
 gathers from `nc.aux` tensors clamp their indices into the tensor; a fully masked row gives 0;
