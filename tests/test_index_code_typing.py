@@ -53,12 +53,10 @@ def _compiled(expr_fn, kind):
     q, x, d = nc.axes("q x d")
     kw = {"score_mod": expr_fn} if kind == "score" else {"mask": nc.mask_mod(expr_fn)}
     att = nc.library.attention(q=q, x=x, d=d, **kw)
-    box = next(e.box for e in att.eqns if e.box.kind in ("index_bias", "mask", "index_map", "score_mod"))
-    fn = box.param("bias") if box.kind == "index_bias" else box.param("pred") if box.kind == "mask" \
-        else box.param("fn")
+    box, fn = next((e.box, x) for e in att.eqns for _, x in e.box.params if getattr(x, "expr", None) is not None)
     em = _Em()
     code = index_code(em, box, fn, ["score"], {})
-    g = {"float32": np.float32, "int64": np.int64, "uint32": np.uint32, "math": math, "where": None}
+    g = {"float32": np.float32, "int64": np.int64, "uint32": np.uint32, "math": math}
     g.update({n: np.float32(v) for n, v in em.consts.floats.items()})
     g.update({n: np.uint32(v) for n, v in em.consts.ints.items()})
     src = f"def f(q0, q1, x0, x1, score):\n    return {code}\n"

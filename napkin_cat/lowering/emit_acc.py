@@ -353,14 +353,11 @@ def _gathers(em, v: int) -> int:
     if v < em.n_in or v in em.st.acc_of_var:
         return 0
     e = em.dd.eqns[em.st.eqn_of[v]]
-    fn = {"mask": "pred", "index_bias": "bias", "index_map": "fn"}.get(e.box.kind)
-    expr = getattr(e.box.param(fn), "expr", None) if fn else None
-    own = _count_gathers(expr) if expr is not None else 0
+    # the box's index functions: parameters with an index expression (a mask's predicate,
+    # an index bias, a score modification)
+    exprs = [x.expr for _, x in e.box.params if getattr(x, "expr", None) is not None]
+    own = sum(n.op == "gather" for x in exprs for n in x.walk())
     return own + sum(_gathers(em, a) for a in e.ins if em.plan.storage(a) in ("inline", "regs"))
-
-
-def _count_gathers(x) -> int:
-    return (x.op == "gather") + sum(_count_gathers(a) for a in x.args if hasattr(a, "op"))
 
 
 def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
@@ -386,29 +383,26 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
     sreg = em.names.fresh(f"{em.types[f.target].name}_regs")
     src(f"{sreg} = cuda.local.array(({ms.RY}, {ms.RX}), float32)")
     em.contract(t.engine, ms, sreg, em.contraction_operands(e.ins), list(em.plan.reduced_axes(kk)), src)
-    def epilogue(env, slot):
+    def epilogue(env):
+        slot = env["_slot"]
         val = em.value(t.var, env, src, {}, {t.source: f"{sreg}[{slot}]"}, define=t.var)
         cond = em.valid([ax.name], env)
         if cond and softmax:
             val = f"{val} if {cond} else {neg}"   # past the ragged end of the chunk: weight 0
         src(f"{sreg}[{slot}] = {val}")
 
-    if t.engine == "mma" and _gathers(em, f.target) >= UNROLL_GATHERS:
+    gathers = _gathers(em, f.target)
+    if t.engine == "mma" and gathers >= UNROLL_GATHERS:
         # row by row: a fragment indexed by loop variables that the compiler does not unroll
         # leaves registers for local memory (see UNROLL_GATHERS)
-        src.comment(f"{em.types[f.target].name}'s index functions read {_gathers(em, f.target)} "
+        src.comment(f"{em.types[f.target].name}'s index functions read {gathers} "
                     f"gathers per element: written out row by row ({ms.RY} rows), the fragment "
                     f"stays in registers")
-        for i in range(ms.RY):
-            r = em.names.fresh(em.ax[ms.row].index)
-            src(f"{r} = {em.micro_rows(ms, k.u(i))}")   # uint32 constants: no signed mix
-            with src.block(f"for j in range({k.u(ms.RX)}):"):
-                c = em.names.fresh(em.ax[ms.col].index)
-                src(f"{c} = {em.micro_cols(ms, 'j')}")
-                epilogue({ms.row: r, ms.col: c, "_slot": f"{i}, j", "_row": str(i)}, f"{i}, j")
+        for env in em.micro_element_rows(ms, src):
+            epilogue(env)
     else:
         with em.micro_elements(ms, src) as env:
-            epilogue(env, "i, j")
+            epilogue(env)
     src.comment(f"row statistics: {ms.TX} lanes per row "
                 f"({'warp shuffles' if ms.TX > 1 else 'one lane'}; shared memory in the simulator); "
                 + (f"weights -> warp-private {em.bufs[p.p_buf].name}" if p.p_buf is not None

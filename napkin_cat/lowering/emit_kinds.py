@@ -79,8 +79,7 @@ def index_code(em, box, fn, args, env) -> str:
         if n.op == "idx":
             if n.value == "score":
                 return args[0]
-            g = em.gidx(n.value, env)
-            return f"int64{g}" if g.startswith("(") and g.endswith(")") else f"int64({g})"
+            return reindex.signed_index(em, n.value, env)
         if n.op == "size":
             return str(em.sizes[n.value])
         # a gather: indices clamped into the tensor, as the NumPy meaning reads it (the padding

@@ -166,6 +166,19 @@ class Phases:
 
         return _C()
 
+    def micro_element_rows(self, m: Micro, src: Source):
+        """:meth:`micro_elements` with the rows written out: yields the env of each row ``i``
+        inside its ``for j`` loop (``_slot`` = ``i, j`` with ``i`` a literal, the row's index
+        from uint32 constants), so a micro-tile indexed by the slot needs no unrolling of ``i``."""
+        k = self.consts
+        for i in range(m.RY):
+            r = self.names.fresh(self.ax[m.row].index)
+            src(f"{r} = {self.micro_rows(m, k.u(i))}")   # uint32 constants: no signed mix
+            with src.block(f"for j in range({k.u(m.RX)}):"):
+                c = self.names.fresh(self.ax[m.col].index)
+                src(f"{c} = {self.micro_cols(m, 'j')}")
+                yield {m.row: r, m.col: c, "_slot": f"{i}, j", "_row": str(i)}
+
     def elements(self, m, src):
         return self.micro_elements(m, src) if isinstance(m, Micro) else self.flat_elements(m, src)
 

@@ -108,7 +108,7 @@ def read(em, box, x: int, env: dict, src, define=None) -> str:
     return f"{val} if {' and '.join(conds)} else {zero}"
 
 
-def _g(em, axis: str, env: dict) -> str:
+def signed_index(em, axis: str, env: dict) -> str:
     """Global index of ``axis`` as a signed int (``int64``: numba's ``int()`` keeps a uint32
     unsigned, and unsigned minus signed is a float64 in its typing)."""
     g = em.gidx(axis, env)
@@ -165,9 +165,9 @@ def _unfold(em, box, env, src):
         if off:
             terms.append(k.u(off))
         return a, " + ".join(terms), []
-    terms = [_times(_g(em, p("new"), env), s)]
+    terms = [_times(signed_index(em, p("new"), env), s)]
     if window is not None:
-        terms.append(_times(_g(em, window, env), dl))
+        terms.append(_times(signed_index(em, window, env), dl))
     pos = " + ".join(terms) + (f" + {off}" if off > 0 else f" - {-off}" if off < 0 else "")
     pv = em.names.fresh(f"pos_{a}")
     src(f"{pv} = {pos}")
@@ -191,4 +191,4 @@ def _times(x: str, c: int, consts=None) -> str:
     return f"{x} * {c}" if c > 0 else f"-{x} * {-c}" if c != -1 else f"-{x}"
 
 
-__all__ = ["OPS", "check", "check_axes", "read", "remapped", "remaps", "unfold_bounds"]
+__all__ = ["OPS", "check", "check_axes", "read", "remapped", "remaps", "signed_index", "unfold_bounds"]
