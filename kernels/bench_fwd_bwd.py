@@ -160,17 +160,19 @@ def kernel_breakdown(fn, calls: int = 5) -> dict:
 
 
 def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: str = "auto",
-         prefetch: str = "none") -> dict:
+         prefetch: str = "none", tiles: dict | None = None, with_peers: bool = True) -> dict:
     t0 = time.perf_counter()
     g = torch.Generator(device="cuda").manual_seed(0)
     Q, K, V, dO = (torch.randn(BH, N, D, device="cuda", generator=g).to(DTYPES[dt]) for _ in range(4))
     Q, K, V = (t.requires_grad_() for t in (Q, K, V))
-    op = nc.torch_op(flash(causal), verify=False, backward=FORMS[backward], prefetch=PREFETCH[prefetch])
+    op = nc.torch_op(flash(causal), tiles=tiles, verify=False, backward=FORMS[backward],
+                     prefetch=PREFETCH[prefetch])
     O = op(Q, K, V)
     grads = torch.autograd.grad(O, (Q, K, V), dO)
     torch.cuda.synchronize()
     choice = op.backward_choice
-    res = {"dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH, "prefetch": prefetch, "path": op.last_path,
+    res = {"dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH, "prefetch": prefetch, "tiles": tiles or {},
+           "path": op.last_path,
            "backward_path": op.last_backward_path, "notes": list(getattr(op, "notes", [])),
            "backward_form": choice and choice.form, "backward_why": choice and choice.why,
            "compile_s": time.perf_counter() - t0}
@@ -192,10 +194,12 @@ def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: 
         res["ours_kernels"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     if backward == "both":   # each form forced, timed the same way
         for key, form in (("one", "one kernel"), ("two", "two kernels")):
-            forced = nc.torch_op(flash(causal), verify=False, backward=form, prefetch=PREFETCH[prefetch])
+            forced = nc.torch_op(flash(causal), tiles=tiles, verify=False, backward=form,
+                                 prefetch=PREFETCH[prefetch])
             res[f"ours_{key}_ms"] = cuda_time(lambda: torch.autograd.grad(forced(Q, K, V), (Q, K, V), dO))
             res[f"backward_path_{key}"] = forced.last_backward_path
-    res.update(peers(Q, K, V, dO, causal))
+    if with_peers:
+        res.update(peers(Q, K, V, dO, causal))
     flops = 4 * BH * N * N * D * (0.5 if causal else 1) * 3.5   # forward 2 matmuls, backward 5
     res["ours_tflops"] = flops / res["ours_ms"] / 1e9
     return res
@@ -210,8 +214,12 @@ def main(argv=None):
                     help="the backward's form: auto (the cost model's), one, two, or both timed")
     ap.add_argument("--prefetch", choices=sorted(PREFETCH), default="none",
                     help="nc.torch_op(prefetch=...): none, regs (next chunk into registers), double (cp.async)")
+    ap.add_argument("--tiles", default="", help="semicolon list of block choices, each a comma list of "
+                    "symbol=size (the op's blocks: s_x, g_q forward; g_x, s_q the dK, dV kernel; g_q, s_x dQ); "
+                    "every case runs once per choice, peers with the first")
     ap.add_argument("--out", default=str(ROOT / "kernels"))
     args = ap.parse_args(argv)
+    choices = [{k: int(v) for k, v in (kv.split("=") for kv in c.split(",") if kv)} for c in args.tiles.split(";")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"environment": environment(), "cases": []}
@@ -220,16 +228,18 @@ def main(argv=None):
         dt, N, D, c = spec.split(",")
         N, D, causal = int(N), int(D), c.strip() in ("1", "yes", "true", "causal")
         BH = args.bh or (32 if N <= 4096 else 16)
-        try:
-            r = case(dt, N, D, causal, BH, not args.no_check, args.backward, args.prefetch)
-        except Exception as e:  # noqa: BLE001 - recorded with the case, the run goes on
-            r = {"dtype": dt, "N": N, "d": D, "causal": causal, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        results["cases"].append(r)
-        print(json.dumps(r), flush=True)
-        (out / "fwd_bwd.json").write_text(json.dumps(results, indent=1))
-        torch.cuda.empty_cache()
-    print("\n| dtype | N | d | causal | paths | err | ours fwd+bwd ms | TFLOP/s | SDPA | Flex | naive "
-          "| vs Flex | vs SDPA | extra MiB ours / SDPA / Flex |")
+        for n, tiles in enumerate(choices):
+            try:
+                r = case(dt, N, D, causal, BH, not args.no_check, args.backward, args.prefetch, tiles, n == 0)
+            except Exception as e:  # noqa: BLE001 - recorded with the case, the run goes on
+                r = {"dtype": dt, "N": N, "d": D, "causal": causal, "tiles": tiles,
+                     "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            results["cases"].append(r)
+            print(json.dumps(r), flush=True)
+            (out / "fwd_bwd.json").write_text(json.dumps(results, indent=1))
+            torch.cuda.empty_cache()
+    print("\n| dtype | N | d | causal | blocks | paths | err | ours fwd+bwd ms | TFLOP/s | SDPA | Flex | naive "
+          "| vs Flex | vs SDPA | extra MiB ours / SDPA / Flex | kernels ms |")
     f = lambda r, k: f"{r[k]:.3f}" if isinstance(r.get(k), float) else r.get(k.replace("_ms", "_error"), "-")  # noqa: E731
     for r in results["cases"]:
         if "error" in r:
@@ -238,9 +248,12 @@ def main(argv=None):
         ratio = lambda k: f"{r[k] / r['ours_ms']:.2f}x" if isinstance(r.get(k), float) else "-"  # noqa: E731
         mem = " / ".join(f"{r[k]:.0f}" if isinstance(r.get(k), float) else "-"
                          for k in ("ours_extra_mib", "sdpa_extra_mib", "flex_extra_mib"))
-        print(f"| {r['dtype']} | {r['N']} | {r['d']} | {r['causal']} | {r['path']}/{r['backward_path']} "
+        blocks = ",".join(f"{k}={v}" for k, v in r.get("tiles", {}).items()) or "chosen"
+        kms = " / ".join(f"{v:.2f}" for k, v in r.get("ours_kernels", {}).items()
+                         if "generated" in k and isinstance(v, float))
+        print(f"| {r['dtype']} | {r['N']} | {r['d']} | {r['causal']} | {blocks} | {r['path']}/{r['backward_path']} "
               f"| {r.get('err', float('nan')):.1e} | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | {f(r, 'sdpa_ms')} "
-              f"| {f(r, 'flex_ms')} | {f(r, 'naive_ms')} | {ratio('flex_ms')} | {ratio('sdpa_ms')} | {mem} |")
+              f"| {f(r, 'flex_ms')} | {f(r, 'naive_ms')} | {ratio('flex_ms')} | {ratio('sdpa_ms')} | {mem} | {kms} |")
     both = [r for r in results["cases"] if "ours_one_ms" in r]
     if both:   # --backward both: the cost model's pick against the measured faster form
         print("\n| dtype | N | d | causal | predicted backward ms one / two | measured fwd+bwd ms one / two "

@@ -63,6 +63,7 @@ U7 = uint32(7)
 NEG_INF = float32(-math.inf)
 ZERO = float32(0.0)
 C_SCALE = float32(0.125)  # scale constant
+LOG2E = float32(1.4426950408889634)
 
 @cuda.jit(device=True, inline=True)
 def _group_sum(v, lane, width, smem, base, tid):
@@ -292,8 +293,9 @@ def gqa_attention(Q, K, V, O):
             safe = mu_new if mu_new > NEG_INF else ZERO  # no finite score yet: shift by 0, weights stay 0
             delta = math.exp(mu_old - safe)
             psum = ZERO
+            shift2 = safe * LOG2E  # weights exp(s - safe) = exp2(s log2 e - safe log2 e)
             for j in range(U8):
-                w = math.exp(S_regs[i, j] - safe)
+                w = math.exp2(S_regs[i, j] * LOG2E - shift2)
                 S_regs[i, j] = w
                 psum += w
             psum = _group_sum(psum, tx, U8, smem, red_s, tid)

@@ -195,7 +195,7 @@ def test_a_planted_sixteen_bit_buffer_bug_is_caught(plant):
     oracle = part.unrelabelled()
     assert kernelcheck.kernel_outcome(oracle, kernel, inputs).failure is None
     if plant == "row_padding":
-        broken = _planted(kernel, "* LD_dS_s", "* (LD_dS_s - uint32(8))", "ldsm_")
+        broken = _planted(kernel, "* LD_dS_s", "* (LD_dS_s - uint32(8))", "dS_s_lane")  # ldmatrix rows
     else:
         broken = _planted(kernel, "= f2h(dS_", "= int16(dS_", "smem16[dS_s")
     assert kernelcheck.kernel_outcome(oracle, broken, inputs).failure is not None

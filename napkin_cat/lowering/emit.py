@@ -303,7 +303,7 @@ class Emitter(Loads, Phases):
         if dt is None:
             return []
         names = (dt.mma, dt.pack, dt.to_f32, dt.from_f32, "ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t",
-                 "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")
+                 "pin", "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")
         return ["from numba import int16", "",
                 f"from napkin_cat.lowering.tensorcore import {', '.join(names)}  # noqa: F401", "",
                 "ZERO16 = int16(0)", ""]

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from ..ops.index import constant_value
 from ..relabel.accumulators import ACC_RULES
 from .emit_kinds import REDUCE_OPS, fn_expr
 from .emit_threads import Operand
@@ -360,6 +361,20 @@ def _gathers(em, v: int) -> int:
     return own + sum(_gathers(em, a) for a in e.ins if em.plan.storage(a) in ("inline", "regs"))
 
 
+def _positive_scale(em, v: int):
+    """``(c, x)`` when variable ``v`` is ``scale(x, c)`` with a constant ``c > 0``, else None.
+    A softmax over such scores keeps its maximum over ``x`` and folds ``c`` into the exponent:
+    ``exp(c x - m) = exp2(x (c log2 e) - m log2 e)``, one fused multiply-add and one ``ex2`` per
+    score instead of a multiply, a subtraction, a multiply and ``ex2``."""
+    if v < em.plan.n_in or em.plan.var_cls(v) != "elementwise":
+        return None
+    e = em.dd.eqns[em.st.eqn_of[v]]
+    if e.box.kind != "map" or e.box.param("fn") != "scale":
+        return None
+    c = constant_value(e.box.param("c"), em.sizes)
+    return (c, e.ins[0]) if math.isfinite(c) and c > 0 else None
+
+
 def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
     """One chunk of a normalising accumulator with its scores in registers (:class:`FusedScores`):
     scores on micro-tile ``ms`` with the fused epilogue, row statistics by lane reductions,
@@ -383,16 +398,22 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
     sreg = em.names.fresh(f"{em.types[f.target].name}_regs")
     src(f"{sreg} = cuda.local.array(({ms.RY}, {ms.RX}), float32)")
     em.contract(t.engine, ms, sreg, em.contraction_operands(e.ins), list(em.plan.reduced_axes(kk)), src)
+    prescale = _positive_scale(em, t.var) if softmax else None
+
     def epilogue(env):
         slot = env["_slot"]
-        val = em.value(t.var, env, src, {}, {t.source: f"{sreg}[{slot}]"}, define=t.var)
+        val = em.value(t.var if prescale is None else prescale[1], env, src, {},
+                       {t.source: f"{sreg}[{slot}]"}, define=t.var)
         cond = em.valid([ax.name], env)
         if cond and softmax:
             val = f"{val} if {cond} else {neg}"   # past the ragged end of the chunk: weight 0
         src(f"{sreg}[{slot}] = {val}")
 
     gathers = _gathers(em, f.target)
-    if t.engine == "mma" and gathers >= UNROLL_GATHERS:
+    if prescale is not None and prescale[1] == t.source and not (ax.ragged and ax.cap > 1):
+        src.comment(f"{em.types[f.target].name} = {prescale[0]:g} * the product: the scale is "
+                    f"folded into the softmax's exponent below")
+    elif t.engine == "mma" and gathers >= UNROLL_GATHERS:
         # row by row: a fragment indexed by loop variables that the compiler does not unroll
         # leaves registers for local memory (see UNROLL_GATHERS)
         src.comment(f"{em.types[f.target].name}'s index functions read {gathers} "
@@ -418,6 +439,13 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
                 src(f"{mx} = max({mx}, {sreg}[i, j])")
             if ms.TX > 1:
                 src(f"{mx} = _group_max({mx}, tx, {lanes}, smem, {em.red_offset()}, tid)")
+            log2e = k.f(1.0 / math.log(2.0), "LOG2E")
+            if prescale is not None:
+                c = k.f(prescale[0], "C_PRESCALE", comment="the scores' scale, folded into the exponent")
+                src(f"{mx} = {mx} * {c}  # the registers hold unscaled scores (c > 0: max commutes)")
+                w_mult = k.f(prescale[0] / math.log(2.0), "C_PRESCALE_LOG2E", comment="scale * log2(e)")
+            else:
+                w_mult = log2e
             mu_ref, z_ref = _state_ref(em, p, "mu", env), _state_ref(em, p, "z", env)
             mu_old, mu_new, safe = em.names.fresh("mu_old"), em.names.fresh("mu_new"), em.names.fresh("safe")
             src(f"{mu_old} = {mu_ref}")
@@ -426,11 +454,12 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
                 "  # no finite score yet: shift by 0, weights stay 0")
             delta = em.names.fresh("delta")
             src(f"{delta} = math.exp({mu_old} - {safe})")
-            ps = em.names.fresh("psum")
+            ps, shift = em.names.fresh("psum"), em.names.fresh("shift2")
             src(f"{ps} = {zero}")
+            src(f"{shift} = {safe} * {log2e}  # weights exp(s - safe) = exp2(s log2 e - safe log2 e)")
             with src.block(f"for j in range({k.u(ms.RX)}):"):
                 w = em.names.fresh("w")
-                src(f"{w} = math.exp({sreg}[i, j] - {safe})")
+                src(f"{w} = math.exp2({sreg}[i, j] * {w_mult} - {shift})")
                 src(f"{sreg}[i, j] = {w}")
                 src(f"{ps} += {w}")
             if ms.TX > 1:

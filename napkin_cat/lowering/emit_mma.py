@@ -112,6 +112,8 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
         return f"{dt.pack}({o.frag}[{i}, {c0}], {o.frag}[{i}, {c1}])"
 
     ldsm = LdMatrix(em, m, kax, src) if A.buffer is not None or B.buffer is not None else None
+    if ldsm is not None:
+        ldsm.lane_bases((A.buffer, "a"), (B.buffer, "b"))
 
     def step(ks: str, literal: bool):
         kb = em.names.fresh("kb")
@@ -164,43 +166,68 @@ class LdMatrix:
     """``ldmatrix`` addresses of a warp's fragments in a 16-bit buffer, either orientation: the
     reduced axis last (rows of the 8x8 matrices are rows of the operand) or the operand's own
     axis last (``.trans``).  Lane ``l`` gives one row address: for an A tile (16x16, x4) rows
-    ``l % 16`` and columns ``8 * (l // 16)``; for a B tile (16x8, x2) the 16 rows ``l % 16``."""
+    ``l % 16`` and columns ``8 * (l // 16)``; for a B tile (16x8, x2) the 16 rows ``l % 16``.
+
+    An address is the buffer's index (linear in the axes' positions) of a lane part (the lane's
+    row and column, the warp's offset) plus a tile part (which 16x16 or 16x8 tile, which k step:
+    constants).  The lane part of each (buffer, orientation) goes through ``pin`` once per
+    multiplication, so the compiler forms each fragment's address beside its load as
+    ``lane part + constant`` (an immediate) instead of hoisting every address out of the stream
+    loop into a register of its own (72 registers of a 4-warp FlashAttention forward)."""
 
     def __init__(self, em, m: Frag, kax: str, src: Source):
-        self.em, self.m, self.kax = em, m, kax
+        self.em, self.m, self.kax, self.src = em, m, kax, src
         k = em.consts
         self.lane = em.names.fresh("lm")
         src(f"{self.lane} = tid % {k.u(32)}  # the row address this lane gives ldmatrix")
         self.wrow = f"ty // {k.u(8)} * {k.u(16 * m.MT)}" if m.Wm > 1 else None
         self.wcol = f"tx // {k.u(4)} * {k.u(8 * m.NT)}" if m.Wn > 1 else None
+        self.pinned: dict = {}
 
-    def _at(self, key, env) -> str:
+    def lane_bases(self, *keys_and_tiles):
+        """Pin the lane parts of the given ``(buffer, "a" | "b")`` operands now (before a loop
+        over k steps, whose every load adds only its tile part)."""
+        for key, tile in keys_and_tiles:
+            if key is not None:
+                (self.a_tile if tile == "a" else self.b_tile)(key, 0, None)
+
+    def _at(self, key, fn: str, lane_env: dict, tile_env: dict) -> str:
         em = self.em
-        return f"{em.s16base(key)} + {em.sidx(em.bufs[key], env)}"
+        b = em.bufs[key]
+        if (key, fn) not in self.pinned:
+            name = em.names.fresh(f"{b.name}_lane")
+            self.src(f"{name} = pin({em.s16base(key)} + {em.sidx(b, lane_env)})  "
+                     f"# this lane's row of {b.name} for ldmatrix")
+            self.pinned[key, fn] = name
+        if not any(tile_env.get(a) for a in lane_env):
+            return f"{fn}(smem16, {self.pinned[key, fn]})"
+        zero = em.consts.u(0, "U0")
+        tile = em.sidx(b, {a: tile_env.get(a) or zero for a in lane_env})
+        return f"{fn}(smem16, {self.pinned[key, fn]} + {tile})"
 
     @staticmethod
     def _plus(*terms) -> str:
         return " + ".join(t for t in terms if t)
 
-    def a_tile(self, key, mt: int, k16: str) -> str:
+    def a_tile(self, key, mt: int, k16: str | None) -> str:
         em, m, k, lane = self.em, self.m, self.em.consts, self.lane
         b = em.bufs[key]
-        r0 = self._plus(self.wrow, k.u(16 * mt) if mt else None)
+        tile = {m.row: k.u(16 * mt) if mt else None, self.kax: k16}
         if b.axes[-1] == self.kax:
-            env = {m.row: self._plus(r0, f"{lane} % {k.u(16)}"),
-                   self.kax: self._plus(k16, f"{lane} // {k.u(16)} * {k.u(8)}")}
-            return f"ldsm_x4(smem16, {self._at(key, env)})"
-        env = {self.kax: self._plus(k16, f"{lane} % {k.u(8)}", f"{lane} // {k.u(16)} * {k.u(8)}"),
-               m.row: self._plus(r0, f"{lane} // {k.u(8)} % {k.u(2)} * {k.u(8)}")}
-        return f"ldsm_x4_t(smem16, {self._at(key, env)})"
+            env = {m.row: self._plus(self.wrow, f"{lane} % {k.u(16)}"),
+                   self.kax: f"{lane} // {k.u(16)} * {k.u(8)}"}
+            return self._at(key, "ldsm_x4", env, tile)
+        env = {self.kax: self._plus(f"{lane} % {k.u(8)}", f"{lane} // {k.u(16)} * {k.u(8)}"),
+               m.row: self._plus(self.wrow, f"{lane} // {k.u(8)} % {k.u(2)} * {k.u(8)}")}
+        return self._at(key, "ldsm_x4_t", env, tile)
 
-    def b_tile(self, key, nt: int, k16: str) -> str:
+    def b_tile(self, key, nt: int, k16: str | None) -> str:
         em, m, k, lane = self.em, self.m, self.em.consts, self.lane
         b = em.bufs[key]
-        c0 = self._plus(self.wcol, k.u(8 * nt) if nt else None)
+        tile = {m.col: k.u(8 * nt) if nt else None, self.kax: k16}
         if b.axes[-1] == self.kax:
-            env = {m.col: self._plus(c0, f"{lane} % {k.u(8)}"),
-                   self.kax: self._plus(k16, f"{lane} // {k.u(8)} % {k.u(2)} * {k.u(8)}")}
-            return f"ldsm_x2(smem16, {self._at(key, env)})"
-        env = {self.kax: self._plus(k16, f"{lane} % {k.u(16)}"), m.col: c0 or k.u(0, "U0")}
-        return f"ldsm_x2_t(smem16, {self._at(key, env)})"
+            env = {m.col: self._plus(self.wcol, f"{lane} % {k.u(8)}"),
+                   self.kax: f"{lane} // {k.u(8)} % {k.u(2)} * {k.u(8)}"}
+            return self._at(key, "ldsm_x2", env, tile)
+        env = {self.kax: f"{lane} % {k.u(16)}", m.col: self.wcol or k.u(0, "U0")}
+        return self._at(key, "ldsm_x2_t", env, tile)

@@ -86,21 +86,24 @@ extern "C" __device__ int nc_f2bf(short* ret, float x) {
   return 0;
 }
 
-// ---- shared-memory fragments and asynchronous copies (addresses are generic; converted here)
+// ---- shared-memory fragments and asynchronous copies.  Shared addresses are 32-bit shared-window
+// addresses (the kernel converts its shared array's base once, tensorcore_gpu.shared_addr).
 struct nc_u4 { unsigned x, y, z, w; };
-struct nc_u2 { unsigned x, y; };
 
-static __device__ __forceinline__ unsigned nc_smem(unsigned long long p) {
-  unsigned long long s;
-  asm("cvta.to.shared.u64 %0, %1;\n" : "=l"(s) : "l"(p));
-  return (unsigned)s;
+// `s`, through an instruction the compiler may neither hoist nor merge: a fragment load's address
+// is then formed beside the load, not computed once before a loop and held in a register.
+extern "C" __device__ int nc_pin(unsigned* ret, unsigned s) {
+  unsigned d;
+  asm volatile("mov.u32 %0, %1;\n" : "=r"(d) : "r"(s));
+  *ret = d;
+  return 0;
 }
+struct nc_u2 { unsigned x, y; };
 
 // ldmatrix: lanes 0-31 (x4) or 0-15 (x2) give the addresses of the 8x8 b16 matrices' rows;
 // register q of lane l gets row l/4, elements 2(l%4), 2(l%4)+1 of matrix q (.trans: of its
 // transpose).  PTX ISA 9.7.14.5.15.
-extern "C" __device__ int nc_ldsm_x4(nc_u4* ret, unsigned long long p) {
-  unsigned s = nc_smem(p);
+extern "C" __device__ int nc_ldsm_x4(nc_u4* ret, unsigned s) {
   unsigned a, b, c, d;
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(s));
@@ -108,8 +111,7 @@ extern "C" __device__ int nc_ldsm_x4(nc_u4* ret, unsigned long long p) {
   return 0;
 }
 
-extern "C" __device__ int nc_ldsm_x4_t(nc_u4* ret, unsigned long long p) {
-  unsigned s = nc_smem(p);
+extern "C" __device__ int nc_ldsm_x4_t(nc_u4* ret, unsigned s) {
   unsigned a, b, c, d;
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(s));
@@ -117,16 +119,14 @@ extern "C" __device__ int nc_ldsm_x4_t(nc_u4* ret, unsigned long long p) {
   return 0;
 }
 
-extern "C" __device__ int nc_ldsm_x2(nc_u2* ret, unsigned long long p) {
-  unsigned s = nc_smem(p);
+extern "C" __device__ int nc_ldsm_x2(nc_u2* ret, unsigned s) {
   unsigned a, b;
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(a), "=r"(b) : "r"(s));
   ret->x = a; ret->y = b;
   return 0;
 }
 
-extern "C" __device__ int nc_ldsm_x2_t(nc_u2* ret, unsigned long long p) {
-  unsigned s = nc_smem(p);
+extern "C" __device__ int nc_ldsm_x2_t(nc_u2* ret, unsigned s) {
   unsigned a, b;
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(a), "=r"(b) : "r"(s));
   ret->x = a; ret->y = b;
@@ -134,8 +134,7 @@ extern "C" __device__ int nc_ldsm_x2_t(nc_u2* ret, unsigned long long p) {
 }
 
 // 16 bytes global -> shared, asynchronously; `bytes` < 16 zero-fills the rest (0: all zeros).
-extern "C" __device__ int nc_cp_async16(int* ret, unsigned long long dst, unsigned long long src, int bytes) {
-  unsigned s = nc_smem(dst);
+extern "C" __device__ int nc_cp_async16(int* ret, unsigned s, unsigned long long src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(src), "r"(bytes));
   *ret = 0;
   return 0;

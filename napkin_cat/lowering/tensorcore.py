@@ -63,7 +63,7 @@ DTYPES = {
 }
 
 PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf",
-              "ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t",
+              "ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t", "pin",
               "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")
 
 def fragment_layout() -> dict[str, np.ndarray]:
@@ -192,7 +192,7 @@ def _sim_primitives() -> dict:
                 h2f=h2f, bf2f=bf2f, f2h=f2h, f2bf=f2bf,
                 ldsm_x4=lambda a, o: _sim_ldsm(a, o, 4, False), ldsm_x4_t=lambda a, o: _sim_ldsm(a, o, 4, True),
                 ldsm_x2=lambda a, o: _sim_ldsm(a, o, 2, False), ldsm_x2_t=lambda a, o: _sim_ldsm(a, o, 2, True),
-                cp_async16=cp_async16, cp_async_wait_all=done, cp_async_commit=done, cp_async_wait1=done)
+                pin=lambda v: v, cp_async16=cp_async16, cp_async_wait_all=done, cp_async_commit=done, cp_async_wait1=done)
 
 
 # --------------------------------------------------------------------------- the GPU's

@@ -21,9 +21,9 @@ SIGNATURES = {
     "mma_f16": _MMA, "mma_bf16": _MMA,
     "pack_f16": "uint32(float32, float32)", "pack_bf16": "uint32(float32, float32)",
     "h2f": "float32(int16)", "bf2f": "float32(int16)", "f2h": "int16(float32)", "f2bf": "int16(float32)",
-    "ldsm_x4": "UniTuple(uint32, 4)(uint64)", "ldsm_x4_t": "UniTuple(uint32, 4)(uint64)",
-    "ldsm_x2": "UniTuple(uint32, 2)(uint64)", "ldsm_x2_t": "UniTuple(uint32, 2)(uint64)",
-    "cp_async16": "int32(uint64, uint64, int32)", "cp_async_wait_all": "int32()",
+    "ldsm_x4": "UniTuple(uint32, 4)(uint32)", "ldsm_x4_t": "UniTuple(uint32, 4)(uint32)",
+    "ldsm_x2": "UniTuple(uint32, 2)(uint32)", "ldsm_x2_t": "UniTuple(uint32, 2)(uint32)",
+    "pin": "uint32(uint32)", "cp_async16": "int32(uint32, uint64, int32)", "cp_async_wait_all": "int32()",
     "cp_async_commit": "int32()", "cp_async_wait1": "int32()",
 }
 """The linked functions of ``tensorcore.cu`` (``nc_`` + name) and their numba signatures; the
@@ -50,43 +50,59 @@ def addr_of(typingctx, arr):
     return sig, codegen
 
 
+@intrinsic
+def shared_addr(typingctx, arr):
+    """The 32-bit shared-window address (uint32) of a shared array's first element: an LLVM
+    address-space cast, which the compiler sees through (one conversion per kernel, offsets
+    added in 32 bits)."""
+    sig = _types.uint32(arr)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        shared = builder.addrspacecast(ary.data, ary.data.type.pointee.as_pointer(3))
+        return builder.ptrtoint(shared, ir.IntType(32))
+
+    return sig, codegen
+
+
 _linked = {name: cuda.declare_device(f"nc_{name}", sig, link=CU_FILE) for name, sig in SIGNATURES.items()}
 mma_f16, mma_bf16 = _linked["mma_f16"], _linked["mma_bf16"]
 pack_f16, pack_bf16 = _linked["pack_f16"], _linked["pack_bf16"]
 h2f, bf2f, f2h, f2bf = _linked["h2f"], _linked["bf2f"], _linked["f2h"], _linked["f2bf"]
 _ldsm_x4, _ldsm_x4_t = _linked["ldsm_x4"], _linked["ldsm_x4_t"]
 _ldsm_x2, _ldsm_x2_t = _linked["ldsm_x2"], _linked["ldsm_x2_t"]
+pin = _linked["pin"]
 _cp16, cp_async_wait_all = _linked["cp_async16"], _linked["cp_async_wait_all"]
 cp_async_commit, cp_async_wait1 = _linked["cp_async_commit"], _linked["cp_async_wait1"]
 
 
 @cuda.jit(device=True, inline=True)
 def ldsm_x4(smem16, off):
-    return _ldsm_x4(addr_of(smem16) + uint32(off) * uint32(2))
+    return _ldsm_x4(shared_addr(smem16) + uint32(off) * uint32(2))
 
 
 @cuda.jit(device=True, inline=True)
 def ldsm_x4_t(smem16, off):
-    return _ldsm_x4_t(addr_of(smem16) + uint32(off) * uint32(2))
+    return _ldsm_x4_t(shared_addr(smem16) + uint32(off) * uint32(2))
 
 
 @cuda.jit(device=True, inline=True)
 def ldsm_x2(smem16, off):
-    return _ldsm_x2(addr_of(smem16) + uint32(off) * uint32(2))
+    return _ldsm_x2(shared_addr(smem16) + uint32(off) * uint32(2))
 
 
 @cuda.jit(device=True, inline=True)
 def ldsm_x2_t(smem16, off):
-    return _ldsm_x2_t(addr_of(smem16) + uint32(off) * uint32(2))
+    return _ldsm_x2_t(shared_addr(smem16) + uint32(off) * uint32(2))
 
 
 @cuda.jit(device=True, inline=True)
 def cp_async16(smem16, soff, src16, goff, valid):
     if valid:
-        return _cp16(addr_of(smem16) + uint32(soff) * uint32(2), addr_of(src16) + goff * 2, 16)
-    return _cp16(addr_of(smem16) + uint32(soff) * uint32(2), addr_of(src16), 0)
+        return _cp16(shared_addr(smem16) + uint32(soff) * uint32(2), addr_of(src16) + goff * 2, 16)
+    return _cp16(shared_addr(smem16) + uint32(soff) * uint32(2), addr_of(src16), 0)
 
 
 PRIMITIVES = {name: globals()[name] for name in (
     "mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf", "ldsm_x4", "ldsm_x4_t",
-    "ldsm_x2", "ldsm_x2_t", "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")}
+    "ldsm_x2", "ldsm_x2_t", "pin", "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")}
