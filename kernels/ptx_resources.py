@@ -63,7 +63,9 @@ def ptxas_report(kernel, arch: str = "sm_90") -> dict:
         tmp = Path(td)
         mod = _module(kernel.source, tmp)
         jit = getattr(mod, next(n for n in dir(mod) if n.startswith("kernel_")))
-        ltoir, _ = cuda.compile(jit.py_func, _signature(kernel), device=False, output="ltoir", cc=cc, abi="numba")
+        opts = jit.targetoptions     # the kernel's own fastmath and launch bounds
+        ltoir, _ = cuda.compile(jit.py_func, _signature(kernel), device=False, output="ltoir", cc=cc, abi="numba",
+                                fastmath=opts.get("fastmath", False), launch_bounds=opts.get("launch_bounds"))
         tc = nvrtc.compile((ROOT / "napkin_cat/lowering/tensorcore.cu").read_text(), "tensorcore.cu", cc, ltoir=True)
         tc = tc[0] if isinstance(tc, tuple) else tc
         tc = bytes(tc.code) if hasattr(tc, "code") else bytes(tc)

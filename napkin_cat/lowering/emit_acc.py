@@ -13,9 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from ..ops.index import constant_value
 from ..relabel.accumulators import ACC_RULES
-from .emit_kinds import REDUCE_OPS, fn_expr
+from .emit_kinds import REDUCE_OPS, fn_expr, positive_scale
 from .emit_threads import Operand
 from .plan import AccPlan, Coop, Micro, Rows, acc_reduced_axes
 from .source import Source
@@ -361,20 +360,6 @@ def _gathers(em, v: int) -> int:
     return own + sum(_gathers(em, a) for a in e.ins if em.plan.storage(a) in ("inline", "regs"))
 
 
-def _positive_scale(em, v: int):
-    """``(c, x)`` when variable ``v`` is ``scale(x, c)`` with a constant ``c > 0``, else None.
-    A softmax over such scores keeps its maximum over ``x`` and folds ``c`` into the exponent:
-    ``exp(c x - m) = exp2(x (c log2 e) - m log2 e)``, one fused multiply-add and one ``ex2`` per
-    score instead of a multiply, a subtraction, a multiply and ``ex2``."""
-    if v < em.plan.n_in or em.plan.var_cls(v) != "elementwise":
-        return None
-    e = em.dd.eqns[em.st.eqn_of[v]]
-    if e.box.kind != "map" or e.box.param("fn") != "scale":
-        return None
-    c = constant_value(e.box.param("c"), em.sizes)
-    return (c, e.ins[0]) if math.isfinite(c) and c > 0 else None
-
-
 def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
     """One chunk of a normalising accumulator with its scores in registers (:class:`FusedScores`):
     scores on micro-tile ``ms`` with the fused epilogue, row statistics by lane reductions,
@@ -398,7 +383,7 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
     sreg = em.names.fresh(f"{em.types[f.target].name}_regs")
     src(f"{sreg} = cuda.local.array(({ms.RY}, {ms.RX}), float32)")
     em.contract(t.engine, ms, sreg, em.contraction_operands(e.ins), list(em.plan.reduced_axes(kk)), src)
-    prescale = _positive_scale(em, t.var) if softmax else None
+    prescale = positive_scale(em, t.var) if softmax else None
 
     def epilogue(env):
         slot = env["_slot"]

@@ -66,6 +66,20 @@ def _expr_map(em, box, args, env):
     return fn_expr(em.consts, fn, [f"({x})" if compound(x) else x for x in args], c)
 
 
+def positive_scale(em, v: int):
+    """``(c, x)`` when variable ``v`` is ``scale(x, c)`` with a constant ``c > 0``, else None.
+    A softmax over such scores keeps its maximum over ``x`` and folds ``c`` into the exponent:
+    ``exp(c x - m) = exp2(x (c log2 e) - m log2 e)``, one fused multiply-add and one ``ex2`` per
+    score instead of a multiply, a subtraction, a multiply and ``ex2``."""
+    if v < em.plan.n_in or em.plan.var_cls(v) != "elementwise":
+        return None
+    e = em.dd.eqns[em.st.eqn_of[v]]
+    if e.box.kind != "map" or e.box.param("fn") != "scale":
+        return None
+    c = constant_value(e.box.param("c"), em.sizes)
+    return (c, e.ins[0]) if math.isfinite(c) and c > 0 else None
+
+
 def index_code(em, box, fn, args, env) -> str:
     """An index expression (:mod:`napkin_cat.ops.index_expr`) as numba.cuda code, from its tree:
     axis indices as signed ints (``int64(q0 + i_q)``: differences may be negative; numba's

@@ -304,8 +304,10 @@ def _chunk(d0: Diagram, axis: str, simulate: bool) -> int:
     n = d0.axis(axis).size
     if simulate:
         return min(n, 3)
-    size = 64 if rules & {"online_softmax", "normalized", "logsumexp"} else 32 if _sixteen_bit(d0) else 16
-    return min(n, size)
+    # tensor cores: 64 when two or more accumulators share the stream, whose loads and barriers
+    # then serve twice the work (FlashAttention-2's dK, dV kernel on an H100: kernels/BENCHMARKS.md)
+    sixteen = (64 if len(plan.accumulators) >= 2 else 32) if _sixteen_bit(d0) else 16
+    return min(n, 64 if rules & {"online_softmax", "normalized", "logsumexp"} else sixteen)
 
 
 def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: int = GPU_THREADS) -> int:
