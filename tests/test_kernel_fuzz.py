@@ -184,7 +184,7 @@ FAMILIES = {"attention": attention_family, "fused_attention": fused_attention_fa
 
 # mappings each family must reach across its examples (the generator's thread mappings:
 # napkin_cat.lowering.plan Micro / Flat / Coop / Rows and fused scores)
-EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, "fused_attention": {"fused-scores"},
+EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, "fused_attention": {"fused-scores", "prescale"},
                      "score_chain": {"micro"}, "matmul": {"micro", "flat"}, "reduction": {"flat"},
                      "library": {"micro"},
                      "tensor_core": {"fragments", "mma-registers", "ldmatrix", "ldmatrix-trans", "cp.async",
@@ -270,7 +270,8 @@ def _features(kernel) -> set[str]:
                          ("ldsm_x4(", "ldmatrix"), ("_t(smem16", "ldmatrix-trans"), ("cp_async16(", "cp.async"),
                          ("cp_async_wait1()", "cp.async-pipeline"), ("pack_f16(smem", "packed-operand"),
                          ("pack_f16((smem", "packed-operand"), ("pack_bf16(smem", "packed-operand"),
-                         ("pack_bf16((smem", "packed-operand"), ("written out row by row", "fragment-rows")):
+                         ("pack_bf16((smem", "packed-operand"), ("written out row by row", "fragment-rows"),
+                         ("C_PRESCALE_LOG2E", "prescale")):
         if marker in body or marker in "".join(kernel.mappings.values()):
             out.add(feat)
     # the generator's notes in the kernel's docstring: L = mu + log z of the online softmax;

@@ -11,6 +11,7 @@ bug in a generated kernel is caught.  The GPU runs the same source (kernels/benc
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
@@ -261,3 +262,47 @@ def test_cp_async_copies_are_waited_for_before_every_barrier(prefetch, monkeypat
             assert first.count("cp_async16(") >= 2 and first.count("cp_async_wait_all()") == 1, dia.short()
     planted = "cp_async16(smem16, 0, X, 0, True)\ncuda.syncthreads()\n"
     assert cp_async_races(planted) == ["line 2"]
+
+
+# --------------------------------------------------------------------------- code shape
+
+def _body(kernel) -> str:
+    return kernel.source.split("@cuda.jit(fastmath")[-1]
+
+
+def test_fragment_loads_add_a_constant_to_a_lane_address_pinned_once_per_operand():
+    """Every ldmatrix address is its operand's lane part (row and column of this lane, the warp's
+    offset), pinned once per product by ``pin``, plus a tile part made of constants: the compiler
+    forms each address beside its load instead of hoisting every one out of the stream loop into
+    a register of its own (kernels/BENCHMARKS.md: 255 registers and spills before, 222 after)."""
+    flash = L.attention(q=q, x=x, d=d, dtype=nc.f16).stream(x, 16).tile(q, 32).place("O", "registers")
+    body = _body(nc.lower(flash.bind({q: 64, x: 48, d: 32}), threads=64, verify=False))
+    pins = re.findall(r"^\s*(\w+) = pin\(", body, re.M)
+    # S = Q K^T reads Q and K from shared memory; O += P V reads V (P stays in registers)
+    assert sorted(p.rstrip("0123456789") for p in pins) == ["K_s_lane", "Q_s_lane", "V_s_lane"], pins
+    loads = re.findall(r"ldsm_x[24](?:_t)?\(smem16, ([^)]*(?:\([^)]*\))?[^)]*)\)", body)
+    assert len(loads) >= 8 and any(" + " not in a for a in loads)
+    for address in loads:
+        lane, _, tile = address.partition(" + ")
+        assert lane in pins, address
+        assert not re.search(r"\b(lm\d*|tid|tx|ty)\b", tile), address   # constants only
+
+
+def test_softmax_folds_a_positive_score_scale_into_its_exponent():
+    """``exp(c s - m) = exp2(s (c log2 e) - m log2 e)`` for c > 0: the fused scores stay unscaled
+    in registers and each weight costs one multiply-add and one ``ex2``; a negative scale (the
+    maximum does not commute with it) is applied as written; a soft-cap's outer factor folds
+    too.  All match the oracle on huge logits (|s| ~ 10^3) with ragged chunks."""
+    for kw, folded in ((dict(), True), (dict(scale=-0.3), False), (dict(softcap=20.0), True)):
+        flash = (L.attention(q=q, x=x, d=d, dtype=nc.f16, **kw).stream(x, 16).tile(q, 16)
+                 .place("O", "registers"))
+        bound = flash.bind({q: 20, x: 37, d: 16})
+        kernel = nc.lower(bound, threads=32, verify=False)
+        body = _body(kernel)
+        assert ("C_PRESCALE_LOG2E" in body) is folded and "math.exp2(" in body
+        if "softcap" not in kw:   # soft-cap: tanh(s / c) * c, the outer c folded, 1/sqrt(d) kept
+            assert ("* C_SCALE" in body) is not folded
+        rng = np.random.default_rng(1)
+        Q, K, V = (rng.standard_normal((n, 16)) for n in (20, 37, 37))
+        inputs = [30 * Q, 30 * K, V]
+        assert kernelcheck.kernel_outcome(bound.unrelabelled(), kernel, inputs).failure is None

@@ -199,9 +199,9 @@ class LdMatrix:
             self.src(f"{name} = pin({em.s16base(key)} + {em.sidx(b, lane_env)})  "
                      f"# this lane's row of {b.name} for ldmatrix")
             self.pinned[key, fn] = name
-        if not any(tile_env.get(a) for a in lane_env):
-            return f"{fn}(smem16, {self.pinned[key, fn]})"
         zero = em.consts.u(0, "U0")
+        if all(tile_env.get(a) in (None, zero) for a in lane_env):
+            return f"{fn}(smem16, {self.pinned[key, fn]})"
         tile = em.sidx(b, {a: tile_env.get(a) or zero for a in lane_env})
         return f"{fn}(smem16, {self.pinned[key, fn]} + {tile})"
 
