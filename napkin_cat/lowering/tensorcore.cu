@@ -89,6 +89,7 @@ extern "C" __device__ int nc_f2bf(short* ret, float x) {
 // ---- shared-memory fragments and asynchronous copies.  Shared addresses are 32-bit shared-window
 // addresses (the kernel converts its shared array's base once, tensorcore_gpu.shared_addr).
 struct nc_u4 { unsigned x, y, z, w; };
+struct nc_u2 { unsigned x, y; };
 
 // `s`, through an instruction the compiler may neither hoist nor merge: a fragment load's address
 // is then formed beside the load, not computed once before a loop and held in a register.
@@ -98,7 +99,6 @@ extern "C" __device__ int nc_pin(unsigned* ret, unsigned s) {
   *ret = d;
   return 0;
 }
-struct nc_u2 { unsigned x, y; };
 
 // ldmatrix: lanes 0-31 (x4) or 0-15 (x2) give the addresses of the 8x8 b16 matrices' rows;
 // register q of lane l gets row l/4, elements 2(l%4), 2(l%4)+1 of matrix q (.trans: of its

@@ -9,6 +9,10 @@ tensor cores with ``mma.sync.m16n8k16`` (fp32 accumulators).  Its source imports
 ``pack_f16`` / ``pack_bf16`` ``(lo, hi) -> uint32``: two fp32 values rounded into a pair
 ``h2f`` / ``bf2f``           a 16-bit pattern -> fp32
 ``f2h`` / ``f2bf``           fp32 -> a 16-bit pattern (round to nearest even)
+``ldsm_x4`` / ``ldsm_x2``    ``(smem16, offset)`` -> fragments by ``ldmatrix`` (``_t``: transposed)
+``pin``                      ``v -> v`` through an instruction the compiler keeps in place (a
+                              fragment address formed beside its load, :class:`.emit_mma.LdMatrix`)
+``cp_async16``               16 bytes global -> shared, asynchronously (``cp_async_wait_*``)
 
 On a GPU they are inline PTX in ``tensorcore.cu``, linked by numba-cuda (NVRTC) and inlined
 into the kernel.  Under the CUDA simulator (which links no C++) they are Python with the same

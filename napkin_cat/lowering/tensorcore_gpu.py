@@ -1,8 +1,11 @@
 """The GPU side of :mod:`.tensorcore`: the linked PTX functions of ``tensorcore.cu`` and the
 numba device functions generated kernels call (imported only on a GPU: it imports numba.cuda).
 
-Shared-memory and global operands are passed as (array, element offset); ``addr_of`` turns an
-array into the generic address the PTX side converts (``cvta.to.shared``).
+Shared-memory and global operands are passed as (array, element offset).  A shared operand's
+address is the 32-bit shared-window address of the array (``shared_addr``: an address-space cast
+the compiler sees through, so one per kernel) plus twice the offset; a global one is the array's
+generic address (``addr_of``) plus twice the offset.  ``pin`` passes a value through an
+instruction the compiler may neither hoist nor merge (:class:`.emit_mma.LdMatrix`).
 """
 
 from __future__ import annotations
