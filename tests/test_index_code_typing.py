@@ -44,6 +44,7 @@ class _Em:
     def __init__(self):
         self.consts = Constants(Names())
         self.sizes = {"q": 9, "x": 9}
+        self.ax = {}     # no blocks: every i // B reads its own index (emit_kinds.block_quotients)
 
     def gidx(self, axis, env):
         return f"({axis}0 + {axis}1)"
@@ -90,3 +91,23 @@ def test_mask_code_is_signed_on_numba_integers(name):
         for j in range(9):
             got = jit(np.uint32(i), np.uint32(0), np.uint32(j), np.uint32(0), np.float32(0))
             assert bool(got) == bool(_meaning(fn, i, j, 0.0)), (name, code, i, j)
+
+
+def test_a_quotient_constant_over_a_block_is_read_at_the_block_start():
+    """``i // B`` is the same for every index of a tile or chunk of ``s`` elements when ``s``
+    divides ``B`` (blocks start at multiples of ``s``): it is read at the block's first index, so
+    a block table ``bt[i // B, j // B]`` is one read per chunk; otherwise, and for an index that
+    is not an axis's plain index, the expression is kept."""
+    from types import SimpleNamespace
+
+    from napkin_cat.lowering.emit_kinds import block_quotients
+    from napkin_cat.ops import index_expr as ixe
+    em = SimpleNamespace(ax={"q": SimpleNamespace(name="q", role="grid", start="q0", cap=16),
+                             "x": SimpleNamespace(name="x", role="stream", start="x0", cap=48)})
+    i, j = ixe.Ix("idx", (), "q"), ixe.Ix("idx", (), "x")
+    kept = lambda e: block_quotients(em, e).same(e)    # noqa: E731
+    assert not kept(i // 64) and block_quotients(em, i // 64).args[0].value == ("block", "q")
+    assert kept(i // 24) and kept(j // 64) and kept((i + 1) // 64) and kept(i % 64)
+    assert block_quotients(em, j // 96).args[0].value == ("block", "x")
+    for start in range(0, 96, 16):          # the meaning: every index of the block, one quotient
+        assert len({(start + r) // 64 for r in range(16)}) == 1

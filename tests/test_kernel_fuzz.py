@@ -28,6 +28,7 @@ derandomised; ``HYPOTHESIS_PROFILE=dev`` runs ten times as many, at random.
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
@@ -280,6 +281,8 @@ def _features(kernel) -> set[str]:
         out.add("lse-from-stats")
     if "(materialised, 16-bit" in kernel.source:
         out.add("16-bit-operand")
+    if re.search(r"int64\(\w+0\) // \d", body):     # emit_kinds.block_quotients
+        out.add("block-quotient")
     return out
 
 

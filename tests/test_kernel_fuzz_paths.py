@@ -20,7 +20,9 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   :attr:`napkin_cat.lowering.plan.AccPlan.stats_of`);
 * ``sixteen_bit``: f16 / bf16 FlashAttention-2 backward parts and MLPs on simulated tensor
   cores, whose dS or hidden layer is a ``16-bit-operand`` shared buffer read by ldmatrix
-  (:mod:`napkin_cat.lowering.sixteen_bit`); backward inputs are residuals the forward produced.
+  (:mod:`napkin_cat.lowering.sixteen_bit`); backward inputs are residuals the forward produced;
+  a document mask with its block table, whose ``i // B`` lookups are read once per block where
+  the block lies inside one table block (``block-quotient``, :func:`napkin_cat.lowering.emit_kinds.block_quotients`).
 
 ``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
 """
@@ -358,7 +360,7 @@ FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family
 # what each family must reach across its examples (named by test_kernel_fuzz._features)
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
                      "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
-                     "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows"}}
+                     "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient"}}
 
 
 def fuzz_case(family: str, data, stats: Counter):

@@ -15,6 +15,7 @@ from typing import Callable
 from ..core.errors import LoweringError
 from ..ops.functions import CUDA_CONSTANTS, FUNCTIONS
 from ..ops.index import constant_value
+from ..ops.index_expr import Ix
 from ..ops.kinds import NORMALISATIONS
 from . import reindex
 
@@ -93,6 +94,8 @@ def index_code(em, box, fn, args, env) -> str:
         if n.op == "idx":
             if n.value == "score":
                 return args[0]
+            if isinstance(n.value, tuple):   # ("block", axis): the block's first index
+                return f"int64({em.ax[n.value[1]].start})"
             return reindex.signed_index(em, n.value, env)
         if n.op == "size":
             return str(em.sizes[n.value])
@@ -107,7 +110,25 @@ def index_code(em, box, fn, args, env) -> str:
 
     fconst = lambda value: em.consts.f(value, comment=f"{box.name} constant")
     fn_code = lambda name, x: fn_expr(em.consts, name, [f"({x})" if compound(x) else x])
-    return fn.expr.to_code(leaf, fconst, fn_code)
+    return block_quotients(em, fn.expr).to_code(leaf, fconst, fn_code)
+
+
+def block_quotients(em, e: Ix) -> Ix:
+    """``e`` with each ``i // B`` (``i`` an axis index, ``B`` a positive int) whose block lies
+    inside one B-block read at the block's first index: a tile or chunk of ``s`` elements starts at
+    a multiple of ``s``, so when ``s`` divides ``B`` every index of it has the same quotient.  A
+    block table ``bt[i // B, j // B]`` is then one read per chunk (the compiler hoists it), not one
+    per score."""
+    if e.op == "floordiv":
+        i, b = e.args
+        if i.op == "idx" and isinstance(i.value, str) and i.value in em.ax and b.op == "const" \
+                and type(b.value) is int and b.value > 0:
+            a = em.ax[i.value]
+            if a.role in ("grid", "stream") and a.start is not None and a.cap > 1 and b.value % a.cap == 0:
+                return Ix("floordiv", (Ix("idx", (), ("block", a.name)), b))
+    if not e.args:
+        return e
+    return Ix(e.op, tuple(block_quotients(em, x) for x in e.args), e.value)
 
 
 def _pointwise(box) -> int:

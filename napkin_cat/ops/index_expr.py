@@ -301,8 +301,8 @@ class Ix:
         if op in _BIN:
             if op == "truediv":
                 parts = [f"float32({p})" if k.dtype != "float" else p for p, k in zip(parts, a)]
-            if op in ("and", "or") and dt == "bool":
-                return f"({parts[0]} {'and' if op == 'and' else 'or'} {parts[1]})"
+            # booleans too combine with & and |: both sides are evaluated (a gather's index is
+            # clamped, so always safe) and a mask costs selects per score, not branches
             return f"({parts[0]} {_BIN[op]} {parts[1]})"
         if op == "neg":
             return f"(-{parts[0]})"
