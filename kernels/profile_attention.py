@@ -11,7 +11,6 @@ before the profiled launches, so a profile is never of a wrong kernel.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from bench_tc import PREFETCH, TDT, TOL, attention_diagram, rel  # noqa: E402
+from bench_tc import PREFETCH, TDT, TOL, attention_diagram, sampled_error  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -46,12 +45,7 @@ def main(argv=None) -> int:
     O = torch.full_like(Q, float("nan"))
     run = kernel.prepare(Q, K, V, out=O)
     run()
-    rows = torch.randperm(N, device="cuda", generator=g)[:128].sort().values
-    S = torch.matmul(Q[:, :2, rows].double(), K[:, :2].double().transpose(-1, -2)) / math.sqrt(D)
-    if args.causal:
-        S = S.masked_fill(torch.arange(N, device="cuda")[None, None, None, :] > rows[None, None, :, None],
-                          float("-inf"))
-    err = rel(O[:, :2, rows], torch.matmul(torch.softmax(S, -1), V[:, :2].double()))
+    err = sampled_error(O, Q, K, V, args.causal, g)
     print(f"{kernel.name}: grid {kernel.launch.grid}, block {kernel.launch.block}, "
           f"smem {kernel.launch.dynamic_smem_bytes} B, rel err {err:.2e}", flush=True)
     if not err < TOL[args.dtype]:

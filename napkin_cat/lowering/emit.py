@@ -24,7 +24,7 @@ from .emit_loads import Loads
 from .emit_threads import GROUP_HELPERS, Phases
 from .plan import Buffer, KernelPlan, Target
 from .source import Constants, Names, Source, paren as _paren
-from .tensorcore import DTYPES, PRIMITIVES
+from .tensorcore import DTYPES, PRIMITIVES, SHARED_PRIMITIVES
 
 RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lane", "e", "i", "j",
             "u", "k", "ty", "tx", "acc", "val", "SIMULATOR", "SMEM_ALIGN", "WARP_SHUFFLE",
@@ -302,8 +302,7 @@ class Emitter(Loads, Phases):
         dt = DTYPES.get(self.plan.dtype)
         if dt is None:
             return []
-        names = (dt.mma, dt.pack, dt.to_f32, dt.from_f32, "ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t",
-                 "pin", "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")
+        names = (dt.mma, dt.pack, dt.to_f32, dt.from_f32, *SHARED_PRIMITIVES)
         return ["from numba import int16", "",
                 f"from napkin_cat.lowering.tensorcore import {', '.join(names)}  # noqa: F401", "",
                 "ZERO16 = int16(0)", ""]

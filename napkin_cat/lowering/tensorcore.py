@@ -66,9 +66,11 @@ DTYPES = {
     "bf16": TensorDType("bf16", "mma_bf16", "pack_bf16", "bf2f", "f2bf", "bf16", "bfloat16", None),
 }
 
-PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf",
-              "ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t", "pin",
-              "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")
+SHARED_PRIMITIVES = ("ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t", "pin",
+                     "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")
+"""The primitives every 16-bit kernel imports, whatever its dtype (beside its dtype's four)."""
+
+PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf", *SHARED_PRIMITIVES)
 
 def fragment_layout() -> dict[str, np.ndarray]:
     """Where each element of the A, B and C tiles lives: ``A[r, k] = (register, lane, half)``,
@@ -202,8 +204,8 @@ def _sim_primitives() -> dict:
 # --------------------------------------------------------------------------- the GPU's
 
 def _gpu_primitives() -> dict:
-    from .tensorcore_gpu import PRIMITIVES as linked
-    return dict(linked)
+    from . import tensorcore_gpu
+    return {name: getattr(tensorcore_gpu, name) for name in PRIMITIVES}
 
 
 _CACHE: dict[bool, dict] = {}

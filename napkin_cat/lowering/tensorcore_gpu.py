@@ -105,7 +105,3 @@ def cp_async16(smem16, soff, src16, goff, valid):
         return _cp16(shared_addr(smem16) + uint32(soff) * uint32(2), addr_of(src16) + goff * 2, 16)
     return _cp16(shared_addr(smem16) + uint32(soff) * uint32(2), addr_of(src16), 0)
 
-
-PRIMITIVES = {name: globals()[name] for name in (
-    "mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf", "ldsm_x4", "ldsm_x4_t",
-    "ldsm_x2", "ldsm_x2_t", "pin", "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")}
