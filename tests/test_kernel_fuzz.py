@@ -248,7 +248,8 @@ def _features(kernel) -> set[str]:
     generator paths of :mod:`test_kernel_fuzz_paths`: reindexings read through their index maps
     (``reindex``; ``reindex-predicate`` where the map can leave the input), a gather kernel of a
     multi-kernel cut, atomic adds of partial sums, a logsumexp read from an online softmax's
-    statistics, a materialised 16-bit operand buffer.  A multi-kernel: its kernels' features."""
+    statistics, a materialised 16-bit operand buffer, a value kept in registers for a later
+    epilogue (``register-copy``).  A multi-kernel: its kernels' features."""
     if isinstance(kernel, MultiKernel):
         return {"multi-kernel"}.union(*(_features(k) for k in kernel.kernels))
     if is_gather(kernel.diagram):
@@ -283,6 +284,8 @@ def _features(kernel) -> set[str]:
         out.add("16-bit-operand")
     if re.search(r"int64\(\w+0\) // \d", body):     # emit_kinds.block_quotients
         out.add("block-quotient")
+    if re.search(r"_r = cuda\.local\.array\(.*# \w+ kept for", body):   # lowering/register_copies.py
+        out.add("register-copy")
     return out
 
 

@@ -22,7 +22,9 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   cores, whose dS or hidden layer is a ``16-bit-operand`` shared buffer read by ldmatrix
   (:mod:`napkin_cat.lowering.sixteen_bit`); backward inputs are residuals the forward produced;
   a document mask with its block table, whose ``i // B`` lookups are read once per block where
-  the block lies inside one table block (``block-quotient``, :func:`napkin_cat.lowering.emit_kinds.block_quotients`).
+  the block lies inside one table block (``block-quotient``, :func:`napkin_cat.lowering.emit_kinds.block_quotients`);
+  the backward's ``dP`` (and ``P``) read by dS's epilogue from registers (``register-copy``,
+  :mod:`napkin_cat.lowering.register_copies`).
 
 ``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
 """
@@ -360,7 +362,8 @@ FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family
 # what each family must reach across its examples (named by test_kernel_fuzz._features)
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
                      "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
-                     "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient"}}
+                     "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient",
+                                     "register-copy"}}
 
 
 def fuzz_case(family: str, data, stats: Counter):

@@ -65,14 +65,15 @@ def test_backward_parts_for_a_gpu_keep_ds_in_sixteen_bits_read_by_ldmatrix(monke
         reads += [ln.split("=")[1].split("(")[0].strip() for ln in body.splitlines()
                   if "ldsm_" in ln and "dS_s" in ln]
     assert set(reads) == {"ldsm_x4", "ldsm_x4_t"}, reads   # dQ: [q x] rows; dK: [q x] transposed
-    # the key-tile part's P feeds the dV update and the product dS = P * (dP - D), itself
-    # 16-bit: P is 16-bit too, read by ldmatrix for dV and converted once for the product;
-    # the query-tile part's dP feeds a difference (dP - D): it stays fp32
+    # the key-tile part's P feeds the dV update and the product dS = P * (dP - D): P is a
+    # 16-bit buffer read by ldmatrix for dV, and the product reads its fp32 register copy
+    # (lowering/register_copies.py); the query-tile part's dP is read only by that product, on
+    # the same fragments: it has no shared buffer at all
     assert "(P (materialised, 16-bit, rows padded by 8))" in shared_lines[0], shared_lines[0]
     key_part = _body(lowering._lower_one(parts[0]).source)
     assert "pack_f16(smem[P_s" not in key_part and "ldsm_x4_t(smem16, P_s" in key_part
-    assert "h2f(smem16[P_s" in key_part
-    assert "(dP (materialised))" in shared_lines[1], shared_lines[1]
+    assert "h2f(smem16[P_s" not in key_part and "P_r[i, j]" in key_part
+    assert "dP_s" not in shared_lines[1] and "dP_r[i, j]" in _body(lowering._lower_one(parts[1]).source)
 
 
 @pytest.mark.slow

@@ -192,6 +192,13 @@ class Emitter(Loads, Phases):
             return regs[v]
         if v in memo:
             return memo[v]
+        row = env.get("_hoist")
+        if row is not None and row.src is not src and row.col not in self.types[v].axis_names:
+            expr = self.value(v, env, row.src, row.memo, regs, define)    # once per row
+            if not expr.isidentifier():                                     # a read: into a register
+                row.memo[v] = self.names.fresh(f"{self.types[v].name}_{v}")
+                row.src(f"{row.memo[v]} = {expr}")
+            return row.memo[v]
         st = "inline" if v == define else self.plan.storage(v)
         if st in ("load", "smem"):
             expr = self.sread(("var", v), env)
@@ -237,6 +244,7 @@ class Emitter(Loads, Phases):
         self.names.used |= argn.used
         body = Source(1)
         self.pending_sync = self.pending_async = False
+        self.reg_copy = {}   # target var -> its register copy (.register_copies)
         try:
             self._emit_prologue(body)
             self._emit_nodes(self.plan.inner, body)

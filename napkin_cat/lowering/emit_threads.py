@@ -19,7 +19,7 @@ from ..ops.kinds import NORMALISATIONS
 from .emit_kinds import CODEGEN_RULES, REDUCE_OPS, fn_expr
 from .emit_mma import contract_mma, frag_begin, frag_cols, frag_rows
 from .plan import Coop, Flat, Frag, Micro, Target
-from .source import Source
+from .source import RowHoist, Source
 
 IDLE_START = 0x7FFFFFFF
 """First index of an idle lane group's loops (past every bound: the loops are empty)."""
@@ -153,11 +153,12 @@ class Phases:
                 self_.b1.__enter__()
                 r = gen.names.fresh(gen.ax[m.row].index)
                 src(f"{r} = {gen.micro_rows(m, 'i')}")
+                row = RowHoist(src.slot(), {}, m.col)
                 self_.b2 = src.block(f"for j in range({k.u(m.RX)}):")
                 self_.b2.__enter__()
                 c = gen.names.fresh(gen.ax[m.col].index)
                 src(f"{c} = {gen.micro_cols(m, 'j')}")
-                return {m.row: r, m.col: c, "_slot": "i, j", "_row": "i"}
+                return {m.row: r, m.col: c, "_slot": "i, j", "_row": "i", "_hoist": row}
 
             def __exit__(self_, *exc):
                 self_.b2.__exit__(*exc)
@@ -174,10 +175,11 @@ class Phases:
         for i in range(m.RY):
             r = self.names.fresh(self.ax[m.row].index)
             src(f"{r} = {self.micro_rows(m, k.u(i))}")   # uint32 constants: no signed mix
+            row = RowHoist(src.slot(), {}, m.col)
             with src.block(f"for j in range({k.u(m.RX)}):"):
                 c = self.names.fresh(self.ax[m.col].index)
                 src(f"{c} = {self.micro_cols(m, 'j')}")
-                yield {m.row: r, m.col: c, "_slot": f"{i}, j", "_row": str(i)}
+                yield {m.row: r, m.col: c, "_slot": f"{i}, j", "_row": str(i), "_hoist": row}
 
     def elements(self, m, src):
         return self.micro_elements(m, src) if isinstance(m, Micro) else self.flat_elements(m, src)
@@ -363,12 +365,21 @@ class Phases:
         if isinstance(m, Micro):
             acc = self.names.fresh("acc")
             self.micro_begin(m, src)
+            copies = self.plan.reg_copies or {}
+            if t.var in copies:     # read again by later epilogues on these threads (.register_copies)
+                self.reg_copy[t.var] = self.names.fresh(f"{arr.name}_r")
+                src(f"{self.reg_copy[t.var]} = cuda.local.array(({m.RY}, {m.RX}), float32)  # {arr.name} "
+                    f"kept for {', '.join(self.types[u].name for u in copies[t.var])}")
             with src.maybe(self.micro_guard(m)):
                 src(f"{acc} = cuda.local.array(({m.RY}, {m.RX}), float32)")
                 self.contract(t.engine, m, acc, self.contraction_operands(e.ins), list(red), src)
                 with self.micro_elements(m, src) as env:
-                    val = self.value(t.var, env, src, {}, {t.source: f"{acc}[i, j]"}, define=t.var)
+                    regs = {t.source: f"{acc}[i, j]"}
+                    regs.update((v, f"{self.reg_copy[v]}[i, j]") for v, us in copies.items() if t.var in us)
+                    val = self.value(t.var, env, src, {}, regs, define=t.var)
                     self.write_target(t, env, val, src)
+                    if t.var in copies:
+                        src(f"{self.reg_copy[t.var]}[i, j] = {val}")
         elif isinstance(m, Flat):
             acc = self.names.fresh("acc")
             src(f"{acc} = cuda.local.array({m.per_thread}, float32)")

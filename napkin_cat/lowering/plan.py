@@ -343,6 +343,7 @@ class KernelPlan:
     launch: LaunchPlan
     notes: tuple[str, ...]
     dtype: str = "f32"              # f32, or the 16-bit dtype of its inputs (f16 / bf16)
+    reg_copies: Mapping = None      # target var -> the targets whose epilogues read its register copy
 
     @property
     def dd(self) -> Diagram:
@@ -404,11 +405,13 @@ def var_cls(v: int, n_in: int, cls: Mapping, st: Structure) -> str:
 
 def storage(v: int, n_in: int, targets: Mapping, absorbed: Mapping) -> str:
     """``load`` (an input in shared memory), ``smem`` / ``global`` (a target), ``regs`` (a
-    reduction's value in registers, read by its chain) or ``inline`` (recomputed where read)."""
+    reduction's value in registers, read by its chain, or a target read only from its register
+    copy: :mod:`.register_copies`) or ``inline`` (recomputed where read)."""
     if v < n_in:
         return "load"
     if v in targets:
-        return "smem" if targets[v].to_smem else "global"
+        t = targets[v]
+        return "smem" if t.to_smem else "global" if t.to_global else "regs"
     if v in absorbed:
         return "regs"
     return "inline"

@@ -14,6 +14,8 @@
        register micro-tiles for contractions with two output axes, groups of lanes per output
        for reductions with few outputs, else a flat element loop;
     6. :func:`fuse_scores`      scores kept in registers (:class:`~.plan.FusedScores`);
+       :func:`~.register_copies.register_copies`  a value read again by a later epilogue on
+       the same threads kept in registers for it;
     7. :func:`~.sixteen_bit.sixteen_bit_targets`  intermediates read only by tensor cores, kept
        in 16 bits; :func:`plan_layouts` / :func:`plan_buffers`  shared-memory layouts and offsets;
     8. :func:`plan_launch`      grid, chunk skipping, launch bounds.
@@ -34,6 +36,7 @@ from ..relabel.skipping import chunk_skips
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, REDUCE_OPS
 from .fuse import fuse_scores
+from .register_copies import register_copies
 from .reindex import check_axes as check_reindexed_axes, remaps
 from .sixteen_bit import sixteen_bit_buffer, sixteen_bit_targets
 from .threads import Threads, _check_micro
@@ -46,6 +49,9 @@ TRANSPOSE_PAD = 4
 
 FUSE_SCORES = True
 """Keep a normalising accumulator's scores in registers where :class:`~.plan.FusedScores` applies."""
+
+REGISTER_COPIES = True
+"""Keep a contraction's value in registers for a later epilogue on the same threads (:mod:`.register_copies`)."""
 
 REGISTER_FLOOR = 128
 """Registers per thread below which the launch bounds never push the compiler."""
@@ -93,18 +99,19 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     accs = plan_accumulators(ff, threads_)
     targets, norm_stats = plan_mappings(ff, ax, st, cls, targets, accs, threads_)
     accs, targets, fused = fuse_scores(ff, ax, st, targets, accs, threads_) if FUSE_SCORES else (accs, targets, {})
+    targets, copies = register_copies(ff, st, cls, targets, absorbed, fused) if REGISTER_COPIES else (targets, {})
     sixteen = sixteen_bit_targets(ff, st, cls, targets, absorbed, accs, threads_.dtype)
     prefs = plan_layouts(ff, st, targets, absorbed, accs, ax, sixteen)
     buffers, accs = plan_buffers(ff, ax, st, targets, absorbed, accs, norm_stats, prefs, threads, prefetch,
                                  sixteen)
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
-    launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch)
+    launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch, copies)
     return KernelPlan(name, d, ff, threads, fastmath, prefetch,
                       CONTRACTION_UNROLL if unroll is None else int(unroll), frozen_map(ax), tuple(grid_loops),
                       tuple(inner), st, frozen_map(cls), frozen_map(targets), frozen_map(absorbed), tuple(accs),
                       frozen_map(fused), frozen_map(norm_stats), frozen_map(buffers), frozen_map(skips), launch,
-                      tuple(threads_.notes), threads_.dtype)
+                      tuple(threads_.notes), threads_.dtype, frozen_map(copies))
 
 
 # --------------------------------------------------------------------------- 1. axes
@@ -485,7 +492,8 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
 
 # --------------------------------------------------------------------------- 8. launch
 
-def plan_launch(ff: FinalForm, ax, grid_loops, targets, accs, bufs, skips, T: int, prefetch) -> LaunchPlan:
+def plan_launch(ff: FinalForm, ax, grid_loops, targets, accs, bufs, skips, T: int, prefetch,
+                copies=()) -> LaunchPlan:
     grid = [lp.axis for lp in grid_loops if ax[lp.axis].role == "grid"]
     batch = [lp.axis for lp in grid_loops if ax[lp.axis].role == "batch"]
     gx = math.prod(-(-ax[a].size // ax[a].cap) for a in grid)
@@ -497,7 +505,7 @@ def plan_launch(ff: FinalForm, ax, grid_loops, targets, accs, bufs, skips, T: in
         grid, batch = grid + batch, []
         gx, gy = gx * gy, 1
     smem_floats = sum(-(-b.size // 4) * 4 for b in bufs.values())
-    regs = register_estimate(ff, ax, targets, accs, T, prefetch)
+    regs = register_estimate(ff, ax, targets, accs, T, prefetch, copies)
     return LaunchPlan((gx, gy, 1), tuple(grid), tuple(batch), heavy, smem_floats, regs,
                       blocks_per_sm(4 * smem_floats, T, regs))
 
@@ -508,9 +516,10 @@ def _grows_with_rows(pred) -> bool:
     return pred.support(far, far + 1, IntAlgebra)[0] == 0
 
 
-def register_estimate(ff: FinalForm, ax, targets, accs, T: int, prefetch) -> int:
+def register_estimate(ff: FinalForm, ax, targets, accs, T: int, prefetch, copies=()) -> int:
     """Registers a thread needs, roughly: values live across a stream loop (accumulator
-    states, scores kept in registers, chunks prefetched into registers), the largest
+    states, scores kept in registers, chunks prefetched into registers), register copies
+    (:mod:`.register_copies`), the largest
     fragment pair of a micro-tile, and ``REGISTER_SLACK`` for indices and addresses."""
     types = ff.diagram.var_types()
     live, frag = 0, 0
@@ -524,6 +533,7 @@ def register_estimate(ff: FinalForm, ax, targets, accs, T: int, prefetch) -> int
     for t in targets.values():
         if isinstance(t.mapping, Micro):
             frag = max(frag, t.mapping.RY + t.mapping.RX)
+    live += sum(targets[v].mapping.RY * targets[v].mapping.RX for v in copies)
     if any(isinstance(m, Frag) for m in [t.mapping for t in targets.values()] + [p.main for p in accs]):
         live += MMA_SLACK
     if prefetch:

@@ -21,28 +21,43 @@ from dataclasses import dataclass
 
 
 class Source:
-    """Indented lines of Python."""
+    """Indented lines of Python, with slots: places earlier in the text that later code can
+    still write to (:meth:`slot`)."""
 
     def __init__(self, indent: int = 0):
-        self.lines: list[str] = []
+        self._items: list = []         # lines, and the slots (Source) between them
         self.depth = indent
 
     def __call__(self, line: str = "") -> None:
-        self.lines.append(("    " * self.depth + line) if line else "")
+        self._items.append(("    " * self.depth + line) if line else "")
 
     def comment(self, text: str) -> None:
         for part in text.splitlines():
             self(f"# {part}")
 
+    def slot(self) -> "Source":
+        """A place here, at this depth, for lines written later (a value hoisted out of a loop
+        the writer has since entered)."""
+        s = Source(self.depth)
+        self._items.append(s)
+        return s
+
+    @property
+    def lines(self) -> list[str]:
+        out = []
+        for item in self._items:
+            out.extend(item.lines if isinstance(item, Source) else (item,))
+        return out
+
     @contextmanager
     def block(self, header: str):
         self(header)
         self.depth += 1
-        mark = len(self.lines)
+        mark = len(self._items)
         try:
             yield
         finally:
-            if len(self.lines) == mark:
+            if not any(not isinstance(i, Source) or i._items for i in self._items[mark:]):
                 self("pass")
             self.depth -= 1
 
@@ -57,6 +72,17 @@ class Source:
 
     def text(self) -> str:
         return "\n".join(self.lines)
+
+
+@dataclass(frozen=True)
+class RowHoist:
+    """Where a micro-tile's element loop puts values of its row alone (``env["_hoist"]``): a
+    slot in the row loop, before the column loop, and the values already written there.  A
+    value without the column axis (a row's logsumexp, its D = rowsum(dO * O), a constant) is
+    then computed once per row, not once per element (:meth:`.emit.Emitter.value`; made by the micro-tile loops of :mod:`.emit_threads`)."""
+    src: Source
+    memo: dict
+    col: str
 
 
 class Names:
