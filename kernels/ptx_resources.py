@@ -112,8 +112,8 @@ def flash_kernels(n: int, dim: int, heads: int, dtype: str, options: list[dict])
     tdt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
     sizes = (("d", dim), ("h", heads), ("q", n), ("x", n))
     plan = torch_op(attn).backward_plan((0, 1, 2), sizes, tdt)
-    for name, dia in (("forward (O, L)", plan.forward), ("backward dK, dV", plan.parts[0]),
-                      ("backward dQ", plan.parts[1])):
+    for name, dia in (("forward (O, L)", plan.forward), ("backward dK, dV", plan.parts[-2]),
+                      ("backward dQ", plan.parts[-1])):
         for opt in options:
             yield name, opt, nc.lower(dia, verify=False, **opt)
 

@@ -259,15 +259,21 @@ def split_reduction_family(draw):
                 _residuals(fwd, sizes), SMALL_DATA)
 
 
-def _residuals(fwd, sizes):
+def _residuals(fwd, sizes, part=None):
     """Inputs of the backward of ``fwd``: its inputs and the cotangent from the regime, ``O`` and
-    ``L`` computed by the forward from them (the logsumexp its scores produce)."""
+    ``L`` computed by the forward from them (the logsumexp its scores produce); for a backward
+    ``part``, the arrays it reads by name, ``D = rowsum(dO O)`` among them."""
     bound = fwd.bind(sizes)
 
     def inputs(rng, regime):
         ins = [REGIMES[regime][0](rng, tuple(ax.size for ax in arr.axes)) for arr in bound.dom]
         outs = nc.evaluate(bound, *ins)
-        return [*ins, *outs, REGIMES[regime][0](rng, outs[0].shape)]
+        got = [*ins, *outs, REGIMES[regime][0](rng, outs[0].shape)]
+        if part is None:
+            return got
+        named = dict(zip([a.name for a in (*bound.dom, *bound.cod)] + ["dO"], got))
+        named["D"] = (named["dO"] * named["O"]).sum(-1)
+        return [named[a.name] for a in part.dom]
     return inputs
 
 
@@ -323,22 +329,24 @@ def sixteen_bit_family(draw):
         return Case(f"{dt.name} mlp", mlp, (("tile", "t", gt),), sizes, mlp, options, regimes=SMALL_DATA)
     causal = draw(st.booleans())
     fl = L.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
-    which = draw(st.sampled_from((0, 1)))   # the key-tile part (dK, dV) or the query-tile part (dQ)
+    # D = rowsum(dO O), the key-tile part (dK, dV) or the query-tile part (dQ)
+    which = draw(st.sampled_from((0, 1, 1, 2, 2)))
     part = backward_plan(fl).at(dt).parts[which]
     blocks = {n: draw(st.sampled_from((16, 32)), label=n) for n in ("g_x", "s_q", "g_q", "s_x")
               if n in part._sched_str()}
     sizes = {q: draw(st.integers(1, 24), label="q"), x: draw(st.integers(1, 24), label="x"), d: 16}
     fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True)
     label = f"{dt.name} attention backward ({', '.join(a.name for a in part.cod)}, causal={causal})"
-    return Case(label, part, (), sizes, part.unrelabelled(), {**options, "tiles": blocks}, _residuals(fwd, sizes),
-                SMALL_DATA)
+    mine = {a.name for a in part.axes}                  # D = rowsum(dO O) has no key axis
+    return Case(label, part, (), {a: n for a, n in sizes.items() if a.name in mine}, part.unrelabelled(),
+                {**options, "tiles": blocks}, _residuals(fwd, sizes, part), SMALL_DATA)
 
 
 def _document_case(draw, dt, options):
     """A document mask reading its block table (four gathers per score: the fragment epilogue
     written out row by row, ``emit_acc.UNROLL_GATHERS``), ragged sizes, random documents."""
     n = draw(st.integers(1, 40), label="n")
-    blk = draw(st.sampled_from((8, 16)), label="table block")
+    blk = draw(st.sampled_from((16, 8)), label="table block")   # 16: a tile inside one table block
     doc = nc.aux("doc", nc.Axis("n", n))
     bt = nc.aux("bt", nc.Axis("rb", -(-n // blk)), nc.Axis("cb", -(-n // blk)))
     m = nc.mask_mod(lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i))

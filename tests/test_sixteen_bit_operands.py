@@ -36,7 +36,9 @@ def _parts(dtype, sizes, causal=False, heads=False):
     if heads:
         fl = fl.tile(h, 1)
     op = torch_op(fl, verify=False, backward="two kernels")
-    return op.backward_plan((0, 1, 2), tuple(sorted(sizes.items())), dtype).parts
+    rows, *parts = op.backward_plan((0, 1, 2), tuple(sorted(sizes.items())), dtype).parts
+    assert [a.name for a in rows.cod] == ["D"]    # D = rowsum(dO O), read by both parts
+    return parts
 
 
 def _shared_line(src: str) -> str:
@@ -106,13 +108,15 @@ def test_fp32_backward_keeps_fp32_buffers(monkeypatch):
 
 
 def _residual_inputs(sizes, causal, seed=0):
-    """Q, K, V, O, L, dO with O and L produced by the forward (realistic probabilities)."""
+    """Q, K, V, O, L, dO with O and L produced by the forward (realistic probabilities), and
+    D = rowsum(dO O), by name."""
     fwd = nc.library.attention(q=q, x=x, d=d, causal=causal, logsumexp=True).bind(
         {a: sizes[a.name] for a in (q, x, d)})
     rng = np.random.default_rng(seed)
     ins = [rng.standard_normal(tuple(a.size for a in arr.axes)) for arr in fwd.dom]
     O, L = nc.evaluate(fwd, *ins)
-    return [*ins, O, L, rng.standard_normal(O.shape)]
+    dO = rng.standard_normal(O.shape)
+    return dict(zip(("Q", "K", "V", "O", "L", "dO", "D"), (*ins, O, L, dO, (dO * O).sum(-1))))
 
 
 def _lowered_parts(dtype, sizes, causal):
@@ -125,7 +129,7 @@ def _check_parts(dtype, sizes, causal):
     inputs = _residual_inputs(sizes, causal)
     for part, kernel in _lowered_parts(dtype, sizes, causal):
         assert "dS (materialised, 16-bit" in _shared_line(kernel.source)
-        diff = kernelcheck.kernel_outcome(part.unrelabelled(), kernel, inputs)
+        diff = kernelcheck.kernel_outcome(part.unrelabelled(), kernel, [inputs[a.name] for a in part.dom])
         assert diff.failure is None, diff.failure
 
 
@@ -191,8 +195,8 @@ def test_a_planted_sixteen_bit_buffer_bug_is_caught(plant):
     """ldmatrix reading dS with rows 8 elements shorter than they were written, or dS stored as
     an integer instead of its 16-bit pattern: the kernel check fails."""
     sizes = {"q": 16, "x": 32, "d": 16}
-    inputs = _residual_inputs(sizes, causal=False)
     part, kernel = next(_lowered_parts("f16", sizes, causal=False))
+    inputs = [_residual_inputs(sizes, causal=False)[a.name] for a in part.dom]
     oracle = part.unrelabelled()
     assert kernelcheck.kernel_outcome(oracle, kernel, inputs).failure is None
     if plant == "row_padding":

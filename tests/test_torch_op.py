@@ -139,10 +139,14 @@ def test_backward_plan_residuals_save_inputs_output_and_logsumexp():
     assert plan.saves == ("Q", "K", "V", "O", "L") and plan.wrt == (0, 1, 2)
     assert [a.name for a in plan.diagram.dom] == ["Q", "K", "V", "O", "L", "dO"]
     assert plan.forward.schedule == flash().schedule   # relabelled like the user's diagram
-    assert [[a.name for a in p.cod] for p in plan.parts] == [["dK", "dV"], ["dQ"]]
-    assert [p._sched_str() for p in plan.parts] == ["tile(x, g_x), stream(q, s_q)", "tile(q, g_q), stream(x, s_x)"]
+    # D = rowsum(dO O) first (FlashAttention-2's preprocessing: lowering/backward_parts.row_terms),
+    # then the key-tile and query-tile parts, which read D instead of O
+    assert [[a.name for a in p.cod] for p in plan.parts] == [["D"], ["dK", "dV"], ["dQ"]]
+    assert [p._sched_str() for p in plan.parts] == ["tile(q, 64)", "tile(x, g_x), stream(q, s_q)",
+                                                   "tile(q, g_q), stream(x, s_x)"]
+    assert [[a.name for a in p.dom] for p in plan.parts] == [["dO", "O"], *[["Q", "K", "V", "L", "dO", "D"]] * 2]
     only_k = backward_plan(flash(), wrt=(1,))
-    assert [[a.name for a in p.cod] for p in only_k.parts] == [["dK"]]
+    assert [[a.name for a in p.cod] for p in only_k.parts] == [["D"], ["dK"]]
 
 
 def test_backward_plan_falls_back_when_the_relabelings_do_not_apply():
@@ -260,7 +264,7 @@ def test_torch_op_simulator_path_attention():
     assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2"), op.notes
     assert op.last_saves == ("Q", "K", "V", "O", "L") and op.notes == []
     assert sum(k[0] == "kernel" for k in op._cache) == 1   # the forward with L: one kernel, two outputs
-    assert sum(k[0] == "backward kernel" for k in op._cache) == 2   # (dK, dV) and dQ
+    assert sum(k[0] == "backward kernel" for k in op._cache) == 3   # D = rowsum(dO O), (dK, dV) and dQ
     op(*inputs(op.diagram, SIZES, torch.float32, seed=3))   # the cached kernel
     assert sum(k[0] == "kernel" for k in op._cache) == 1
 

@@ -85,8 +85,10 @@ def test_torch_op_16bit_plan_keeps_the_logsumexp_in_fp32_and_leaves_the_diagram_
     plan = op.backward_plan((0, 1, 2), (), torch.bfloat16)
     assert str(plan.forward) == ("Q[q d] bf16, K[x d] bf16, V[x d] bf16 -> O[q d] bf16, L[q] f32  "
                                  "| stream(x, 16), tile(q, 16)")
-    for part in plan.parts:   # dO in bf16, L in fp32, the gradients in the inputs' dtype
-        assert [a.dtype.name for a in part.dom] == ["bf16"] * 4 + ["f32", "bf16"], part
+    rows, *parts = plan.parts    # D = rowsum(dO O) in fp32 from bf16 dO and O
+    assert [a.dtype.name for a in rows.dom] == ["bf16"] * 2 and [a.dtype.name for a in rows.cod] == ["f32"]
+    for part in parts:   # dO in bf16, L and D in fp32, the gradients in the inputs' dtype
+        assert [a.dtype.name for a in part.dom] == ["bf16"] * 3 + ["f32", "bf16", "f32"], part
         assert {a.dtype.name for a in part.cod} == {"bf16"}
     assert op.typed(torch.float32) is user and op.typed(torch.float64) is user
     assert retype(user, nc.f16).schedule == ()   # retype returns the unrelabelled diagram
@@ -130,4 +132,6 @@ def test_torch_op_16bit_double_buffered_kernels_match_fp64_autograd(dtype):
     check_16bit(op, inputs(op.diagram, {"q": 40, "x": 37, "d": 16}, dtype))
     assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2"), op.notes
     kernels = [k for key, k in op._cache.items() if key[0] in ("kernel", "backward kernel")]
-    assert len(kernels) == 3 and all("double-buffered" in k.source and "mma_" in k.source for k in kernels)
+    streamed = [k for k in kernels if [a.name for a in k.diagram.cod] != ["D"]]   # D = rowsum(dO O): no stream
+    assert len(kernels) == 4 and len(streamed) == 3
+    assert all("double-buffered" in k.source and "mma_" in k.source for k in streamed)

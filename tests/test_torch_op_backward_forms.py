@@ -95,16 +95,18 @@ def test_one_kernel_plan_is_one_part_keeping_the_heads_tiling():
     two = torch_op(attention("causal_heads"), backward="two kernels")
     sizes = _sizes(**SIZES)
     p1, p2 = (op.backward_plan((0, 1, 2), sizes, torch.float32) for op in (one, two))
-    assert [p._sched_str() for p in p1.parts] == ["tile(x, g_x, partial=sum), stream(q, s_q), tile(h, 1)"]
-    assert [a.name for a in p1.parts[0].cod] == ["dQ", "dK", "dV"]
-    assert [p._sched_str() for p in p2.parts] == ["tile(x, g_x), stream(q, s_q), tile(h, 1)",
+    # both first compute D = rowsum(dO O) once (lowering/backward_parts.row_terms)
+    assert [p._sched_str() for p in p1.parts] == ["tile(q, 64), tile(h, 1)",
+                                                  "tile(x, g_x, partial=sum), stream(q, s_q), tile(h, 1)"]
+    assert [a.name for a in p1.parts[1].cod] == ["dQ", "dK", "dV"]
+    assert [p._sched_str() for p in p2.parts] == ["tile(q, 64), tile(h, 1)", "tile(x, g_x), stream(q, s_q), tile(h, 1)",
                                                   "tile(q, g_q), stream(x, s_x), tile(h, 1)"]
     assert (p1.form, p2.form) == FORMS
     # the same backward and the same saves: only the kernels differ
     assert (p1.diagram, p1.saves, p1.forward) == (p2.diagram, p2.saves, p2.forward)
     # without dQ the one-kernel form has nothing to add across key tiles: dK, dV's kernel
     only_kv = one.backward_plan((1, 2), sizes, torch.float32)
-    assert [p._sched_str() for p in only_kv.parts] == ["tile(x, g_x), stream(q, s_q), tile(h, 1)"]
+    assert [p._sched_str() for p in only_kv.parts] == ["tile(q, 64), tile(h, 1)", "tile(x, g_x), stream(q, s_q), tile(h, 1)"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
@@ -112,9 +114,11 @@ def test_one_kernel_plan_adds_dq_in_fp32_for_16_bit_inputs(dtype):
     op = torch_op(attention(), backward="one kernel")
     plan = op.backward_plan((0, 1, 2), _sizes(q=5, x=7, d=4), dtype)
     half = "f16" if dtype == torch.float16 else "bf16"
-    (part,) = plan.parts
+    rows, part = plan.parts
     assert {a.name: a.dtype.name for a in part.cod} == {"dQ": "f32", "dK": half, "dV": half}
     assert {a.name: a.dtype.name for a in part.dom}["L"] == "f32"
+    assert [(a.name, a.dtype.name) for a in rows.cod] == [("D", "f32")]   # passed between parts in fp32
+    assert {a.name: a.dtype.name for a in part.dom}["D"] == "f32"
     assert {a.dtype.name for a in plan.diagram.cod} == {half}   # the gradients op returns
 
 
@@ -202,7 +206,7 @@ def _run(name, form, dtype=torch.float32, tol=1e-5):
 def test_one_kernel_gradients_match_fp64_autograd(name):
     op = _run(name, "one kernel")
     assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2-atomic"), op.notes
-    (kernel,) = [k for key, k in op._cache.items() if key[0] == "backward kernel"]
+    _, kernel = [k for key, k in op._cache.items() if key[0] == "backward kernel"]   # D, then the one kernel
     assert "cuda.atomic.add(dQ, " in kernel.source and kernel.launch.grid[0] == 3 * SIZES["h"] ** ("h" in name)
 
 
@@ -229,6 +233,6 @@ def test_both_forms_match_fp64_autograd(name, form):
     suffix = "-atomic" if form == "one kernel" else ""
     assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2" + suffix), op.notes
     n_kernels = sum(key[0] == "backward kernel" for key in op._cache)
-    assert n_kernels == (1 if form == "one kernel" else 2)
+    assert n_kernels == (1 if form == "one kernel" else 2) + 1   # + D = rowsum(dO O), before them
     if name == "head_scale":   # the auxiliary tensor's gradient: the same torch part in both forms
         assert any("dsc" in n and "torch semantics" in n for n in op.notes), op.notes

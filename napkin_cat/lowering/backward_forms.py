@@ -185,13 +185,18 @@ class BackwardPlan:
         """The plan for inputs of ``dtype`` (a napkin_cat DType): every wire of every diagram
         in ``dtype`` (:func:`~napkin_cat.ops.boxes.retype`, the relabelings re-applied), except
         the logsumexps, which stay fp32 (as FlashAttention keeps them: ``P = exp(S - L)`` needs
-        ``L`` to the scores' precision, and one fp32 per row is O(N) memory), and a part's
+        ``L`` to the scores' precision, and one fp32 per row is O(N) memory), the arrays a part
+        computes for the others (``D = rowsum(dO O)``, the same reasons), and a part's
         outputs added across blocks (the one-kernel form's ``dQ``: fp32 atomics), converted to
         ``dtype`` after the kernel."""
         fixed = {}
         if self.forward is not None:
             fw = self.forward.unrelabelled()
             fixed = {fw.var_types()[sv.l].name: DTYPES["f32"] for sv in saved_softmaxes(fw)}
+
+        # arrays one part computes for others (row terms: D = rowsum(dO O)) stay fp32 too
+        passed = {a.name for p in self.parts for a in p.cod} & {a.name for p in self.parts for a in p.dom}
+        fixed.update({n: DTYPES["f32"] for n in passed})
 
         def part_at(p):
             added = {a.name: DTYPES["f32"] for a in p.cod if any(not a.has(ax) for ax in split_axes(p))}
@@ -225,10 +230,11 @@ def backward_plan(d: Diagram, wrt: tuple[int, ...] | None = None, form: str = "t
     (('Q', 'K', 'V', 'O', 'L'), 'Q[q d] f32, K[x d] f32, V[x d] f32 -> O[q d] f32, L[q] f32  | stream(x, s_x), tile(q, g_q)')
     >>> for part in plan.parts:
     ...     print([a.name for a in part.dom], [a.name for a in part.cod], part._sched_str())
-    ['Q', 'K', 'V', 'O', 'L', 'dO'] ['dK', 'dV'] tile(x, g_x), stream(q, s_q)
-    ['Q', 'K', 'V', 'O', 'L', 'dO'] ['dQ'] tile(q, g_q), stream(x, s_x)
+    ['dO', 'O'] ['D'] tile(q, 64)
+    ['Q', 'K', 'V', 'L', 'dO', 'D'] ['dK', 'dV'] tile(x, g_x), stream(q, s_q)
+    ['Q', 'K', 'V', 'L', 'dO', 'D'] ['dQ'] tile(q, g_q), stream(x, s_x)
     >>> [part._sched_str() for part in backward_plan(flash, form="one kernel").parts]
-    ['tile(x, g_x, partial=sum), stream(q, s_q)']
+    ['tile(q, 64)', 'tile(x, g_x, partial=sum), stream(q, s_q)']
     """
     check_form(form, "backward_plan")
     wrt = tuple(i for i, a in enumerate(d.dom) if a.dtype.kind == "float") if wrt is None else tuple(wrt)

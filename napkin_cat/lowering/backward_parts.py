@@ -9,6 +9,8 @@ computes, so that part stays unrelabelled and runs through its torch semantics o
 device (:func:`run_torch_part`) while the other parts run as kernels.  The one-kernel form
 (``form="one kernel"``) puts the gradients of Q, K and V in one part on key tiles, dQ added
 across them (``tile(x, g_x, partial="sum")``); :mod:`.backward_forms` chooses between the two.
+In both forms a first part computes ``D = rowsum(dO O)`` once (:func:`row_terms`), which the
+others read instead of ``O``.
 
 >>> import napkin_cat as nc
 >>> from napkin_cat.ops.residuals import with_logsumexp
@@ -19,10 +21,10 @@ across them (``tile(x, g_x, partial="sum")``); :mod:`.backward_forms` chooses be
 (3,)
 >>> parts, notes = fa2_parts(with_logsumexp(att), (0, 1, 2, 3), ["O"])
 >>> [[a.name for a in p.cod] for p in parts], [has_scatter(p) for p in parts]
-([['dK', 'dV'], ['dQ'], ['drb']], [False, False, True])
+([['D'], ['dK', 'dV'], ['dQ'], ['drb']], [False, False, False, True])
 >>> parts, _ = fa2_parts(with_logsumexp(att), (0, 1, 2, 3), ["O"], form="one kernel")
 >>> [([a.name for a in p.cod], p._sched_str()) for p in parts]
-[(['dQ', 'dK', 'dV'], 'tile(x, g_x, partial=sum), stream(q, s_q)'), (['drb'], '')]
+[(['D'], 'tile(q, 64)'), (['dQ', 'dK', 'dV'], 'tile(x, g_x, partial=sum), stream(q, s_q)'), (['drb'], '')]
 """
 
 from __future__ import annotations
@@ -93,10 +95,21 @@ def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=(),
                   ([i for i in wrt if not aug.dom[i].has(x) and i not in aux], qn, "g_" + qn, x, "s_" + x, False)]
     parts, notes = [], []
     others = [r for r in schedule if r.op == "tile" and r.axis not in (x, qn)]
-    for idx, tiled, g, streamed, s_, added in groups:
-        if not idx:
-            continue
-        part = read_only(grad_with_residuals(aug, idx, cotangents=cts), keep=cts)
+    grads = [(read_only(grad_with_residuals(aug, g[0], cotangents=cts), keep=cts), *g[1:])
+             for g in groups if g[0]]
+    pre, cut = row_terms([g[0] for g in grads], x)
+    if pre is not None:
+        size = pre.axis(qn).size
+        rows = ROW_TERM_TILE if not isinstance(size, int) else min(ROW_TERM_TILE, size)
+        try:
+            names = {a.name for a in pre.axes}
+            parts.append(relabel_like(pre.tile(qn, rows), [r for r in others if r.axis in names]))
+            grads = [(c, *g[1:]) for c, g in zip(cut, grads)]
+        except NapkinError as e:   # the terms stay where they are
+            parts = []
+            notes.append(f"{', '.join(a.name for a in pre.cod)} not computed before the parts "
+                         f"(tile({qn}, {rows}) refused: {e}), so each part computes it")
+    for part, tiled, g, streamed, s_, added in grads:
         try:
             names = {a.name for a in part.axes}
             parts.append(relabel_like(part.tile(tiled, g, partial="sum" if added else None).stream(streamed, s_),
@@ -111,6 +124,69 @@ def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=(),
     if aux:
         parts.append(read_only(grad_with_residuals(aug, aux, cotangents=cts), keep=cts))
     return tuple(parts), tuple(notes)
+
+
+ROW_TERM_KINDS = ("contract",)
+"""Box kinds that :func:`row_terms` computes once, before the parts: reductions."""
+
+ROW_TERM_TILE = 64
+"""Rows per block of the row-terms part: with 64 features, 4 lanes per row of a 256-thread block
+(a symbolic tile there is sized by the schedule's heuristic, which picks 4 rows of 64 lanes)."""
+
+
+def row_terms(parts, x: str) -> tuple[Diagram | None, list[Diagram]]:
+    """(a diagram of the reductions the backward parts compute from their inputs alone, without
+    the key axis ``x``, or None; the parts reading them as inputs instead).
+
+    ``D = sum_d dO O`` is one: each key tile of the dK, dV part would recompute it for every
+    query chunk (and read ``O`` to do so), and the dQ part once per query tile.  FlashAttention-2
+    computes it once, before both, into an fp32 row vector; so does this part
+    (:meth:`~.backward_forms.BackwardPlan.at` keeps arrays passed between parts in fp32).  A
+    term whose name another array of a part already has is left in place."""
+    terms: dict[tuple, Eqn] = {}
+    taken = {a.name for p in parts for a in (*p.dom, *p.cod)}
+    for p in parts:
+        n = len(p.dom)
+        for k, e in enumerate(p.eqns):
+            out = e.box.cod
+            if (e.box.kind in ROW_TERM_KINDS and len(out) == 1 and not out[0].has(x) and out[0].name not in taken
+                    and all(v < n and not p.dom[v].has(x) for v in e.ins)):
+                terms.setdefault((e.box, _wires(p, e)), e)
+    if not terms:
+        return None, list(parts)
+    arrays = {_wire(a): a for p in parts for a in p.dom}
+    dom = list(dict.fromkeys(w for _, ins in terms for w in ins))
+    eqns = tuple(Eqn(box, tuple(dom.index(w) for w in ins)) for box, ins in terms)
+    pre = Diagram(Ty(*(arrays[w] for w in dom)), Ty(*(box.cod[0] for box, _ in terms)), eqns,
+                  tuple(range(len(dom), len(dom) + len(eqns))))
+    return pre, [_read_terms(p, set(terms)) for p in parts]
+
+
+def _wire(a) -> tuple:
+    """An input by name as well as type (arrays compare by type alone: O and dO are equal)."""
+    return a.name, a
+
+
+def _wires(p: Diagram, e: Eqn) -> tuple:
+    return tuple(_wire(p.dom[v]) if v < len(p.dom) else None for v in e.ins)
+
+
+def _read_terms(p: Diagram, terms: set) -> Diagram:
+    """``p`` with the equations of ``terms`` (keys ``(box, input wires)``) replaced by inputs."""
+    cut = {k for k, e in enumerate(p.eqns) if (e.box, _wires(p, e)) in terms}
+    if not cut:
+        return p
+    n = len(p.dom)
+    new = [p.eqns[k].box.cod[0] for k in sorted(cut)]
+    renum, nxt = {v: v for v in range(n)}, n + len(new)
+    for j, k in enumerate(sorted(cut)):
+        renum[p.eqn_outputs(k)[0]] = n + j
+    for k in range(len(p.eqns)):
+        if k not in cut:
+            for v in p.eqn_outputs(k):
+                renum[v], nxt = nxt, nxt + 1
+    eqns = tuple(Eqn(e.box, tuple(renum[v] for v in e.ins)) for k, e in enumerate(p.eqns) if k not in cut)
+    return read_only(Diagram(Ty(*p.dom, *new), p.cod, eqns, tuple(renum[v] for v in p.outs)))
 
 
 def relabel_like(d: Diagram, schedule) -> Diagram:

@@ -407,7 +407,8 @@ class TorchOp:
             return _to_torch(outs, _out_dtypes(plan.diagram, dtype), device)
         got, fell = {}, False
         for part in plan.parts:
-            ins = [named[a.name].detach().contiguous() for a in part.dom]
+            # an earlier part's output (a row term, lowering/backward_parts.row_terms) or a saved array
+            ins = [(got[a.name] if a.name in got else named[a.name]).detach().contiguous() for a in part.dom]
             if has_scatter(part):   # auxiliary tensors' gradients: a scatter-add, not lowered
                 self._note(f"the gradients {', '.join(a.name for a in part.cod)} (scatter-adds into auxiliary "
                            f"tensors, not lowered) ran through their torch semantics on {device}")
