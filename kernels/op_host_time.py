@@ -1,11 +1,13 @@
 """Host time of one forward + backward through ``nc.torch_op`` (the Python call path), checked first.
 
     NUMBA_ENABLE_CUDASIM=0 python kernels/op_host_time.py [--n 256] [--bh 2] [--calls 200] [--profile 50]
+        [--backward auto|one|two]
 
 At a small size (N = 256, B*H = 2: microseconds of GPU work per kernel) the GPU keeps up with the
 host, so the time per call is what the Python side costs: the forward's launch, autograd, the
-backward plan lookup and its three kernel launches (D = rowsum(dO O), dK and dV, dQ), the
-allocations.  The op is the one ``kernels/bench_fwd_bwd.py`` times (fp16, heads merged into ``h``);
+backward plan lookup and its kernel launches (D = rowsum(dO O), then dK and dV, dQ: two kernels;
+or one kernel adding dQ across key tiles into a zero-filled fp32 buffer), the allocations.
+``--backward`` forces the form (``auto``: the cost model's choice, the one kernel at small N).  The op is the one ``kernels/bench_fwd_bwd.py`` times (fp16, heads merged into ``h``);
 O, dQ, dK and dV are compared with float64 autograd before timing.  Printed: host microseconds per
 call (``time.perf_counter`` over ``--calls`` calls in bursts of 20 with an untimed sync between),
 the same for SDPA, and with ``--profile`` the top functions of ``cProfile`` over that many calls
@@ -56,11 +58,13 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--profile", type=int, default=0, help="cProfile over this many calls (0: none)")
+    ap.add_argument("--backward", choices=("auto", "one", "two"), default="auto")
     args = ap.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     Q, K, V, dO = (torch.randn(args.bh, args.n, args.d, device="cuda", generator=g).half() for _ in range(4))
     Q, K, V = (t.requires_grad_() for t in (Q, K, V))
-    op = nc.torch_op(flash(args.causal), verify=False)
+    op = nc.torch_op(flash(args.causal), verify=False,
+                     backward={"auto": None, "one": "one kernel", "two": "two kernels"}[args.backward])
     O = op(Q, K, V)
     grads = torch.autograd.grad(O, (Q, K, V), dO)
     want = reference(Q.detach(), K.detach(), V.detach(), dO, args.causal)
@@ -93,7 +97,8 @@ def main(argv=None) -> int:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
         print(out.getvalue())
-    print(f"N = {args.n}, d = {args.d}, B*H = {args.bh}, causal = {args.causal}, fp16; {args.calls} calls")
+    print(f"N = {args.n}, d = {args.d}, B*H = {args.bh}, causal = {args.causal}, fp16, backward "
+          f"{op.last_backward_path}; {args.calls} calls")
     print(f"{'call':<14} {'host us':>9}")
     for name, us in rows:
         print(f"{name:<14} {us:>9.1f}")

@@ -422,6 +422,25 @@ def test_torch_fast_path_launches_on_the_tensors_it_checked(small_kernel):
     assert fast(ts, out) is out and fake.calls[1]["values"][-3] == out.data_ptr()
 
 
+def test_torch_fast_path_zero_fills_the_outputs_blocks_add_into(small_kernel):
+    """A kernel whose blocks add partial sums into an output (fp32 atomics: the one-kernel
+    backward's dQ) is packed too: the fast path hands the launch a zeroed output, allocated or
+    given (``out=``), instead of numba's per-call fill kernel on the general path."""
+    torch = pytest.importorskip("torch")
+    from napkin_cat.lowering import _TorchFastPath
+    plain, _ = _fast_path(small_kernel)
+    n_in = len(small_kernel.in_shapes)
+    fast = _TorchFastPath(plain.packed, small_kernel.in_shapes, small_kernel.out_shapes, torch.device("cpu"),
+                          torch, small_kernel.dispatcher, zero_args=(n_in,))
+    fast.raw_stream = plain.raw_stream = lambda index: 0
+    ts = [torch.from_numpy(x) for x in _qkv_for(small_kernel)]
+    assert bool((fast(ts, None) == 0).all())                  # the fake driver writes nothing
+    out = torch.full(small_kernel.out_shapes[0], 7.0)
+    assert fast(ts, out) is out and bool((out == 0).all())
+    out = torch.full(small_kernel.out_shapes[0], 7.0)
+    assert plain(ts, out) is out and bool((out == 7).all())    # no zero_args: left as given
+
+
 def test_torch_fast_path_leaves_what_it_does_not_check_to_the_general_path(small_kernel):
     torch = pytest.importorskip("torch")
     fast, fake = _fast_path(small_kernel)

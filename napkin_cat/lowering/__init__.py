@@ -467,12 +467,16 @@ class _TorchFastPath:
     call."""
 
     __slots__ = ("dispatcher", "packed", "in_shapes", "out_shapes", "device", "device_index",
-                 "tensor", "in_dtypes", "out_dtypes", "empty", "raw_stream")
+                 "tensor", "in_dtypes", "out_dtypes", "empty", "zeros", "zeroed", "raw_stream")
 
     def __init__(self, packed, in_shapes, out_shapes, device, torch, dispatcher=None,
-                 in_io=None, out_io=None):
+                 in_io=None, out_io=None, zero_args=()):
         self.dispatcher = dispatcher
         self.packed = packed
+        # outputs the blocks add into (fp32 atomics): zero-filled by torch on its stream before
+        # the packed launch, as the Launcher does on the general path
+        self.zeroed = frozenset(i - len(in_shapes) for i in zero_args)
+        self.zeros = torch.zeros
         self.in_shapes = tuple(torch.Size(s) for s in in_shapes)
         self.out_shapes = tuple(torch.Size(s) for s in out_shapes)
         self.in_dtypes = tuple(io.torch_dtype(t, torch) for t in (in_io or ("f32",) * len(in_shapes)))
@@ -488,11 +492,11 @@ class _TorchFastPath:
     def build(cls, kernel, launcher, args, arrays):
         """After a general call on torch CUDA tensors: the fast path for the next ones."""
         import torch
-        packed = launcher.pack(tuple(args))
+        packed = launcher.pack(tuple(args), zeroed=True)
         if packed is not None and packed.n_arrays != len(args):
             packed = None
         return cls(packed, kernel.in_shapes, kernel.out_shapes, arrays[0].device, torch,
-                   kernel._dispatcher, kernel.in_io, kernel.out_io)
+                   kernel._dispatcher, kernel.in_io, kernel.out_io, kernel.zero_args)
 
     def _fits(self, t, shape, dtype) -> bool:
         return (type(t) is self.tensor and t.dtype is dtype and t.get_device() == self.device_index
@@ -507,8 +511,8 @@ class _TorchFastPath:
                 return None
             pointers.append(t.data_ptr())
         if out is None:
-            outs = [self.empty(shape, dtype=dtype, device=self.device)
-                    for shape, dtype in zip(self.out_shapes, self.out_dtypes)]
+            outs = [(self.zeros if i in self.zeroed else self.empty)(shape, dtype=dtype, device=self.device)
+                    for i, (shape, dtype) in enumerate(zip(self.out_shapes, self.out_dtypes))]
         else:
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
             if len(outs) != len(self.out_shapes):
@@ -516,6 +520,8 @@ class _TorchFastPath:
             for o, shape, dtype in zip(outs, self.out_shapes, self.out_dtypes):
                 if not self._fits(o, shape, dtype) or o.requires_grad:
                     return None
+            for i in self.zeroed:
+                outs[i].zero_()
         pointers += [o.data_ptr() for o in outs]
         if not self.packed(pointers, self.raw_stream(self.device_index)):
             return None

@@ -358,11 +358,12 @@ class Launcher:
                 raise
             self._configured(*args)
 
-    def pack(self, args: tuple) -> "PackedLaunch | None":
+    def pack(self, args: tuple, zeroed: bool = False) -> "PackedLaunch | None":
         """A :class:`PackedLaunch` of this configuration for arguments laid out like ``args``,
         which this Launcher has launched with already (so their overload is compiled, loaded
-        and opted in to its shared memory); None where packing does not apply."""
-        return PackedLaunch.of(self, args)
+        and opted in to its shared memory); None where packing does not apply.  ``zeroed``: the
+        caller zero-fills the ``zero_args`` itself before every packed launch."""
+        return PackedLaunch.of(self, args, zeroed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,9 +444,10 @@ class PackedLaunch:
         return err == 0   # CUresult.CUDA_SUCCESS (an int enum)
 
     @classmethod
-    def of(cls, launcher: "Launcher", args: tuple) -> "PackedLaunch | None":
-        """Pack ``launcher``'s configuration for arguments laid out like ``args`` (see above)."""
-        if launcher._simulated or not args or launcher.zero_args:   # zero-filled outputs: see Launcher
+    def of(cls, launcher: "Launcher", args: tuple, zeroed: bool = False) -> "PackedLaunch | None":
+        """Pack ``launcher``'s configuration for arguments laid out like ``args`` (see above);
+        a launcher with zero-filled outputs only for a caller that fills them (``zeroed``)."""
+        if launcher._simulated or not args or (launcher.zero_args and not zeroed):   # see Launcher
             return None
         if not all(getattr(a, "__cuda_ndarray__", False) for a in args):
             return None
