@@ -270,6 +270,25 @@ def test_torch_op_simulator_path_attention():
 
 
 @needs_sim
+def test_a_repeated_call_prints_no_diagram(monkeypatch):
+    """After the first call, forward + backward find their kernels without printing a diagram
+    (a part printed per call as a cache key cost 25-45 us of host time each, three per
+    backward); the launches are stubbed, only the call path runs."""
+    import napkin_cat.lowering.torch_op as top
+    op = torch_op(flash(), simulate=True, verify=False, backward="two kernels")
+    ts = inputs(op.diagram, SIZES, torch.float32)
+    torch.autograd.grad(op(*ts), ts, torch.ones(SIZES["q"], SIZES["d"]))
+    monkeypatch.setattr(top, "_launch", lambda kernel, tensors, d: tuple(
+        torch.zeros(tuple(a.size for a in arr.axes)) for arr in d.cod))
+
+    def printed(self):
+        raise AssertionError("a diagram was printed on the call path")
+    monkeypatch.setattr(nc.Diagram, "__str__", printed)
+    grads = torch.autograd.grad(op(*ts), ts, torch.ones(SIZES["q"], SIZES["d"]))
+    assert [tuple(g.shape) for g in grads] == [tuple(t.shape) for t in ts]
+
+
+@needs_sim
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["plain", "heads"])
 def test_torch_op_simulator_residual_plan(name):

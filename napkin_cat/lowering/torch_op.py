@@ -173,6 +173,7 @@ class TorchOp:
         self.last_saves: tuple[str, ...] = ()
         self.notes: list[str] = []
         self._cache: dict = {}   # (what, sizes, ...) -> kernel, schedule, bound plan, or an error text
+        self._alive: dict = {}   # id -> backward part keyed by identity in _cache (kept alive)
 
     def __repr__(self) -> str:
         return f"torch_op({self.diagram})"
@@ -187,8 +188,8 @@ class TorchOp:
         """The symbolic axes' sizes, ``((name, n), ...)``; refuses a wrong count, a non-tensor, a
         dtype outside the policy, mixed dtypes or devices, and shapes that do not fit."""
         d = self.diagram
-        names = ", ".join(str(a) for a in d.dom)
         if len(tensors) != len(d.dom):
+            names = ", ".join(str(a) for a in d.dom)
             raise ShapeError(f"{self!r} takes {len(d.dom)} tensors ({names}), got {len(tensors)}")
         for arr, t in zip(d.dom, tensors):
             if not isinstance(t, torch.Tensor):
@@ -439,7 +440,10 @@ class TorchOp:
                 self._note(f"backward {diagram.short()} of {self.diagram.short()} at {dict(sizes)} was not "
                            f"lowered, so it ran in the NumPy executor on host copies: {e}")
                 return None
-        return self._cached(("backward kernel", str(diagram), wrt, sizes, str(device)), make)
+        # keyed by the part itself (its identity: printing it per call cost 25-45 us of host time);
+        # the plans that hold the parts are cached, and _alive keeps each keyed part alive
+        self._alive.setdefault(id(diagram), diagram)
+        return self._cached(("backward kernel", id(diagram), wrt, sizes, str(device)), make)
 
 
 class _DiagramFunction(torch.autograd.Function):
