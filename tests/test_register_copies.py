@@ -60,6 +60,10 @@ def test_dq_reads_dp_from_registers_with_no_shared_buffer_or_barrier_for_it(caus
     assert re.search(r"dP_r = cuda\.local\.array\(\(\d+, \d+\), float32\)  # dP kept for dS", body)
     assert re.search(r"dP_r\[i, j\] = acc\d*\[i, j\]", body)
     assert re.search(r"\(dP_r\[i, j\]\) - ", body)            # read in dS's epilogue
+    # P = exp(S / sqrt(d) - L) as one ex2 of a fused multiply-add (emit_kinds.scaled_exponent);
+    # not yet through a mask between the scale and the difference (causal)
+    folded = re.search(r"math\.exp2\(acc\d*\[i, j\] \* C_PRESCALE_LOG2E - L_\d+ \* LOG2E\)", body)
+    assert bool(folded) is not causal and ("math.exp(" in body) is causal
     for scale in (1.0, 30.0):                                 # huge logits too
         _check(part, kernel, causal, scale)
     old = planner.REGISTER_COPIES

@@ -12,13 +12,14 @@ double-buffered chunk in use.
 from __future__ import annotations
 
 import keyword
+import math
 from dataclasses import dataclass, replace
 
 from ..core.errors import LoweringError
 from ..relabel.loopnest import Compute, Finalise, Init, Load, Loop, Store, Update
 from .atomics import atomic_add, check_added_outputs
 from .emit_acc import ACC_CODEGEN
-from .emit_kinds import CODEGEN_RULES
+from .emit_kinds import CODEGEN_RULES, scaled_exponent
 from . import reindex
 from .emit_loads import Loads
 from .emit_threads import GROUP_HELPERS, Phases
@@ -206,8 +207,16 @@ class Emitter(Loads, Phases):
             k = self.st.eqn_of[v]
             e = self.dd.eqns[k]
             rule = CODEGEN_RULES[e.box.kind]
+            folded = scaled_exponent(self, v)
             if rule.remaps is not None and rule.remaps(e.box):   # read through its index map
                 expr = reindex.read(self, e.box, e.ins[0], env, src, define)
+            elif folded is not None:                              # exp(c s - m) as one ex2
+                c, s, m = folded
+                cl = self.consts.f(c / math.log(2.0), "C_PRESCALE_LOG2E", comment="scale * log2(e)")
+                log2e = self.consts.f(1.0 / math.log(2.0), "LOG2E")
+                sv = self.value(s, env, src, memo, regs, define)
+                mv = self.value(m, env, src, memo, regs, define)
+                expr = f"math.exp2({_paren(sv)} * {cl} - {_paren(mv)} * {log2e})"
             else:
                 n = len(e.ins) if rule.pointwise is None else rule.pointwise(e.box)  # the rest are gathered
                 args = [self.value(a, env, src, memo, regs, define) for a in e.ins[:n]] + list(e.ins[n:])

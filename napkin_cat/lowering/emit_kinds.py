@@ -81,6 +81,31 @@ def positive_scale(em, v: int):
     return (c, e.ins[0]) if math.isfinite(c) and c > 0 else None
 
 
+def scaled_exponent(em, v: int):
+    """``(c, s, m)`` when variable ``v`` is ``exp(scale(s, c) - m)`` with a constant ``c > 0`` and
+    the difference and the scaled scores computed inline for ``v`` alone (the backward's
+    ``P = exp(S / sqrt(d) - L)``), else None.  Then ``P = exp2(s (c log2 e) - m log2 e)``: one
+    fused multiply-add and one ``ex2`` per score, as the forward's softmax folds it
+    (:func:`positive_scale`); ``m log2 e`` is a value of the row, computed once per row."""
+    def inline_once(u):
+        return (u >= em.plan.n_in and em.plan.storage(u) == "inline" and em.plan.var_cls(u) == "elementwise"
+                and len(em.st.consumers[u]) == 1)
+
+    def map_of(u, fn):
+        e = em.dd.eqns[em.st.eqn_of[u]]
+        return e if e.box.kind == "map" and e.box.param("fn") == fn else None
+    if v < em.plan.n_in or em.plan.var_cls(v) != "elementwise" or map_of(v, "exp") is None:
+        return None
+    (u,) = map_of(v, "exp").ins
+    if not inline_once(u) or map_of(u, "sub") is None:
+        return None
+    a, m = map_of(u, "sub").ins
+    if not inline_once(a) or positive_scale(em, a) is None:
+        return None
+    c, s = positive_scale(em, a)
+    return c, s, m
+
+
 def index_code(em, box, fn, args, env) -> str:
     """An index expression (:mod:`napkin_cat.ops.index_expr`) as numba.cuda code, from its tree:
     axis indices as signed ints (``int64(q0 + i_q)``: differences may be negative; numba's

@@ -77,7 +77,7 @@ def _is_dispatcher(obj: Any) -> bool:
 
 class _GPUMath:
     """:mod:`math` as a GPU evaluates it, for kernels run in the simulator: where Python's
-    ``math`` raises (``exp`` overflow, ``log`` or ``sqrt`` outside their domain), the IEEE
+    ``math`` raises (``exp`` / ``exp2`` overflow, ``log`` or ``sqrt`` outside their domain), the IEEE
     result (inf, -inf or NaN) that the GPU returns."""
 
     def __getattr__(self, name):
@@ -87,6 +87,13 @@ class _GPUMath:
     def exp(v):
         try:
             return math.exp(v)
+        except OverflowError:
+            return math.inf
+
+    @staticmethod
+    def exp2(v):
+        try:
+            return math.exp2(v)
         except OverflowError:
             return math.inf
 
