@@ -106,7 +106,6 @@ def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=(),
             parts.append(relabel_like(pre.tile(qn, rows), [r for r in others if r.axis in names]))
             grads = [(c, *g[1:]) for c, g in zip(cut, grads)]
         except NapkinError as e:   # the terms stay where they are
-            parts = []
             notes.append(f"{', '.join(a.name for a in pre.cod)} not computed before the parts "
                          f"(tile({qn}, {rows}) refused: {e}), so each part computes it")
     for part, tiled, g, streamed, s_, added in grads:

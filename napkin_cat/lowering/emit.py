@@ -207,10 +207,9 @@ class Emitter(Loads, Phases):
             k = self.st.eqn_of[v]
             e = self.dd.eqns[k]
             rule = CODEGEN_RULES[e.box.kind]
-            folded = scaled_exponent(self, v)
-            if rule.remaps is not None and rule.remaps(e.box):   # read through its index map
+            if rule.reads_remapped(e.box):                        # read through its index map
                 expr = reindex.read(self, e.box, e.ins[0], env, src, define)
-            elif folded is not None:                              # exp(c s - m) as one ex2
+            elif (folded := scaled_exponent(self, v)) is not None:   # exp(c s - m) as one ex2
                 c, s, m = folded
                 cl = self.consts.f(c / math.log(2.0), "C_PRESCALE_LOG2E", comment="scale * log2(e)")
                 log2e = self.consts.f(1.0 / math.log(2.0), "LOG2E")
@@ -218,7 +217,7 @@ class Emitter(Loads, Phases):
                 mv = self.value(m, env, src, memo, regs, define)
                 expr = f"math.exp2({_paren(sv)} * {cl} - {_paren(mv)} * {log2e})"
             else:
-                n = len(e.ins) if rule.pointwise is None else rule.pointwise(e.box)  # the rest are gathered
+                n = rule.n_pointwise(e.box)                           # the rest are gathered
                 args = [self.value(a, env, src, memo, regs, define) for a in e.ins[:n]] + list(e.ins[n:])
                 expr = rule.expr(self, e.box, args, env)
             tmp = self.names.fresh(f"{self.types[v].name}_{v}")

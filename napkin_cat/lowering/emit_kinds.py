@@ -40,6 +40,14 @@ class KindRule:
     # the input axes a reindexing reads at other indices (:mod:`.reindex`: read through its map)
     remaps: Callable | None = None
 
+    def n_pointwise(self, box) -> int:
+        """How many leading inputs of ``box`` are read at the element (the rest are gathered)."""
+        return len(box.dom) if self.pointwise is None else self.pointwise(box)
+
+    def reads_remapped(self, box) -> bool:
+        """``box`` reads its input at other indices, through its index map."""
+        return self.remaps is not None and bool(self.remaps(box))
+
 
 def fn_expr(consts, fn: str, args: list[str], c: str | None = None) -> str:
     """``fn`` applied to the argument expressions ``args`` (and the constant named ``c``), from its
@@ -100,10 +108,8 @@ def scaled_exponent(em, v: int):
     if not inline_once(u) or map_of(u, "sub") is None:
         return None
     a, m = map_of(u, "sub").ins
-    if not inline_once(a) or positive_scale(em, a) is None:
-        return None
-    c, s = positive_scale(em, a)
-    return c, s, m
+    scaled = positive_scale(em, a) if inline_once(a) else None
+    return None if scaled is None else (*scaled, m)
 
 
 def index_code(em, box, fn, args, env) -> str:

@@ -365,7 +365,7 @@ class Phases:
         if isinstance(m, Micro):
             acc = self.names.fresh("acc")
             self.micro_begin(m, src)
-            copies = self.plan.reg_copies or {}
+            copies = self.plan.reg_copies
             if t.var in copies:     # read again by later epilogues on these threads (.register_copies)
                 self.reg_copy[t.var] = self.names.fresh(f"{arr.name}_r")
                 src(f"{self.reg_copy[t.var]} = cuda.local.array(({m.RY}, {m.RX}), float32)  # {arr.name} "

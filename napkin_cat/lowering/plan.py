@@ -23,7 +23,7 @@ renderer (a buffer's ``base`` is the stem of its name).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
@@ -343,7 +343,7 @@ class KernelPlan:
     launch: LaunchPlan
     notes: tuple[str, ...]
     dtype: str = "f32"              # f32, or the 16-bit dtype of its inputs (f16 / bf16)
-    reg_copies: Mapping = None      # target var -> the targets whose epilogues read its register copy
+    reg_copies: Mapping = field(default_factory=dict)   # target var -> targets reading its copy
 
     @property
     def dd(self) -> Diagram:

@@ -45,10 +45,10 @@ def _elementwise_reads(dd, t: Target, st: Structure, cls, n_in: int, targets, ab
             continue
         e = dd.eqns[st.eqn_of[v]]
         rule = CODEGEN_RULES[e.box.kind]
-        if rule.remaps is not None and rule.remaps(e.box):
+        if rule.reads_remapped(e.box):
             other.update(e.ins)
             continue
-        n = len(e.ins) if rule.pointwise is None else rule.pointwise(e.box)
+        n = rule.n_pointwise(e.box)
         other.update(e.ins[n:])
         for a in e.ins[:n]:
             same.add(a)

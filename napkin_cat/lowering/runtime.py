@@ -75,6 +75,16 @@ def _is_dispatcher(obj: Any) -> bool:
     return hasattr(obj, "py_func") and hasattr(obj, "__getitem__") and hasattr(obj, "overloads")
 
 
+def _inf_on_overflow(f):
+    """``f`` giving inf where Python's ``math`` raises OverflowError (the GPU's IEEE result)."""
+    def g(v):
+        try:
+            return f(v)
+        except OverflowError:
+            return math.inf
+    return staticmethod(g)
+
+
 class _GPUMath:
     """:mod:`math` as a GPU evaluates it, for kernels run in the simulator: where Python's
     ``math`` raises (``exp`` / ``exp2`` overflow, ``log`` or ``sqrt`` outside their domain), the IEEE
@@ -83,19 +93,8 @@ class _GPUMath:
     def __getattr__(self, name):
         return getattr(math, name)
 
-    @staticmethod
-    def exp(v):
-        try:
-            return math.exp(v)
-        except OverflowError:
-            return math.inf
-
-    @staticmethod
-    def exp2(v):
-        try:
-            return math.exp2(v)
-        except OverflowError:
-            return math.inf
+    exp = _inf_on_overflow(math.exp)
+    exp2 = _inf_on_overflow(math.exp2)
 
     @staticmethod
     def log(v):
