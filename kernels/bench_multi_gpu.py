@@ -6,8 +6,9 @@
 
 The diagram is ``attention(heads=h).tile(q, "devices").stream(x, "devices")`` with FlashAttention
 inside each device (``stream(x, s_x).tile(q, g_q).tile(h, 1)``, blocks chosen by ``nc.lower``);
-``nc.torch_op`` runs it on NCCL, one process per GPU, the per-device work the generated fp32
-kernel.  Before any timing, every rank checks its output shard against a float64 reference on
+``nc.torch_op`` runs it on NCCL, one process per GPU, the per-device work the generated kernel
+(``--dtype f16`` / ``bf16``: tensor cores, fp32 partials folded; ``f32``: fp32).  The one-GPU rows
+are ``nc.torch_op`` of the single-device diagram, with torch's SDPA beside them as the peer.  Before any timing, every rank checks its output shard against a float64 reference on
 random data (and against the single-GPU kernel); a failure exits 1 before the table.
 ``--check-only`` stops after the check.
 
@@ -20,7 +21,8 @@ and the cost model's predictions (kept tiles per device, imbalance, predicted ri
 
 Measured (CUDA events, medians over ``--reps`` runs, the slowest rank's time):
 * strong scaling: one GPU (the single-device kernel on rank 0) against the ring at the same N;
-* weak scaling: the ring at ``N * sqrt(world)`` (the same work per GPU) against one GPU at N;
+* weak scaling: the ring at ``N * world`` (each GPU holds N rows, as one GPU does) against one GPU
+  at N; each GPU then computes ``world`` times the blocks, so the efficiency is ``world * t1 / t_ring``;
 * longest N: doubling N until a call runs out of memory or would pass ``--max-seconds``
   (extrapolated from the last, time growing as N^2), on one GPU and on the ring;
 * link time: the ring's block exchanges alone (no compute), against the cost model's
@@ -55,7 +57,9 @@ from napkin_cat.lowering.distributed import device_plan, shard  # noqa: E402
 from napkin_cat.relabel.devices import pieces  # noqa: E402
 
 q, x, d, h = nc.axes("q x d h")
-OPTS = {"causal": False, "order": "contiguous"}     # set from the command line in main()
+OPTS = {"causal": False, "order": "contiguous", "dtype": torch.float16}     # set from the command line in main()
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}   # max abs error vs float64
 
 
 def attention():
@@ -70,6 +74,20 @@ def ring_diagram():
 
 def single_diagram():
     return attention().stream(x, "s_x").tile(q, "g_q").tile(h, 1)
+
+
+def typed(diagram):
+    """``diagram`` with its wires in the run's dtype (what the cost model prices)."""
+    from napkin_cat.core.types import DTYPES as NC
+    from napkin_cat.lowering.backward_forms import at_dtype
+    name = {v: k for k, v in DTYPES.items()}[OPTS["dtype"]]
+    return at_dtype(diagram, NC[name])
+
+
+def sdpa(Q, K, V):
+    """The peer on one GPU: torch's scaled_dot_product_attention (FlashAttention-2 kernels in
+    16 bits, the efficient-attention kernel in fp32), on ``[h, N, d]`` tensors."""
+    return torch.nn.functional.scaled_dot_product_attention(Q[None], K[None], V[None], is_causal=OPTS["causal"])[0]
 
 
 T0 = time.perf_counter()
@@ -126,42 +144,43 @@ def reference(Q, K, V):
 
 
 def check(rank, world, H, D, N):
-    """Ring (fp32 kernel) and single-GPU kernel against the float64 reference, on every rank."""
+    """Ring (the generated kernel per block) and the single-GPU op against the float64
+    reference, on every rank."""
     Q, K, V = data(H, N, D, seed=1)
     want = reference(Q, K, V)
-    dev = torch.device("cuda")
+    dev, dt = torch.device("cuda"), OPTS["dtype"]
     op = nc.torch_op(ring_diagram(), verify=True)
-    got = op(*(t.float().to(dev) for t in shard(ring_diagram(), (Q, K, V), world, rank)))
+    got = op(*(t.to(dev, dt) for t in shard(ring_diagram(), (Q, K, V), world, rank)))
     err_ring = (got.double().cpu() - rows(want, rank, world)).abs().max().item()
-    single = nc.lower(single_diagram().bind({q: N, x: N, d: D, h: H}), verify=True)
-    one = single(*(t.float().to(dev) for t in (Q, K, V)))
+    one = nc.torch_op(single_diagram(), verify=True)(*(t.to(dev, dt) for t in (Q, K, V)))
     err_single = (one.double().cpu() - want).abs().max().item()
     err_vs_single = (got.double().cpu() - rows(one.double().cpu(), rank, world)).abs().max().item()
     errs = torch.tensor([err_ring, err_single, err_vs_single], device=dev)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     errs = [float(e) for e in errs]
-    ok = errs[0] < 1e-4 and errs[1] < 1e-4
+    ok = errs[0] < TOLERANCE[dt] and errs[1] < TOLERANCE[dt]
     return {"N": N, "H": H, "d": D, "max_err_ring_vs_f64": errs[0], "max_err_single_vs_f64": errs[1],
             "max_err_ring_vs_single": errs[2], "ok": ok, "path": op.last_path, "blocks": op.last_blocks}
 
 
 def check_backward(rank, world, H, D, N):
-    """The ring's gradients (fp32 kernels) against float64 autograd of the reference, every rank."""
+    """The ring's gradients (the generated kernels) against float64 autograd of the reference, every rank."""
     Q, K, V = data(H, N, D, seed=3)
     dO = data(H, N, D, seed=4)[0]
     leaves = [t.clone().requires_grad_() for t in (Q, K, V)]
     (reference(*leaves) * dO).sum().backward()
     dev = torch.device("cuda")
-    mine = [t.float().to(dev).requires_grad_() for t in shard(ring_diagram(), (Q, K, V), world, rank)]
+    dt = OPTS["dtype"]
+    mine = [t.to(dev, dt).requires_grad_() for t in shard(ring_diagram(), (Q, K, V), world, rank)]
     op = nc.torch_op(ring_diagram(), verify=True)
     O = op(*mine)
-    O.backward(rows(dO, rank, world).float().to(dev))
+    O.backward(rows(dO, rank, world).to(dev, dt))
     want = shard(ring_diagram(), tuple(t.grad for t in leaves), world, rank)
     errs = torch.tensor([((m.grad.double().cpu() - w).abs().max() / w.abs().max()).item()
                          for m, w in zip(mine, want)], device=dev)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     errs = [float(e) for e in errs]
-    return {"N": N, "H": H, "d": D, "max_rel_err_dQ_dK_dV": errs, "ok": max(errs) < 1e-4,
+    return {"N": N, "H": H, "d": D, "max_rel_err_dQ_dK_dV": errs, "ok": max(errs) < 10 * TOLERANCE[dt],
             "path": op.last_backward_path, "blocks": op.last_backward_blocks, "notes": op.notes}
 
 
@@ -173,22 +192,20 @@ class Runner:
     def inputs(self, N, sharded):
         g = torch.Generator(device="cuda").manual_seed(2)
         n = N // self.world if sharded else N
-        return [torch.randn(self.H, n, self.D, device="cuda", generator=g) for _ in range(3)]
+        return [torch.randn(self.H, n, self.D, device="cuda", generator=g).to(OPTS["dtype"]) for _ in range(3)]
 
     def ring(self, N):
         op = self.ops.setdefault(N, nc.torch_op(ring_diagram(), verify=False))
         Q, K, V = self.inputs(N, True)
         return timed(lambda: op(Q, K, V), self.reps)
 
-    def single(self, N):
-        """The single-GPU kernel, timed on rank 0 only (the others wait at the barrier)."""
+    def single(self, N, peer=False):
+        """``nc.torch_op`` of the single-device diagram (or, with ``peer``, torch's SDPA) on one
+        GPU, timed on rank 0 only (the others wait at the barrier)."""
         out = torch.zeros(1, device="cuda")
         if self.rank == 0:
             try:
-                if N not in self.singles:
-                    self.singles[N] = nc.lower(single_diagram().bind({q: N, x: N, d: self.D, h: self.H}),
-                                               verify=False)
-                k = self.singles[N]
+                k = sdpa if peer else self.singles.setdefault(N, nc.torch_op(single_diagram(), verify=False))
                 Q, K, V = self.inputs(N, False)
                 out[0] = timed(lambda: k(Q, K, V), self.reps, group_max=False)
             except torch.cuda.OutOfMemoryError:
@@ -205,11 +222,11 @@ class Runner:
         dO = self.inputs(N, True)[0]
         return timed(lambda: op(Q, K, V).backward(dO), self.reps)
 
-    def single_fwd_bwd(self, N):
-        """``nc.torch_op`` forward + backward on one GPU, rank 0 only (the others wait)."""
+    def single_fwd_bwd(self, N, peer=False):
+        """``nc.torch_op`` (or, with ``peer``, SDPA) forward + backward on one GPU, rank 0 only."""
         out = torch.zeros(1, device="cuda")
         if self.rank == 0:
-            op = self.singles.setdefault(("fb", N), nc.torch_op(single_diagram(), verify=False))
+            op = sdpa if peer else self.singles.setdefault(("fb", N), nc.torch_op(single_diagram(), verify=False))
             Q, K, V = (t.requires_grad_() for t in self.inputs(N, False))
             dO = self.inputs(N, False)[0]
             out[0] = timed(lambda: op(Q, K, V).backward(dO), self.reps, group_max=False)
@@ -222,12 +239,12 @@ class Runner:
         n = N // self.world if sharded else N
         free = torch.tensor([torch.cuda.mem_get_info()[0]], device="cuda", dtype=torch.float64)
         dist.all_reduce(free, op=dist.ReduceOp.MIN)
-        return 10 * 4 * self.H * n * self.D < 0.9 * free.item()
+        return 10 * OPTS["dtype"].itemsize * self.H * n * self.D < 0.9 * free.item()
 
     def link_only(self, N):
         """The ring's exchanges without compute: world - 1 batched send/recv of a K and V block."""
         n = N // self.world
-        cur = torch.randn(2 * self.H * n * self.D, device="cuda")
+        cur = torch.randn(2 * self.H * n * self.D, device="cuda").to(OPTS["dtype"])
         spare = torch.empty_like(cur)
         to, frm = (self.rank + 1) % self.world, (self.rank - 1) % self.world
 
@@ -242,13 +259,12 @@ class Runner:
 
 def predicted(world, H, D, N, hw):
     sizes = {q: N, x: N, d: D, h: H, DEVICES: world, "s_x": 64, "g_q": 64}
-    t = nc.cost(ring_diagram()).devices(hw, sizes)
-    return t
+    return nc.cost(typed(ring_diagram())).devices(hw, sizes)
 
 
 def predicted_backward(world, H, D, N, hw):
     sizes = {q: N, x: N, d: D, h: H, DEVICES: world, "s_x": 64, "g_q": 64}
-    return backward_device_time(ring_diagram(), hw, sizes)
+    return backward_device_time(typed(ring_diagram()), hw, sizes)
 
 
 def plan_only(args):
@@ -323,9 +339,11 @@ def main():
     ap.add_argument("--hw", choices=("H100", "H200"), default="H200", help="profile assumed by --plan")
     ap.add_argument("--backward", type=int, nargs="*", default=[], help="N at which to time forward + backward")
     ap.add_argument("--backward-only", action="store_true", help="check and time only the forward + backward rows")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="f16",
+                    help="the shards' dtype: f16 / bf16 run tensor-core kernels (fp32 partials), f32 fp32 ones")
     ap.add_argument("--out", default=str(Path(__file__).with_name("multi_gpu.json")))
     args = ap.parse_args()
-    OPTS.update(causal=args.causal, order="zigzag" if args.zigzag else "contiguous")
+    OPTS.update(causal=args.causal, order="zigzag" if args.zigzag else "contiguous", dtype=DTYPES[args.dtype])
     if args.plan:
         plan_only(args)
         return
@@ -336,7 +354,8 @@ def main():
     H, D = args.heads, args.dim
     res = {"device": torch.cuda.get_device_name(), "world": world, "heads": H, "d": D, "reps": args.reps,
            "profile": hw.name, "link_bandwidth": hw.link_bandwidth, "link_latency": hw.link_latency,
-           "causal": args.causal, "layout": OPTS["order"]}
+           "causal": args.causal, "layout": OPTS["order"], "dtype": args.dtype,
+           "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
 
     log(rank, f"checking correctness on {world} x {res['device']} ({'causal' if args.causal else 'full'}, "
               f"{OPTS['order']}) ...")
@@ -369,9 +388,9 @@ def main():
     run = Runner(rank, world, H, D, args.reps)
     res["backward"] = []
     for N in args.backward:
-        t1, tr = run.single_fwd_bwd(N), run.ring_fwd_bwd(N)
+        t1, tr, tp = run.single_fwd_bwd(N), run.ring_fwd_bwd(N), run.single_fwd_bwd(N, peer=True)
         f, b = predicted(world, H, D, N, hw), predicted_backward(world, H, D, N, hw)
-        res["backward"].append({"N": N, "one_gpu_ms": t1, "ring_ms": tr, "speedup": t1 / tr,
+        res["backward"].append({"N": N, "one_gpu_ms": t1, "ring_ms": tr, "speedup": t1 / tr, "sdpa_one_gpu_ms": tp,
                                 "predicted_ring_ms": (f.seconds + b.seconds) * 1e3,
                                 "predicted_backward_link_ms": b.link_seconds * 1e3,
                                 "predicted_bandwidth_bound": b.bandwidth_bound})
@@ -380,10 +399,10 @@ def main():
         save(rank, args.out, res)
     res["strong"] = []
     for N in ([] if args.backward_only else args.strong):
-        t1, tr = run.single(N), run.ring(N)
+        t1, tr, tp = run.single(N), run.ring(N), run.single(N, peer=True)
         p = predicted(world, H, D, N, hw)
         link = run.link_only(N)
-        res["strong"].append({"N": N, "one_gpu_ms": t1, "ring_ms": tr, "speedup": t1 / tr,
+        res["strong"].append({"N": N, "one_gpu_ms": t1, "ring_ms": tr, "speedup": t1 / tr, "sdpa_one_gpu_ms": tp,
                               "efficiency": t1 / tr / world, "link_only_ms": link,
                               "predicted_link_ms": p.link_seconds * 1e3, "predicted_ring_ms": p.seconds * 1e3,
                               "predicted_bandwidth_bound": p.bandwidth_bound})
@@ -392,9 +411,13 @@ def main():
         save(rank, args.out, res)
     res["weak"] = []
     for N in ([] if args.backward_only else args.weak):
-        N2 = int(round(N * math.sqrt(world) / (64 * world))) * 64 * world
+        # N grows with the GPUs (each holds N rows, as one GPU does): each GPU computes world
+        # times the blocks one GPU does, so the ideal ring time is world * t1
+        N2 = N * world
         t1, tr = run.single(N), run.ring(N2)
-        res["weak"].append({"N_one": N, "N_ring": N2, "one_gpu_ms": t1, "ring_ms": tr, "efficiency": t1 / tr})
+        p = predicted(world, H, D, N2, hw)
+        res["weak"].append({"N_one": N, "N_ring": N2, "one_gpu_ms": t1, "ring_ms": tr,
+                            "efficiency": world * t1 / tr, "predicted_ring_ms": p.seconds * 1e3})
         save(rank, args.out, res)
         log(rank, f"  weak N={N} -> {N2}: 1 GPU {t1:.2f} ms, ring {tr:.2f} ms")
     if not args.no_longest and not args.backward_only:
@@ -405,21 +428,21 @@ def main():
                           "max_seconds": args.max_seconds}
     if rank == 0:
         Path(args.out).write_text(json.dumps(res, indent=1))
-        print(f"\nring attention, {world} x {res['device']}, fp32, H={H}, d={D} (JSON: {args.out})")
+        print(f"\nring attention, {world} x {res['device']}, {args.dtype}, H={H}, d={D} (JSON: {args.out})")
         c = res["check"][0]
         print(f"correct: ring vs f64 {c['max_err_ring_vs_f64']:.1e}, ring vs 1 GPU {c['max_err_ring_vs_single']:.1e}")
-        print(f"{'N':>7} {'1 GPU ms':>9} {'ring ms':>9} {'speedup':>8} {'link ms':>8} {'pred link':>9} "
+        print(f"{'N':>7} {'1 GPU ms':>9} {'SDPA ms':>8} {'ring ms':>9} {'speedup':>8} {'link ms':>8} {'pred link':>9} "
               f"{'pred ring':>9} {'bw-bound':>8}")
         for r in res["strong"]:
-            print(f"{r['N']:>7} {r['one_gpu_ms']:>9.2f} {r['ring_ms']:>9.2f} {r['speedup']:>8.2f} "
+            print(f"{r['N']:>7} {r['one_gpu_ms']:>9.2f} {r['sdpa_one_gpu_ms']:>8.2f} {r['ring_ms']:>9.2f} {r['speedup']:>8.2f} "
                   f"{r['link_only_ms']:>8.3f} {r['predicted_link_ms']:>9.3f} {r['predicted_ring_ms']:>9.2f} "
                   f"{str(r['predicted_bandwidth_bound']):>8}")
         for r in res["backward"]:
-            print(f"forward + backward N={r['N']}: 1 GPU {r['one_gpu_ms']:.2f} ms, ring {r['ring_ms']:.2f} ms "
+            print(f"forward + backward N={r['N']}: 1 GPU {r['one_gpu_ms']:.2f} ms (SDPA {r['sdpa_one_gpu_ms']:.2f}), ring {r['ring_ms']:.2f} ms "
                   f"(speedup {r['speedup']:.2f}; predicted ring {r['predicted_ring_ms']:.2f} ms)")
         for r in res["weak"]:
             print(f"weak: 1 GPU N={r['N_one']} {r['one_gpu_ms']:.2f} ms, ring N={r['N_ring']} "
-                  f"{r['ring_ms']:.2f} ms, efficiency {r['efficiency']:.2f}")
+                  f"{r['ring_ms']:.2f} ms (predicted {r['predicted_ring_ms']:.2f}), efficiency {r['efficiency']:.2f}")
         if "longest" in res:
             lg = res["longest"]
             print(f"longest N within {lg['max_seconds']} s: 1 GPU {lg['one_gpu']} ({lg['one_gpu_stop']}), "

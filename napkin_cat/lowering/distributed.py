@@ -79,6 +79,7 @@ import torch
 from ..core.diagram import Diagram
 from ..core.errors import LoweringError, NapkinError, ShapeError, TypingError
 from ..core.hierarchy import DEVICES
+from ..core.types import DTYPES
 from ..ops.kinds import spec
 from ..ops.residuals import with_logsumexp
 from ..relabel.balance import ring_skips
@@ -88,6 +89,14 @@ from ..relabel.rules import device_splits
 from .distributed_backward import SplitBackward, SplitFunction, cut_to
 
 FOLDS = {"online_softmax": "online_softmax", "sum_contract": "sum"}
+HALF = {torch.float16: "f16", torch.bfloat16: "bf16"}        # shards read by tensor-core kernels
+KERNEL_DTYPES = (torch.float32, *HALF)                        # shards the generated kernels take
+SHARD_DTYPES = (*KERNEL_DTYPES, torch.float64)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results are folded in: fp32 for 16-bit shards, theirs otherwise."""
+    return torch.float32 if dtype in HALF else dtype
 
 
 @dataclass(frozen=True)
@@ -249,8 +258,9 @@ class DistributedOp:
     ``last_blocks``: how many block pairs of the last call were ``empty`` (skipped), ``full``
     (run without their mask) and ``partial``."""
 
-    def __init__(self, d: Diagram, tiles: dict, threads, verify, group=None, backward_op=None, prefetch=False):
-        self.diagram, self.plan, self.prefetch = d, device_plan(d), prefetch
+    def __init__(self, d: Diagram, tiles: dict, threads, verify, group=None, backward_op=None, prefetch=False,
+                 simulate: bool | None = None):
+        self.diagram, self.plan, self.prefetch, self.simulate = d, device_plan(d), prefetch, simulate
         self.tiles, self.threads, self.verify, self.group = tiles, threads, verify, group
         self.last_path: str | None = None
         self.last_blocks: dict[str, int] = {}
@@ -282,9 +292,10 @@ class DistributedOp:
         for arr, t in zip(d.dom, shards):
             if not isinstance(t, torch.Tensor):
                 raise ShapeError(f"{self!r}: input {arr}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.dtype not in (torch.float32, torch.float64) or t.dtype != shards[0].dtype:
+            if t.dtype not in SHARD_DTYPES or t.dtype != shards[0].dtype:
                 raise TypingError(f"{self!r}: input {arr} is {t.dtype}; the shards share one dtype, "
-                                  f"torch.float32 (kernels) or torch.float64 (reference executor)")
+                                  f"torch.float32, torch.float16 or torch.bfloat16 (kernels) or "
+                                  f"torch.float64 (reference executor)")
             if t.device != shards[0].device:
                 raise ShapeError(f"{self!r}: input {arr} is on {t.device}, {d.dom[0]} on {shards[0].device}")
             if t.dim() != len(arr.axes):
@@ -308,25 +319,53 @@ class DistributedOp:
 
     # ---- the work of one device on one block pair
     def _compute(self, local: Diagram, key: tuple, sizes: dict, tensors) -> tuple[torch.Tensor, ...]:
+        """One block pair's partial outputs, in :func:`state_dtype` of the inputs (16-bit inputs:
+        the kernel reads them in 16 bits, on tensor cores, and writes fp32 partials for the fold)."""
         first = tensors[0]
         names = {a.name for a in local.axes}
         sizes = {k: v for k, v in sizes.items() if k in names}
-        key = (key, tuple(sorted(sizes.items())))
-        if first.device.type == "cuda" and first.dtype == torch.float32:
+        key = (key, first.dtype, tuple(sorted(sizes.items())))
+        if self._path != "executor":
             from . import lower
+            from .torch_op import _launch
+            typed = self._typed(local, first.dtype)
             if ("kernel", key) not in self._cache:
-                self._cache[("kernel", key)] = lower(local.bind(sizes), tiles=self.tiles or None,
+                self._cache[("kernel", key)] = lower(typed.bind(sizes), tiles=self.tiles or None,
                                                      threads=self.threads, verify=self.verify,
                                                      prefetch=self.prefetch)
-            outs = self._cache[("kernel", key)](*(t.contiguous() for t in tensors))
-            return outs if isinstance(outs, tuple) else (outs,)
+            return _launch(self._cache[("kernel", key)], [t.contiguous() for t in tensors], typed)
         from ..verify.executor import evaluate
         if ("schedule", key) not in self._cache:
             self._cache[("schedule", key)] = self._schedule(local, key, sizes)
-        outs = evaluate(self._cache[("schedule", key)], *(t.detach().cpu().numpy() for t in tensors),
-                        reference=first.dtype == torch.float64)
+        host = [t.detach().cpu().float().numpy() if t.dtype == torch.bfloat16 else t.detach().cpu().numpy()
+                for t in tensors]
+        outs = evaluate(self._cache[("schedule", key)], *host, reference=first.dtype != torch.float32)
         outs = outs if isinstance(outs, tuple) else (outs,)
-        return tuple(torch.as_tensor(np.ascontiguousarray(o)).to(first.device, first.dtype) for o in outs)
+        return tuple(torch.as_tensor(np.ascontiguousarray(o)).to(first.device, state_dtype(first.dtype))
+                     for o in outs)
+
+    @staticmethod
+    def _typed(local: Diagram, dtype: torch.dtype) -> Diagram:
+        """A block's diagram for inputs of ``dtype``: 16-bit inputs, fp32 outputs (the partials
+        folded across blocks, as FlashAttention's ring implementations keep them)."""
+        if dtype not in HALF:
+            return local
+        from .backward_forms import at_dtype
+        return at_dtype(local, DTYPES[HALF[dtype]], {a.name: DTYPES["f32"] for a in local.cod})
+
+    def _kernel_path(self, first: torch.Tensor) -> str:
+        """``gpu`` (CUDA tensors of a kernel dtype), ``simulator`` (CPU tensors of a kernel dtype
+        while numba.cuda is its simulator, unless ``simulate=False``) or ``executor``."""
+        from .devices import simulator_active
+        sim = simulator_active()
+        if self.simulate is True and not sim:
+            raise LoweringError(f"{self!r}: simulate=True, but numba.cuda is not its simulator in this "
+                                f"process (set NUMBA_ENABLE_CUDASIM=1 before numba.cuda is first imported)")
+        if first.dtype not in KERNEL_DTYPES:
+            return "executor"
+        if first.device.type == "cuda":
+            return "executor" if sim else "gpu"
+        return "simulator" if first.device.type == "cpu" and sim and self.simulate is not False else "executor"
 
     def _schedule(self, local: Diagram, key: tuple, sizes: dict) -> Diagram:
         """The executor's relabelings of a block's diagram: those chosen once for the device's
@@ -334,7 +373,7 @@ class DistributedOp:
         verb by verb, or chosen afresh where one does not apply."""
         from .backward_parts import relabel_like
         from .schedule import choose
-        base = ("schedule", ((), key[1]))
+        base = ("schedule", ((), *key[1:]))
         if base not in self._cache:
             self._cache[base] = choose(self.plan.local.bind(sizes), self.tiles or None, self.threads,
                                        simulate=False).diagram
@@ -358,7 +397,8 @@ class DistributedOp:
         out = []
         for i, arr in enumerate(self.plan.local.cod):
             fill = -torch.inf if self.plan.fold == "online_softmax" and i == 1 else 0.0
-            out.append(torch.full(tuple(sizes[n] for n in arr.axis_names), fill, dtype=like.dtype, device=like.device))
+            out.append(torch.full(tuple(sizes[n] for n in arr.axis_names), fill, dtype=state_dtype(like.dtype),
+                                  device=like.device))
         return tuple(out)
 
     def _pieces(self, which: int, totals: dict, world: int, rank: int):
@@ -421,7 +461,7 @@ class DistributedOp:
         totals = {a: n * world if a in split else n for a, n in sizes.items()}
         rows = self._pieces(0, totals, world, rank)
         self.last_blocks = {}
-        self._path = "gpu" if shards[0].device.type == "cuda" and shards[0].dtype == torch.float32 else "executor"
+        self._path = self._kernel_path(shards[0])
         with torch.no_grad():
             states = [None] * len(rows)
             if plan.kind == "ring":
@@ -438,7 +478,8 @@ class DistributedOp:
         for i in range(plan.outputs):
             arr = plan.local.cod[i]
             k = arr.axis_names.index(plan.tiled) if plan.tiled in arr.axis_names else None
-            outs.append(states[0][i] if k is None or len(states) == 1 else torch.cat([s[i] for s in states], k))
+            out = states[0][i] if k is None or len(states) == 1 else torch.cat([s[i] for s in states], k)
+            outs.append(out.to(shards[0].dtype) if arr.dtype.kind == "float" else out)
         return tuple(outs), states, sizes, totals, rank, world
 
     def _gather(self, part, world: int):

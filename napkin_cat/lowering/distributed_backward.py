@@ -55,7 +55,7 @@ class SplitBackward:
         """The single-device op of a block's diagram (one per distinct shifted mask)."""
         if view.key not in self._ops:
             op = self.op
-            self._ops[view.key] = self.backward_op(view.diagram, dict(op.tiles or {}), op.threads, False, op.verify)
+            self._ops[view.key] = self.backward_op(view.diagram, dict(op.tiles or {}), op.threads, op.simulate, op.verify)
         return self._ops[view.key]
 
     def run(self, shards, states, douts, needs, sizes: dict, totals: dict, rank: int, world: int):
@@ -64,7 +64,9 @@ class SplitBackward:
         plan, op = self.op.plan, self.op
         wrt = tuple(i for i, n in enumerate(needs) if n)
         first = shards[0]
-        grads = {i: torch.zeros_like(shards[i]) for i in wrt}
+        from .distributed import state_dtype
+        acc = state_dtype(first.dtype)          # 16-bit shards: their gradients added up in fp32
+        grads = {i: torch.zeros_like(shards[i], dtype=acc) for i in wrt}
         rows = op._pieces(0, totals, world, rank)
         self.last_blocks, self.last_path = {}, None
         cots = self._row_cotangents(douts, states, rows, sizes, first)
@@ -81,7 +83,7 @@ class SplitBackward:
             import torch.distributed as dist
             for i in whole:
                 dist.all_reduce(grads[i], group=op.group)
-        return tuple(grads.get(i) for i in range(len(shards)))
+        return tuple(grads[i].to(shards[i].dtype) if i in grads else None for i in range(len(shards)))
 
     def _row_cotangents(self, douts, states, rows, sizes: dict, like):
         """Each row piece's cotangents of the op's outputs (zeros for an unused output)."""
@@ -113,6 +115,8 @@ class SplitBackward:
             bplan = bop.backward_plan(wrt, bsizes, views[0].dtype)
             named = dict(zip((x.name for x in op.diagram.dom), views))
             named.update(zip(state_names, states[a]))
+            wires = {w.name: w for w in bplan.diagram.dom}
+            named = {n: _as_wire(t, wires.get(n), views[0].dtype) for n, t in named.items()}
             missing = [n for n in bplan.saves if n not in named]
             if missing:
                 raise LoweringError(f"{op!r}: the backward of a block reads {', '.join(missing)}, which the "
@@ -145,7 +149,9 @@ class SplitBackward:
         spare = torch.empty_like(cur)
         acc_of = [i for i in moving if i in grads]
         widths = [shards[i].numel() for i in acc_of]
-        acc_in = shards[0].new_empty(sum(widths))
+        from .distributed import state_dtype
+        acc = state_dtype(shards[0].dtype)      # the accumulators travel in the dtype they add in
+        acc_in = shards[0].new_empty(sum(widths), dtype=acc)
         sending = []
         for step in range(world):
             ops = [(dist.irecv, acc_in, recv_from)] if step and acc_of else []
@@ -153,7 +159,7 @@ class SplitBackward:
                 ops += [(dist.isend, cur, send_to), (dist.irecv, spare, recv_from)]
             reqs = p2p(ops) if ops else []
             held = {i: part.view(shapes[j]) for j, (i, part) in enumerate(zip(moving, torch.split(cur, counts)))}
-            share = shards[0].new_zeros(sum(widths))
+            share = shards[0].new_zeros(sum(widths), dtype=acc)
             ring_grads = {i: part.view(shards[i].shape) for i, part in zip(acc_of, torch.split(share, widths))}
             cols = self.op._pieces(1, totals, world, (rank - step) % world)
             self._pairs(grads, ring_grads, shards, held, states, cots, wrt, rows, cols, sizes, totals)
@@ -181,6 +187,16 @@ def cut_to(t: torch.Tensor, arr, cut: dict) -> torch.Tensor:
         if name in cut and (cut[name][0], cut[name][1]) != (0, t.shape[k]):
             t = t.narrow(k, *cut[name])
     return t
+
+
+def _as_wire(t: torch.Tensor, wire, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in the dtype of the backward's input ``wire`` when the shards are 16-bit (``dtype``):
+    that plan reads ``O`` in 16 bits and ``L`` in fp32, and the forward keeps both in fp32."""
+    from .distributed import HALF
+    if wire is None or wire.dtype.kind != "float" or dtype not in HALF:
+        return t
+    from .torch_op import TORCH_DTYPES
+    return t.to(TORCH_DTYPES.get(wire.dtype.name, t.dtype))
 
 
 def _symbolic(d: Diagram, name: str) -> bool:

@@ -148,7 +148,8 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
     if device_plan(d) is not None:   # split over the devices: one process per GPU (distributed.py)
         # each block pair's backward is a single-device op in the form asked for
         block_op = partial(TorchOp, backward=backward, prefetch=prefetch)
-        return DistributedOp(d, dict(tiles or {}), threads, verify, backward_op=block_op, prefetch=prefetch)
+        return DistributedOp(d, dict(tiles or {}), threads, verify, backward_op=block_op, prefetch=prefetch,
+                             simulate=simulate)
     return TorchOp(d, dict(tiles or {}), threads, simulate, verify, backward, prefetch=prefetch)
 
 
