@@ -106,12 +106,15 @@ def save(rank, path, res):
 
 
 def timed(fn, reps, group_max=True):
-    """Median milliseconds of ``fn`` over ``reps`` runs (CUDA events), the slowest rank's."""
+    """Median milliseconds of ``fn`` over ``reps`` runs (CUDA events), the slowest rank's.  With
+    ``group_max=False`` (one rank timing alone) it calls no collective: the other ranks wait in
+    their own barrier, which a collective here would match by mistake and deadlock."""
     fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
-        dist.barrier()
+        if group_max:
+            dist.barrier()
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
@@ -296,7 +299,9 @@ def init_distributed():
     torch.cuda.set_device(local)
     kw = {"device_id": torch.device("cuda", local)} \
         if "device_id" in inspect.signature(dist.init_process_group).parameters else {}
-    dist.init_process_group("nccl", **kw)
+    import datetime
+    # a rank stuck in a collective the others never reach fails after 5 minutes, not the default 10
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5), **kw)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -388,7 +393,10 @@ def main():
     run = Runner(rank, world, H, D, args.reps)
     res["backward"] = []
     for N in args.backward:
-        t1, tr, tp = run.single_fwd_bwd(N), run.ring_fwd_bwd(N), run.single_fwd_bwd(N, peer=True)
+        log(rank, f"  forward + backward N={N}: one GPU ...")
+        t1 = run.single_fwd_bwd(N)
+        log(rank, f"  forward + backward N={N}: ring ...")
+        tr, tp = run.ring_fwd_bwd(N), run.single_fwd_bwd(N, peer=True)
         f, b = predicted(world, H, D, N, hw), predicted_backward(world, H, D, N, hw)
         res["backward"].append({"N": N, "one_gpu_ms": t1, "ring_ms": tr, "speedup": t1 / tr, "sdpa_one_gpu_ms": tp,
                                 "predicted_ring_ms": (f.seconds + b.seconds) * 1e3,
@@ -399,7 +407,10 @@ def main():
         save(rank, args.out, res)
     res["strong"] = []
     for N in ([] if args.backward_only else args.strong):
-        t1, tr, tp = run.single(N), run.ring(N), run.single(N, peer=True)
+        log(rank, f"  strong N={N}: one GPU (compiles its kernels on the first call) ...")
+        t1 = run.single(N)
+        log(rank, f"  strong N={N}: ring ...")
+        tr, tp = run.ring(N), run.single(N, peer=True)
         p = predicted(world, H, D, N, hw)
         link = run.link_only(N)
         res["strong"].append({"N": N, "one_gpu_ms": t1, "ring_ms": tr, "speedup": t1 / tr, "sdpa_one_gpu_ms": tp,
