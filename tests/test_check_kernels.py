@@ -182,6 +182,18 @@ def test_kernel_outcome_follows_fp32_where_fp32_overflows():
     assert kernelcheck.compare_outputs(names, exact, low, (near * 1.01,), 1e-5, 1e-5).failure is not None
 
 
+def test_a_16_bit_kernel_may_give_nan_where_the_exact_answer_is_infinite():
+    """A 16-bit kernel's intermediates overflow at 65504: where float64 says -inf, NaN passes for
+    it (and not for an fp32 kernel); a finite exact answer, or the other infinity, still fails."""
+    arr = [nc.Array((nc.Axis("r", 1),), nc.f16, "dK")]
+    for exact, got, half, ok in ((-np.inf, np.nan, True, True), (-np.inf, np.nan, False, False),
+                                 (-np.inf, np.inf, True, False), (3.0, np.nan, True, False),
+                                 (np.nan, np.nan, True, True), (-np.inf, 1.0, True, False)):
+        r = np.array([exact])
+        diff = kernelcheck.compare_outputs(arr, [r], [r.copy()], [np.array([got])], 1e-2, 1e-2, half=half)
+        assert (diff.failure is None) == ok, (exact, got, half, diff.failure)
+
+
 def test_where_both_oracles_are_non_finite_the_kernel_follows_one_of_them():
     """float64 inf where fp32 gives NaN (an exp that overflows before a product): a kernel that
     gives NaN (fp32) or inf (float64) passes; a finite value, or the other infinity, does not."""
