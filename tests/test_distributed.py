@@ -4,7 +4,10 @@ torch.distributed (gloo, two processes on the CPU) against the single-device ora
 from __future__ import annotations
 
 import json
+import os
 import socket
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")   # the kernel paths run in the simulator without a GPU
 
 import numpy as np
 import pytest
@@ -190,7 +193,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     op = nc.torch_op(nc.library.matmul(a=a, b=b, c=c).stream(b, DEVICES))
     got = op(t(A[:, rank * 4:rank * 4 + 4]), t(B[rank * 4:rank * 4 + 4]))
     res["sum"] = [float(np.abs(got.numpy() - A @ B).max()), op.last_path]
-    f32 = nc.torch_op(RING)(t(Q[rows]).float(), t(K[cols]).float(), t(V[cols]).float())
+    f32 = nc.torch_op(RING, simulate=False)(t(Q[rows]).float(), t(K[cols]).float(), t(V[cols]).float())
     res["ring_f32"] = [float(np.abs(f32.double().numpy() - want[rows]).max()), f32.dtype == torch.float32]
     try:
         nc.torch_op(RING.bind({q: 8, x: 12}))(t(Q[:3]), t(K[cols]), t(V[cols]))
@@ -313,7 +316,8 @@ def _backward_worker(rank: int, world: int, port: int, out: str) -> None:
     res["matmul"] = [max(float(np.abs(t.grad.numpy() - w).max()) for t, w in zip(mine, want)), "", {}]
     mine = [torch.tensor(np.ascontiguousarray(t), dtype=torch.float32, requires_grad=True)
             for t in shard(RING, (Q, K, V), world, rank)]
-    (nc.torch_op(RING)(*mine) * torch.tensor(shard(RING, (dO, K, V), world, rank)[0], dtype=torch.float32)).sum().backward()
+    (nc.torch_op(RING, simulate=False)(*mine)
+     * torch.tensor(shard(RING, (dO, K, V), world, rank)[0], dtype=torch.float32)).sum().backward()
     want = shard(RING, _grads(ATTN, (Q, K, V), dO), world, rank)
     res["f32"] = [max(float(np.abs(t.grad.double().numpy() - w).max()) for t, w in zip(mine, want)),
                   str(mine[0].grad.dtype), {}]
@@ -340,6 +344,69 @@ def test_backward_over_the_devices_matches_the_oracle(tmp_path, world):
     # the backward skips what the forward skips: rank 0 of "late" has no key block to differentiate
     assert res[0]["late"][1] == "ring:skipped" and res[0]["late"][2] == {"empty": world}
     assert res[0]["causal_zigzag"][2] == res[1]["causal_zigzag"][2]
+
+
+def _kernel_worker(rank: int, world: int, port: int, out: str, cases: tuple, backward: bool) -> None:
+    """The ring's generated kernels in the simulator on CPU shards (f32, f16, bf16), forward and
+    (with ``backward``) gradients, against the float64 oracle."""
+    import torch.distributed as dist
+    from napkin_cat.lowering.distributed import shard
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rng = np.random.default_rng(5)
+    Q, K, V, dO = (rng.standard_normal((32, 16)) for _ in range(4))
+    res = {}
+    for name, dtype in cases:
+        oracle, dg = (CAUSAL, ZIGZAG) if name == "zigzag" else (ATTN, RING)
+        dt = getattr(torch, dtype)
+        mine = [torch.tensor(np.ascontiguousarray(a), dtype=dt, requires_grad=backward)
+                for a in shard(dg, (Q, K, V), world, rank)]
+        op = nc.torch_op(dg, simulate=True)
+        O = op(*mine)
+        got = {"O": float(np.abs(O.detach().double().numpy() - shard(dg, (nc.evaluate(oracle, Q, K, V), K, V),
+                                                                      world, rank)[0]).max()),
+               "path": op.last_path, "dtype": str(O.dtype)}
+        if backward:
+            O.backward(torch.tensor(np.ascontiguousarray(shard(dg, (dO, K, V), world, rank)[0]), dtype=dt))
+            want = shard(dg, _grads(oracle, (Q, K, V), dO), world, rank)
+            got.update(grads=max(float(np.abs(m.grad.double().numpy() - w).max()) for m, w in zip(mine, want)),
+                       backward_path=op.last_backward_path, grad_dtype=str(mine[0].grad.dtype))
+        res[f"{name} {dtype}"] = got
+    dist.destroy_process_group()
+    with open(f"{out}/{rank}.json", "w") as f:
+        json.dump(res, f)
+
+
+TOL_16 = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 3e-2}     # max abs error, |O| and gradients ~ 1
+
+
+def _run_kernel_workers(tmp_path, cases, backward):
+    import torch.multiprocessing as mp
+    mp.start_processes(_kernel_worker, args=(2, _free_port(), str(tmp_path), cases, backward), nprocs=2,
+                       join=True, start_method="fork")
+    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_ring_kernels_in_16_bits_on_two_gloo_processes(tmp_path):
+    """f16 shards run the tensor-core kernel per block (its fp32 partials folded), f32 the fp32
+    kernel: both in the simulator, the output in the shards' dtype, near the oracle."""
+    for r in _run_kernel_workers(tmp_path, (("ring", "float16"), ("ring", "float32")), backward=False):
+        for key, got in r.items():
+            dtype = key.split()[1]
+            assert got["path"] == "ring:simulator" and got["dtype"] == f"torch.{dtype}", (key, got)
+            assert got["O"] < TOL_16[dtype], (key, got)
+
+
+@pytest.mark.slow
+def test_ring_gradients_in_16_bits_on_two_gloo_processes(tmp_path):
+    """The backward over the devices with 16-bit shards: the block kernels' gradients added in
+    fp32 (the ring's accumulators travel in fp32), returned in the shards' dtype; zig-zag causal too."""
+    cases = (("ring", "float16"), ("ring", "bfloat16"), ("zigzag", "float16"))
+    for r in _run_kernel_workers(tmp_path, cases, backward=True):
+        for key, got in r.items():
+            dtype = key.split()[1]
+            assert got["backward_path"].startswith("ring:simulator-fa2"), (key, got)
+            assert got["grad_dtype"] == f"torch.{dtype}" and got["dtype"] == f"torch.{dtype}", (key, got)
+            assert got["O"] < TOL_16[dtype] and got["grads"] < 3 * TOL_16[dtype], (key, got)
 
 
 def test_bench_script_plans_on_the_cpu(capsys, monkeypatch):

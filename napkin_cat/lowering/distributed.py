@@ -34,15 +34,20 @@ zig-zag, chunks ``r`` and ``2W - 1 - r`` of ``2W`` concatenated (causal work bal
 back together.
 
 The per-device work is the diagram's relabelings inside a device, bound at the block sizes:
-the generated kernel on float32 CUDA tensors (``nc.lower``, verified), the tiled NumPy executor
-otherwise (float64 in float64; gloo on the CPU).  ``op.last_path`` says which
-(``"ring:gpu"``, ``"ring:executor"``, ...).
+the generated kernel (``nc.lower``, verified) on CUDA tensors of float32, float16 or bfloat16
+(16-bit shards: the block's diagram retyped to read them in 16 bits on tensor cores and to write
+its partial ``(O_j, L_j)`` in fp32, which the fold reads; the output is returned in the shards'
+dtype), the same kernel in numba's simulator on CPU tensors while it is active (``simulate``, as
+:func:`~napkin_cat.torch_op`'s), and the tiled NumPy executor otherwise (float64 in float64; gloo
+on the CPU).  ``op.last_path`` says which (``"ring:gpu"``, ``"ring:simulator"``,
+``"ring:executor"``, ...).
 
 Shards that require a gradient make the op differentiable (:mod:`.distributed_backward`): the
 forward keeps each row's ``(O, L)``, and ``backward()`` runs FlashAttention-2's backward block
 by block against them, the key blocks rotating again with their gradient accumulators, which
 end on the devices that hold the blocks.  ``op.last_backward_path`` (``"ring:gpu-fa2"``,
-``"ring:executor-fa2"``, ...) and ``op.last_backward_blocks`` say what ran.
+``"ring:executor-fa2"``, ...) and ``op.last_backward_blocks`` say what ran.  With 16-bit shards the
+gradients are added up, and travel around the ring, in fp32, and are returned in the shards' dtype.
 
 >>> import napkin_cat as nc
 >>> q, x, d = nc.axes("q x d")
