@@ -92,16 +92,11 @@ from ..relabel.devices import CHUNKS, block_view, layout_of, mask_key, pieces
 from ..relabel.loopnest import final_form
 from ..relabel.rules import device_splits
 from .distributed_backward import SplitBackward, SplitFunction, cut_to
+from .torch_dtypes import HALF_DTYPES, KERNEL_DTYPE, REFERENCE_DTYPE, _launch, state_dtype
 
 FOLDS = {"online_softmax": "online_softmax", "sum_contract": "sum"}
-HALF = {torch.float16: "f16", torch.bfloat16: "bf16"}        # shards read by tensor-core kernels
-KERNEL_DTYPES = (torch.float32, *HALF)                        # shards the generated kernels take
-SHARD_DTYPES = (*KERNEL_DTYPES, torch.float64)
-
-
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype partial results are folded in: fp32 for 16-bit shards, theirs otherwise."""
-    return torch.float32 if dtype in HALF else dtype
+KERNEL_DTYPES = (KERNEL_DTYPE, *HALF_DTYPES)                  # shards the generated kernels take
+SHARD_DTYPES = (*KERNEL_DTYPES, REFERENCE_DTYPE)
 
 
 @dataclass(frozen=True)
@@ -332,7 +327,6 @@ class DistributedOp:
         key = (key, first.dtype, tuple(sorted(sizes.items())))
         if self._path != "executor":
             from . import lower
-            from .torch_op import _launch
             typed = self._typed(local, first.dtype)
             if ("kernel", key) not in self._cache:
                 self._cache[("kernel", key)] = lower(typed.bind(sizes), tiles=self.tiles or None,
@@ -353,10 +347,10 @@ class DistributedOp:
     def _typed(local: Diagram, dtype: torch.dtype) -> Diagram:
         """A block's diagram for inputs of ``dtype``: 16-bit inputs, fp32 outputs (the partials
         folded across blocks, as FlashAttention's ring implementations keep them)."""
-        if dtype not in HALF:
+        if dtype not in HALF_DTYPES:
             return local
         from .backward_forms import at_dtype
-        return at_dtype(local, DTYPES[HALF[dtype]], {a.name: DTYPES["f32"] for a in local.cod})
+        return at_dtype(local, DTYPES[HALF_DTYPES[dtype]], {a.name: DTYPES["f32"] for a in local.cod})
 
     def _kernel_path(self, first: torch.Tensor) -> str:
         """``gpu`` (CUDA tensors of a kernel dtype), ``simulator`` (CPU tensors of a kernel dtype

@@ -38,6 +38,7 @@ import torch
 
 from ..core.diagram import Diagram
 from ..core.errors import LoweringError
+from .torch_dtypes import HALF_DTYPES, TORCH_DTYPES, state_dtype
 
 
 class SplitBackward:
@@ -64,7 +65,6 @@ class SplitBackward:
         plan, op = self.op.plan, self.op
         wrt = tuple(i for i, n in enumerate(needs) if n)
         first = shards[0]
-        from .distributed import state_dtype
         acc = state_dtype(first.dtype)          # 16-bit shards: their gradients added up in fp32
         grads = {i: torch.zeros_like(shards[i], dtype=acc) for i in wrt}
         rows = op._pieces(0, totals, world, rank)
@@ -149,7 +149,6 @@ class SplitBackward:
         spare = torch.empty_like(cur)
         acc_of = [i for i in moving if i in grads]
         widths = [shards[i].numel() for i in acc_of]
-        from .distributed import state_dtype
         acc = state_dtype(shards[0].dtype)      # the accumulators travel in the dtype they add in
         acc_in = shards[0].new_empty(sum(widths), dtype=acc)
         sending = []
@@ -192,10 +191,8 @@ def cut_to(t: torch.Tensor, arr, cut: dict) -> torch.Tensor:
 def _as_wire(t: torch.Tensor, wire, dtype: torch.dtype) -> torch.Tensor:
     """``t`` in the dtype of the backward's input ``wire`` when the shards are 16-bit (``dtype``):
     that plan reads ``O`` in 16 bits and ``L`` in fp32, and the forward keeps both in fp32."""
-    from .distributed import HALF
-    if wire is None or wire.dtype.kind != "float" or dtype not in HALF:
+    if wire is None or wire.dtype.kind != "float" or dtype not in HALF_DTYPES:
         return t
-    from .torch_op import TORCH_DTYPES
     return t.to(TORCH_DTYPES.get(wire.dtype.name, t.dtype))
 
 

@@ -80,7 +80,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import numpy as np
 import torch
 
 from ..core.diagram import Diagram
@@ -92,13 +91,11 @@ from .backward_forms import (FORMS, BackwardChoice, BackwardPlan, at_dtype, back
                              choose_form, hardware_for)
 from .backward_parts import has_scatter, relabel_like, run_torch_part
 from .distributed import DistributedOp, device_plan
+from .torch_dtypes import (HALF_DTYPES, KERNEL_DTYPE, REFERENCE_DTYPE, TORCH_DTYPES, _host, _io_name, _launch,
+                           _out_dtypes, _to_torch)
 
 __all__ = ["torch_op", "TorchOp", "BackwardPlan", "backward_plan", "relabel_like", "FORMS"]
 
-KERNEL_DTYPE = torch.float32       # what the generated kernels compute in
-REFERENCE_DTYPE = torch.float64    # the executor's reference path (gradcheck)
-HALF_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}   # kernels with 16-bit inputs and outputs
-TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}
 PATHS = ("gpu", "simulator", "executor")
 BACKWARD_PATHS = (*PATHS, "gpu-fa2", "simulator-fa2", "executor-fa2", "gpu-fa2-atomic", "simulator-fa2-atomic")
 
@@ -477,38 +474,6 @@ class _DiagramFunction(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------- conversions
-
-def _io_name(dtype: torch.dtype) -> str:
-    return HALF_DTYPES.get(dtype, "f32")
-
-
-def _host(tensors) -> list[np.ndarray]:
-    """Host copies; bfloat16 (numpy has none) as the float32 numbers it holds, exactly."""
-    return [t.detach().cpu().float().numpy() if t.dtype == torch.bfloat16 else t.detach().cpu().numpy()
-            for t in tensors]
-
-
-def _out_dtypes(d: Diagram, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    """The torch dtype of each output of ``d`` for inputs of ``dtype``: float64 throughout on the
-    reference path, else each wire's (16-bit outputs and gradients, fp32 logsumexps)."""
-    return tuple(dtype if dtype == REFERENCE_DTYPE else TORCH_DTYPES.get(a.dtype.name, dtype) for a in d.cod)
-
-
-def _to_torch(outs, dtypes, device: torch.device) -> tuple[torch.Tensor, ...]:
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    return tuple(torch.from_numpy(np.ascontiguousarray(o)).to(device=device, dtype=t) for o, t in zip(outs, dtypes))
-
-
-def _launch(kernel, tensors, d: Diagram) -> tuple[torch.Tensor, ...]:
-    """``kernel`` on ``tensors`` (``d``: the diagram it was lowered from).  16-bit CPU tensors go
-    as numpy arrays (float16, or bfloat16's values in float32), and the outputs come back as
-    tensors of their wires' dtypes: the kernel's own conversion of a 16-bit CPU tensor reads its
-    bit patterns as numbers."""
-    if tensors[0].device.type == "cpu" and any(t.dtype in HALF_DTYPES for t in tensors):
-        return _to_torch(kernel(*_host(tensors)), _out_dtypes(d, torch.float32), tensors[0].device)
-    outs = kernel(*(t.detach() for t in tensors))
-    return outs if isinstance(outs, tuple) else (outs,)
-
 
 def _shape(arr) -> tuple[int, ...]:
     return tuple(a.size for a in arr.axes)
