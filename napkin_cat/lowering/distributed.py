@@ -92,7 +92,7 @@ from ..relabel.devices import CHUNKS, block_view, layout_of, mask_key, pieces
 from ..relabel.loopnest import final_form
 from ..relabel.rules import device_splits
 from .distributed_backward import SplitBackward, SplitFunction, cut_to
-from .torch_dtypes import HALF_DTYPES, KERNEL_DTYPE, REFERENCE_DTYPE, _launch, state_dtype
+from .torch_dtypes import HALF_DTYPES, KERNEL_DTYPE, REFERENCE_DTYPE, _host, _launch, state_dtype
 
 FOLDS = {"online_softmax": "online_softmax", "sum_contract": "sum"}
 KERNEL_DTYPES = (KERNEL_DTYPE, *HALF_DTYPES)                  # shards the generated kernels take
@@ -336,9 +336,7 @@ class DistributedOp:
         from ..verify.executor import evaluate
         if ("schedule", key) not in self._cache:
             self._cache[("schedule", key)] = self._schedule(local, key, sizes)
-        host = [t.detach().cpu().float().numpy() if t.dtype == torch.bfloat16 else t.detach().cpu().numpy()
-                for t in tensors]
-        outs = evaluate(self._cache[("schedule", key)], *host, reference=first.dtype != torch.float32)
+        outs = evaluate(self._cache[("schedule", key)], *_host(tensors), reference=first.dtype != KERNEL_DTYPE)
         outs = outs if isinstance(outs, tuple) else (outs,)
         return tuple(torch.as_tensor(np.ascontiguousarray(o)).to(first.device, state_dtype(first.dtype))
                      for o in outs)
