@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
+from napkin_cat.lowering import planner  # noqa: E402
 from bench import compiled_flex, cuda_time, environment  # noqa: E402
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
@@ -216,7 +217,9 @@ def main(argv=None):
                     help="nc.torch_op(prefetch=...): none, regs (next chunk into registers), double (cp.async)")
     ap.add_argument("--tiles", default="", help="semicolon list of block choices, each a comma list of "
                     "symbol=size (the op's blocks: s_x, g_q forward; g_x, s_q the dK, dV kernel; g_q, s_x dQ); "
-                    "every case runs once per choice, peers with the first")
+                    "every case runs once per choice, peers with the first; an upper-case NAME=0|1 in a "
+                    "choice sets that tunable of napkin_cat.lowering.planner for the choice (FRAG_OPERANDS=0: "
+                    "the backward's P and dS through shared memory, as before that pass)")
     ap.add_argument("--out", default=str(ROOT / "kernels"))
     args = ap.parse_args(argv)
     choices = [{k: int(v) for k, v in (kv.split("=") for kv in c.split(",") if kv)} for c in args.tiles.split(";")]
@@ -229,11 +232,20 @@ def main(argv=None):
         N, D, causal = int(N), int(D), c.strip() in ("1", "yes", "true", "causal")
         BH = args.bh or (32 if N <= 4096 else 16)
         for n, tiles in enumerate(choices):
+            switches = {k: v for k, v in tiles.items() if k.isupper()}
+            blocks = {k: v for k, v in tiles.items() if not k.isupper()}
+            saved = {k: getattr(planner, k) for k in switches}
             try:
-                r = case(dt, N, D, causal, BH, not args.no_check, args.backward, args.prefetch, tiles, n == 0)
+                for k, v in switches.items():
+                    setattr(planner, k, type(saved[k])(v))
+                r = case(dt, N, D, causal, BH, not args.no_check, args.backward, args.prefetch, blocks, n == 0)
             except Exception as e:  # noqa: BLE001 - recorded with the case, the run goes on
-                r = {"dtype": dt, "N": N, "d": D, "causal": causal, "tiles": tiles,
+                r = {"dtype": dt, "N": N, "d": D, "causal": causal, "tiles": blocks,
                      "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            finally:
+                for k, v in saved.items():
+                    setattr(planner, k, v)
+            r["switches"] = switches
             results["cases"].append(r)
             print(json.dumps(r), flush=True)
             (out / "fwd_bwd.json").write_text(json.dumps(results, indent=1))
@@ -248,7 +260,7 @@ def main(argv=None):
         ratio = lambda k: f"{r[k] / r['ours_ms']:.2f}x" if isinstance(r.get(k), float) else "-"  # noqa: E731
         mem = " / ".join(f"{r[k]:.0f}" if isinstance(r.get(k), float) else "-"
                          for k in ("ours_extra_mib", "sdpa_extra_mib", "flex_extra_mib"))
-        blocks = ",".join(f"{k}={v}" for k, v in r.get("tiles", {}).items()) or "chosen"
+        blocks = ",".join(f"{k}={v}" for k, v in {**r.get("tiles", {}), **r.get("switches", {})}.items()) or "chosen"
         kms = " / ".join(f"{v:.2f}" for k, v in r.get("ours_kernels", {}).items()
                          if "generated" in k and isinstance(v, float))
         print(f"| {r['dtype']} | {r['N']} | {r['d']} | {r['causal']} | {blocks} | {r['path']}/{r['backward_path']} "

@@ -249,7 +249,8 @@ def _features(kernel) -> set[str]:
     (``reindex``; ``reindex-predicate`` where the map can leave the input), a gather kernel of a
     multi-kernel cut, atomic adds of partial sums, a logsumexp read from an online softmax's
     statistics, a materialised 16-bit operand buffer, a value kept in registers for a later
-    epilogue (``register-copy``).  A multi-kernel: its kernels' features."""
+    epilogue (``register-copy``) or read from them as tensor-core A fragments (``frag-operand``).
+    A multi-kernel: its kernels' features."""
     if isinstance(kernel, MultiKernel):
         return {"multi-kernel"}.union(*(_features(k) for k in kernel.kernels))
     if is_gather(kernel.diagram):
@@ -284,8 +285,10 @@ def _features(kernel) -> set[str]:
         out.add("16-bit-operand")
     if re.search(r"int64\(\w+0\) // \d", body):     # emit_kinds.block_quotients
         out.add("block-quotient")
-    if re.search(r"_r = cuda\.local\.array\(.*# \w+ kept for", body):   # lowering/register_copies.py
+    if re.search(r"_r = cuda\.local\.array\(.*# \w+ kept for \w+(,|$)", body, re.M):   # lowering/register_copies.py
         out.add("register-copy")
+    if re.search(r"pack_b?f16\(\w+_r\[", body):   # lowering/frag_operands.py: A fragments from registers
+        out.add("frag-operand")
     return out
 
 

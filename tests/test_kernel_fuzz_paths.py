@@ -24,7 +24,10 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   a document mask with its block table, whose ``i // B`` lookups are read once per block where
   the block lies inside one table block (``block-quotient``, :func:`napkin_cat.lowering.emit_kinds.block_quotients`);
   the backward's ``dP`` (and ``P``) read by dS's epilogue from registers (``register-copy``,
-  :mod:`napkin_cat.lowering.register_copies`).
+  :mod:`napkin_cat.lowering.register_copies`); ``P`` and ``dS`` read by the dV, dK and dQ updates
+  as tensor-core A fragments from the registers that computed them (``frag-operand``,
+  :mod:`napkin_cat.lowering.frag_operands`), and the one-kernel backward, whose dQ reads dS
+  transposed from its 16-bit buffer.
 
 ``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
 """
@@ -329,9 +332,13 @@ def sixteen_bit_family(draw):
         return Case(f"{dt.name} mlp", mlp, (("tile", "t", gt),), sizes, mlp, options, regimes=SMALL_DATA)
     causal = draw(st.booleans())
     fl = L.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
-    # D = rowsum(dO O), the key-tile part (dK, dV) or the query-tile part (dQ)
-    which = draw(st.sampled_from((0, 1, 1, 2, 2)))
-    part = backward_plan(fl).at(dt).parts[which]
+    # D = rowsum(dO O), the key-tile part (dK, dV) or the query-tile part (dQ) of two kernels, or
+    # the one kernel adding dQ across key tiles (its dS also a 16-bit buffer, read by dQ transposed)
+    which = draw(st.sampled_from((0, 1, 1, 2, 2, "one")))
+    if which == "one":
+        part = backward_plan(fl, form="one kernel").at(dt).parts[-1]
+    else:
+        part = backward_plan(fl).at(dt).parts[which]
     blocks = {n: draw(st.sampled_from((16, 32)), label=n) for n in ("g_x", "s_q", "g_q", "s_x")
               if n in part._sched_str()}
     sizes = {q: draw(st.integers(1, 24), label="q"), x: draw(st.integers(1, 24), label="x"), d: 16}
@@ -371,7 +378,7 @@ FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
                      "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
                      "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient",
-                                     "register-copy"}}
+                                     "register-copy", "frag-operand"}}
 
 
 def fuzz_case(family: str, data, stats: Counter):

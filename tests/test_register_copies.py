@@ -76,9 +76,12 @@ def test_dq_reads_dp_from_registers_with_no_shared_buffer_or_barrier_for_it(caus
     assert body2.count("cuda.syncthreads()") > body.count("cuda.syncthreads()")
 
 
-def test_dkdv_keeps_p_buffer_for_the_tensor_cores_and_reads_its_fp32_copy_in_ds():
-    """P is also dV's tensor-core operand (read transposed through ldmatrix, another mapping),
-    so its 16-bit buffer stays; dS reads the fp32 value from the copy instead of the buffer."""
+def test_dkdv_keeps_p_buffer_for_the_tensor_cores_and_reads_its_fp32_copy_in_ds(monkeypatch):
+    """Without :mod:`napkin_cat.lowering.frag_operands` (which keeps P in registers for dV too:
+    tests/test_frag_operands.py), P is also dV's tensor-core operand on another mapping, read
+    transposed through ldmatrix, so its 16-bit buffer stays; dS reads the fp32 value from the
+    copy instead of the buffer."""
+    monkeypatch.setattr(planner, "FRAG_OPERANDS", False)
     part = _parts(nc.bf16)[0]
     assert [a.name for a in part.cod] == ["dK", "dV"]
     kernel, body = _lower(part, {"g_x": 32, "s_q": 16})
@@ -88,9 +91,12 @@ def test_dkdv_keeps_p_buffer_for_the_tensor_cores_and_reads_its_fp32_copy_in_ds(
     _check(part, kernel, False, 30.0)
 
 
-def test_a_row_value_is_read_once_per_fragment_row_before_the_column_loop():
+def test_a_row_value_is_read_once_per_fragment_row_before_the_column_loop(monkeypatch):
     """``L`` and ``D`` (no key axis) are read into registers in the row loop of the epilogue,
-    not once per element inside the column loop."""
+    not once per element inside the column loop: in both parts while their scores' rows are
+    queries (with :mod:`napkin_cat.lowering.frag_operands` the dK, dV kernel's rows are keys, and
+    ``L``, ``D`` are column values there)."""
+    monkeypatch.setattr(planner, "FRAG_OPERANDS", False)
     for part, tiles in zip(_parts(nc.f16), ({"g_x": 32, "s_q": 16}, {"g_q": 32, "s_x": 16})):
         _, body = _lower(part, tiles)
         lines = body.splitlines()

@@ -8,6 +8,11 @@ are x).  ``P`` in the key-tile part is read by the ``dV`` update and by the prod
 (dP - D)``, itself 16-bit, so it is stored in 16 bits too and converted once for the product;
 ``dP`` in the query-tile part feeds a difference and stays fp32
 (:mod:`napkin_cat.lowering.sixteen_bit`).
+
+Where the only tensor-core readers of ``P`` and ``dS`` can take them from the registers that
+computed them (:mod:`napkin_cat.lowering.frag_operands`, on by default: ``tests/test_frag_operands.py``)
+they have no buffer at all; these tests switch that pass off to test the buffers it replaces,
+which the one-kernel backward's ``dQ`` and other diagrams still use.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ from napkin_cat.verify import kernelcheck  # noqa: E402
 q, x, d, h = nc.axes("q x d h")
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 TILES = {"g_x": 16, "s_q": 16, "g_q": 16, "s_x": 16}
+
+
+@pytest.fixture(autouse=True)
+def _buffers_not_registers(monkeypatch):
+    from napkin_cat.lowering import planner
+    monkeypatch.setattr(planner, "FRAG_OPERANDS", False)
 
 
 def _parts(dtype, sizes, causal=False, heads=False):

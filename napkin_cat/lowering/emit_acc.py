@@ -124,7 +124,7 @@ def _sc_update(em, p, src):
     ins = em.dd.eqns[p.acc.eqn].ins
     src.comment(f"update {p.acc.box.cod[0].name} (sum_contract) with "
                 f"{', '.join(em.types[v].name for v in ins)}  ({p.main.describe()})")
-    _main_contraction(em, p, em.contraction_operands(ins), _red_of(em, p), src)
+    _main_contraction(em, p, em.contraction_operands(ins, p.index), _red_of(em, p), src)
 
 
 def _no_publish(em, p, src):

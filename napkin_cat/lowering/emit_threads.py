@@ -19,6 +19,7 @@ from ..ops.kinds import NORMALISATIONS
 from .emit_kinds import CODEGEN_RULES, REDUCE_OPS, fn_expr
 from .emit_mma import contract_mma, frag_begin, frag_cols, frag_rows
 from .plan import Coop, Flat, Frag, Micro, Target
+from .register_copies import keep_copy, open_copy
 from .source import RowHoist, Source
 
 IDLE_START = 0x7FFFFFFF
@@ -191,16 +192,20 @@ class Phases:
         return src.maybe(None)
 
     # ---- contractions
-    def contraction_operands(self, ins) -> list[Operand]:
+    def contraction_operands(self, ins, acc: int | None = None) -> list[Operand]:
+        """The factors ``ins`` of a contraction (of accumulator ``acc``'s update, if any)."""
         ops = []
         for v in ins:
             where = self.plan.storage(v)
             # 16-bit patterns (an input, or an intermediate of .sixteen_bit) are read as they are,
             # zero past ragged extents (zero-filled chunks; zeros written there)
             raw = where in ("load", "smem") and self.bufs[("var", v)].bits == 16
+            # a row operand kept in the registers that computed it (.frag_operands)
+            frag = self.reg_copy[v] if acc in self.plan.frag_operands.get(v, ()) else None
             ops.append(Operand(self.plan.axes_set(v),
                                (lambda v: lambda env, memo, src: self.value(v, env, src, memo))(v),
-                               padded=where == "load" or raw, buffer=("var", v) if raw else None))
+                               padded=where == "load" or raw or frag is not None,
+                               buffer=("var", v) if raw and frag is None else None, frag=frag))
         return ops
 
     def contract(self, engine: str, m, acc: str, operands: list[Operand], red: list[str], src: Source,
@@ -366,10 +371,7 @@ class Phases:
             acc = self.names.fresh("acc")
             self.micro_begin(m, src)
             copies = self.plan.reg_copies
-            if t.var in copies:     # read again by later epilogues on these threads (.register_copies)
-                self.reg_copy[t.var] = self.names.fresh(f"{arr.name}_r")
-                src(f"{self.reg_copy[t.var]} = cuda.local.array(({m.RY}, {m.RX}), float32)  # {arr.name} "
-                    f"kept for {', '.join(self.types[u].name for u in copies[t.var])}")
+            open_copy(self, t, src)   # read again from registers on these threads (.register_copies)
             with src.maybe(self.micro_guard(m)):
                 src(f"{acc} = cuda.local.array(({m.RY}, {m.RX}), float32)")
                 self.contract(t.engine, m, acc, self.contraction_operands(e.ins), list(red), src)
@@ -378,8 +380,7 @@ class Phases:
                     regs.update((v, f"{self.reg_copy[v]}[i, j]") for v, us in copies.items() if t.var in us)
                     val = self.value(t.var, env, src, {}, regs, define=t.var)
                     self.write_target(t, env, val, src)
-                    if t.var in copies:
-                        src(f"{self.reg_copy[t.var]}[i, j] = {val}")
+                    keep_copy(self, t, env, val, src)
         elif isinstance(m, Flat):
             acc = self.names.fresh("acc")
             src(f"{acc} = cuda.local.array({m.per_thread}, float32)")

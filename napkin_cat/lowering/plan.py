@@ -344,6 +344,7 @@ class KernelPlan:
     notes: tuple[str, ...]
     dtype: str = "f32"              # f32, or the 16-bit dtype of its inputs (f16 / bf16)
     reg_copies: Mapping = field(default_factory=dict)   # target var -> targets reading its copy
+    frag_operands: Mapping = field(default_factory=dict)  # target var -> accumulators reading its copy as A fragments
 
     @property
     def dd(self) -> Diagram:

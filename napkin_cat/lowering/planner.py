@@ -14,6 +14,8 @@
        register micro-tiles for contractions with two output axes, groups of lanes per output
        for reductions with few outputs, else a flat element loop;
     6. :func:`fuse_scores`      scores kept in registers (:class:`~.plan.FusedScores`);
+       :func:`~.frag_operands.frag_operands`  a tensor-core update's row operand read from the
+       registers of the phase that computed it;
        :func:`~.register_copies.register_copies`  a value read again by a later epilogue on
        the same threads kept in registers for it;
     7. :func:`~.sixteen_bit.sixteen_bit_targets`  intermediates read only by tensor cores, kept
@@ -35,6 +37,7 @@ from ..relabel.loopnest import Compute, Finalise, FinalForm, Init, Load, Loop, U
 from ..relabel.skipping import chunk_skips
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, REDUCE_OPS
+from .frag_operands import frag_operands
 from .fuse import fuse_scores
 from .register_copies import register_copies
 from .reindex import check_axes as check_reindexed_axes, remaps
@@ -52,6 +55,10 @@ FUSE_SCORES = True
 
 REGISTER_COPIES = True
 """Keep a contraction's value in registers for a later epilogue on the same threads (:mod:`.register_copies`)."""
+
+FRAG_OPERANDS = True
+"""Keep a tensor-core update's row operand in the registers that computed it (:mod:`.frag_operands`;
+needs ``REGISTER_COPIES``)."""
 
 REGISTER_FLOOR = 128
 """Registers per thread below which the launch bounds never push the compiler."""
@@ -99,19 +106,23 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     accs = plan_accumulators(ff, threads_)
     targets, norm_stats = plan_mappings(ff, ax, st, cls, targets, accs, threads_)
     accs, targets, fused = fuse_scores(ff, ax, st, targets, accs, threads_) if FUSE_SCORES else (accs, targets, {})
-    targets, copies = register_copies(ff, st, cls, targets, absorbed, fused) if REGISTER_COPIES else (targets, {})
+    targets, accs, frag_ops = frag_operands(ff, ax, st, cls, targets, absorbed, accs, threads_, fused) \
+        if FRAG_OPERANDS and REGISTER_COPIES else (targets, accs, {})
+    targets, copies = register_copies(ff, st, cls, targets, absorbed, fused, frag_ops) if REGISTER_COPIES \
+        else (targets, {})
     sixteen = sixteen_bit_targets(ff, st, cls, targets, absorbed, accs, threads_.dtype)
     prefs = plan_layouts(ff, st, targets, absorbed, accs, ax, sixteen)
     buffers, accs = plan_buffers(ff, ax, st, targets, absorbed, accs, norm_stats, prefs, threads, prefetch,
                                  sixteen)
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
-    launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch, copies)
+    launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch,
+                         set(copies) | set(frag_ops))
     return KernelPlan(name, d, ff, threads, fastmath, prefetch,
                       CONTRACTION_UNROLL if unroll is None else int(unroll), frozen_map(ax), tuple(grid_loops),
                       tuple(inner), st, frozen_map(cls), frozen_map(targets), frozen_map(absorbed), tuple(accs),
                       frozen_map(fused), frozen_map(norm_stats), frozen_map(buffers), frozen_map(skips), launch,
-                      tuple(threads_.notes), threads_.dtype, frozen_map(copies))
+                      tuple(threads_.notes), threads_.dtype, frozen_map(copies), frozen_map(frag_ops))
 
 
 # --------------------------------------------------------------------------- 1. axes
@@ -531,7 +542,7 @@ def register_estimate(ff: FinalForm, ax, targets, accs, T: int, prefetch, copies
         if p.fused is not None:
             live += p.fused.ms.RY * p.fused.ms.RX
     for t in targets.values():
-        if isinstance(t.mapping, Micro):
+        if isinstance(t.mapping, Micro) and not isinstance(t.mapping, Frag):   # MMA_SLACK counts fragments
             frag = max(frag, t.mapping.RY + t.mapping.RX)
     live += sum(targets[v].mapping.RY * targets[v].mapping.RX for v in copies)
     if any(isinstance(m, Frag) for m in [t.mapping for t in targets.values()] + [p.main for p in accs]):

@@ -57,11 +57,14 @@ def _elementwise_reads(dd, t: Target, st: Structure, cls, n_in: int, targets, ab
 
 
 def register_copies(ff: FinalForm, st: Structure, cls, targets: dict, absorbed: dict,
-                    fused) -> tuple[dict, dict]:
+                    fused, frag_ops=None) -> tuple[dict, dict]:
     """(targets, copies): ``copies[v]`` the targets whose epilogues read target ``v`` from its
-    register copy; ``v`` loses its shared buffer (``to_smem``) when they are all its readers."""
+    register copy (empty where only tensor-core updates read it so: ``frag_ops[v]``, the
+    accumulators of :mod:`.frag_operands`); ``v`` loses its shared buffer (``to_smem``) when
+    they are all its readers."""
     dd = ff.diagram
     n_in = len(dd.dom)
+    frag_ops = frag_ops or {}
     reads = {u: _elementwise_reads(dd, t, st, cls, n_in, targets, absorbed)
              for u, t in targets.items() if _epilogue_target(t, st, fused)}
     copies, out = {}, dict(targets)
@@ -72,10 +75,12 @@ def register_copies(ff: FinalForm, st: Structure, cls, targets: dict, absorbed: 
         readers = [u for u, (same, other) in reads.items()
                    if u != v and v in same and v not in other and targets[u].mapping == t.mapping
                    and st.scope_of[id(st.def_node[u])] == scope]
-        if not readers:
+        accs = set(frag_ops.get(v, ()))
+        if not readers and not accs:
             continue
         copies[v] = tuple(readers)
-        out[v] = replace(t, to_smem=not all(_read_only_by(c, set(readers), dd, st, n_in, targets, absorbed)
+        out[v] = replace(t, to_smem=not all(c[0] == "acc" and c[1] in accs
+                                            or _read_only_by(c, set(readers), dd, st, n_in, targets, absorbed)
                                             for c in st.consumers[v]))
     return out, copies
 
@@ -95,3 +100,30 @@ def _read_only_by(c, readers: set, dd, st: Structure, n_in: int, targets, absorb
         elif not all(_read_only_by(c2, readers, dd, st, n_in, targets, absorbed) for c2 in st.consumers[w]):
             return False
     return True
+
+
+# --------------------------------------------------------------------------- emitted
+
+def open_copy(em, t: Target, src) -> None:
+    """Declare target ``t``'s register copy (``em.reg_copy[t.var]``), if the plan keeps one: a
+    local array of its micro-tile's shape, its comment naming the epilogues and the tensor-core
+    updates (:mod:`.frag_operands`) that read it."""
+    if t.var not in em.plan.reg_copies:
+        return
+    m, arr = t.mapping, em.types[t.var]
+    em.reg_copy[t.var] = em.names.fresh(f"{arr.name}_r")
+    whom = [em.types[u].name for u in em.plan.reg_copies[t.var]]
+    whom += [f"{em.accs[i].acc.box.cod[0].name}'s update (kept in registers as its tensor-core A operand)"
+             for i in em.plan.frag_operands.get(t.var, ())]
+    src(f"{em.reg_copy[t.var]} = cuda.local.array(({m.RY}, {m.RX}), float32)  # {arr.name} kept for "
+        f"{', '.join(whom)}")
+
+
+def keep_copy(em, t: Target, env, val: str, src) -> None:
+    """Write the element at ``env`` of ``t``'s register copy; a tensor-core A operand is zero
+    past a ragged extent, as the 16-bit buffer it replaces was (:mod:`.frag_operands`)."""
+    if t.var not in em.plan.reg_copies:
+        return
+    cond = em.valid(em.plan.caps(em.types[t.var].axis_names)[0], env) if t.var in em.plan.frag_operands else None
+    zero = em.consts.f(0.0, "ZERO")
+    src(f"{em.reg_copy[t.var]}[i, j] = " + (f"{val} if {cond} else {zero}" if cond else val))
