@@ -37,6 +37,8 @@ left out of both predictions.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, replace
 from math import prod
 
@@ -77,10 +79,17 @@ def hardware_for(device=None) -> Hardware:
     'H100 SXM5 80GB'
     """
     if device is not None and getattr(device, "type", None) == "cuda":
-        import torch
-        name = torch.cuda.get_device_name(device)
-        return next((hw for key, hw in _PROFILES if key in name), H100)
+        return _cuda_profile(device.index)
     return H100
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_profile(index: int | None) -> Hardware:
+    """The profile of CUDA device ``index`` (None: the current one), looked up once per device:
+    the name query cost tens of microseconds of host time on every forward and backward."""
+    import torch
+    name = torch.cuda.get_device_name(index)
+    return next((hw for key, hw in _PROFILES if key in name), H100)
 
 
 @dataclass(frozen=True)
