@@ -22,7 +22,7 @@ FlexAttention (``torch.compile(flex_attention)``, dynamo's cache limits raised, 
 ``create_block_mask``) and naive torch (``softmax(Q K^T / sqrt(d)) V``, autograd).  Times are
 CUDA-event medians of the whole forward + backward (and of the forward alone); extra memory is
 the peak of ``torch.cuda.max_memory_allocated`` during forward + backward above what was
-allocated before (inputs, dO), the gradients included.  ``--prefetch none|regs|double`` is passed
+allocated before (inputs, dO), the gradients included.  ``--prefetch auto|none|regs|double`` (default auto, the op's own) is passed
 to ``nc.torch_op`` (every kernel of the op: the next chunk into registers, or two shared-memory
 buffers per chunked input filled by ``cp.async``).  ``ours_kernels``: the CUDA time per kernel of
 one forward + backward (``torch.profiler``, CUPTI: the generated kernels and torch's own, by
@@ -140,7 +140,7 @@ def peak_extra(fn) -> float:
     return (peak - base) / 2 ** 20
 
 
-PREFETCH = {"none": False, "regs": True, "double": "double"}
+PREFETCH = {"none": False, "regs": True, "double": "double", "auto": "auto"}
 
 
 def kernel_breakdown(fn, calls: int = 5) -> dict:
@@ -161,7 +161,7 @@ def kernel_breakdown(fn, calls: int = 5) -> dict:
 
 
 def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: str = "auto",
-         prefetch: str = "none", tiles: dict | None = None, with_peers: bool = True) -> dict:
+         prefetch: str = "auto", tiles: dict | None = None, with_peers: bool = True) -> dict:
     t0 = time.perf_counter()
     g = torch.Generator(device="cuda").manual_seed(0)
     Q, K, V, dO = (torch.randn(BH, N, D, device="cuda", generator=g).to(DTYPES[dt]) for _ in range(4))
@@ -213,8 +213,9 @@ def main(argv=None):
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--backward", choices=sorted(FORMS), default="auto",
                     help="the backward's form: auto (the cost model's), one, two, or both timed")
-    ap.add_argument("--prefetch", choices=sorted(PREFETCH), default="none",
-                    help="nc.torch_op(prefetch=...): none, regs (next chunk into registers), double (cp.async)")
+    ap.add_argument("--prefetch", choices=sorted(PREFETCH), default="auto",
+                    help="nc.torch_op(prefetch=...): auto (the op's default: double where registers allow), none, "
+                         "regs (next chunk into registers), double (cp.async)")
     ap.add_argument("--tiles", default="", help="semicolon list of block choices, each a comma list of "
                     "symbol=size (the op's blocks: s_x, g_q forward; g_x, s_q the dK, dV kernel; g_q, s_x dQ); "
                     "every case runs once per choice, peers with the first; an upper-case NAME=0|1 in a "

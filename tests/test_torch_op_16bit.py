@@ -116,7 +116,7 @@ def test_torch_op_16bit_simulator_on_tensor_cores_matches_fp64_autograd(dtype):
 
 def test_torch_op_refuses_a_prefetch_outside_the_options():
     for bad in (1, "triple", None):
-        with pytest.raises(nc.TypingError, match=r"prefetch must be False, True or 'double', got"):
+        with pytest.raises(nc.TypingError, match=r"prefetch must be False, True, 'double' or 'auto', got"):
             torch_op(flash(), prefetch=bad)
 
 

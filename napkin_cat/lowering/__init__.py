@@ -66,7 +66,9 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     ``fastmath``: compile with fast (approximate) exp / division.  ``prefetch``: fetch each
     chunk's inputs into registers one chunk ahead (global loads overlap the compute, at the
     price of registers); ``prefetch="double"``: two shared-memory buffers per chunked input,
-    one barrier per chunk.  ``verify``: before it is returned, the kernel runs against the NumPy
+    one barrier per chunk; ``prefetch="auto"``: ``"double"`` where the inputs are 16-bit (filled
+    by cp.async), the register estimate stays within a thread's registers and the shared memory
+    fits, else none (:func:`~.planner.auto_prefetch`).  ``verify``: before it is returned, the kernel runs against the NumPy
     float64 oracle on ``SELF_CHECK_RUNS`` inputs (``True``) or that many (an int) at its bound
     sizes, and a difference raises :class:`~napkin_cat.core.errors.EquivalenceError` with code that
     reproduces it; ``verify=False`` skips it and ``kernel.verified`` says so
@@ -126,6 +128,10 @@ def _lower_one(d: Diagram, tiles=None, threads=None, name=None, micro=None, fast
     if hw is not None:   # lowering for a target profile: its per-block shared memory
         limit = min(limit, hw.smem_per_block_optin)
     smem = gen.plan.smem_bytes
+    if smem > limit and prefetch == "auto" and gen.plan.prefetch:   # 'auto': the second buffers only where they fit
+        gen = generate(sched.diagram, kname, sched.threads, sched.batch_axes, fastmath=fastmath, micro=micro,
+                       prefetch=False, ff=sched.final_form, notes=(f"Block sizes: {sched.how}.", *sched.notes))
+        smem = gen.plan.smem_bytes
     if smem > limit:
         raise LoweringError(f"{d.short()} with {sched.diagram._sched_str()} needs {smem} bytes "
                             f"of shared memory per block ({gen.buffers()}); the limit is {limit}: use smaller "

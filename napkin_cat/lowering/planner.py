@@ -77,7 +77,14 @@ loop (when the step count is static and divisible; 1 turns it off)."""
 MAX_THREADS = 1024
 """Threads per block on every CUDA device."""
 
-PREFETCH_MODES = (False, True, "double")
+PREFETCH_MODES = (False, True, "double", "auto")
+
+AUTO_PREFETCH_REGISTERS = 255
+"""``prefetch="auto"`` double-buffers a 16-bit kernel's streamed inputs (``"double"``: cp.async
+into a second shared buffer) only while :func:`register_estimate` stays at or below this, the
+registers a thread can have: measured on an H100, the dK, dV kernel at d = 128 (estimated 256)
+spilled 276 bytes with the second buffers and ran 2x slower, while the forward and the dQ kernel
+ran 3-22% faster with them (kernels/BENCHMARKS.md)."""
 
 ENGINE = "cuda_core"
 """The engine contractions are planned on (see :data:`.plan.ENGINES`)."""
@@ -94,8 +101,8 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     micro = _check_micro(micro)
     if prefetch not in PREFETCH_MODES or not isinstance(prefetch, (bool, str)):
         raise LoweringError(f"prefetch must be one of {PREFETCH_MODES} (False: no prefetch, True: into "
-                            f"registers one chunk ahead, 'double': two shared buffers per chunk), "
-                            f"got {prefetch!r}")
+                            f"registers one chunk ahead, 'double': two shared buffers per chunk, 'auto': "
+                            f"'double' for 16-bit inputs where registers allow, else False), got {prefetch!r}")
     ff = final_form(d) if ff is None else ff
     ax, grid_loops, inner = plan_axes(ff, tuple(batch_axes))
     check_reindexed_axes(ff, ax)   # reindexings read whole axes (.reindex)
@@ -110,6 +117,8 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
         if FRAG_OPERANDS and REGISTER_COPIES else (targets, accs, {})
     targets, copies = register_copies(ff, st, cls, targets, absorbed, fused, frag_ops) if REGISTER_COPIES \
         else (targets, {})
+    if prefetch == "auto":
+        prefetch = auto_prefetch(ff, ax, targets, accs, threads, set(copies) | set(frag_ops), threads_.dtype)
     sixteen = sixteen_bit_targets(ff, st, cls, targets, absorbed, accs, threads_.dtype)
     prefs = plan_layouts(ff, st, targets, absorbed, accs, ax, sixteen)
     buffers, accs = plan_buffers(ff, ax, st, targets, absorbed, accs, norm_stats, prefs, threads, prefetch,
@@ -547,11 +556,24 @@ def register_estimate(ff: FinalForm, ax, targets, accs, T: int, prefetch, copies
     live += sum(targets[v].mapping.RY * targets[v].mapping.RX for v in copies)
     if any(isinstance(m, Frag) for m in [t.mapping for t in targets.values()] + [p.main for p in accs]):
         live += MMA_SLACK
-    if prefetch:
+    if prefetch:   # a chunk held in registers (16-bit inputs double-buffered go by cp.async instead)
         for n, _ in ff.walk():
             if isinstance(n, Loop) and n.kind == "stream":
-                live += sum(load_plan(types[m.var], ax, T)[1] for m in n.body if isinstance(m, Load))
+                live += sum(load_plan(types[m.var], ax, T)[1] for m in n.body if isinstance(m, Load)
+                            and not (prefetch == "double" and types[m.var].dtype.name in ("f16", "bf16")))
     return live + frag + REGISTER_SLACK
+
+
+def auto_prefetch(ff: FinalForm, ax, targets, accs, T: int, copies, dtype: str) -> bool | str:
+    """What ``prefetch="auto"`` means for this kernel: ``"double"`` when its inputs are 16-bit (so
+    the second buffers fill by cp.async, no registers in between), a stream loop loads a chunk,
+    and the :func:`register_estimate` stays within :data:`AUTO_PREFETCH_REGISTERS`; else False."""
+    streams = any(isinstance(n, Loop) and n.kind == "stream" and any(isinstance(m, Load) for m in n.body)
+                  for n, _ in ff.walk())
+    if dtype == "f32" or not streams:
+        return False
+    fits = register_estimate(ff, ax, targets, accs, T, "double", copies) <= AUTO_PREFETCH_REGISTERS
+    return "double" if fits else False
 
 
 def blocks_per_sm(smem_bytes: int, T: int, registers: int) -> int:

@@ -104,7 +104,7 @@ BACKWARD_PATHS = (*PATHS, "gpu-fa2", "simulator-fa2", "executor-fa2", "gpu-fa2-a
 
 def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = None,
              simulate: bool | None = None, verify: bool | int = True, backward: str | None = None,
-             prefetch: bool | str = False) -> "TorchOp":
+             prefetch: bool | str = "auto") -> "TorchOp":
     """``d`` as a differentiable torch callable ``op(*tensors)`` (see the module docstring).
 
     ``tiles``, ``threads``, ``verify``: passed to :func:`napkin_cat.lower` (and ``tiles`` to the
@@ -116,14 +116,16 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
     at each call's sizes, ``"one kernel"`` (dQ added across key tiles with fp32 atomics) or
     ``"two kernels"`` (FlashAttention-2's); a form asked for that cannot be had raises.
     ``prefetch``: passed to every :func:`napkin_cat.lower` of the op (forward, backward parts, the
-    blocks of a split over the devices): ``False``, ``True`` (the next chunk into registers) or
-    ``"double"`` (two shared-memory buffers per chunked input); the executor paths have no chunks
-    to prefetch, so there it changes nothing but the kernels it would build."""
+    blocks of a split over the devices): ``False``, ``True`` (the next chunk into registers),
+    ``"double"`` (two shared-memory buffers per chunked input) or ``"auto"`` (the default:
+    ``"double"`` for each 16-bit kernel whose registers and shared memory allow it, else none;
+    fp32 kernels none); the executor paths have no chunks to prefetch, so there it changes
+    nothing but the kernels it would build."""
     if not isinstance(d, Diagram):
         raise TypingError(f"torch_op needs a Diagram, got {type(d).__name__}")
     check_form(backward, "torch_op")
-    if not (prefetch is False or prefetch is True or prefetch == "double"):
-        raise TypingError(f"torch_op: prefetch must be False, True or 'double', got {prefetch!r}")
+    if not (prefetch is False or prefetch is True or prefetch in ("double", "auto")):
+        raise TypingError(f"torch_op: prefetch must be False, True, 'double' or 'auto', got {prefetch!r}")
     if simulate not in (None, True, False):
         raise TypingError(f"torch_op: simulate must be None, True or False, got {simulate!r}")
     if tiles is not None and not isinstance(tiles, dict):
@@ -160,7 +162,7 @@ class TorchOp:
     (a refused lowering, a copy to the host), each said once."""
 
     def __init__(self, d: Diagram, tiles: dict, threads, simulate, verify, backward: str | None = None, *,
-                 prefetch: bool | str = False):
+                 prefetch: bool | str = "auto"):
         self.diagram = d
         self.tiles, self.threads, self.simulate, self.verify = tiles, threads, simulate, verify
         self.prefetch = prefetch
