@@ -58,7 +58,7 @@ L = nc.library
 SAFE_UNARY = ("neg", "abs", "relu", "gelu", "silu", "sigmoid", "tanh", "scale", "shift", "square")
 THREADS = (16, 32, 48, 64)
 MICRO = (None, (1, 1), (2, 2), (1, 4), (4, 1), (3, 2))
-PREFETCH = (False, True, "double")
+PREFETCH = (False, True, "double", "auto")
 REGIME_NAMES = ("normal", "jumps", "huge_one_sign", "repeated", "huge")
 
 

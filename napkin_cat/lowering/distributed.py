@@ -92,7 +92,7 @@ from ..relabel.devices import CHUNKS, block_view, layout_of, mask_key, pieces
 from ..relabel.loopnest import final_form
 from ..relabel.rules import device_splits
 from .distributed_backward import SplitBackward, SplitFunction, cut_to
-from .torch_dtypes import HALF_DTYPES, KERNEL_DTYPE, REFERENCE_DTYPE, _host, _launch, state_dtype
+from .torch_dtypes import HALF_DTYPES, KERNEL_DTYPE, REFERENCE_DTYPE, _host, _launch, kernel_path, state_dtype
 
 FOLDS = {"online_softmax": "online_softmax", "sum_contract": "sum"}
 KERNEL_DTYPES = (KERNEL_DTYPE, *HALF_DTYPES)                  # shards the generated kernels take
@@ -350,20 +350,6 @@ class DistributedOp:
         from .backward_forms import at_dtype
         return at_dtype(local, DTYPES[HALF_DTYPES[dtype]], {a.name: DTYPES["f32"] for a in local.cod})
 
-    def _kernel_path(self, first: torch.Tensor) -> str:
-        """``gpu`` (CUDA tensors of a kernel dtype), ``simulator`` (CPU tensors of a kernel dtype
-        while numba.cuda is its simulator, unless ``simulate=False``) or ``executor``."""
-        from .devices import simulator_active
-        sim = simulator_active()
-        if self.simulate is True and not sim:
-            raise LoweringError(f"{self!r}: simulate=True, but numba.cuda is not its simulator in this "
-                                f"process (set NUMBA_ENABLE_CUDASIM=1 before numba.cuda is first imported)")
-        if first.dtype not in KERNEL_DTYPES:
-            return "executor"
-        if first.device.type == "cuda":
-            return "executor" if sim else "gpu"
-        return "simulator" if first.device.type == "cpu" and sim and self.simulate is not False else "executor"
-
     def _schedule(self, local: Diagram, key: tuple, sizes: dict) -> Diagram:
         """The executor's relabelings of a block's diagram: those chosen once for the device's
         diagram at these sizes (a block's variant differs only in its masks' offsets), applied
@@ -458,7 +444,7 @@ class DistributedOp:
         totals = {a: n * world if a in split else n for a, n in sizes.items()}
         rows = self._pieces(0, totals, world, rank)
         self.last_blocks = {}
-        self._path = self._kernel_path(shards[0])
+        self._path = kernel_path(self, shards[0].dtype, shards[0].device, self.simulate)
         with torch.no_grad():
             states = [None] * len(rows)
             if plan.kind == "ring":

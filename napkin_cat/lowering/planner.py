@@ -118,15 +118,14 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     targets, copies = register_copies(ff, st, cls, targets, absorbed, fused, frag_ops) if REGISTER_COPIES \
         else (targets, {})
     if prefetch == "auto":
-        prefetch = auto_prefetch(ff, ax, targets, accs, threads, set(copies) | set(frag_ops), threads_.dtype)
+        prefetch = auto_prefetch(ff, ax, targets, accs, threads, copies, threads_.dtype)
     sixteen = sixteen_bit_targets(ff, st, cls, targets, absorbed, accs, threads_.dtype)
     prefs = plan_layouts(ff, st, targets, absorbed, accs, ax, sixteen)
     buffers, accs = plan_buffers(ff, ax, st, targets, absorbed, accs, norm_stats, prefs, threads, prefetch,
                                  sixteen)
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
-    launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch,
-                         set(copies) | set(frag_ops))
+    launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch, copies)
     return KernelPlan(name, d, ff, threads, fastmath, prefetch,
                       CONTRACTION_UNROLL if unroll is None else int(unroll), frozen_map(ax), tuple(grid_loops),
                       tuple(inner), st, frozen_map(cls), frozen_map(targets), frozen_map(absorbed), tuple(accs),

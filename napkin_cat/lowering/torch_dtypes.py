@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ..core.diagram import Diagram
+from ..core.errors import LoweringError
 
 KERNEL_DTYPE = torch.float32       # what the generated kernels compute in
 REFERENCE_DTYPE = torch.float64    # the executor's reference path (gradcheck)
@@ -49,3 +50,20 @@ def _launch(kernel, tensors, d: Diagram) -> tuple[torch.Tensor, ...]:
         return _to_torch(kernel(*_host(tensors)), _out_dtypes(d, torch.float32), tensors[0].device)
     outs = kernel(*(t.detach() for t in tensors))
     return outs if isinstance(outs, tuple) else (outs,)
+
+
+def kernel_path(who, dtype: torch.dtype, device: torch.device, simulate: bool | None) -> str:
+    """Where tensors of ``dtype`` on ``device`` run: ``gpu`` (CUDA tensors of a kernel dtype),
+    ``simulator`` (CPU tensors of a kernel dtype while numba.cuda is its simulator, unless
+    ``simulate`` is False) or ``executor``; ``simulate=True`` without the simulator is refused,
+    naming ``who``."""
+    from .devices import simulator_active
+    sim = simulator_active()
+    if simulate is True and not sim:
+        raise LoweringError(f"{who!r}: simulate=True, but numba.cuda is not its simulator in this "
+                            f"process (set NUMBA_ENABLE_CUDASIM=1 before numba.cuda is first imported)")
+    if dtype != KERNEL_DTYPE and dtype not in HALF_DTYPES:
+        return "executor"
+    if device.type == "cuda":
+        return "executor" if sim else "gpu"
+    return "simulator" if device.type == "cpu" and sim and simulate is not False else "executor"

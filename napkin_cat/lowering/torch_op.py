@@ -92,7 +92,7 @@ from .backward_forms import (FORMS, BackwardChoice, BackwardPlan, at_dtype, back
 from .backward_parts import has_scatter, relabel_like, run_torch_part
 from .distributed import DistributedOp, device_plan
 from .torch_dtypes import (HALF_DTYPES, KERNEL_DTYPE, REFERENCE_DTYPE, TORCH_DTYPES, _host, _io_name, _launch,
-                           _out_dtypes, _to_torch)
+                           _out_dtypes, _to_torch, kernel_path)
 
 __all__ = ["torch_op", "TorchOp", "BackwardPlan", "backward_plan", "relabel_like", "FORMS"]
 
@@ -316,26 +316,17 @@ class TorchOp:
 
     # ---- forward
     def _forward_path(self, dtype: torch.dtype, device: torch.device) -> str:
-        from .devices import simulator_active
-        sim = simulator_active()
-        if self.simulate is True and not sim:
-            raise LoweringError(f"{self!r}: simulate=True, but numba.cuda is not its simulator in this "
-                                f"process (set NUMBA_ENABLE_CUDASIM=1 before numba.cuda is first imported)")
-        if dtype == REFERENCE_DTYPE:
-            if device.type == "cuda":
-                self._note("float64 CUDA tensors run the reference executor on the host (copied there and "
-                           "back); the kernels compute in float32")
-            return "executor"
-        if device.type == "cuda":
-            if sim:
-                self._note("CUDA tensors while numba.cuda is its simulator: the simulator cannot read them, "
-                           "so the executor ran on host copies")
-                return "executor"
-            return "gpu"
-        if device.type != "cpu":
+        """:func:`~.torch_dtypes.kernel_path`, with a note where the executor stands in."""
+        path = kernel_path(self, dtype, device, self.simulate)
+        if dtype == REFERENCE_DTYPE and device.type == "cuda":
+            self._note("float64 CUDA tensors run the reference executor on the host (copied there and "
+                       "back); the kernels compute in float32")
+        elif device.type == "cuda" and path == "executor":
+            self._note("CUDA tensors while numba.cuda is its simulator: the simulator cannot read them, "
+                       "so the executor ran on host copies")
+        elif device.type not in ("cpu", "cuda"):
             self._note(f"tensors on {device.type}: the executor ran on host copies")
-            return "executor"
-        return "simulator" if sim and self.simulate is not False else "executor"
+        return path
 
     def forward(self, sizes: tuple, tensors, plan: BackwardPlan | None = None) -> tuple[torch.Tensor, ...]:
         """The outputs of ``d``, then (with a residual ``plan``) the logsumexps its backward reads."""
