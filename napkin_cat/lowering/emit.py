@@ -26,6 +26,7 @@ from .emit_threads import GROUP_HELPERS, Phases
 from .plan import Buffer, KernelPlan, Target
 from .source import Constants, Names, Source, paren as _paren
 from .tensorcore import DTYPES, PRIMITIVES, SHARED_PRIMITIVES
+from .wgmma import core_index, primitive_names, uses_wgmma
 
 RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lane", "e", "i", "j",
             "u", "k", "ty", "tx", "acc", "val", "SIMULATOR", "SMEM_ALIGN", "WARP_SHUFFLE",
@@ -70,6 +71,7 @@ class Emitter(Loads, Phases):
         self.types, self.n_in, self.T = plan.types, plan.n_in, plan.threads
         self.st, self.cls, self.targets, self.accs = plan.structure, plan.cls, plan.targets, plan.accs
         self.fused_targets, self.norm_stats, self.unroll = plan.fused_targets, plan.norm_stats, plan.unroll
+        self.wgmma = uses_wgmma(plan)
         self.sizes = {a.name: a.size for a in self.dd.axes}
         self.names = Names(RESERVED | set(keyword.kwlist))
         self.consts = Constants(self.names)
@@ -123,6 +125,8 @@ class Emitter(Loads, Phases):
             return env["_lanes"]
         if not b.axes:
             return self.consts.u(0, "U0")
+        if b.core:
+            return core_index(env[b.axes[0]], env[b.axes[1]], b.ld, self._u)
         expr = env[b.axes[0]]
         for pos, a in enumerate(b.axes[1:], 1):
             mult = self.ax[a].cap_c
@@ -130,6 +134,16 @@ class Emitter(Loads, Phases):
                 mult = self.consts.u(b.ld, f"LD_{b.name}", comment=f"padded row of {b.name}")
             expr = f"{_paren(expr)} * {mult} + {env[a]}"
         return expr
+
+    def _u(self, n: int) -> str:
+        return self.consts.u(n, "U0") if n == 0 else self.consts.u(n)
+
+    def barrier(self, src: Source):
+        """A block barrier; in a kernel with warpgroup MMAs, shared memory written before it is
+        first made visible to the tensor cores' asynchronous proxy (:mod:`.wgmma`)."""
+        if self.wgmma:
+            src("fence_proxy_async()")
+        src("cuda.syncthreads()")
 
     def sread(self, key, env) -> str:
         """Buffer ``key`` at ``env`` as an fp32 value (16-bit patterns converted)."""
@@ -318,7 +332,7 @@ class Emitter(Loads, Phases):
         dt = DTYPES.get(self.plan.dtype)
         if dt is None:
             return []
-        names = (dt.mma, dt.pack, dt.to_f32, dt.from_f32, *SHARED_PRIMITIVES)
+        names = (dt.mma, dt.pack, dt.to_f32, dt.from_f32, *SHARED_PRIMITIVES, *primitive_names(self.plan))
         return ["from numba import int16", "",
                 f"from napkin_cat.lowering.tensorcore import {', '.join(names)}  # noqa: F401", "",
                 "ZERO16 = int16(0)", ""]
@@ -369,7 +383,7 @@ class Emitter(Loads, Phases):
             src("cp_async_wait_all()  # every cp.async copy issued above has landed")
             self.pending_async = False
         if self.pending_sync:
-            src("cuda.syncthreads()")
+            self.barrier(src)
             self.pending_sync = False
 
     def _emit_nodes(self, nodes, src: Source):

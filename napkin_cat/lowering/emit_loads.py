@@ -117,7 +117,7 @@ class Loads:
                 src("cp_async_wait1()  # this chunk's copies have landed; the next one's may not")
             with src.block("else:"):
                 src("cp_async_wait_all()")
-            src("cuda.syncthreads()")
+            self.barrier(src)
             self.pending_async = False    # earlier copies were committed with the first chunk's
             for b in bufs:
                 self.cur[b.key] = self.names.fresh(f"{b.name}_cur")
@@ -396,7 +396,14 @@ class Loads:
         with src.block(f"for u in range({k.u(-(-groups // self.T))}):"):
             src("e = tid + u * NTHREADS")
             with src.maybe(f"e < {k.u(groups)}" if groups % self.T else None):
-                self._decode(src, "e", (*names[:-1], "_g8"), env, caps={"_g8": k.u(last.cap // 8)})
+                if b.core:   # 8 consecutive threads fill one 8 x 8 block: 128 contiguous bytes
+                    self._decode(src, "e", ("_p8", "_g8", "_r8"), env,
+                                 caps={"_p8": k.u(-(-caps[0] // 8)), "_g8": k.u(last.cap // 8), "_r8": k.u(8)})
+                    row = self.names.fresh(self.ax[names[0]].index)
+                    src(f"{row} = {env['_p8']} * {k.u(8)} + {env['_r8']}")
+                    env[names[0]] = row
+                else:
+                    self._decode(src, "e", (*names[:-1], "_g8"), env, caps={"_g8": k.u(last.cap // 8)})
                 col = self.names.fresh(last.index)
                 src(f"{col} = {env['_g8']} * {k.u(8)}")
                 env[names[-1]] = col

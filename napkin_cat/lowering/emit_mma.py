@@ -25,9 +25,11 @@ The primitives (and their simulated twins, which check this indexing in CI) are 
 
 from __future__ import annotations
 
+from ..core.errors import LoweringError
 from .plan import Frag
 from .source import Source
 from .tensorcore import DTYPES
+from .wgmma import emit_wgmma
 
 UNROLL_LIMIT = 256
 """At most this many mma calls are written out per contraction (all its 16-wide steps unrolled
@@ -86,9 +88,13 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
     kv = em.ax[kax]
     steps = kv.cap // 16
     unrolled = steps * m.MT * m.NT <= UNROLL_LIMIT or A.frag is not None or B.frag is not None
-    src.comment(f"{acc} += {' . '.join(sorted(f'({chr(32).join(sorted(o.axes))})' for o in (A, B)))} "
-                f"on tensor cores: {steps} step(s) of 16 along {kax}, {m.MT}x{m.NT} mma.sync.m16n8k16 "
-                f"({m.dtype}) per warp and step")
+    if m.wg and B.buffer is None:
+        raise LoweringError(f"internal: a warpgroup MMA over ({m.row}, {m.col}) without its column "
+                            f"operand's 16-bit buffer")
+    if not m.wg:
+        src.comment(f"{acc} += {' . '.join(sorted(f'({chr(32).join(sorted(o.axes))})' for o in (A, B)))} "
+                    f"on tensor cores: {steps} step(s) of 16 along {kax}, {m.MT}x{m.NT} mma.sync.m16n8k16 "
+                    f"({m.dtype}) per warp and step")
     kb0 = em.names.fresh("kq")
     src(f"{kb0} = tx % {k.u(4)} * {k.u(2)}  # this lane's pair of columns in a 16-wide step")
     rows = [frag_rows(em, m, str(i)) for i in range(m.RY)]
@@ -111,11 +117,13 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
         c1 = str(int(c0) + 1) if c0.isdigit() else f"{c0} + 1"
         return f"{dt.pack}({o.frag}[{i}, {c0}], {o.frag}[{i}, {c1}])"
 
-    ldsm = LdMatrix(em, m, kax, src) if A.buffer is not None or B.buffer is not None else None
+    ldsm = LdMatrix(em, m, kax, src) if A.buffer is not None or (B.buffer is not None and not m.wg) else None
     if ldsm is not None:
-        ldsm.lane_bases((A.buffer, "a"), (B.buffer, "b"))
+        ldsm.lane_bases((A.buffer, "a"), (B.buffer if not m.wg else None, "b"))
 
-    def step(ks: str, literal: bool):
+    def a_regs(ks: str, literal: bool) -> tuple[dict, str, str]:
+        """This warp's A fragments of step ``ks`` (names by (row tile, register)), the lane's
+        first column of the step and the step's offset along k."""
         kb = em.names.fresh("kb")
         src(f"{kb} = {kb0} + {k.u(16 * int(ks))}" if literal else f"{kb} = {kb0} + {ks} * {k.u(16)}")
         k16 = k.u(16 * int(ks)) if literal else f"{ks} * {k.u(16)}"
@@ -135,6 +143,14 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
                     kexpr = f"{kb} + {k.u(kh)}" if kh else kb
                     src(f"{name} = {pair(A, m.row, rows[2 * mt + h], kexpr)}")
                 a[mt, reg] = name
+        return a, kb, k16
+
+    if m.wg:   # warpgroups read B from its buffer by descriptor (.wgmma)
+        emit_wgmma(em, m, acc, B, kax, steps, lambda ks: a_regs(str(ks), True)[0], src)
+        return
+
+    def step(ks: str, literal: bool):
+        a, kb, k16 = a_regs(ks, literal)
         for nt in range(m.NT):
             col = f"{bbase} + {k.u(8 * nt)}" if nt else bbase
             b = []

@@ -81,14 +81,20 @@ class Buffer:
     name: str = ""               # its identifier, chosen by the renderer
     bits: int = 32               # 32: fp32 values; 16: 16-bit patterns (an f16 / bf16 input, or an
                                  # intermediate read only by tensor cores: .sixteen_bit)
+    core: bool = False           # the 8 x 8 "core matrix" layout a wgmma descriptor reads (.wgmma)
 
     @property
     def ld(self) -> int:
-        """Elements between consecutive indices of the second-to-last axis."""
+        """Elements between consecutive indices of the second-to-last axis (a core-matrix
+        buffer: the last axis rounded up to 8, its rows' extent in every panel of 8 rows)."""
+        if self.core:
+            return -(-self.caps[-1] // 8) * 8
         return self.caps[-1] + self.pad if self.caps else 1
 
     @property
     def elems(self) -> int:
+        if self.core:   # panels of 8 rows, the last one whole
+            return -(-self.caps[0] // 8) * 8 * self.ld
         return max(1, math.prod(self.caps[:-1]) * self.ld) if self.caps else 1
 
     @property
@@ -160,6 +166,8 @@ class Frag(Micro):
     Wm: int = 1
     Wn: int = 1
     dtype: str = "f16"
+    wg: bool = False    # multiplied by warpgroups (wgmma.m64nNk16, the column operand read by
+                        # descriptor from a core-matrix buffer: .wgmma), not mma.sync
 
     @property
     def MT(self) -> int:
@@ -170,6 +178,12 @@ class Frag(Micro):
         return self.RX // 2
 
     def describe(self) -> str:
+        if self.wg:
+            return (f"tensor-core fragments over ({self.row}, {self.col}): {self.Wm}x{self.Wn} warps in "
+                    f"{self.Wm // 4} warpgroup(s), each warp {16 * self.MT}x{8 * self.NT}: {self.MT} "
+                    f"wgmma.m64n{8 * self.NT}k16 per warpgroup and step ({self.dtype} in, A from registers, "
+                    f"B from shared memory, fp32 accumulators; requires {self.row} % {16 * self.Wm}, "
+                    f"reduced extent % 16)")
         return (f"tensor-core fragments over ({self.row}, {self.col}): {self.Wm}x{self.Wn} warps, "
                 f"each {16 * self.MT}x{8 * self.NT} = {self.MT}x{self.NT} mma.sync.m16n8k16 tiles "
                 f"({self.dtype} in, fp32 accumulators; requires {self.row} % {16 * self.Wm}, "

@@ -43,6 +43,7 @@ from .register_copies import register_copies
 from .reindex import check_axes as check_reindexed_axes, remaps
 from .sixteen_bit import sixteen_bit_buffer, sixteen_bit_targets
 from .threads import Threads, _check_micro
+from .wgmma import assign_offsets, plan_wgmma, wgmma_capable
 from .plan import (AccPlan, AxisPlan, Buffer, Coop, Frag, KernelPlan, LaunchPlan, Micro, Rows,
                    Structure, Target, acc_reduced_axes, axes_set, caps, frozen_map, kernel_dtype, load_plan,
                    reduced_axes, storage, var_cls)
@@ -87,6 +88,10 @@ spilled 276 bytes with the second buffers and ran 2x slower, while the forward a
 ran 3-22% faster with them (kernels/BENCHMARKS.md)."""
 
 ENGINE = "cuda_core"
+
+WGMMA = True
+"""Multiply 16-bit contractions by warpgroups (``wgmma``, :mod:`.wgmma`) where their fragments and
+column buffers allow, on compute capability 9.0 or later (the simulator plans for an H100)."""
 """The engine contractions are planned on (see :data:`.plan.ENGINES`)."""
 
 
@@ -123,6 +128,8 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     prefs = plan_layouts(ff, st, targets, absorbed, accs, ax, sixteen)
     buffers, accs = plan_buffers(ff, ax, st, targets, absorbed, accs, norm_stats, prefs, threads, prefetch,
                                  sixteen)
+    targets, accs, buffers = plan_wgmma(ff, ax, st, targets, accs, buffers, threads, len(ff.diagram.dom),
+                                        absorbed, WGMMA and wgmma_capable())
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
     launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch, copies)
@@ -502,11 +509,7 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
     if norm_stats or any(p.stat is not None for p in accs) or any(
             isinstance(t.mapping, Coop) for t in targets.values()):
         bufs[("red",)] = Buffer(("red",), "red_s", ("_lanes",), (T,), "reduction scratch")
-    off = 0
-    for key, b in bufs.items():
-        bufs[key] = replace(b, offset=off)
-        off += -(-b.size // 4) * 4   # 16-byte aligned offsets
-    return bufs, accs
+    return assign_offsets(bufs), accs
 
 
 # --------------------------------------------------------------------------- 8. launch

@@ -220,8 +220,30 @@ def primitives() -> dict:
     return _CACHE[sim]
 
 
+_WG_CACHE: dict[tuple[bool, str], object] = {}
+
+
+def wgmma_primitive(name: str):
+    """A warpgroup primitive (:mod:`.wgmma`) for this process's numba.cuda, or None."""
+    from .devices import simulator_active
+    from .wgmma import FIXED, NAME, sim_primitive
+    if name not in FIXED and NAME.match(name) is None:
+        return None
+    sim = simulator_active()
+    if (sim, name) not in _WG_CACHE:
+        if sim:
+            _WG_CACHE[sim, name] = sim_primitive(name)
+        else:
+            from .tensorcore_gpu import wgmma_primitive as gpu
+            _WG_CACHE[sim, name] = gpu(name)
+    return _WG_CACHE[sim, name]
+
+
 def __getattr__(name: str):
     # generated kernels import the primitives by name: ``from ...tensorcore import mma_f16``
     if name in PRIMITIVES:
         return primitives()[name]
+    fn = wgmma_primitive(name) if not name.startswith("__") else None
+    if fn is not None:
+        return fn
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

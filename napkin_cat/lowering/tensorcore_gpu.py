@@ -28,6 +28,7 @@ SIGNATURES = {
     "ldsm_x2": "UniTuple(uint32, 2)(uint32)", "ldsm_x2_t": "UniTuple(uint32, 2)(uint32)",
     "pin": "uint32(uint32)", "cp_async16": "int32(uint32, uint64, int32)", "cp_async_wait_all": "int32()",
     "cp_async_commit": "int32()", "cp_async_wait1": "int32()",
+    "wgmma_fence": "int32()", "wgmma_commit": "int32()", "fence_proxy_async": "int32()",
 }
 """The linked functions of ``tensorcore.cu`` (``nc_`` + name) and their numba signatures; the
 ``ldsm_*`` and ``cp_async16`` that kernels call wrap them (:mod:`.tensorcore_gpu`)."""
@@ -105,3 +106,57 @@ def cp_async16(smem16, soff, src16, goff, valid):
         return _cp16(shared_addr(smem16) + uint32(soff) * uint32(2), addr_of(src16) + goff * 2, 16)
     return _cp16(shared_addr(smem16) + uint32(soff) * uint32(2), addr_of(src16), 0)
 
+
+
+_WGMMA_WRAPPER = """
+@cuda.jit(device=True, inline=True)
+def wgmma(smem16, off, lbo, sbo, trans, a0, a1, a2, a3, acc):
+    addr = uint64(shared_addr(smem16) + uint32(off) * uint32(2))
+    desc = (((addr & uint64(0x3FFFF)) >> uint64(4)) | (uint64(lbo >> uint32(4)) << uint64(16))
+            | (uint64(sbo >> uint32(4)) << uint64(32)))
+    return linked(a0, a1, a2, a3, desc, int32(trans), acc)
+"""
+_WG: dict[str, object] = {}
+
+
+def _wgmma_file(n: int) -> str:
+    """The generated PTX wrappers of width ``n`` (:func:`.wgmma.cu_source`), written once."""
+    import hashlib
+    import tempfile
+    from .wgmma import cu_source
+    text = cu_source(n)
+    folder = os.path.join(tempfile.gettempdir(), "napkin_cat_wgmma")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"wgmma_n{n}_{hashlib.sha1(text.encode()).hexdigest()[:12]}.cu")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    return path
+
+
+def wgmma_primitive(name: str):
+    """The device function behind warpgroup primitive ``name`` (:mod:`.wgmma`), made once."""
+    from numba import int32, uint64
+    from .wgmma import FIXED, NAME
+    if name in _WG:
+        return _WG[name]
+    if name in FIXED:
+        _WG[name] = _linked[name]
+        return _WG[name]
+    hit = NAME.match(name)
+    if hit is None:
+        raise AttributeError(name)
+    n = int(hit.group(2) or hit.group(3))
+    acc = f"UniTuple(float32, {n // 2})"
+    if hit.group(3):
+        _WG[name] = cuda.declare_device(f"nc_wgmma_wait_n{n}", f"{acc}({acc})", link=_wgmma_file(n))
+        return _WG[name]
+    linked = cuda.declare_device(f"nc_wgmma_{hit.group(1)}_n{n}",
+                                 f"{acc}(uint32, uint32, uint32, uint32, uint64, int32, {acc})", link=_wgmma_file(n))
+    ns = {"cuda": cuda, "uint32": uint32, "uint64": uint64, "int32": int32, "shared_addr": shared_addr,
+          "linked": linked}
+    exec(compile(_WGMMA_WRAPPER, f"<wgmma {name}>", "exec"), ns)
+    _WG[name] = ns["wgmma"]
+    return _WG[name]
