@@ -28,6 +28,7 @@ derandomised; ``HYPOTHESIS_PROFILE=dev`` runs ten times as many, at random.
 from __future__ import annotations
 
 import os
+import contextlib
 import re
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
@@ -159,6 +160,15 @@ def tensor_core_family(draw):
     """fp16 / bf16 attention and matmul relabelled onto whole m16n8k16 fragments (tiles and
     chunks of 16 or 32, d = 16), ragged sizes: the tensor-core engine (simulated fragments)."""
     dt = draw(st.sampled_from((nc.f16, nc.bf16)))
+    if draw(st.sampled_from((False, False, True)), label="warpgroups"):
+        # lowered with planner.WGMMA on 4 warps (fuzz_one): row tiles of 64, one warpgroup
+        causal = draw(st.booleans())
+        weave = draw(st.sampled_from(("none", "heads", "gqa")))
+        kw = dict(causal=causal, dtype=dt, dv=e if draw(st.booleans()) else None)
+        kw.update({"heads": dict(heads=h), "gqa": dict(groups=g, heads=h)}.get(weave, {}))
+        steps = (("stream", "x", draw(st.sampled_from((16, 32)))), ("tile", "q", 64), ("place", "O", "registers"))
+        return (f"wg {dt.name} attention({weave}, causal={causal})", L.attention(q=q, x=x, d=d, **kw),
+                {"x": "stream", "q": "tile", "d": "size 16", "e": "size 32"}, steps)
     if draw(st.sampled_from(("attention", "attention", "matmul"))) == "attention":
         causal = draw(st.booleans())
         bias = draw(st.sampled_from((None, nc.alibi(0.5))))
@@ -189,7 +199,7 @@ EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, 
                      "score_chain": {"micro"}, "matmul": {"micro", "flat"}, "reduction": {"flat"},
                      "library": {"micro"},
                      "tensor_core": {"fragments", "mma-registers", "ldmatrix", "ldmatrix-trans", "cp.async",
-                                     "cp.async-pipeline", "packed-operand"}}
+                                     "cp.async-pipeline", "packed-operand", "wgmma"}}
 
 
 # --------------------------------------------------------------------------- one example
@@ -274,7 +284,7 @@ def _features(kernel) -> set[str]:
                          ("cp_async_wait1()", "cp.async-pipeline"), ("pack_f16(smem", "packed-operand"),
                          ("pack_f16((smem", "packed-operand"), ("pack_bf16(smem", "packed-operand"),
                          ("pack_bf16((smem", "packed-operand"), ("written out row by row", "fragment-rows"),
-                         ("C_PRESCALE_LOG2E", "prescale")):
+                         ("C_PRESCALE_LOG2E", "prescale"), ("wgmma_f16_n", "wgmma"), ("wgmma_bf16_n", "wgmma")):
         if marker in body or marker in "".join(kernel.mappings.values()):
             out.add(feat)
     # the generator's notes in the kernel's docstring: L = mu + log z of the online softmax;
@@ -292,6 +302,20 @@ def _features(kernel) -> set[str]:
     return out
 
 
+@contextlib.contextmanager
+def planner_switches(**values):
+    """Planner tunables (napkin_cat.lowering.planner) set for one lowering, then restored."""
+    from napkin_cat.lowering import planner
+    old = {k: getattr(planner, k) for k in values}
+    for k, v in values.items():
+        setattr(planner, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(planner, k, v)
+
+
 def fuzz_one(family: str, data, stats: Counter):
     label, base, steps, roles = data.draw(relabelled(family), label="diagram")
     try:
@@ -302,6 +326,8 @@ def fuzz_one(family: str, data, stats: Counter):
         assume(False)
     sizes = _sizes(data.draw, base, steps, roles)
     threads = {"fused_attention": (16, 32), "tensor_core": (32, 64)}.get(family, THREADS)
+    warpgroups = label.startswith("wg ")      # tensor_core_family's warpgroup cases
+    threads = (128,) if warpgroups else threads
     opts = {"threads": data.draw(st.sampled_from(threads), label="threads"),
             "micro": data.draw(st.sampled_from(MICRO if family in ("attention", "score_chain", "matmul",
                                                                   "reduction", "library") else (None,)),
@@ -312,7 +338,8 @@ def fuzz_one(family: str, data, stats: Counter):
     bound = rel.bind(sizes)
     note(f"{label}: {bound}  lower({opts})")
     try:
-        kernel = nc.lower(bound, verify=False, **opts)
+        with planner_switches(WGMMA=warpgroups):
+            kernel = nc.lower(bound, verify=False, **opts)
     except nc.LoweringError as err:
         stats["lowering refused"] += 1
         stats["refusal: " + str(err).split(":")[0][:60]] += 1

@@ -51,7 +51,7 @@ from napkin_cat.ops import Builder, merge_box, slice_box, split_box  # noqa: E40
 from napkin_cat.verify import kernelcheck  # noqa: E402
 from napkin_cat.verify.check import REGIMES  # noqa: E402
 from test_kernel_fuzz import (FUZZ_EXAMPLES, MICRO, PREFETCH, REGIME_NAMES, SETTINGS, THREADS,  # noqa: E402
-                              _features, _unary_chain)
+                              _features, _unary_chain, planner_switches)
 
 q, x, d, e, g, h, bb = nc.axes("q x d e g h bb")
 a, b, c, r, t, f = nc.axes("a b c r t f")
@@ -322,7 +322,9 @@ def sixteen_bit_family(draw):
     from napkin_cat.lowering.torch_op import backward_plan   # the parts torch_op runs
     dt = draw(st.sampled_from((nc.f16, nc.bf16)))
     options = {"threads": draw(st.sampled_from((32, 64)), label="threads")}
-    what = draw(st.sampled_from(("backward", "backward", "mlp", "document", "document")))
+    what = draw(st.sampled_from(("backward", "backward", "backward-wg", "mlp", "document", "document")))
+    if what == "backward-wg":   # 4 warps in one warpgroup: wgmma where the fragments allow (planner.WGMMA)
+        options = {"threads": 128, "wgmma": True}
     if what == "document":   # one warp: the scores and the output on the same fragment rows
         return _document_case(draw, dt, {"threads": 32})
     if what == "mlp":
@@ -339,8 +341,8 @@ def sixteen_bit_family(draw):
         part = backward_plan(fl, form="one kernel").at(dt).parts[-1]
     else:
         part = backward_plan(fl).at(dt).parts[which]
-    blocks = {n: draw(st.sampled_from((16, 32)), label=n) for n in ("g_x", "s_q", "g_q", "s_x")
-              if n in part._sched_str()}
+    blocks = {n: draw(st.sampled_from((64,) if what == "backward-wg" and n[0] == "g" else (16, 32)), label=n)
+              for n in ("g_x", "s_q", "g_q", "s_x") if n in part._sched_str()}
     sizes = {q: draw(st.integers(1, 24), label="q"), x: draw(st.integers(1, 24), label="x"), d: 16}
     fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True)
     label = f"{dt.name} attention backward ({', '.join(a.name for a in part.cod)}, causal={causal})"
@@ -378,7 +380,7 @@ FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
                      "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
                      "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient",
-                                     "register-copy", "frag-operand"}}
+                                     "register-copy", "frag-operand", "wgmma"}}
 
 
 def fuzz_case(family: str, data, stats: Counter):
@@ -392,8 +394,10 @@ def fuzz_case(family: str, data, stats: Counter):
     regime = data.draw(st.sampled_from(case.regimes), label="regime")
     seed = data.draw(st.integers(0, 2 ** 16), label="seed")
     note(f"{case.label}: {rel}  lower({case.options})")
+    options = dict(case.options)
     try:
-        kernel = nc.lower(rel, verify=False, **case.options)
+        with planner_switches(WGMMA=options.pop("wgmma", False)):
+            kernel = nc.lower(rel, verify=False, **options)
     except nc.LoweringError as err:
         stats["lowering refused"] += 1
         stats["refusal: " + str(err).split(":")[0][:60]] += 1

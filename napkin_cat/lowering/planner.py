@@ -43,7 +43,7 @@ from .register_copies import register_copies
 from .reindex import check_axes as check_reindexed_axes, remaps
 from .sixteen_bit import sixteen_bit_buffer, sixteen_bit_targets
 from .threads import Threads, _check_micro
-from .wgmma import assign_offsets, plan_wgmma, wgmma_capable
+from .wgmma_plan import assign_offsets, plan_wgmma, wgmma_capable
 from .plan import (AccPlan, AxisPlan, Buffer, Coop, Frag, KernelPlan, LaunchPlan, Micro, Rows,
                    Structure, Target, acc_reduced_axes, axes_set, caps, frozen_map, kernel_dtype, load_plan,
                    reduced_axes, storage, var_cls)
@@ -89,9 +89,11 @@ ran 3-22% faster with them (kernels/BENCHMARKS.md)."""
 
 ENGINE = "cuda_core"
 
-WGMMA = True
+WGMMA = False
 """Multiply 16-bit contractions by warpgroups (``wgmma``, :mod:`.wgmma`) where their fragments and
-column buffers allow, on compute capability 9.0 or later (the simulator plans for an H100)."""
+column buffers allow, on compute capability 9.0 or later (the simulator plans for an H100).  Off:
+measured on an H100 with each contraction waited for before its epilogue, 5-100% slower than
+``mma.sync`` (kernels/BENCHMARKS.md, "Warpgroup MMA")."""
 """The engine contractions are planned on (see :data:`.plan.ENGINES`)."""
 
 

@@ -201,6 +201,47 @@ def _sim_primitives() -> dict:
                 pin=lambda v: v, cp_async16=cp_async16, cp_async_wait_all=done, cp_async_commit=done, cp_async_wait1=done)
 
 
+def sim_wgmma(values, n: int, smem16, off, lbo, sbo, trans, a0, a1, a2, a3, acc):
+    """One lane's part of a warpgroup MMA: the warp's A fragments are exchanged (the rows of A
+    this warp owns), B is read from ``smem16`` as the descriptor describes, and the lane's
+    accumulators of ``D = A B + C`` are returned in the ``mma.sync`` C order per 8-column tile."""
+    ctx = _context()
+    warp, lane = divmod(int(ctx.threadIdx.x), 32)
+    exchange = ctx.shared.array((32, 32, 4), np.uint32)
+    exchange[warp, lane] = (a0, a1, a2, a3)
+    ctx.syncthreads()
+    words = np.array(exchange[warp], dtype=np.uint32)
+    ctx.syncthreads()
+    A = values(words.view(np.uint16).reshape(32, 8))[_A_LANE, _A_HALF]       # 16 x 16
+    k = np.arange(16)[:, None]
+    c = np.arange(n)[None, :]
+    inner = (k % 8) * 16 + (c % 8) * 2 if int(trans) else (c % 8) * 16 + (k % 8) * 2
+    byte = 2 * int(off) + (c // 8) * int(sbo) + (k // 8) * int(lbo) + inner
+    B = values(np.asarray(smem16)[byte // 2].astype(np.int16).view(np.uint16))  # 16 x n
+    D = A @ B
+    g, t = divmod(lane, 4)
+    out = []
+    for nt in range(n // 8):
+        col = 8 * nt + 2 * t
+        out += [D[g, col], D[g, col + 1], D[g + 8, col], D[g + 8, col + 1]]
+    return tuple(np.float32(float(x) + float(y)) for x, y in zip(acc, out))
+
+
+def sim_wgmma_primitive(name: str):
+    """The simulated twin of warpgroup primitive ``name`` (None: not one)."""
+    from .wgmma import FIXED, NAME
+    if name in FIXED:
+        return lambda: 0
+    hit = NAME.match(name)
+    if hit is None:
+        return None
+    if hit.group(3):
+        return lambda acc: tuple(acc)
+    values = _f16_values if hit.group(1) == "f16" else _bf16_values
+    n = int(hit.group(2))
+    return lambda *args: sim_wgmma(values, n, *args)
+
+
 # --------------------------------------------------------------------------- the GPU's
 
 def _gpu_primitives() -> dict:
@@ -226,13 +267,13 @@ _WG_CACHE: dict[tuple[bool, str], object] = {}
 def wgmma_primitive(name: str):
     """A warpgroup primitive (:mod:`.wgmma`) for this process's numba.cuda, or None."""
     from .devices import simulator_active
-    from .wgmma import FIXED, NAME, sim_primitive
+    from .wgmma import FIXED, NAME
     if name not in FIXED and NAME.match(name) is None:
         return None
     sim = simulator_active()
     if (sim, name) not in _WG_CACHE:
         if sim:
-            _WG_CACHE[sim, name] = sim_primitive(name)
+            _WG_CACHE[sim, name] = sim_wgmma_primitive(name)
         else:
             from .tensorcore_gpu import wgmma_primitive as gpu
             _WG_CACHE[sim, name] = gpu(name)

@@ -29,22 +29,24 @@ cores' asynchronous proxy needs ``fence.proxy.async`` in each writing thread bef
 ``wgmma_commit`` closes the group and ``wgmma_wait_n*`` waits for it, passing the accumulators
 through, so nothing reads them early.
 
-On a GPU the primitives are inline PTX generated per ``N`` (:func:`cu_source`, linked by
-:mod:`.tensorcore_gpu`); under the simulator they are Python (:func:`sim_primitive`) that read
-the descriptor's layout as the hardware does, so a wrong stride or orientation fails in CI.
+Which contractions move is planned by :mod:`.wgmma_plan`.  On a GPU the primitives are inline
+PTX generated per ``N`` (:func:`cu_source`, linked by :mod:`.tensorcore_gpu`); under the
+simulator they are Python (:func:`.tensorcore.sim_wgmma`) that read the descriptor's layout as
+the hardware does, so a wrong stride or orientation fails in CI.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
-import numpy as np
-
-from .plan import Frag, Structure, acc_reduced_axes, axes_set, reduced_axes, storage
+from .plan import Frag
 
 MAX_N = 256
 """The widest ``wgmma`` (columns of B per instruction)."""
+
+PRELOAD_A = False
+"""Form every step's A fragments before the first ``wgmma`` of a contraction (one register fence
+for all; more registers live), instead of each step's just before its ``wgmma``."""
 
 MIN_CC = (9, 0)
 """Compute capability with ``wgmma`` (sm_90a: H100, H200)."""
@@ -54,111 +56,7 @@ FIXED = ("wgmma_fence", "wgmma_commit", "fence_proxy_async")
 """The primitives every kernel with a warpgroup MMA imports, beside its ``wgmma_*_n{N}``."""
 
 
-# --------------------------------------------------------------------------- planning
-
-def _contractions(ff, st: Structure, targets, accs):
-    """``(place, mapping, operand vars, reduced axes)`` of every tensor-core contraction; ``place``
-    says where the mapping lives: ``("t", var)``, ``("main", i)`` or ``("fused", i)``."""
-    from .emit_acc import ACC_CODEGEN   # (emit_acc reaches this module through emit_mma)
-    dd = ff.diagram
-    fused_targets = {p.fused.target for p in accs if p.fused is not None}
-    for v, t in targets.items():
-        if t.engine == "mma" and isinstance(t.mapping, Frag) and t.source is not None \
-                and t.source not in st.acc_of_var and v not in fused_targets:
-            k = st.eqn_of[t.source]
-            yield ("t", v), t.mapping, dd.eqns[k].ins, reduced_axes(dd.eqns[k].box)
-    for p in accs:
-        if p.engine != "mma" or not ACC_CODEGEN[p.acc.rule].contraction:
-            continue
-        ins = dd.eqns[p.acc.eqn].ins
-        if p.fused is not None and isinstance(p.fused.ms, Frag):
-            k = st.eqn_of[p.fused.source]
-            yield ("fused", p.index), p.fused.ms, dd.eqns[k].ins, reduced_axes(dd.eqns[k].box)
-        if isinstance(p.main, Frag):
-            ops = ins[1:] if p.stat is not None else ins
-            yield ("main", p.index), p.main, ops, acc_reduced_axes(p.acc)
-
-
-def column_buffer(ff, ax, m: Frag, ins, red, bufs, n_in, targets, absorbed):
-    """The key of the 16-bit buffer a warpgroup MMA on ``m`` reads its column operand from, or
-    the reason it cannot (a string)."""
-    types = ff.diagram.var_types()
-    kax = [a for a in red if ax[a].cap > 1]
-    if len(kax) != 1:
-        return f"{len(kax)} reduced axes of extent > 1"
-    (kax,) = kax
-    cols = [v for v in ins if m.col in axes_set(types[v], ax) and m.row not in axes_set(types[v], ax)]
-    if len(cols) != 1:
-        return "no single column operand"
-    v = cols[0]
-    key = ("var", v)
-    b = bufs.get(key)
-    if storage(v, n_in, targets, absorbed) not in ("load", "smem") or b is None or b.bits != 16:
-        return "its column operand is not a 16-bit shared buffer"
-    if set(b.axes) != {m.col, kax} or len(b.axes) != 2 or b.copies not in (1, 2):
-        return f"its column operand's buffer has axes {b.axes}, not ({m.col}, {kax})"
-    if ax[kax].cap % 16 or ax[m.col].cap % 8 or -(-ax[m.col].cap // 8) != m.NT:
-        return f"{kax} % 16 or {m.col} % 8 or the warp's {8 * m.NT} columns"
-    return key
-
-
-def wgmma_capable() -> bool:
-    """Whether the GPU kernels are built for (the current one; without one, the H100 of
-    :data:`~.devices.H100_DEFAULTS`) has warpgroup MMAs."""
-    import sys
-    from .devices import H100_DEFAULTS, device_limits
-    lim = device_limits() if "numba.cuda" in sys.modules else H100_DEFAULTS
-    return tuple(lim.compute_capability) >= MIN_CC
-
-
-def mapping_ok(m: Frag, T: int) -> str | None:
-    """Why fragments ``m`` cannot be multiplied by warpgroups on ``T`` threads (None: they can)."""
-    if m.Wn != 1 or m.Wm % 4 or 32 * m.Wm * m.Wn != T:
-        return f"{m.Wm}x{m.Wn} warps on {T} threads (needs whole warpgroups of warps holding every column)"
-    if 8 * m.NT > MAX_N:
-        return f"{8 * m.NT} columns per warp (at most {MAX_N})"
-    return None
-
-
-def plan_wgmma(ff, ax, st: Structure, targets, accs, bufs, T: int, n_in: int, absorbed, enabled: bool):
-    """(targets, accs, buffers): contractions whose fragments and column buffer allow it move to
-    warpgroup MMAs (``Frag.wg``) and their column buffers to the core-matrix layout (offsets
-    reassigned).  A mapping shared by several contractions moves only if each of them can."""
-    if not enabled:
-        return targets, accs, bufs
-    found = list(_contractions(ff, st, targets, accs))
-    ok: dict[Frag, bool] = {}
-    cores = set()
-    for _, m, ins, red in found:
-        key = column_buffer(ff, ax, m, ins, red, bufs, n_in, targets, absorbed) \
-            if mapping_ok(m, T) is None else None
-        ok[m] = ok.get(m, True) and isinstance(key, tuple)
-        if isinstance(key, tuple):
-            cores.add((m, key))
-    if not any(ok.values()):
-        return targets, accs, bufs
-    wg = {m: replace(m, wg=True) for m, good in ok.items() if good}
-    targets = {v: (replace(t, mapping=wg[t.mapping]) if t.mapping in wg else t) for v, t in targets.items()}
-    accs = [replace(p, main=wg.get(p.main, p.main),
-                    fused=(replace(p.fused, ms=wg[p.fused.ms]) if p.fused is not None and p.fused.ms in wg
-                           else p.fused)) for p in accs]
-    bufs = dict(bufs)
-    for m, key in cores:
-        if m in wg and not bufs[key].core:
-            b = bufs[key]
-            what = re.sub(r", rows padded by \d+\)", ")", b.what) + " (core matrices for wgmma)"
-            bufs[key] = replace(b, core=True, pad=0, what=what)
-    return targets, accs, assign_offsets(bufs)
-
-
-def assign_offsets(bufs: dict) -> dict:
-    """Each buffer at a 16-byte aligned word offset, in order."""
-    off, out = 0, {}
-    for key, b in bufs.items():
-        out[key] = replace(b, offset=off)
-        off += -(-b.size // 4) * 4
-    return out
-
+# --------------------------------------------------------------------------- what a plan uses
 
 def uses_wgmma(plan) -> bool:
     return any(isinstance(m, Frag) and m.wg for m in _mappings(plan))
@@ -223,9 +121,10 @@ def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src) -> N
                                                     f"{acc}[{2 * mt + 1}, {2 * nt}]", f"{acc}[{2 * mt + 1}, {2 * nt + 1}]")]
         tuples.append((t, elems))
         src(f"{t} = {' + '.join('(' + ', '.join(elems[i:i + 16]) + ',)' for i in range(0, len(elems), 16))}")
+    pre = [a_regs(ks) for ks in range(steps)] if PRELOAD_A else None
     src("wgmma_fence()")
     for ks in range(steps):
-        a = a_regs(ks)
+        a = pre[ks] if pre else a_regs(ks)
         off = f"{base} + {k.u(ks * step)}" if ks else base
         for mt, (t, _) in enumerate(tuples):
             regs = ", ".join(a[mt, r] for r in range(4))
@@ -267,53 +166,3 @@ def cu_source(n: int) -> str:
         f'  asm volatile("wgmma.wait_group.sync.aligned 0;\\n" : {outs} :: "memory");\n'
         f'  *ret = o;\n  return 0;\n}}')
     return "\n\n".join(text) + "\n"
-
-
-# --------------------------------------------------------------------------- the simulator's twins
-
-def _lane():
-    from .tensorcore import _context
-    ctx = _context()
-    tid = int(ctx.threadIdx.x)
-    return ctx, tid // 32, tid % 32
-
-
-def sim_wgmma(values, n: int, smem16, off, lbo, sbo, trans, a0, a1, a2, a3, acc):
-    """One lane's part of a warpgroup MMA: the warp's A fragments are exchanged (the rows of A
-    this warp owns), B is read from ``smem16`` as the descriptor describes, and the lane's
-    accumulators of ``D = A B + C`` are returned in the ``mma.sync`` C order per 8-column tile."""
-    from .tensorcore import _A_HALF, _A_LANE
-    ctx, warp, lane = _lane()
-    exchange = ctx.shared.array((32, 32, 4), np.uint32)
-    exchange[warp, lane] = (a0, a1, a2, a3)
-    ctx.syncthreads()
-    words = np.array(exchange[warp], dtype=np.uint32)
-    ctx.syncthreads()
-    A = values(words.view(np.uint16).reshape(32, 8))[_A_LANE, _A_HALF]       # 16 x 16
-    k = np.arange(16)[:, None]
-    c = np.arange(n)[None, :]
-    inner = (k % 8) * 16 + (c % 8) * 2 if int(trans) else (c % 8) * 16 + (k % 8) * 2
-    byte = 2 * int(off) + (c // 8) * int(sbo) + (k // 8) * int(lbo) + inner
-    B = values(np.asarray(smem16)[byte // 2].astype(np.int16).view(np.uint16))  # 16 x n
-    D = A @ B
-    g, t = divmod(lane, 4)
-    out = []
-    for nt in range(n // 8):
-        col = 8 * nt + 2 * t
-        out += [D[g, col], D[g, col + 1], D[g + 8, col], D[g + 8, col + 1]]
-    return tuple(np.float32(float(x) + float(y)) for x, y in zip(acc, out))
-
-
-def sim_primitive(name: str):
-    """The simulated twin of warpgroup primitive ``name`` (None: not one)."""
-    from .tensorcore import _bf16_values, _f16_values
-    if name in FIXED:
-        return lambda: 0
-    hit = NAME.match(name)
-    if hit is None:
-        return None
-    if hit.group(3):
-        return lambda acc: tuple(acc)
-    values = _f16_values if hit.group(1) == "f16" else _bf16_values
-    n = int(hit.group(2))
-    return lambda *args: sim_wgmma(values, n, *args)

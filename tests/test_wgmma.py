@@ -1,0 +1,172 @@
+"""Warpgroup MMAs (lowering/wgmma.py): ``wgmma.mma_async.m64nNk16`` with B read by descriptor from a
+core-matrix shared buffer, A from the ``mma.sync`` A-fragment registers.
+
+Checked here: the core-matrix index is a bijection onto the buffer that keeps 8-element rows
+contiguous and adds tile offsets linearly (``ldmatrix`` and ``cp.async`` address it like any
+buffer); the planner moves exactly the contractions whose warps hold every column in whole
+warpgroups, says why it leaves the others; kernels on warpgroups (forward, both backward kernels,
+f16 / bf16, causal, ragged sizes, huge logits) against the oracle in the simulator, whose twin
+reads the descriptor as the H100 did in ``kernels/probes/wgmma_probe.py``; a planted wrong
+descriptor (the two byte offsets swapped) that the check catches; and the generated PTX
+wrappers compile for sm_90a where NVRTC is installed.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat.lowering import planner, wgmma, wgmma_plan  # noqa: E402
+from napkin_cat.lowering.plan import Frag  # noqa: E402
+from napkin_cat.verify import kernelcheck  # noqa: E402
+
+L = nc.library
+q, x, d, h = nc.axes("q x d h")
+
+
+@pytest.fixture
+def warpgroups(monkeypatch):
+    monkeypatch.setattr(planner, "WGMMA", True)
+
+
+def _index(S: int, F: int):
+    expr = wgmma.core_index("s", "f", F, str)
+    return lambda s, f: eval(expr, {"s": s, "f": f})
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 6), st.integers(0, 5), st.integers(0, 5))
+def test_core_index_is_a_bijection_with_contiguous_rows_and_linear_tiles(ps, pf, a, b):
+    S, F = 8 * ps, 8 * pf
+    idx = _index(S, F)
+    seen = np.array([[idx(s, f) for f in range(F)] for s in range(S)])
+    assert sorted(seen.ravel()) == list(range(S * F))
+    assert (np.diff(seen.reshape(S, F // 8, 8), axis=-1) == 1).all()           # 16-byte rows
+    s, f = min(S - 1, 8 * a + 3) % 8 + 8 * (a % ps), 8 * (b % pf) + 5
+    base_s, base_f = s % 8, f % 8
+    assert idx(s, f) == idx(base_s, base_f) + idx(s - base_s, f - base_f)     # lane part + tile part
+
+
+def test_descriptor_strides_follow_the_measured_meaning():
+    """K-major (the reduced axis fastest): LBO between blocks along k (128 B), SBO between panels
+    of 8 rows; MN-major: the other way round (kernels/probes/wgmma_probe.py, H100)."""
+    from napkin_cat.lowering.plan import Buffer
+    kmaj = Buffer(("var", 1), "K_s", ("x", "d"), (64, 96), "K", bits=16, core=True)
+    mnmaj = Buffer(("var", 2), "V_s", ("x", "d"), (64, 96), "V", bits=16, core=True)
+    assert wgmma.strides(kmaj, "d") == (0, 128, 16 * 96, 128)
+    assert wgmma.strides(mnmaj, "x") == (1, 16 * 96, 128, 16 * 96)
+    assert kmaj.elems == 64 * 96 and kmaj.ld == 96
+
+
+def test_mappings_the_warpgroups_refuse_say_why():
+    ok = Frag("q", "x", 64, 64, 2, 16, 32, 4, Wm=4, Wn=1)
+    assert wgmma_plan.mapping_ok(ok, 128) is None
+    assert "warpgroups" in wgmma_plan.mapping_ok(Frag("q", "x", 64, 64, 2, 8, 16, 8, Wm=2, Wn=2), 128)
+    assert "warpgroups" in wgmma_plan.mapping_ok(ok, 256)
+    assert "at most 256" in wgmma_plan.mapping_ok(Frag("q", "x", 64, 512, 2, 128, 32, 4, Wm=4, Wn=1), 128)
+
+
+def _forward(dtype, causal):
+    return L.attention(q=q, x=x, d=d, causal=causal, dtype=dtype).stream(x, 32).tile(q, 64).place("O", "registers")
+
+
+def test_the_forward_on_warpgroups_is_planned_and_matches_the_oracle(warpgroups):
+    """Both contractions of FlashAttention's forward move: S = Q K^T reads K K-major, O += P V
+    reads V MN-major; both buffers in core matrices; every barrier fenced for the async proxy;
+    ragged sizes (the last chunk and tile zero-filled), huge logits."""
+    sizes = {q: 70, x: 45, d: 16}
+    dia = _forward(nc.f16, False).bind(sizes)
+    kernel = nc.lower(dia, threads=128, verify=False)
+    src = kernel.source
+    assert src.count("wgmma.m64n32k16 per warpgroup and step") == 2
+    assert "core matrices for wgmma" in next(ln for ln in src.splitlines() if ln.startswith("Shared memory:"))
+    assert "(K-major core matrices)" in src and "(MN-major core matrices)" in src
+    body = src.split("@cuda.jit(fastmath")[-1]
+    assert body.count("cuda.syncthreads()") == body.count("fence_proxy_async()")
+    rng = np.random.default_rng(1)
+    ins = [(12.0 if arr.name == "Q" else 1.0) * rng.standard_normal(tuple(a.size for a in arr.axes))
+           for arr in dia.dom]
+    out = kernelcheck.kernel_outcome(dia.unrelabelled(), kernel, ins)
+    assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+def test_without_the_switch_nothing_moves():
+    kernel = nc.lower(_forward(nc.f16, False).bind({q: 64, x: 32, d: 16}), threads=128, verify=False)
+    assert "wgmma" not in kernel.source and "core matrices" not in kernel.source
+
+
+def test_two_warps_stay_on_mma_sync(warpgroups):
+    kernel = nc.lower(_forward(nc.bf16, True).bind({q: 64, x: 32, d: 16}), threads=64, verify=False)
+    assert "wgmma" not in kernel.source and "mma_bf16(" in kernel.source
+
+
+def _parts(dtype, causal):
+    from napkin_cat.lowering.torch_op import backward_plan
+    fl = L.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
+    return backward_plan(fl).at(dtype).parts[1:]    # (dK, dV), dQ
+
+
+def _inputs(sizes, causal, scale, seed=0):
+    rng = np.random.default_rng(seed)
+    fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True).bind(sizes)
+    ins = [scale * rng.standard_normal(tuple(a.size for a in arr.axes)) for arr in fwd.dom]
+    O, Lse = nc.evaluate(fwd, *ins)
+    dO = rng.standard_normal(O.shape)
+    return dict(zip(("Q", "K", "V", "O", "L", "dO", "D"), (*ins, O, Lse, dO, (dO * O).sum(-1))))
+
+
+BACKWARD = [
+    pytest.param(nc.f16, {q: 70, x: 45, d: 16}, False, 1.0, id="f16-full"),
+    pytest.param(nc.bf16, {q: 37, x: 66, d: 16}, True, 12.0, id="bf16-causal-x12", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("dtype,sizes,causal,scale", BACKWARD)
+def test_backward_kernels_on_warpgroups_match_the_oracle(warpgroups, dtype, sizes, causal, scale):
+    """The dK, dV kernel (S^T = K Q^T and dP^T = V dO^T K-major; dV += P^T dO and dK += dS^T Q
+    MN-major, their A fragments the registers of P and dS) and the dQ kernel."""
+    inputs = _inputs(sizes, causal, scale)
+    for part in _parts(dtype, causal):
+        bound = part.bind(sizes)
+        tiles = {k: v for k, v in {"g_x": 64, "s_q": 32, "g_q": 64, "s_x": 32}.items() if k in part._sched_str()}
+        kernel = nc.lower(bound, tiles=tiles, threads=128, verify=False)
+        assert f"wgmma_{dtype.name}_n" in kernel.source, kernel.source[:3000]
+        out = kernelcheck.kernel_outcome(bound.unrelabelled(), kernel, [inputs[a.name] for a in part.dom])
+        assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+def test_a_planted_wrong_descriptor_is_caught(warpgroups, monkeypatch):
+    """LBO and SBO swapped (the assignment the H100 measured wrong): B is read scrambled and the
+    check against the oracle fails."""
+    real = wgmma.strides
+
+    def swapped(b, kax):
+        trans, lbo, sbo, step = real(b, kax)
+        return trans, sbo, lbo, step
+
+    monkeypatch.setattr(wgmma, "strides", swapped)
+    sizes = {q: 64, x: 32, d: 16}
+    dia = _forward(nc.f16, False).bind(sizes)
+    kernel = nc.lower(dia, threads=128, verify=False)
+    rng = np.random.default_rng(0)
+    oracle = dia.unrelabelled()
+    ins = [rng.standard_normal(tuple(a.size for a in arr.axes)) for arr in oracle.dom]
+    assert kernelcheck.kernel_outcome(oracle, kernel, ins).failure is not None
+
+
+def test_the_generated_ptx_compiles_for_sm_90a():
+    """NVRTC (where installed: the GPU machine, or a CUDA wheel) accepts the wrappers of every width
+    the generator may ask for."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    src = "".join(wgmma.cu_source(n) for n in (8, 64, 256))
+    try:
+        err, prog = nvrtc.nvrtcCreateProgram(src.encode(), b"wgmma.cu", 0, [], [])
+        (res,) = nvrtc.nvrtcCompileProgram(prog, 2, [b"-arch=compute_90a", b"-rdc=true"])
+    except (RuntimeError, OSError) as exc:   # the bindings without the NVRTC library
+        pytest.skip(f"NVRTC not loadable: {exc}")
+    assert res == nvrtc.nvrtcResult.NVRTC_SUCCESS
