@@ -6,6 +6,8 @@ import os
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")   # kernels run in the simulator without a GPU
 
+import re
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -184,8 +186,16 @@ def test_generated_code_comes_from_the_expression():
     dia = nc.library.attention(q=q, x=x, d=d, mask=lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i),
                                score_mod=lambda s, b_, h_, i, j: s + abs(i - j) * 0.5).bind({q: 8, x: 8, d: 4})
     src = nc.lower(dia, tiles={"q": 4, "x": 4}, threads=16).source
-    assert "smem[doc_s + uint32(min(max(int64(q0 + " in src and "abs((int64(" in src
+    # doc[i] read once per row, before the row's columns; doc[j] per score; neither clamped: the
+    # tiles are whole (8 = 2 x 4), so no index leaves the tensor
+    assert re.search(r"doc_row\d* = smem\[doc_s \+ uint32\(\(q0 \+ i_q\d+\)\)\]", src)
+    assert "== smem[doc_s + uint32((x0 + " in src and "abs((int64(" in src
     assert "x_end = min(" in src     # chunks past the causal part are skipped (derived)
+    # a ragged tile's padding rows index past the tensor: clamped into it, as NumPy reads them
+    doc7 = nc.aux("doc", nc.Axis("n", 7))
+    ragged = nc.library.attention(q=q, x=x, d=d, mask=lambda b_, h_, i, j: (doc7[i] == doc7[j]) & (j <= i))
+    src7 = nc.lower(ragged.bind({q: 7, x: 7, d: 4}), tiles={"q": 4, "x": 4}, threads=16).source
+    assert "smem[doc_s + uint32(min(max(int64(q0 + " in src7
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 from numba import cuda, float32, int16, uint32, uint64  # noqa: E402
 
-from napkin_cat.lowering.tensorcore_gpu import mma_f16, shared_addr  # noqa: E402
+from napkin_cat.lowering import tensorcore_gpu  # noqa: E402
+from napkin_cat.lowering.tensorcore_gpu import ldsm_x2, ldsm_x4, mma_f16, shared_addr  # noqa: E402
 
 
 def cu_source(n: int) -> str:
@@ -34,6 +35,13 @@ def cu_source(n: int) -> str:
     init = "".join(f"r.v[{i}] = c{i}; " for i in range(regs))
     return f"""
 struct nc_acc{n} {{ float v[{regs}]; }};
+extern "C" __device__ int nc_wgmma_ss_n{n}(nc_acc{n}* ret, unsigned long long adesc, unsigned long long desc, {d}) {{
+  nc_acc{n} r; {init}
+  asm volatile("{{\\nwgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {{{dl}}}, %{regs}, %{regs+1}, 1, 1, 1, 0, 0;\\n}}\\n"
+               : {outs} : "l"(adesc), "l"(desc));
+  *ret = r;
+  return 0;
+}}
 extern "C" __device__ int nc_wgmma_rs_n{n}(nc_acc{n}* ret, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned long long desc, int tb, {d}) {{
   nc_acc{n} r; {init}
@@ -56,14 +64,7 @@ extern "C" __device__ int nc_wgmma_wait_n{n}(nc_acc{n}* ret, {d}) {{
 """
 
 
-COMMON = """
-extern "C" __device__ int nc_wgmma_fence(int* ret) {
-  asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory"); *ret = 0; return 0; }
-extern "C" __device__ int nc_wgmma_commit(int* ret) {
-  asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory"); *ret = 0; return 0; }
-extern "C" __device__ int nc_fence_proxy_async(int* ret) {
-  asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory"); *ret = 0; return 0; }
-"""
+COMMON = ""   # the fences are tensorcore.cu's (linked with the primitives imported below)
 
 N = 64
 CU = Path(tempfile.mkdtemp()) / "wgmma_probe.cu"
@@ -71,10 +72,10 @@ CU.write_text(COMMON + cu_source(N))
 ACC = f"UniTuple(float32, {N // 2})"
 FL = ", ".join(["float32"] * (N // 2))
 wg_rs = cuda.declare_device(f"nc_wgmma_rs_n{N}", f"{ACC}(uint32, uint32, uint32, uint32, uint64, int32, {ACC})", link=str(CU))
+wg_ss = cuda.declare_device(f"nc_wgmma_ss_n{N}", f"{ACC}(uint64, uint64, {ACC})", link=str(CU))
 wg_wait = cuda.declare_device(f"nc_wgmma_wait_n{N}", f"{ACC}({ACC})", link=str(CU))
-wg_fence = cuda.declare_device("nc_wgmma_fence", "int32()", link=str(CU))
-wg_commit = cuda.declare_device("nc_wgmma_commit", "int32()", link=str(CU))
-fence_proxy = cuda.declare_device("nc_fence_proxy_async", "int32()", link=str(CU))
+wg_fence, wg_commit = tensorcore_gpu.wgmma_primitive("wgmma_fence"), tensorcore_gpu.wgmma_primitive("wgmma_commit")
+fence_proxy = tensorcore_gpu.wgmma_primitive("fence_proxy_async")
 
 R = N // 2
 ARGS = "acc"
@@ -84,7 +85,8 @@ ZERO = " + ".join("(" + ", ".join(["float32(0)"] * 16) + ",)" for _ in range(R /
 def build():
     ns = {"cuda": cuda, "uint32": uint32, "uint64": uint64, "int16": int16, "float32": float32,
           "wg_rs": wg_rs, "wg_wait": wg_wait, "wg_fence": wg_fence, "wg_commit": wg_commit,
-          "fence_proxy": fence_proxy, "shared_addr": shared_addr, "mma_f16": mma_f16, "np": np}
+          "fence_proxy": fence_proxy, "shared_addr": shared_addr, "mma_f16": mma_f16, "np": np,
+          "wg_ss": wg_ss, "ldsm_x4": ldsm_x4, "ldsm_x2": ldsm_x2}
     src = f'''
 @cuda.jit
 def wg_check(A, B, D, kmajor, lbo, sbo, lay_lbo, lay_sbo):
@@ -157,6 +159,77 @@ def wg_speed(seed, iters, out):
 
 
 @cuda.jit
+def wg_variants(seed, iters, mode, out):
+    # mode 0: A by ldmatrix before each wgmma (B K-major); 1: A by descriptor (SS); 2: B MN-major (trans)
+    tid = uint32(cuda.threadIdx.x)
+    sm = cuda.shared.array(4096, dtype=int16)
+    sa = cuda.shared.array(4608, dtype=int16)
+    for e in range(tid, 64 * {N}, 128):
+        sm[e] = int16(((e * 7 + seed) % 61) * 16 + 13312)
+    for e in range(tid, 4608, 128):
+        sa[e] = int16(((e * 5 + seed) % 53) * 16 + 13312)
+    fence_proxy()
+    cuda.syncthreads()
+    addr = uint64(shared_addr(sm))
+    aaddr = uint64(shared_addr(sa))
+    w = tid // 32
+    l = tid % 32
+    tb = 0
+    if mode == 2:
+        tb = 1
+    acc = {ZERO}
+    for it in range(iters):
+        wg_fence()
+        for s in range(4):
+            start = addr + uint64(s * 2 * 128 * {N // 8})
+            if mode == 2:
+                desc = ((start & uint64(0x3FFFF)) >> uint64(4)) | (uint64({N // 8 * 128} >> 4) << uint64(16)) | (uint64(128 >> 4) << uint64(32))
+            else:
+                desc = ((start & uint64(0x3FFFF)) >> uint64(4)) | (uint64(128 >> 4) << uint64(16)) | (uint64({N // 8 * 128} >> 4) << uint64(32))
+            if mode == 1:
+                astart = aaddr + uint64(s * 256)
+                adesc = ((astart & uint64(0x3FFFF)) >> uint64(4)) | (uint64(128 >> 4) << uint64(16)) | (uint64(1024 >> 4) << uint64(32))
+                acc = wg_ss(adesc, desc, acc)
+            else:
+                a0, a1, a2, a3 = ldsm_x4(sa, (16 * w + l % 16) * 72 + l // 16 * 8 + s * 16)
+                acc = wg_rs(a0, a1, a2, a3, desc, tb, acc)
+        wg_commit()
+        acc = wg_wait(acc)
+    tot = float32(0)
+    for i in range({R}):
+        tot += acc[i]
+    out[cuda.blockIdx.x * 128 + tid] = tot
+
+
+@cuda.jit
+def mma_ldsm_speed(seed, iters, out):
+    tid = uint32(cuda.threadIdx.x)
+    sm = cuda.shared.array(4608, dtype=int16)
+    sa = cuda.shared.array(4608, dtype=int16)
+    for e in range(tid, 4608, 128):
+        sm[e] = int16(((e * 7 + seed) % 61) * 16 + 13312)
+        sa[e] = int16(((e * 5 + seed) % 53) * 16 + 13312)
+    cuda.syncthreads()
+    w = tid // 32
+    l = tid % 32
+    acc = cuda.local.array((8, 4), float32)
+    for i in range(8):
+        for j in range(4):
+            acc[i, j] = float32(0)
+    for it in range(iters):
+        for s in range(4):
+            a0, a1, a2, a3 = ldsm_x4(sa, (16 * w + l % 16) * 72 + l // 16 * 8 + s * 16)
+            for nt in range({N // 8}):
+                b0, b1 = ldsm_x2(sm, (8 * nt + l % 8) * 72 + (l // 8) % 2 * 8 + s * 16)
+                acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3] = mma_f16(a0, a1, a2, a3, b0, b1, acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
+    tot = float32(0)
+    for i in range(8):
+        for j in range(4):
+            tot += acc[i, j]
+    out[cuda.blockIdx.x * 128 + tid] = tot
+
+
+@cuda.jit
 def mma_speed(seed, iters, out):
     tid = uint32(cuda.threadIdx.x)
     x = uint32(seed + tid) * uint32(2654435761)
@@ -181,11 +254,11 @@ def mma_speed(seed, iters, out):
     out[cuda.blockIdx.x * 128 + tid] = tot
 '''
     exec(compile(src, "<wgmma_probe>", "exec"), ns)
-    return ns["wg_check"], ns["wg_speed"], ns["mma_speed"]
+    return ns["wg_check"], ns["wg_speed"], ns["mma_speed"], ns["wg_variants"], ns["mma_ldsm_speed"]
 
 
 def main():
-    wg_check, wg_speed, mma_speed = build()
+    wg_check, wg_speed, mma_speed, wg_variants, mma_ldsm_speed = build()
     rng = np.random.default_rng(0)
     A = rng.standard_normal((64, 16)).astype(np.float16)
     B = rng.standard_normal((16, N)).astype(np.float16)
@@ -206,19 +279,23 @@ def main():
             rows.append(("K-major" if kmajor else "MN-major", name, err, bool(np.isnan(got).any())))
     for r in rows:
         print(f"check {r[0]:9s} {r[1]:28s} rel err {r[2]:.3e} nan {r[3]}")
-    blocks, iters = 132 * 8, 2000
-    out = cuda.device_array(blocks * 128, np.float32)
-    flops = 2 * 64 * 64 * N * iters * blocks
-    for name, k in (("wgmma m64n64k16 (A regs)", wg_speed), ("mma.sync m16n8k16 (B regs)", mma_speed)):
-        k[blocks, 128](1, 10, out)
-        cuda.synchronize()
-        s, e = cuda.event(), cuda.event()
-        ts = []
-        for _ in range(5):
-            s.record(); k[blocks, 128](1, iters, out); e.record(); e.synchronize()
-            ts.append(cuda.event_elapsed_time(s, e))
-        ms = sorted(ts)[2]
-        print(f"speed {name:28s} {ms:8.3f} ms {flops / ms / 1e9:8.1f} TFLOP/s")
+    iters = 2000
+    runs = [("wgmma m64n64k16 (A regs)", wg_speed, ()), ("mma.sync m16n8k16 (B regs)", mma_speed, ()),
+            ("wgmma, A by ldmatrix", wg_variants, (0,)), ("wgmma SS (A by descriptor)", wg_variants, (1,)),
+            ("wgmma, B MN-major", wg_variants, (2,)), ("mma.sync, A and B by ldmatrix", mma_ldsm_speed, ())]
+    for blocks in (132 * 8, 132 * 2, 132):
+        out = cuda.device_array(blocks * 128, np.float32)
+        flops = 2 * 64 * 64 * N * iters * blocks
+        for name, k, extra in runs:
+            k[blocks, 128](1, 10, *extra, out)
+            cuda.synchronize()
+            s, e = cuda.event(), cuda.event()
+            ts = []
+            for _ in range(5):
+                s.record(); k[blocks, 128](1, iters, *extra, out); e.record(); e.synchronize()
+                ts.append(cuda.event_elapsed_time(s, e))
+            ms = sorted(ts)[2]
+            print(f"speed {blocks // 132} blocks/SM  {name:32s} {ms:8.3f} ms {flops / ms / 1e9:8.1f} TFLOP/s")
     try:
         sass = wg_speed.inspect_sass()
         sass = sass if isinstance(sass, str) else "\n".join(sass.values())

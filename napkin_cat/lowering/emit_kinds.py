@@ -120,6 +120,14 @@ def index_code(em, box, fn, args, env) -> str:
     block: its axes are neither tiled nor streamed, so a local index is the global one) at
     indices clamped into the tensor, the score as ``args[0]``."""
     aux_vars = dict(zip((a.name for a in fn.auxes), args[1:]))
+    row = env.get("_hoist")    # a micro-tile's row slot: reads without its column axis go there
+
+    def in_range(k, size: int) -> bool:
+        # an axis index of a tile or chunk that is never ragged stays inside an axis this long
+        if k.op != "idx" or not isinstance(k.value, str) or k.value not in em.ax:
+            return False
+        a = em.ax[k.value]
+        return not a.ragged and em.sizes[k.value] <= size
 
     def leaf(n):
         if n.op == "idx":
@@ -134,14 +142,31 @@ def index_code(em, box, fn, args, env) -> str:
         # rows and columns of a ragged tile read a valid entry; their scores are discarded)
         v = aux_vars[n.value.name]
         axes_ = em.types[v].axis_names
-        # uint32: a shared offset (uint32) plus an int64 index is a float64 in numba's typing
-        idx = {a: f"uint32(min(max({k.to_code(leaf, fconst, fn_code)}, 0), {em.sizes[a] - 1}))"
+        # uint32: a shared offset (uint32) plus an int64 index is a float64 in numba's typing;
+        # an index that cannot leave the tensor needs no clamp
+        idx = {a: (f"uint32({em.gidx(k.value, env)})" if in_range(k, em.sizes[a]) else
+                   f"uint32(min(max({k.to_code(leaf, fconst, fn_code)}, 0), {em.sizes[a] - 1}))")
                for a, k in zip(axes_, n.args)}
-        return em.sread(("var", v), idx)
+        read = em.sread(("var", v), idx)
+        if row is None or any(_reads(k, row.col) for k in n.args):
+            return read
+        key = ("gather", read)          # the same entry for every column of the row: read once
+        if key not in row.memo:
+            row.memo[key] = em.names.fresh(f"{n.value.name}_row")
+            row.src(f"{row.memo[key]} = {read}")
+        return row.memo[key]
 
     fconst = lambda value: em.consts.f(value, comment=f"{box.name} constant")
     fn_code = lambda name, x: fn_expr(em.consts, name, [f"({x})" if compound(x) else x])
     return block_quotients(em, fn.expr).to_code(leaf, fconst, fn_code)
+
+
+def _reads(e: Ix, axis: str) -> bool:
+    """Whether index expression ``e`` varies along ``axis`` inside a block (reads its index, the
+    score, or a gather that does; a block's first index, ``("block", axis)``, does not vary)."""
+    if e.op == "idx":
+        return e.value in ("score", axis)
+    return any(_reads(a, axis) for a in e.args if isinstance(a, Ix))
 
 
 def block_quotients(em, e: Ix) -> Ix:
