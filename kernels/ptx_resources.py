@@ -5,7 +5,7 @@ that the GPU build would link.
     python kernels/ptx_resources.py --n 4096 --d 128 --dtype bf16
 
 Each kernel is planned as for a GPU (``nc.lower`` with the GPU heuristics), compiled by numba to
-LTO-IR for sm_90, linked with ``lowering/tensorcore.cu`` (NVRTC, LTO-IR) by nvJitLink into PTX,
+LTO-IR for sm_90a, linked with ``lowering/tensorcore.cu`` (and the generated ``wgmma`` wrappers it calls) (NVRTC, LTO-IR) by nvJitLink into PTX,
 and assembled by ``ptxas -v``: what a GPU build would run, short of the driver.  Printed per
 kernel: registers per thread, spill bytes, shared memory (dynamic, from the plan), threads, and
 the blocks per SM those allow on an H100 (65536 registers, 228 KB shared memory, 64 warps).
@@ -52,13 +52,13 @@ def _signature(kernel) -> str:
     return f"void({', '.join(arrays)})"
 
 
-def ptxas_report(kernel, arch: str = "sm_90") -> dict:
+def ptxas_report(kernel, arch: str = "sm_90a") -> dict:
     """``{"registers", "spill_stores", "spill_loads", "stack"}`` of a generated kernel."""
     from napkin_cat.lowering.devices import import_cuda
     cuda = import_cuda()            # what a GPU build uses, the linear singly-assigned pass included
     from numba.cuda.cudadrv import nvrtc
     from cuda.bindings import nvjitlink as nj
-    cc = (int(arch[3]), int(arch[4:]))
+    cc = (int(arch[3]), int(arch[4]), arch[5:])   # sm_90a: (9, 0, "a"), as numba-cuda builds for an H100
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
         mod = _module(kernel.source, tmp)
@@ -66,12 +66,17 @@ def ptxas_report(kernel, arch: str = "sm_90") -> dict:
         opts = jit.targetoptions     # the kernel's own fastmath and launch bounds
         ltoir, _ = cuda.compile(jit.py_func, _signature(kernel), device=False, output="ltoir", cc=cc, abi="numba",
                                 fastmath=opts.get("fastmath", False), launch_bounds=opts.get("launch_bounds"))
-        tc = nvrtc.compile((ROOT / "napkin_cat/lowering/tensorcore.cu").read_text(), "tensorcore.cu", cc, ltoir=True)
-        tc = tc[0] if isinstance(tc, tuple) else tc
-        tc = bytes(tc.code) if hasattr(tc, "code") else bytes(tc)
+        from napkin_cat.lowering.wgmma import cu_source
+        sources = [("tensorcore", (ROOT / "napkin_cat/lowering/tensorcore.cu").read_text())]
+        sources += [(f"wgmma_n{n}", cu_source(n))   # the warpgroup MMAs of each width the kernel calls
+                    for n in sorted({int(n) for n in re.findall(r"wgmma_wait_n(\d+)", kernel.source)})]
         h = nj.create(3, [f"-arch={arch}", "-lto", "-ptx"])
         nj.add_data(h, nj.InputType.LTOIR, ltoir, len(ltoir), "kernel")
-        nj.add_data(h, nj.InputType.LTOIR, tc, len(tc), "tensorcore")
+        for name, text in sources:
+            tc = nvrtc.compile(text, f"{name}.cu", cc, ltoir=True)
+            tc = tc[0] if isinstance(tc, tuple) else tc
+            tc = bytes(tc.code) if hasattr(tc, "code") else bytes(tc)
+            nj.add_data(h, nj.InputType.LTOIR, tc, len(tc), name)
         nj.complete(h)
         buf = bytearray(nj.get_linked_ptx_size(h))
         nj.get_linked_ptx(h, buf)
@@ -135,7 +140,7 @@ def main():
         rows.append((name, str(opt["prefetch"]), threads, r["registers"], r["spill_stores"] + r["spill_loads"],
                      smem // 1024, occupancy(r["registers"], threads, smem)))
         print(f"{name} prefetch={opt['prefetch']}: {r}", flush=True)
-    print(f"\n{args.dtype}, N = {args.n}, d = {args.d}, heads = {args.heads}; sm_90, ptxas -v; blocks per SM on an H100")
+    print(f"\n{args.dtype}, N = {args.n}, d = {args.d}, heads = {args.heads}; sm_90a, ptxas -v; blocks per SM on an H100")
     print(f"{'kernel':<17} {'prefetch':>8} {'threads':>7} {'regs':>5} {'spill B':>7} {'smem KB':>7} {'blocks/SM':>9}")
     for r in rows:
         print(f"{r[0]:<17} {r[1]:>8} {r[2]:>7} {r[3]:>5} {r[4]:>7} {r[5]:>7} {r[6]:>9}")

@@ -291,6 +291,12 @@ def test_block_table_masks_equal_the_mask_and_skip_by_data():
     assert blind.notes and "'bt'" in blind.notes[0] and not known.notes
     src = _sim(tiled, (Q, K, V, table, ids), ref)
     assert "x_empty = " in src and "if not x_empty:" in src and "x_full = bt_full" in src
+    # tiles and chunks of 4 inside table blocks of 4: one entry per chunk, read once for both
+    # comparisons (>= 2 keeps all, >= 1 keeps some), no loop over entries
+    assert len(re.findall(r"bt_entry\d* = smem\[", src)) == 1 and "for i_rb" not in src
+    # chunks of 2 (a table block is two chunks; tiles of 8 span two blocks): the loop over entries
+    halves = _sim(dia.stream("x", 2).tile("q", 8), (Q, K, V, table, ids), ref)
+    assert "for i_rb" in halves and "bt_entry" not in halves
 
 
 def test_block_table_refuses_what_it_cannot_tabulate():

@@ -269,6 +269,7 @@ class Loads:
         k = self.consts
         a = self.ax[lp.axis]
         flags = self.full_flags
+        self._chunk_entries = {}
         skipping = {(s.row, s.pred) for s in self.plan.skips[lp.axis] if s.pred.block_atoms() and not s.transposed}
         empties = []
         lg = _CodeLogic(k.u)
@@ -299,6 +300,15 @@ class Loads:
         axes = self.types[v].axis_names
         stem = f"{at.table.name}_"
         full, empty = self.names.fresh(stem + "full"), self.names.fresh(stem + "empty")
+        one = self._one_entry(axes, at, r0, c0)
+        if one is not None:    # the tile and the chunk each inside one table block: one entry
+            entries = self._chunk_entries     # read once per chunk, whichever comparisons use it
+            if (v, one) not in entries:
+                entries[v, one] = self.names.fresh(stem + "entry")
+                src(f"{entries[v, one]} = {self.sread(('var', v), dict(zip(axes, one)))}")
+            src(f"{full} = {entries[v, one]} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}")
+            src(f"{empty} = not {full}")
+            return full, empty
         src(f"{full} = True")
         src(f"{empty} = True")
         env = {}
@@ -318,6 +328,24 @@ class Loads:
                 with src.block("else:"):
                     src(f"{full} = False")
         return full, empty
+
+    def _one_entry(self, axes, at, r0, c0):
+        """The table indices of the one entry a tile x chunk reads, when the tile and the chunk
+        each lie inside one table block (their extents divide the block; they start at
+        multiples of their extents), else None."""
+        k = self.consts
+        out = []
+        for ax_, blk, lo, axis in ((axes[0], at.rows, r0, self._block_axis(r0)), (axes[1], at.cols, c0, self._block_axis(c0))):
+            a = self.ax.get(axis) if axis else None
+            if a is None or a.role not in ("grid", "stream") or blk % a.cap:
+                return None
+            out.append(f"uint32(min({render_code(lo // blk, k.u)}, {k.u(self.sizes[ax_] - 1)}))")
+        return tuple(out)
+
+    def _block_axis(self, start) -> str | None:
+        """The axis whose block starts at ``start`` (a :class:`Code` of an axis's start)."""
+        text = str(getattr(start, "text", start))
+        return next((n for n, a in self.ax.items() if a.start is not None and a.start == text), None)
 
     def _emit_guarded(self, nodes, empty: str | None, src: Source):
         with src.maybe(None if empty is None else f"not {empty}"):
