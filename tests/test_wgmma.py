@@ -24,6 +24,7 @@ import napkin_cat as nc  # noqa: E402
 from napkin_cat.lowering import planner, wgmma, wgmma_plan  # noqa: E402
 from napkin_cat.lowering.plan import Frag  # noqa: E402
 from napkin_cat.verify import kernelcheck  # noqa: E402
+from test_frag_operands import _inputs  # noqa: E402  (residuals from the forward, dO, D)
 
 L = nc.library
 q, x, d, h = nc.axes("q x d h")
@@ -109,15 +110,6 @@ def _parts(dtype, causal):
     from napkin_cat.lowering.torch_op import backward_plan
     fl = L.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
     return backward_plan(fl).at(dtype).parts[1:]    # (dK, dV), dQ
-
-
-def _inputs(sizes, causal, scale, seed=0):
-    rng = np.random.default_rng(seed)
-    fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True).bind(sizes)
-    ins = [scale * rng.standard_normal(tuple(a.size for a in arr.axes)) for arr in fwd.dom]
-    O, Lse = nc.evaluate(fwd, *ins)
-    dO = rng.standard_normal(O.shape)
-    return dict(zip(("Q", "K", "V", "O", "L", "dO", "D"), (*ins, O, Lse, dO, (dO * O).sum(-1))))
 
 
 BACKWARD = [
