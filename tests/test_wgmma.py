@@ -35,7 +35,7 @@ def warpgroups(monkeypatch):
     monkeypatch.setattr(planner, "WGMMA", True)
 
 
-def _index(S: int, F: int):
+def _index(F: int):
     expr = wgmma.core_index("s", "f", F, str)
     return lambda s, f: eval(expr, {"s": s, "f": f})
 
@@ -44,7 +44,7 @@ def _index(S: int, F: int):
 @given(st.integers(1, 6), st.integers(1, 6), st.integers(0, 5), st.integers(0, 5))
 def test_core_index_is_a_bijection_with_contiguous_rows_and_linear_tiles(ps, pf, a, b):
     S, F = 8 * ps, 8 * pf
-    idx = _index(S, F)
+    idx = _index(F)
     seen = np.array([[idx(s, f) for f in range(F)] for s in range(S)])
     assert sorted(seen.ravel()) == list(range(S * F))
     assert (np.diff(seen.reshape(S, F // 8, 8), axis=-1) == 1).all()           # 16-byte rows

@@ -126,7 +126,7 @@ class Emitter(Loads, Phases):
         if not b.axes:
             return self.consts.u(0, "U0")
         if b.core:
-            return core_index(env[b.axes[0]], env[b.axes[1]], b.ld, self._u)
+            return core_index(env[b.axes[0]], env[b.axes[1]], b.ld, self.consts.u)
         expr = env[b.axes[0]]
         for pos, a in enumerate(b.axes[1:], 1):
             mult = self.ax[a].cap_c
@@ -134,9 +134,6 @@ class Emitter(Loads, Phases):
                 mult = self.consts.u(b.ld, f"LD_{b.name}", comment=f"padded row of {b.name}")
             expr = f"{_paren(expr)} * {mult} + {env[a]}"
         return expr
-
-    def _u(self, n: int) -> str:
-        return self.consts.u(n, "U0") if n == 0 else self.consts.u(n)
 
     def barrier(self, src: Source):
         """A block barrier; in a kernel with warpgroup MMAs, shared memory written before it is

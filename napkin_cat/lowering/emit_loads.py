@@ -277,7 +277,8 @@ class Loads:
         for eqn, pred, row in self._chunk_masks(lp):
             r = self.ax[row]
             r0, r1 = Code(r.start), Code(f"{r.start} + {r.count}")
-            atom = lambda at, eqn=eqn, pred=pred, r0=r0, r1=r1: self._block_atom(at, eqn, pred, r0, r1, c0, c1, src)
+            atom = lambda at, eqn=eqn, pred=pred, row=row, r0=r0, r1=r1: self._block_atom(
+                at, eqn, pred, (row, lp.axis), r0, r1, c0, c1, src)
             full, empty = pred.chunk_state(r0, r1, c0, c1, CodeAlgebra, lg, atom)
             if full is not False:
                 name = self.names.fresh(f"{a.name}_full")
@@ -291,16 +292,17 @@ class Loads:
         src(f"{name} = {' or '.join(empties)}  # the block table masks the whole chunk: skipped")
         return name
 
-    def _block_atom(self, at, eqn: int, pred, r0, r1, c0, c1, src: Source):
-        """``(full, empty)`` identifiers of a block-table comparison over the tile x chunk:
-        its entries (indices clamped into the table, as the gather reads it) all hold / all fail."""
+    def _block_atom(self, at, eqn: int, pred, over, r0, r1, c0, c1, src: Source):
+        """``(full, empty)`` identifiers of a block-table comparison over the tile x chunk
+        (``over``: their axes): its entries (indices clamped into the table, as the gather reads
+        it) all hold / all fail."""
         k = self.consts
         e = self.dd.eqns[eqn]
         v = dict(zip((t.name for t in pred.auxes), e.ins[1:]))[at.table.name]
         axes = self.types[v].axis_names
         stem = f"{at.table.name}_"
         full, empty = self.names.fresh(stem + "full"), self.names.fresh(stem + "empty")
-        one = self._one_entry(axes, at, r0, c0)
+        one = self._one_entry(axes, at, over, (r0, c0))
         if one is not None:    # the tile and the chunk each inside one table block: one entry
             entries = self._chunk_entries     # read once per chunk, whichever comparisons use it
             if (v, one) not in entries:
@@ -329,23 +331,17 @@ class Loads:
                     src(f"{full} = False")
         return full, empty
 
-    def _one_entry(self, axes, at, r0, c0):
-        """The table indices of the one entry a tile x chunk reads, when the tile and the chunk
-        each lie inside one table block (their extents divide the block; they start at
-        multiples of their extents), else None."""
+    def _one_entry(self, axes, at, over, starts):
+        """The table indices of the one entry a tile x chunk reads (``over``: the tile's and the
+        chunk's axes, ``starts``: their first indices), when each lies inside one table block
+        (its extent divides the block; it starts at a multiple of its extent), else None."""
         k = self.consts
         out = []
-        for ax_, blk, lo, axis in ((axes[0], at.rows, r0, self._block_axis(r0)), (axes[1], at.cols, c0, self._block_axis(c0))):
-            a = self.ax.get(axis) if axis else None
-            if a is None or a.role not in ("grid", "stream") or blk % a.cap:
+        for ax_, blk, axis, lo in zip(axes, (at.rows, at.cols), over, starts):
+            if self.ax[axis].role not in ("grid", "stream") or blk % self.ax[axis].cap:
                 return None
             out.append(f"uint32(min({render_code(lo // blk, k.u)}, {k.u(self.sizes[ax_] - 1)}))")
         return tuple(out)
-
-    def _block_axis(self, start) -> str | None:
-        """The axis whose block starts at ``start`` (a :class:`Code` of an axis's start)."""
-        text = str(getattr(start, "text", start))
-        return next((n for n, a in self.ax.items() if a.start is not None and a.start == text), None)
 
     def _emit_guarded(self, nodes, empty: str | None, src: Source):
         with src.maybe(None if empty is None else f"not {empty}"):

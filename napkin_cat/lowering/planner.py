@@ -88,13 +88,13 @@ spilled 276 bytes with the second buffers and ran 2x slower, while the forward a
 ran 3-22% faster with them (kernels/BENCHMARKS.md)."""
 
 ENGINE = "cuda_core"
+"""The engine contractions are planned on (see :data:`.plan.ENGINES`)."""
 
 WGMMA = False
 """Multiply 16-bit contractions by warpgroups (``wgmma``, :mod:`.wgmma`) where their fragments and
 column buffers allow, on compute capability 9.0 or later (the simulator plans for an H100).  Off:
 measured on an H100 with each contraction waited for before its epilogue, 5-100% slower than
 ``mma.sync`` (kernels/BENCHMARKS.md, "Warpgroup MMA")."""
-"""The engine contractions are planned on (see :data:`.plan.ENGINES`)."""
 
 
 def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath: bool = True,

@@ -107,7 +107,6 @@ def cp_async16(smem16, soff, src16, goff, valid):
     return _cp16(shared_addr(smem16) + uint32(soff) * uint32(2), addr_of(src16), 0)
 
 
-
 _WGMMA_WRAPPER = """
 @cuda.jit(device=True, inline=True)
 def wgmma(smem16, off, lbo, sbo, trans, a0, a1, a2, a3, acc):
@@ -116,7 +115,6 @@ def wgmma(smem16, off, lbo, sbo, trans, a0, a1, a2, a3, acc):
             | (uint64(sbo >> uint32(4)) << uint64(32)))
     return linked(a0, a1, a2, a3, desc, int32(trans), acc)
 """
-_WG: dict[str, object] = {}
 
 
 def _wgmma_file(n: int) -> str:
@@ -137,26 +135,22 @@ def _wgmma_file(n: int) -> str:
 
 
 def wgmma_primitive(name: str):
-    """The device function behind warpgroup primitive ``name`` (:mod:`.wgmma`), made once."""
+    """The device function behind warpgroup primitive ``name`` (:mod:`.wgmma`; cached by
+    :func:`.tensorcore.wgmma_primitive`)."""
     from numba import int32, uint64
     from .wgmma import FIXED, NAME
-    if name in _WG:
-        return _WG[name]
     if name in FIXED:
-        _WG[name] = _linked[name]
-        return _WG[name]
+        return _linked[name]
     hit = NAME.match(name)
     if hit is None:
         raise AttributeError(name)
     n = int(hit.group(2) or hit.group(3))
     acc = f"UniTuple(float32, {n // 2})"
     if hit.group(3):
-        _WG[name] = cuda.declare_device(f"nc_wgmma_wait_n{n}", f"{acc}({acc})", link=_wgmma_file(n))
-        return _WG[name]
+        return cuda.declare_device(f"nc_wgmma_wait_n{n}", f"{acc}({acc})", link=_wgmma_file(n))
     linked = cuda.declare_device(f"nc_wgmma_{hit.group(1)}_n{n}",
                                  f"{acc}(uint32, uint32, uint32, uint32, uint64, int32, {acc})", link=_wgmma_file(n))
     ns = {"cuda": cuda, "uint32": uint32, "uint64": uint64, "int32": int32, "shared_addr": shared_addr,
           "linked": linked}
     exec(compile(_WGMMA_WRAPPER, f"<wgmma {name}>", "exec"), ns)
-    _WG[name] = ns["wgmma"]
-    return _WG[name]
+    return ns["wgmma"]
