@@ -39,23 +39,28 @@ MASKS = {
 
 class _Em:
     """What :func:`index_code` reads of an emitter: global indices of tiled axes are
-    ``tile start + thread offset``, both uint32, as in the kernels."""
+    ``tile start + thread offset``, both uint32, as in the kernels.  ``axes``: the axes known
+    with their tiles (their bounds: integer arithmetic that stays exact runs in float32,
+    :func:`~napkin_cat.lowering.emit_kinds.exact_floats`); without, every index stays an int."""
 
-    def __init__(self):
+    def __init__(self, axes=False, size=9):
+        from types import SimpleNamespace
         self.consts = Constants(Names())
-        self.sizes = {"q": 9, "x": 9}
-        self.ax = {}     # no blocks: every i // B reads its own index (emit_kinds.block_quotients)
+        self.sizes = {"q": size, "x": size}
+        # cap 1: no i // B is read at a block's start (emit_kinds.block_quotients)
+        self.ax = {a: SimpleNamespace(name=a, role="grid", start=f"{a}0", cap=1, ragged=False)
+                   for a in ("q", "x")} if axes else {}
 
     def gidx(self, axis, env):
         return f"({axis}0 + {axis}1)"
 
 
-def _compiled(expr_fn, kind):
+def _compiled(expr_fn, kind, em=None):
     q, x, d = nc.axes("q x d")
     kw = {"score_mod": expr_fn} if kind == "score" else {"mask": nc.mask_mod(expr_fn)}
     att = nc.library.attention(q=q, x=x, d=d, **kw)
     box, fn = next((e.box, x) for e in att.eqns for _, x in e.box.params if getattr(x, "expr", None) is not None)
-    em = _Em()
+    em = em or _Em()
     code = index_code(em, box, fn, ["score"], {})
     g = {"float32": np.float32, "int64": np.int64, "uint32": np.uint32, "math": math}
     g.update({n: np.float32(v) for n, v in em.consts.floats.items()})
@@ -111,3 +116,39 @@ def test_a_quotient_constant_over_a_block_is_read_at_the_block_start():
     assert block_quotients(em, j // 96).args[0].value == ("block", "x")
     for start in range(0, 96, 16):          # the meaning: every index of the block, one quotient
         assert len({(start + r) // 64 for r in range(16)}) == 1
+
+
+EXACT = {"relative", "abs distance", "min / max"}
+
+
+@pytest.mark.parametrize("name", sorted(BIASES) + sorted(MASKS))
+def test_exact_integer_arithmetic_runs_in_float32_and_means_the_same(name):
+    """With the axes' sizes known, ``i - j``, ``abs``, ``min`` / ``max`` and comparisons of them
+    run in float32 (exact: every value within 2**24), no int64 left; floor division, modulo and
+    bit operations stay ints.  Either way the code means what the expression means."""
+    kind = "score" if name in BIASES else "mask"
+    fn, code, jit = _compiled({**BIASES, **MASKS}[name], kind, _Em(axes=True))
+    assert ("int64(" in code) == (name not in EXACT and name != "sliding, signed"
+                                  and name != "prefix or causal"), code
+    for i in range(9):
+        for j in range(9):
+            got = jit(np.uint32(i // 2), np.uint32(i - i // 2), np.uint32(j // 2), np.uint32(j - j // 2),
+                      np.float32(1.5))
+            want = _meaning(fn, i, j, 1.5)
+            if kind == "mask":
+                assert bool(got) == bool(want), (name, code, i, j)
+            else:
+                assert abs(got - float(want)) <= 1e-5 * max(1.0, abs(float(want))), (name, code, i, j, got, want)
+
+
+def test_integer_arithmetic_that_could_leave_float32s_exact_range_stays_integer():
+    """``i * j`` over 8192 x 8192 indices reaches 2**26: not exact in float32, so it stays int64
+    (and is right at the largest indices); ``i - j`` over the same axes is exact and runs in
+    float32."""
+    big = 8192
+    fn, code, jit = _compiled(lambda s, b, h, i, j: s + (i * j) * 1.0, "score", _Em(axes=True, size=big))
+    assert "int64(" in code and "float32(uint32" not in code, code
+    for i, j in ((big - 1, big - 1), (big - 1, big - 2), (4097, 4099)):
+        assert jit(np.uint32(i), np.uint32(0), np.uint32(j), np.uint32(0), np.float32(0)) == np.float32(i * j)
+    _, code, _ = _compiled(lambda s, b, h, i, j: s + (i - j) * 1.0, "score", _Em(axes=True, size=big))
+    assert "int64(" not in code and "float32(uint32" in code, code

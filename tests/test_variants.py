@@ -189,7 +189,12 @@ def test_generated_code_comes_from_the_expression():
     # doc[i] read once per row, before the row's columns; doc[j] per score; neither clamped: the
     # tiles are whole (8 = 2 x 4), so no index leaves the tensor
     assert re.search(r"doc_row\d* = smem\[doc_s \+ uint32\(\(q0 \+ i_q\d+\)\)\]", src)
-    assert "== smem[doc_s + uint32((x0 + " in src and "abs((int64(" in src
+    assert "== smem[doc_s + uint32((x0 + " in src
+    # index arithmetic that meets a float or is compared runs in float32, exact at these sizes,
+    # the row's index converted once per row: no int64 arithmetic and conversion per score
+    f_row = re.search(r"(f_row\d*) = float32\(uint32\(q0 \+ i_q\d+\)\)", src).group(1)
+    assert re.search(rf"abs\(\({f_row} - float32\(uint32\(x0 \+ i_x\d+\)\)\)\) \* HALF", src)
+    assert re.search(rf"\(float32\(uint32\(x0 \+ i_x\d+\)\) <= {f_row}\)", src) and "int64(" not in src
     assert "x_end = min(" in src     # chunks past the causal part are skipped (derived)
     # a ragged tile's padding rows index past the tensor: clamped into it, as NumPy reads them
     doc7 = nc.aux("doc", nc.Axis("n", 7))

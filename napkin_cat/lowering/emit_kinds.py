@@ -15,7 +15,7 @@ from typing import Callable
 from ..core.errors import LoweringError
 from ..ops.functions import CUDA_CONSTANTS, FUNCTIONS
 from ..ops.index import constant_value
-from ..ops.index_expr import Ix
+from ..ops.index_expr import _CMP, Ix
 from ..ops.kinds import NORMALISATIONS
 from . import reindex
 
@@ -112,13 +112,15 @@ def scaled_exponent(em, v: int):
     return None if scaled is None else (*scaled, m)
 
 
-def index_code(em, box, fn, args, env) -> str:
+def index_code(em, box, fn, args, env, as_float: bool = False) -> str:
     """An index expression (:mod:`napkin_cat.ops.index_expr`) as numba.cuda code, from its tree:
     axis indices as signed ints (``int64(q0 + i_q)``: differences may be negative; numba's
     ``int()`` keeps a uint32 unsigned, and ``i - j`` then wraps on the GPU), sizes as
     literals, gathers as reads of the auxiliary tensors' shared buffers (a whole tensor per
     block: its axes are neither tiled nor streamed, so a local index is the global one) at
-    indices clamped into the tensor, the score as ``args[0]``."""
+    indices clamped into the tensor, the score as ``args[0]``.  Integer arithmetic that meets a
+    float, or that is compared, is computed in float32 where that is exact
+    (:func:`exact_floats`); ``as_float``: the whole expression is converted to float32."""
     aux_vars = dict(zip((a.name for a in fn.auxes), args[1:]))
     row = env.get("_hoist")    # a micro-tile's row slot: reads without its column axis go there
 
@@ -156,15 +158,109 @@ def index_code(em, box, fn, args, env) -> str:
             row.src(f"{row.memo[key]} = {read}")
         return row.memo[key]
 
+    def float_leaf(n):
+        # an exact float32 image of an int subtree; a subtree without the column axis once per row
+        k = n.value[1]
+        if row is not None and k.op != "const" and not _reads(k, row.col):
+            key = ("float", k.key())
+            if key not in row.memo:
+                row.memo[key] = em.names.fresh("f_row")
+                row.src(f"{row.memo[key]} = {float_code(k)}")
+            return row.memo[key]
+        return float_code(k)
+
+    def float_code(k):
+        if k.op == "idx":
+            start = em.ax[k.value[1]].start if isinstance(k.value, tuple) else em.gidx(k.value, env)
+            return f"float32(uint32{start})" if start.startswith("(") and start.endswith(")") else f"float32(uint32({start}))"
+        if k.op in ("size", "const"):
+            return fconst(float(em.sizes[k.value] if k.op == "size" else k.value))
+        parts = [float_leaf(Ix("idx", (), ("float", a))) for a in k.args]
+        if k.op in _FLOAT_OPS:
+            return f"({parts[0]} {_FLOAT_OPS[k.op]} {parts[1]})"
+        return f"(-{parts[0]})" if k.op == "neg" else f"{k.op}({', '.join(parts)})"
+
+    def any_leaf(n):
+        return float_leaf(n) if isinstance(n.value, tuple) and n.value[0] == "float" else leaf(n)
+
     fconst = lambda value: em.consts.f(value, comment=f"{box.name} constant")
     fn_code = lambda name, x: fn_expr(em.consts, name, [f"({x})" if compound(x) else x])
-    return block_quotients(em, fn.expr).to_code(leaf, fconst, fn_code)
+    expr = block_quotients(em, fn.expr)
+    if as_float and expr.dtype == "int" and _int_bounds(em, expr) is not None:
+        return float_leaf(Ix("idx", (), ("float", expr)))
+    code = exact_floats(em, expr).to_code(any_leaf, fconst, fn_code)
+    return f"float32({code})" if as_float and expr.dtype == "int" else code
+
+
+EXACT_F32 = 1 << 24
+"""Integers of at most this magnitude are exact in float32: arithmetic on them that stays inside
+is exact too, and cheaper on a GPU than 64-bit integers and a conversion per score."""
+
+_FLOAT_OPS = {"add": "+", "sub": "-", "mul": "*"}
+_EXACT_OPS = (*_FLOAT_OPS, "neg", "abs", "min", "max")
+
+
+def _int_bounds(em, e: Ix):
+    """``(lo, hi)`` of int expression ``e`` over the kernel's indices when it is built of axis
+    indices, sizes, int constants and ``+ - * neg abs min max`` and every node stays within
+    ``EXACT_F32``; else None."""
+    op = e.op
+    if op == "idx":
+        a = e.value[1] if isinstance(e.value, tuple) else e.value
+        if a == "score" or a not in em.ax:
+            return None
+        return 0, em.sizes[a] + em.ax[a].cap       # a ragged tile's padding indices run past its axis
+    if op in ("size", "const"):
+        v = em.sizes[e.value] if op == "size" else e.value
+        if type(v) is not int:
+            return None
+        lo = hi = v
+    elif op in _EXACT_OPS:
+        kids = [_int_bounds(em, k) for k in e.args]
+        if any(k is None for k in kids):
+            return None
+        if op == "neg":
+            lo, hi = -kids[0][1], -kids[0][0]
+        elif op == "abs":
+            a, b = kids[0]
+            lo, hi = (a, b) if a >= 0 else (-b, -a) if b <= 0 else (0, max(-a, b))
+        elif op in ("min", "max"):
+            f = min if op == "min" else max
+            lo, hi = f(kids[0][0], kids[1][0]), f(kids[0][1], kids[1][1])
+        elif op == "mul":
+            ends = [x * y for x in kids[0] for y in kids[1]]
+            lo, hi = min(ends), max(ends)
+        else:
+            (a, b), (c, d) = kids
+            lo, hi = (a + c, b + d) if op == "add" else (a - d, b - c)
+    else:
+        return None
+    return (lo, hi) if -EXACT_F32 <= lo and hi <= EXACT_F32 else None
+
+
+def exact_floats(em, e: Ix) -> Ix:
+    """``e`` with each int subtree that is converted to float32 (an operand of a float operation)
+    or compared with another such subtree replaced by the leaf ``("float", subtree)``: computed in
+    float32 from float32 indices, exact because every value stays within :data:`EXACT_F32`
+    (:func:`_int_bounds`).  Indices of gathers stay ints."""
+    if not e.args or e.op == "gather":
+        return e
+    exact = [a.dtype == "int" and _int_bounds(em, a) is not None for a in e.args]
+    floats = e.dtype == "float" or (e.op in _CMP and (all(exact) or any(a.dtype == "float" for a in e.args)))
+    if e.op == "where":
+        floats = e.dtype == "float"
+        exact[0] = False
+    args = tuple(Ix("idx", (), ("float", a)) if floats and ok else exact_floats(em, a)
+                 for a, ok in zip(e.args, exact))
+    return Ix(e.op, args, e.value)
 
 
 def _reads(e: Ix, axis: str) -> bool:
     """Whether index expression ``e`` varies along ``axis`` inside a block (reads its index, the
     score, or a gather that does; a block's first index, ``("block", axis)``, does not vary)."""
     if e.op == "idx":
+        if isinstance(e.value, tuple) and e.value[0] == "float":
+            return _reads(e.value[1], axis)
         return e.value in ("score", axis)
     return any(_reads(a, axis) for a in e.args if isinstance(a, Ix))
 
@@ -230,8 +326,7 @@ def _check_index_bias(box):
 def _expr_index_bias(em, box, args, env):
     bias = box.param("bias")
     if bias.kind == "expr":
-        code = index_code(em, box, bias, args, env)
-        return f"{args[0]} + {code if bias.expr.dtype == 'float' else f'float32({code})'}"
+        return f"{args[0]} + {index_code(em, box, bias, args, env, as_float=True)}"
     i = em.gidx(box.param("row"), env)
     j = em.gidx(box.param("col"), env)
     bias = box.param("bias").cuda(i, j, lambda value, name: em.consts.f(

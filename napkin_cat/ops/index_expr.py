@@ -90,7 +90,8 @@ class Ix:
         """``int``, ``float`` or ``bool``."""
         op = self.op
         if op in ("idx", "size"):
-            return "float" if self.value == "score" else "int"
+            # ("float", subtree): a lowering's exact float32 image of an int subtree
+            return "float" if self.value == "score" or isinstance(self.value, tuple) and self.value[0] == "float" else "int"
         if op == "const":
             return "bool" if isinstance(self.value, bool) else "int" if isinstance(self.value, int) else "float"
         if op in ("gather", "fn", "exp2", "log2", "truediv"):
