@@ -72,6 +72,22 @@ def cuda_time(fn, reps=20, inner=None, budget_s=1.0) -> float:
     return statistics.median(times)
 
 
+def device_ms(fn, calls: int = 20) -> float:
+    """CUDA kernel milliseconds per call of ``fn``: the sum of the device time of every kernel it
+    launches (``torch.profiler``, CUPTI), without the host's time between launches, which
+    :func:`cuda_time` includes where a call's host work outlasts its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+                for ev in prof.key_averages())
+    return total / 1e3 / calls
+
+
 _FLEX: dict = {}
 
 

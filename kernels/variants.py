@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.lowering import planner  # noqa: E402
-from bench import compiled_flex, cuda_time, reference_rows, rel_err  # noqa: E402
+from bench import compiled_flex, cuda_time, device_ms, reference_rows, rel_err  # noqa: E402
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -156,7 +156,7 @@ def flex_variants(gen):
     doc = _doc_ids(FLEX_N, gen).to(DEV)
     n_ax = nc.Axis("n", FLEX_N)
     nh = nc.Axis("nh", H)
-    out = {}
+    out = {"dense": (dict(), None, None, {})}     # the yardstick: the same kernel with no variant
     rel = lambda s, b, h, i, j: s + (i - j) * 0.01
     out["relative_bias"] = (dict(score_mod=rel), rel, None, {})
     sl = nc.aux("slope", nh)
@@ -199,7 +199,7 @@ def _flex_reference(Q, K, V, score, mask, rows, heads):
     return torch.matmul(torch.softmax(S, dim=-1), v)
 
 
-def flex_variant(name, spec, gen, tiles=None, dt="f32"):
+def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     kw, score, mask, aux_tensors = spec
     N, D, B, H = FLEX_N, FLEX_D, FLEX_B, FLEX_H
@@ -207,8 +207,8 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32"):
     ndt = {"f32": nc.f32, "f16": nc.f16, "bf16": nc.bf16}[dt]
     dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, dtype=ndt, **kw).bind(
         {q: N, x: N, d: D, h: H, b: B})
-    t, threads, prefetch = FLEX_TILES.get(dt, FLEX_TILES["f16"])
-    tiles = tiles or t
+    t, th, prefetch = FLEX_TILES.get(dt, FLEX_TILES["f16"])
+    tiles, threads = tiles or t, threads or th
     kernel = nc.lower(dia, tiles=tiles, threads=threads, prefetch=prefetch, verify=False)
     Q, K, V = (torch.randn(B, H, N, D, device=DEV, generator=gen).to(TORCH_DT[dt]) for _ in range(3))
     # auxiliary inputs in the dtype the diagram declares for them (16-bit in a 16-bit kernel)
@@ -227,19 +227,33 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32"):
     fo = flex(Q, K, V, score_mod=score, block_mask=bm)
     flex_err = rel_err(fo[:, :2, rows], ref)
     flex_ms = cuda_time(lambda: flex(Q, K, V, score_mod=score, block_mask=bm))
+    # kernel time alone (CUPTI), both sides: FlexAttention's host work per call (guards, the block
+    # mask's arguments) can outlast a short kernel, and then the events above time the host
+    kernel_ms, flex_kernel_ms = device_ms(run), device_ms(lambda: flex(Q, K, V, score_mod=score, block_mask=bm))
     dense = 4 * B * H * N * N * D
     data = {"bt": aux_tensors["bt"].cpu().numpy()} if "bt" in aux_tensors else None
     share = float(nc.cost(dia.stream("x", tiles["x"]).tile("q", tiles["q"]), data=data).flops["tensor"]) / dense
     r = {"kind": "flex", "variant": name, "dtype": dt, "N": N, "d": D, "BH": B * H, "tiles": tiles,
          "threads": threads, "prefetch": prefetch, "mma": "mma_" in kernel.source, "ms": ms,
          "rel_err": err, "flex_ms": flex_ms, "flex_rel_err": flex_err, "kept_share": share,
+         "kernel_ms": kernel_ms, "flex_kernel_ms": flex_kernel_ms,
          "sdpa_dense_ms": cuda_time(lambda: torch.nn.functional.scaled_dot_product_attention(Q, K, V)),
          "smem": kernel.launch.dynamic_smem_bytes, "mappings": kernel.mappings}
     r.update(kernel.compiled_info())
     return r
 
 
-def main_flex(out: Path, gen, dtypes=("f32", "f16"), only=()):
+def _tilings(text: str):
+    """``"q=64,x=64,threads=128;..."`` -> [(tiles, threads)]; empty: the defaults (FLEX_TILES)."""
+    out = []
+    for part in (p for p in text.split(";") if p.strip()):
+        kv = dict(item.split("=") for item in part.split(","))
+        threads = int(kv.pop("threads")) if "threads" in kv else None
+        out.append(({k: int(v) for k, v in kv.items()}, threads))
+    return out or [(None, None)]
+
+
+def main_flex(out: Path, gen, dtypes=("f32", "f16"), only=(), tilings=((None, None),)):
     res = []
     specs = flex_variants(gen)
     unknown = set(only) - set(specs)
@@ -249,22 +263,28 @@ def main_flex(out: Path, gen, dtypes=("f32", "f16"), only=()):
         for name, spec in specs.items():
             if only and name not in only:
                 continue
-            t0 = time.perf_counter()
-            try:
-                r = flex_variant(name, spec, gen, dt=dt)
-            except Exception as e:  # noqa: BLE001
-                r = {"kind": "flex", "variant": name, "dtype": dt, "error": f"{type(e).__name__}: {str(e)[:400]}"}
-            r["wall_s"] = time.perf_counter() - t0
-            res.append(r)
-            print(json.dumps(r, default=str), flush=True)
-            (out / f"variants_flex_{'_'.join(dtypes)}.json").write_text(json.dumps(res, indent=1, default=str))
-    print("\nvariant            dtype mma  kept    ms   flex_ms  x_flex  sdpa_dense  err")
+            for tiles, threads in tilings:
+                t0 = time.perf_counter()
+                try:
+                    r = flex_variant(name, spec, gen, tiles=tiles, dt=dt, threads=threads)
+                except Exception as e:  # noqa: BLE001
+                    r = {"kind": "flex", "variant": name, "dtype": dt, "tiles": tiles,
+                         "error": f"{type(e).__name__}: {str(e)[:400]}"}
+                r["wall_s"] = time.perf_counter() - t0
+                res.append(r)
+                print(json.dumps(r, default=str), flush=True)
+                (out / f"variants_flex_{'_'.join(dtypes)}.json").write_text(json.dumps(res, indent=1, default=str))
+    print("\n| variant | dtype | tiles | threads | regs | kept | ms | Flex ms | vs Flex | kernel ms | Flex kernel ms "
+          "| vs Flex (kernels) | SDPA dense ms | err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res:
         if "error" in r:
-            print("ERR", r["variant"], r.get("dtype"), r["error"][:200])
+            print(f"| {r['variant']} | {r.get('dtype')} | {r.get('tiles')} | ERROR {r['error'][:200]} |")
             continue
-        print(f"{r['variant']:18s} {r['dtype']:5s} {str(r['mma'])[0]:3s} {r['kept_share']:5.3f} {r['ms']:7.3f} "
-              f"{r['flex_ms']:7.3f} {r['flex_ms'] / r['ms']:6.2f} {r['sdpa_dense_ms']:8.3f}  {r['rel_err']:.0e}")
+        print(f"| {r['variant']} | {r['dtype']} | {r['tiles']['q']} x {r['tiles']['x']} | {r['threads']} | "
+              f"{r.get('registers')} | {r['kept_share']:.3f} | {r['ms']:.3f} | {r['flex_ms']:.3f} | "
+              f"{r['flex_ms'] / r['ms']:.2f}x | {r['kernel_ms']:.3f} | {r['flex_kernel_ms']:.3f} | "
+              f"{r['flex_kernel_ms'] / r['kernel_ms']:.2f}x | {r['sdpa_dense_ms']:.3f} | {r['rel_err']:.0e} |")
 
 
 def main(argv=None):
@@ -273,13 +293,16 @@ def main(argv=None):
     ap.add_argument("--only", default="")
     ap.add_argument("--dtypes", default="f32,f16", help="--only flex: comma list of f32, f16, bf16")
     ap.add_argument("--variants", default="", help="--only flex: comma list of variant names (default all)")
+    ap.add_argument("--tiles", default="", help='--only flex: tilings to run each variant at, "q=64,x=64,threads=128;..."'
+                    " (default: FLEX_TILES)")
     args = ap.parse_args(argv)
     gen = torch.Generator(device=DEV).manual_seed(0)
     res = []
     out = Path(args.out)
     print(torch.cuda.get_device_name(0), torch.__version__, flush=True)
     if args.only == "flex":
-        return main_flex(out, gen, tuple(args.dtypes.split(",")), tuple(v for v in args.variants.split(",") if v))
+        return main_flex(out, gen, tuple(args.dtypes.split(",")), tuple(v for v in args.variants.split(",") if v),
+                         _tilings(args.tiles))
     jobs = []
     if args.only in ("", "attention"):
         jobs += [("a", (4096, D, causal, 16, t, pf, sw)) for D, causal, t, pf, sw in ATT]
