@@ -135,7 +135,10 @@ def matmul_variant(M, tiles, pf, sw, gen):
 
 FLEX_N, FLEX_D, FLEX_B, FLEX_H, WINDOW, BLOCK = 4096, 64, 2, 16, 256, 64
 TABLE_BLOCK = 128     # FlexAttention's default block size
-FLEX_TILES = {"f32": ({"q": 128, "x": 64}, 256, False), "f16": ({"q": 128, "x": 64}, 128, False)}
+FLEX_TILES = {"f32": ({"q": 128, "x": 64}, 256, False), "f16": ({"q": 128, "x": 64}, 128, "auto")}
+"""dtype -> (tiles, threads, prefetch): 16-bit kernels take ``prefetch="auto"`` (two cp.async buffers
+per streamed input where registers and shared memory allow: ``planner.auto_prefetch``), as
+``nc.torch_op`` does."""
 TORCH_DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -199,7 +202,7 @@ def _flex_reference(Q, K, V, score, mask, rows, heads):
     return torch.matmul(torch.softmax(S, dim=-1), v)
 
 
-def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None):
+def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=None):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     kw, score, mask, aux_tensors = spec
     N, D, B, H = FLEX_N, FLEX_D, FLEX_B, FLEX_H
@@ -207,8 +210,8 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None):
     ndt = {"f32": nc.f32, "f16": nc.f16, "bf16": nc.bf16}[dt]
     dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, dtype=ndt, **kw).bind(
         {q: N, x: N, d: D, h: H, b: B})
-    t, th, prefetch = FLEX_TILES.get(dt, FLEX_TILES["f16"])
-    tiles, threads = tiles or t, threads or th
+    t, th, pf = FLEX_TILES.get(dt, FLEX_TILES["f16"])
+    tiles, threads, prefetch = tiles or t, threads or th, pf if prefetch is None else prefetch
     kernel = nc.lower(dia, tiles=tiles, threads=threads, prefetch=prefetch, verify=False)
     Q, K, V = (torch.randn(B, H, N, D, device=DEV, generator=gen).to(TORCH_DT[dt]) for _ in range(3))
     # auxiliary inputs in the dtype the diagram declares for them (16-bit in a 16-bit kernel)
@@ -253,7 +256,7 @@ def _tilings(text: str):
     return out or [(None, None)]
 
 
-def main_flex(out: Path, gen, dtypes=("f32", "f16"), only=(), tilings=((None, None),)):
+def main_flex(out: Path, gen, dtypes=("f32", "f16"), only=(), tilings=((None, None),), prefetch=None):
     res = []
     specs = flex_variants(gen)
     unknown = set(only) - set(specs)
@@ -266,7 +269,7 @@ def main_flex(out: Path, gen, dtypes=("f32", "f16"), only=(), tilings=((None, No
             for tiles, threads in tilings:
                 t0 = time.perf_counter()
                 try:
-                    r = flex_variant(name, spec, gen, tiles=tiles, dt=dt, threads=threads)
+                    r = flex_variant(name, spec, gen, tiles=tiles, dt=dt, threads=threads, prefetch=prefetch)
                 except Exception as e:  # noqa: BLE001
                     r = {"kind": "flex", "variant": name, "dtype": dt, "tiles": tiles,
                          "error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -274,14 +277,14 @@ def main_flex(out: Path, gen, dtypes=("f32", "f16"), only=(), tilings=((None, No
                 res.append(r)
                 print(json.dumps(r, default=str), flush=True)
                 (out / f"variants_flex_{'_'.join(dtypes)}.json").write_text(json.dumps(res, indent=1, default=str))
-    print("\n| variant | dtype | tiles | threads | regs | kept | ms | Flex ms | vs Flex | kernel ms | Flex kernel ms "
+    print("\n| variant | dtype | tiles | threads | prefetch | regs | kept | ms | Flex ms | vs Flex | kernel ms | Flex kernel ms "
           "| vs Flex (kernels) | SDPA dense ms | err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res:
         if "error" in r:
             print(f"| {r['variant']} | {r.get('dtype')} | {r.get('tiles')} | ERROR {r['error'][:200]} |")
             continue
-        print(f"| {r['variant']} | {r['dtype']} | {r['tiles']['q']} x {r['tiles']['x']} | {r['threads']} | "
+        print(f"| {r['variant']} | {r['dtype']} | {r['tiles']['q']} x {r['tiles']['x']} | {r['threads']} | {r['prefetch']} | "
               f"{r.get('registers')} | {r['kept_share']:.3f} | {r['ms']:.3f} | {r['flex_ms']:.3f} | "
               f"{r['flex_ms'] / r['ms']:.2f}x | {r['kernel_ms']:.3f} | {r['flex_kernel_ms']:.3f} | "
               f"{r['flex_kernel_ms'] / r['kernel_ms']:.2f}x | {r['sdpa_dense_ms']:.3f} | {r['rel_err']:.0e} |")
@@ -295,6 +298,8 @@ def main(argv=None):
     ap.add_argument("--variants", default="", help="--only flex: comma list of variant names (default all)")
     ap.add_argument("--tiles", default="", help='--only flex: tilings to run each variant at, "q=64,x=64,threads=128;..."'
                     " (default: FLEX_TILES)")
+    ap.add_argument("--prefetch", default="", choices=("", "none", "regs", "double", "auto"),
+                    help="--only flex: every kernel's prefetch (default: FLEX_TILES')")
     args = ap.parse_args(argv)
     gen = torch.Generator(device=DEV).manual_seed(0)
     res = []
@@ -302,7 +307,7 @@ def main(argv=None):
     print(torch.cuda.get_device_name(0), torch.__version__, flush=True)
     if args.only == "flex":
         return main_flex(out, gen, tuple(args.dtypes.split(",")), tuple(v for v in args.variants.split(",") if v),
-                         _tilings(args.tiles))
+                         _tilings(args.tiles), {"": None, "none": False, "regs": True}.get(args.prefetch, args.prefetch))
     jobs = []
     if args.only in ("", "attention"):
         jobs += [("a", (4096, D, causal, 16, t, pf, sw)) for D, causal, t, pf, sw in ATT]
