@@ -20,7 +20,7 @@ Block sizes: given.
 
 import math
 
-from numba import cuda, float32, int64, uint32
+from numba import cuda, float32, int64, uint32, uint64
 
 from napkin_cat.lowering.runtime import simulator_active
 

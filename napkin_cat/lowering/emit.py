@@ -288,7 +288,7 @@ class Emitter(Loads, Phases):
         for note in self.notes:
             head.append(note)
         head.append('"""')
-        lines = head + ["", "import math", "", "from numba import cuda, float32, int64, uint32", "",
+        lines = head + ["", "import math", "", "from numba import cuda, float32, int64, uint32, uint64", "",
                         "from napkin_cat.lowering.runtime import simulator_active", "",
                         *self._primitive_imports(),
                         "SIMULATOR = simulator_active()",

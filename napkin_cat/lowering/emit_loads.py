@@ -52,12 +52,13 @@ class Loads:
             regs = {n.var: self.names.fresh(f"{self.types[n.var].name}_next") for n in loads}
             for n in loads:
                 src(f"{regs[n.var]} = cuda.local.array({self.plan.load_plan(n.var)[1]}, {self._reg_type(n.var)})")
+            first = self._first_chunk(lp, lo, hi, src)
             # a mask may start the loop past the axis (lo >= hi): then there is nothing to fetch
-            with src.maybe(None if lo == self.consts.u(0, "U0") else f"{lo} < {hi}"):
-                self._emit_fetch(loads, regs, lo, src, lp.axis)
+            with src.maybe(None if first == self.consts.u(0, "U0") else f"{first} < {hi}"):
+                self._emit_fetch(loads, regs, first, src, lp.axis)
         else:
             src.comment(f"stream {a.name} in chunks of {a.cap}")
-        with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
+        with src.block(self._chunk_header(lp, lo, hi, first if loads else None, src)):
             if a.ragged:
                 src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
             empty = self._chunk_flags(lp, src)
@@ -65,15 +66,71 @@ class Loads:
                 for n in loads:
                     self._emit_load(n.var, src, regs[n.var])
                 self.sync(src)
-                nxt = self.names.fresh(f"{a.name}_next")
-                src(f"{nxt} = {a.start} + {a.cap_c}")
+                nxt = self._next_chunk(lp, hi, src)
                 with src.block(f"if {nxt} < {hi}:"):
                     self._emit_fetch(loads, regs, nxt, src, lp.axis)
             body = [n for n in lp.body if not (loads and isinstance(n, Load))]
             self._emit_guarded(body, empty, src)
             self.pending_sync = True
             self.sync(src)
+            if loads:
+                self._advance(lp, nxt, src)
         self._drop_flags(lp)
+
+    # ---- which chunks a prefetching loop visits
+    def _skips_by_data(self, lp: Loop) -> bool:
+        """Whether a block table (data) masks whole chunks of ``lp``: then a loop that fetches
+        one chunk ahead visits the chunks it computes only, and fetches the next of those."""
+        return any(s.pred.block_atoms() and not s.transposed for s in self.plan.skips[lp.axis])
+
+    def _next_kept(self, lp: Loop, start: str, hi: str, src: Source) -> str:
+        """The first chunk at or after ``start`` that no block table masks whole (``hi`` or past
+        it when none): a scan of the table's entries, which the tile loaded and every thread reads
+        alike, so the block stays in step."""
+        a = saved = self.ax[lp.axis]
+        name = self.names.fresh(f"{a.name}_kept")
+        src(f"{name} = uint64({start})")
+        with src.block(f"while {name} < {hi}:"):
+            self.ax[lp.axis] = replace(saved, start=name)
+            if saved.ragged:
+                cnt = self.names.fresh(f"len_{a.name}")
+                src(f"{cnt} = min({a.cap_c}, {a.size_c} - {name})")
+                self.ax[lp.axis] = replace(self.ax[lp.axis], count=cnt)
+            flags = dict(self.full_flags)
+            empty = self._chunk_flags(lp, src)
+            self.full_flags.clear()            # the scanned chunk's flags are not the current one's
+            self.full_flags.update(flags)
+            with src.maybe(None if empty is None else f"not {empty}"):
+                src("break")
+            src(f"{name} = {name} + {a.cap_c}")
+        self.ax[lp.axis] = saved
+        return name
+
+    def _first_chunk(self, lp: Loop, lo: str, hi: str, src: Source) -> str:
+        return self._next_kept(lp, lo, hi, src) if self._skips_by_data(lp) else lo
+
+    def _chunk_header(self, lp: Loop, lo: str, hi: str, first: str | None, src: Source) -> str:
+        """``for x0 in range(lo, hi, cap):``, or, for a prefetching loop (``first``: its first
+        chunk) over chunks a block table skips, ``while x0 < hi:`` from ``first`` over the kept
+        chunks (:meth:`_advance` moves it)."""
+        a = self.ax[lp.axis]
+        if first is None or not self._skips_by_data(lp):
+            return f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"
+        src(f"{a.start} = {first}")
+        return f"while {a.start} < {hi}:"
+
+    def _next_chunk(self, lp: Loop, hi: str, src: Source) -> str:
+        """The chunk a prefetching loop fetches next: the following one, or the next kept one."""
+        a = self.ax[lp.axis]
+        if self._skips_by_data(lp):
+            return self._next_kept(lp, f"{a.start} + {a.cap_c}", hi, src)
+        nxt = self.names.fresh(f"{a.name}_next")
+        src(f"{nxt} = {a.start} + {a.cap_c}")
+        return nxt
+
+    def _advance(self, lp: Loop, nxt: str, src: Source):
+        if self._skips_by_data(lp):
+            src(f"{self.ax[lp.axis].start} = {nxt}")
 
     def _emit_async_loop(self, lp: Loop, src: Source):
         """Double buffering with ``cp.async`` (16-bit inputs, :meth:`_vector_ok`): chunk c + 1 is
@@ -105,13 +162,13 @@ class Loads:
 
         par = self.names.fresh(f"buf_{a.name}")
         src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
-        with src.block(f"if {lo} < {hi}:"):
-            issue(lo, k.u(0, "U0"))
-        with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
+        first = self._first_chunk(lp, lo, hi, src)
+        with src.block(f"if {first} < {hi}:"):
+            issue(first, k.u(0, "U0"))
+        with src.block(self._chunk_header(lp, lo, hi, first, src)):
             if a.ragged:
                 src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
-            nxt = self.names.fresh(f"{a.name}_next")
-            src(f"{nxt} = {a.start} + {a.cap_c}")
+            nxt = self._next_chunk(lp, hi, src)
             with src.block(f"if {nxt} < {hi}:"):
                 issue(nxt, f"({k.u(1, 'U1')} - {par})")
                 src("cp_async_wait1()  # this chunk's copies have landed; the next one's may not")
@@ -128,6 +185,7 @@ class Loads:
             self.pending_sync = True
             self.sync(src)
             src(f"{par} = {k.u(1, 'U1')} - {par}")
+            self._advance(lp, nxt, src)
         self._drop_flags(lp)
         for b in bufs:
             del self.cur[b.key]
@@ -146,8 +204,9 @@ class Loads:
         regs = {n.var: self.names.fresh(f"{self.types[n.var].name}_next") for n in loads}
         for n in loads:
             src(f"{regs[n.var]} = cuda.local.array({self.plan.load_plan(n.var)[1]}, {self._reg_type(n.var)})")
-        with src.block(f"if {lo} < {hi}:"):
-            self._emit_fetch(loads, regs, lo, src, lp.axis)
+        first = self._first_chunk(lp, lo, hi, src)
+        with src.block(f"if {first} < {hi}:"):
+            self._emit_fetch(loads, regs, first, src, lp.axis)
             for n, b in zip(loads, bufs):
                 self.cur[b.key] = b.name if b.offset else k.u(0, "U0")
                 self._emit_load(n.var, src, regs[n.var])
@@ -155,7 +214,7 @@ class Loads:
         self.sync(src)
         par = self.names.fresh(f"buf_{a.name}")
         src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
-        with src.block(f"for {a.start} in range({lo}, {hi}, {a.cap_c}):"):
+        with src.block(self._chunk_header(lp, lo, hi, first, src)):
             if a.ragged:
                 src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
             stride = {}
@@ -164,8 +223,7 @@ class Loads:
                 self.cur[b.key] = self.names.fresh(f"{b.name}_cur")
                 base = b.name if b.offset else k.u(0, "U0")
                 src(f"{self.cur[b.key]} = {base} + {par} * {stride[b.name]}")
-            nxt = self.names.fresh(f"{a.name}_next")
-            src(f"{nxt} = {a.start} + {a.cap_c}")
+            nxt = self._next_chunk(lp, hi, src)
             with src.block(f"if {nxt} < {hi}:"):
                 self._emit_fetch(loads, regs, nxt, src, lp.axis)
             body = [n for n in lp.body if not isinstance(n, Load)]
@@ -182,6 +240,7 @@ class Loads:
             self.pending_sync = True
             self.sync(src)
             src(f"{par} = {k.u(1, 'U1')} - {par}")
+            self._advance(lp, nxt, src)
         self._drop_flags(lp)
         for b in bufs:
             del self.cur[b.key]
