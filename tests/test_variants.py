@@ -405,3 +405,41 @@ def test_fragment_epilogue_with_many_gathers_is_written_row_by_row():
         args = [a.astype(np.float16) for a in (Q, K, V)] + [np.asarray(a, np.float16) for a in extra]
         out = np.asarray(kernel(*args), np.float64)
         assert np.abs(out - ref).max() < 2e-3, (rows, np.abs(out - ref).max())
+
+
+@pytest.mark.slow
+def test_backward_skips_the_query_chunks_a_block_table_masks():
+    """The backward's dK, dV kernel streams the queries inside key tiles: the mask's rows are
+    the streamed axis (transposed).  A block table skips those chunks too (``q_empty``), and a
+    chunk it keeps whole skips the mask's arithmetic (``q_full``); the causal mask gets the same
+    ``q_full`` flags.  Gradients through ``nc.torch_op`` (the simulator) match float64 autograd."""
+    import torch
+    from napkin_cat.lowering.torch_op import backward_plan
+    n, dd, blk = 32, 8, 8
+    ids = np.repeat([0.0, 1.0, 2.0], [11, 5, 16]).astype(np.float32)
+    m, blocked = _document(n, blk)
+    table = nc.block_table(m, n, n, blk, blk, {"doc": ids})
+    att = nc.library.attention(q=q, x=x, d=d, mask=blocked).bind({q: n, x: n, d: dd})
+    flash = att.stream("x", 8).tile("q", 8)
+    dkdv = backward_plan(flash).parts[1]
+    assert {a.name for a in dkdv.cod} == {"dK", "dV"}
+    src = nc.lower(dkdv, tiles={"g_x": 8, "s_q": 8}, threads=16, verify=False).source
+    assert re.search(r"q_empty\d* = .*# the block table masks the whole chunk: skipped", src)
+    assert re.search(r"q_full\d* = bt_full", src)
+    causal = nc.library.attention(q=q, x=x, d=d, causal=True).bind({q: n, x: n, d: dd}).stream("x", 8).tile("q", 8)
+    csrc = nc.lower(backward_plan(causal).parts[1], tiles={"g_x": 8, "s_q": 8}, threads=16, verify=False).source
+    assert "q_full = x0 + TILE_x <= q0 + U1" in csrc and "q_begin = " in csrc
+    rng = np.random.default_rng(13)
+    Q, K, V = (torch.tensor(rng.standard_normal((n, dd)), dtype=torch.float32, requires_grad=True) for _ in range(3))
+    op = nc.torch_op(flash, threads=16)
+    O = op(Q, K, V, torch.tensor(table), torch.tensor(ids))
+    dO = torch.tensor(rng.standard_normal((n, dd)), dtype=torch.float32)
+    got = torch.autograd.grad(O, (Q, K, V), dO)
+    assert op.last_backward_path.startswith("simulator")
+    Qr, Kr, Vr = (t.detach().double().requires_grad_() for t in (Q, K, V))
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    doc = torch.tensor(ids)
+    S = (Qr @ Kr.T / np.sqrt(dd)).masked_fill(~((doc[i] == doc[j]) & (j <= i)), float("-inf"))
+    want = torch.autograd.grad(torch.softmax(S, -1) @ Vr, (Qr, Kr, Vr), dO.double())
+    for g, w in zip(got, want):
+        assert (g.double() - w).abs().max() < 1e-5

@@ -186,7 +186,7 @@ def index_code(em, box, fn, args, env, as_float: bool = False) -> str:
     fconst = lambda value: em.consts.f(value, comment=f"{box.name} constant")
     fn_code = lambda name, x: fn_expr(em.consts, name, [f"({x})" if compound(x) else x])
     expr = block_quotients(em, fn.expr)
-    if as_float and expr.dtype == "int" and _int_bounds(em, expr) is not None:
+    if as_float and expr.dtype == "int" and EXACT_FLOATS and _int_bounds(em, expr) is not None:
         return float_leaf(Ix("idx", (), ("float", expr)))
     code = exact_floats(em, expr).to_code(any_leaf, fconst, fn_code)
     return f"float32({code})" if as_float and expr.dtype == "int" else code
@@ -195,6 +195,10 @@ def index_code(em, box, fn, args, env, as_float: bool = False) -> str:
 EXACT_F32 = 1 << 24
 """Integers of at most this magnitude are exact in float32: arithmetic on them that stays inside
 is exact too, and cheaper on a GPU than 64-bit integers and a conversion per score."""
+
+EXACT_FLOATS = True
+"""Compute exact integer index arithmetic in float32 (:func:`exact_floats`); False keeps it in
+int64 (a switch for measuring the rule: ``kernels/probes/index_floats.py``)."""
 
 _FLOAT_OPS = {"add": "+", "sub": "-", "mul": "*"}
 _EXACT_OPS = (*_FLOAT_OPS, "neg", "abs", "min", "max")
@@ -243,7 +247,7 @@ def exact_floats(em, e: Ix) -> Ix:
     or compared with another such subtree replaced by the leaf ``("float", subtree)``: computed in
     float32 from float32 indices, exact because every value stays within :data:`EXACT_F32`
     (:func:`_int_bounds`).  Indices of gathers stay ints."""
-    if not e.args or e.op == "gather":
+    if not e.args or e.op == "gather" or not EXACT_FLOATS:
         return e
     exact = [a.dtype == "int" and _int_bounds(em, a) is not None for a in e.args]
     floats = e.dtype == "float" or (e.op in _CMP and (all(exact) or any(a.dtype == "float" for a in e.args)))

@@ -81,7 +81,7 @@ class Loads:
     def _skips_by_data(self, lp: Loop) -> bool:
         """Whether a block table (data) masks whole chunks of ``lp``: then a loop that fetches
         one chunk ahead visits the chunks it computes only, and fetches the next of those."""
-        return any(s.pred.block_atoms() and not s.transposed for s in self.plan.skips[lp.axis])
+        return any(s.pred.block_atoms() for s in self.plan.skips[lp.axis])
 
     def _next_kept(self, lp: Loop, start: str, hi: str, src: Source) -> str:
         """The first chunk at or after ``start`` that no block table masks whole (``hi`` or past
@@ -300,20 +300,23 @@ class Loads:
                 else:
                     src(f"{start} = max({lo}, {_paren(first)} // {a.cap_c} * {a.cap_c})  # {earlier}")
                 lo = start
-        if any(p.block_atoms() for _, p, _ in self._chunk_masks(lp)):
+        if any(p.block_atoms() for _, p, _, _ in self._chunk_masks(lp)):
             self.sync(src)      # the block tables (loaded with the tile) are read per chunk
         return lo, hi
 
     # ---- per-chunk mask states
     def _chunk_masks(self, lp: Loop):
-        """``(eqn, predicate, row axis)`` of the masks over (a tiled row axis, ``lp``'s axis)."""
+        """``(eqn, predicate, tiled axis, transposed)`` of the masks over a tiled axis and
+        ``lp``'s: rows tiled and columns streamed, or (``transposed``: the backward's dK / dV)
+        rows streamed and columns tiled."""
         out = []
         for k, e in enumerate(self.dd.eqns):
-            if e.box.kind != "mask" or e.box.param("col") != lp.axis:
+            if e.box.kind != "mask":
                 continue
-            row = e.box.param("row")
-            if row in self.ax and self.ax[row].role == "grid":
-                out.append((k, e.box.param("pred"), row))
+            row, col = e.box.param("row"), e.box.param("col")
+            for tiled, streamed, transposed in ((row, col, False), (col, row, True)):
+                if streamed == lp.axis and tiled in self.ax and self.ax[tiled].role == "grid":
+                    out.append((k, e.box.param("pred"), tiled, transposed))
         return out
 
     def _chunk_flags(self, lp: Loop, src: Source) -> str | None:
@@ -329,21 +332,24 @@ class Loads:
         a = self.ax[lp.axis]
         flags = self.full_flags
         self._chunk_entries = {}
-        skipping = {(s.row, s.pred) for s in self.plan.skips[lp.axis] if s.pred.block_atoms() and not s.transposed}
+        skipping = {(s.row, s.pred, s.transposed) for s in self.plan.skips[lp.axis] if s.pred.block_atoms()}
         empties = []
         lg = _CodeLogic(k.u)
-        c0, c1 = Code(a.start), Code(f"{a.start} + {a.count}")
-        for eqn, pred, row in self._chunk_masks(lp):
-            r = self.ax[row]
-            r0, r1 = Code(r.start), Code(f"{r.start} + {r.count}")
-            atom = lambda at, eqn=eqn, pred=pred, row=row, r0=r0, r1=r1: self._block_atom(
-                at, eqn, pred, (row, lp.axis), r0, r1, c0, c1, src)
+        chunk = (Code(a.start), Code(f"{a.start} + {a.count}"))
+        for eqn, pred, tiled, transposed in self._chunk_masks(lp):
+            t = self.ax[tiled]
+            tile = (Code(t.start), Code(f"{t.start} + {t.count}"))
+            # in the mask's (row, column) order: the tile's rows and the chunk's columns, or transposed
+            (r0, r1), (c0, c1) = (chunk, tile) if transposed else (tile, chunk)
+            over = (lp.axis, tiled) if transposed else (tiled, lp.axis)
+            atom = lambda at, eqn=eqn, pred=pred, over=over, r0=r0, r1=r1, c0=c0, c1=c1: self._block_atom(
+                at, eqn, pred, over, r0, r1, c0, c1, src)
             full, empty = pred.chunk_state(r0, r1, c0, c1, CodeAlgebra, lg, atom)
             if full is not False:
                 name = self.names.fresh(f"{a.name}_full")
                 src(f"{name} = {full}  # the mask keeps the whole chunk: its arithmetic is skipped")
-                flags[(row, lp.axis, pred)] = name
-            if (row, pred) in skipping and empty is not False:
+                flags[(*over, pred)] = name
+            if (tiled, pred, transposed) in skipping and empty is not False:
                 empties.append(empty)
         if not empties:
             return None
@@ -408,7 +414,7 @@ class Loads:
 
     def _drop_flags(self, lp: Loop):
         flags = self.full_flags
-        for key in [key for key in flags if key[1] == lp.axis]:
+        for key in [key for key in flags if lp.axis in key[:2]]:
             del flags[key]
 
     # ---- loads and stores

@@ -251,9 +251,11 @@ class Predicate(_IndexFunction):
         return support(e, c0, c1, al, j, i)
 
     def skips_rows(self) -> bool:
-        """A stream over the rows can skip chunks: :meth:`row_support` bounds them."""
+        """A stream over the rows can skip chunks: :meth:`row_support` bounds them, or the mask
+        reads a block table (skipped chunk by chunk when the kernel runs, as over the columns)."""
         far = 2 ** 31
-        return self.row_support(0, 1, IntAlgebra)[1] is not None or self.row_support(far, far + 1, IntAlgebra)[0] != 0
+        return (self.row_support(0, 1, IntAlgebra)[1] is not None or self.row_support(far, far + 1, IntAlgebra)[0] != 0
+                or (self.rule.support is not None and bool(self.block_atoms())))
 
     def bounded(self) -> bool:
         """The support bounds the columns from above (a stream can skip chunks past it)."""
