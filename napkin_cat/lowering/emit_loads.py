@@ -37,6 +37,12 @@ class _CodeLogic:
         return f"({a} or {b})"
 
 
+TRANSPOSED_FLAGS = True
+"""Chunk flags (kept whole, masked whole by a block table) also for masks whose rows a loop
+streams (the backward's dK, dV: queries streamed inside key tiles); False: only for masks whose
+columns it streams (a switch for measuring: ``kernels/probes/table_fwd_bwd.py --compare``)."""
+
+
 class Loads:
     """The load and stream-loop part of the renderer (see the module docstring)."""
 
@@ -81,7 +87,7 @@ class Loads:
     def _skips_by_data(self, lp: Loop) -> bool:
         """Whether a block table (data) masks whole chunks of ``lp``: then a loop that fetches
         one chunk ahead visits the chunks it computes only, and fetches the next of those."""
-        return any(s.pred.block_atoms() for s in self.plan.skips[lp.axis])
+        return any(s.pred.block_atoms() and (TRANSPOSED_FLAGS or not s.transposed) for s in self.plan.skips[lp.axis])
 
     def _next_kept(self, lp: Loop, start: str, hi: str, src: Source) -> str:
         """The first chunk at or after ``start`` that no block table masks whole (``hi`` or past
@@ -314,7 +320,7 @@ class Loads:
             if e.box.kind != "mask":
                 continue
             row, col = e.box.param("row"), e.box.param("col")
-            for tiled, streamed, transposed in ((row, col, False), (col, row, True)):
+            for tiled, streamed, transposed in ((row, col, False), (col, row, True))[:1 + TRANSPOSED_FLAGS]:
                 if streamed == lp.axis and tiled in self.ax and self.ax[tiled].role == "grid":
                     out.append((k, e.box.param("pred"), tiled, transposed))
         return out
