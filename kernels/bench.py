@@ -72,10 +72,9 @@ def cuda_time(fn, reps=20, inner=None, budget_s=1.0) -> float:
     return statistics.median(times)
 
 
-def device_ms(fn, calls: int = 20) -> float:
-    """CUDA kernel milliseconds per call of ``fn``: the sum of the device time of every kernel it
-    launches (``torch.profiler``, CUPTI), without the host's time between launches, which
-    :func:`cuda_time` includes where a call's host work outlasts its kernels."""
+def kernel_ms(fn, calls: int = 20) -> dict:
+    """CUDA milliseconds per call of each kernel ``fn`` launches, by name (``torch.profiler``,
+    CUPTI)."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -83,9 +82,19 @@ def device_ms(fn, calls: int = 20) -> float:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    total = sum(getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-                for ev in prof.key_averages())
-    return total / 1e3 / calls
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            out[ev.key] = out.get(ev.key, 0.0) + t / 1e3 / calls
+    return out
+
+
+def device_ms(fn, calls: int = 20) -> float:
+    """CUDA kernel milliseconds per call of ``fn``: the sum of the device time of every kernel it
+    launches (:func:`kernel_ms`), without the host's time between launches, which
+    :func:`cuda_time` includes where a call's host work outlasts its kernels."""
+    return sum(kernel_ms(fn, calls).values())
 
 
 _FLEX: dict = {}

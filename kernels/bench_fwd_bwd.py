@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.lowering import planner  # noqa: E402
-from bench import compiled_flex, cuda_time, environment  # noqa: E402
+from bench import compiled_flex, cuda_time, environment, kernel_ms  # noqa: E402
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 FORMS = {"auto": None, "one": "one kernel", "two": "two kernels", "both": None}
@@ -144,19 +144,11 @@ PREFETCH = {"none": False, "regs": True, "double": "double", "auto": "auto"}
 
 
 def kernel_breakdown(fn, calls: int = 5) -> dict:
-    """CUDA milliseconds per call of each kernel ``fn`` launches (torch.profiler, CUPTI)."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    """CUDA milliseconds per call of each kernel ``fn`` launches (torch.profiler, CUPTI), the ten
+    longest, names cut to 60 characters."""
     out = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t:
-            out[ev.key[:60]] = round(t / 1e3 / calls, 4)
+    for name, ms in kernel_ms(fn, calls).items():
+        out[name[:60]] = round(out.get(name[:60], 0.0) + ms, 4)
     return dict(sorted(out.items(), key=lambda kv: -kv[1])[:10])
 
 
