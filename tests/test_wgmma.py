@@ -104,6 +104,9 @@ def test_without_the_switch_nothing_moves():
 def test_two_warps_stay_on_mma_sync(warpgroups):
     kernel = nc.lower(_forward(nc.bf16, True).bind({q: 64, x: 32, d: 16}), threads=64, verify=False)
     assert "wgmma" not in kernel.source and "mma_bf16(" in kernel.source
+    # each contraction that stays says why, in the kernel's notes
+    why = [n for n in kernel.notes if n.startswith("Warpgroup MMA: the contraction over")]
+    assert len(why) == 2 and all("stays on mma.sync" in n and "whole warpgroups" in n for n in why), kernel.notes
 
 
 def _parts(dtype, causal):

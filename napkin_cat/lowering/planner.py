@@ -130,8 +130,8 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     prefs = plan_layouts(ff, st, targets, absorbed, accs, ax, sixteen)
     buffers, accs = plan_buffers(ff, ax, st, targets, absorbed, accs, norm_stats, prefs, threads, prefetch,
                                  sixteen)
-    targets, accs, buffers = plan_wgmma(ff, ax, st, targets, accs, buffers, threads, len(ff.diagram.dom),
-                                        absorbed, WGMMA and wgmma_capable())
+    targets, accs, buffers, wg_notes = plan_wgmma(ff, ax, st, targets, accs, buffers, threads, len(ff.diagram.dom),
+                                                  absorbed, WGMMA and wgmma_capable())
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
     launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch, copies)
@@ -139,7 +139,7 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
                       CONTRACTION_UNROLL if unroll is None else int(unroll), frozen_map(ax), tuple(grid_loops),
                       tuple(inner), st, frozen_map(cls), frozen_map(targets), frozen_map(absorbed), tuple(accs),
                       frozen_map(fused), frozen_map(norm_stats), frozen_map(buffers), frozen_map(skips), launch,
-                      tuple(threads_.notes), threads_.dtype, frozen_map(copies), frozen_map(frag_ops))
+                      (*threads_.notes, *wg_notes), threads_.dtype, frozen_map(copies), frozen_map(frag_ops))
 
 
 # --------------------------------------------------------------------------- 1. axes

@@ -78,22 +78,25 @@ def mapping_ok(m: Frag, T: int) -> str | None:
 
 
 def plan_wgmma(ff, ax, st: Structure, targets, accs, bufs, T: int, n_in: int, absorbed, enabled: bool):
-    """(targets, accs, buffers): contractions whose fragments and column buffer allow it move to
-    warpgroup MMAs (``Frag.wg``) and their column buffers to the core-matrix layout (offsets
-    reassigned).  A mapping shared by several contractions moves only if each of them can."""
+    """(targets, accs, buffers, notes): contractions whose fragments and column buffer allow it
+    move to warpgroup MMAs (``Frag.wg``) and their column buffers to the core-matrix layout
+    (offsets reassigned); ``notes`` say why each other one stays on ``mma.sync``.  A mapping
+    shared by several contractions moves only if each of them can."""
     if not enabled:
-        return targets, accs, bufs
+        return targets, accs, bufs, ()
     found = list(_contractions(ff, st, targets, accs))
     ok: dict[Frag, bool] = {}
     cores = set()
+    notes = []
     for _, m, ins, red in found:
-        key = column_buffer(ff, ax, m, ins, red, bufs, n_in, targets, absorbed) \
-            if mapping_ok(m, T) is None else None
+        key = mapping_ok(m, T) or column_buffer(ff, ax, m, ins, red, bufs, n_in, targets, absorbed)
         ok[m] = ok.get(m, True) and isinstance(key, tuple)
         if isinstance(key, tuple):
             cores.add((m, key))
+        else:
+            notes.append(f"Warpgroup MMA: the contraction over ({m.row}, {m.col}) stays on mma.sync: {key}.")
     if not any(ok.values()):
-        return targets, accs, bufs
+        return targets, accs, bufs, tuple(notes)
     wg = {m: replace(m, wg=True) for m, good in ok.items() if good}
     targets = {v: (replace(t, mapping=wg[t.mapping]) if t.mapping in wg else t) for v, t in targets.items()}
     accs = [replace(p, main=wg.get(p.main, p.main),
@@ -105,7 +108,7 @@ def plan_wgmma(ff, ax, st: Structure, targets, accs, bufs, T: int, n_in: int, ab
             b = bufs[key]
             what = re.sub(r", rows padded by \d+\)", ")", b.what) + " (core matrices for wgmma)"
             bufs[key] = replace(b, core=True, pad=0, what=what)
-    return targets, accs, assign_offsets(bufs)
+    return targets, accs, assign_offsets(bufs), tuple(notes)
 
 
 def assign_offsets(bufs: dict) -> dict:
