@@ -408,7 +408,8 @@ def test_fragment_epilogue_with_many_gathers_is_written_row_by_row():
 
 
 @pytest.mark.slow
-def test_backward_skips_the_query_chunks_a_block_table_masks():
+@pytest.mark.parametrize("prefetch", [False, True, "double"])
+def test_backward_skips_the_query_chunks_a_block_table_masks(prefetch):
     """The backward's dK, dV kernel streams the queries inside key tiles: the mask's rows are
     the streamed axis (transposed).  A block table skips those chunks too (``q_empty``), and a
     chunk it keeps whole skips the mask's arithmetic (``q_full``); the causal mask gets the same
@@ -423,15 +424,16 @@ def test_backward_skips_the_query_chunks_a_block_table_masks():
     flash = att.stream("x", 8).tile("q", 8)
     dkdv = backward_plan(flash).parts[1]
     assert {a.name for a in dkdv.cod} == {"dK", "dV"}
-    src = nc.lower(dkdv, tiles={"g_x": 8, "s_q": 8}, threads=16, verify=False).source
+    src = nc.lower(dkdv, tiles={"g_x": 8, "s_q": 8}, threads=16, verify=False, prefetch=prefetch).source
     assert re.search(r"q_empty\d* = .*# the block table masks the whole chunk: skipped", src)
     assert re.search(r"q_full\d* = bt_full", src)
+    assert bool(re.search(r"while q0 < ", src)) == bool(prefetch)     # fetching ahead: the kept chunks only
     causal = nc.library.attention(q=q, x=x, d=d, causal=True).bind({q: n, x: n, d: dd}).stream("x", 8).tile("q", 8)
     csrc = nc.lower(backward_plan(causal).parts[1], tiles={"g_x": 8, "s_q": 8}, threads=16, verify=False).source
     assert "q_full = x0 + TILE_x <= q0 + U1" in csrc and "q_begin = " in csrc
     rng = np.random.default_rng(13)
     Q, K, V = (torch.tensor(rng.standard_normal((n, dd)), dtype=torch.float32, requires_grad=True) for _ in range(3))
-    op = nc.torch_op(flash, threads=16)
+    op = nc.torch_op(flash, threads=16, prefetch=prefetch)
     O = op(Q, K, V, torch.tensor(table), torch.tensor(ids))
     dO = torch.tensor(rng.standard_normal((n, dd)), dtype=torch.float32)
     got = torch.autograd.grad(O, (Q, K, V), dO)

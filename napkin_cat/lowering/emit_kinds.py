@@ -15,7 +15,7 @@ from typing import Callable
 from ..core.errors import LoweringError
 from ..ops.functions import CUDA_CONSTANTS, FUNCTIONS
 from ..ops.index import constant_value
-from ..ops.index_expr import _CMP, Ix
+from ..ops.index_expr import COMPARISONS, Ix
 from ..ops.kinds import NORMALISATIONS
 from . import reindex
 
@@ -250,10 +250,7 @@ def exact_floats(em, e: Ix) -> Ix:
     if not e.args or e.op == "gather" or not EXACT_FLOATS:
         return e
     exact = [a.dtype == "int" and _int_bounds(em, a) is not None for a in e.args]
-    floats = e.dtype == "float" or (e.op in _CMP and (all(exact) or any(a.dtype == "float" for a in e.args)))
-    if e.op == "where":
-        floats = e.dtype == "float"
-        exact[0] = False
+    floats = e.dtype == "float" or (e.op in COMPARISONS and (all(exact) or any(a.dtype == "float" for a in e.args)))
     args = tuple(Ix("idx", (), ("float", a)) if floats and ok else exact_floats(em, a)
                  for a, ok in zip(e.args, exact))
     return Ix(e.op, args, e.value)

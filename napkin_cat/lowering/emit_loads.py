@@ -320,7 +320,8 @@ class Loads:
             if e.box.kind != "mask":
                 continue
             row, col = e.box.param("row"), e.box.param("col")
-            for tiled, streamed, transposed in ((row, col, False), (col, row, True))[:1 + TRANSPOSED_FLAGS]:
+            orders = [(row, col, False)] + ([(col, row, True)] if TRANSPOSED_FLAGS else [])
+            for tiled, streamed, transposed in orders:
                 if streamed == lp.axis and tiled in self.ax and self.ax[tiled].role == "grid":
                     out.append((k, e.box.param("pred"), tiled, transposed))
         return out

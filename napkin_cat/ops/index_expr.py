@@ -37,7 +37,9 @@ ROLES = ("score", "b", "h", "i", "j")
 _BIN = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%",
         "and": "&", "or": "|", "xor": "^", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==",
         "ne": "!="}
-_CMP = ("lt", "le", "gt", "ge", "eq", "ne")
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+"""The comparison operators (``bool`` results)."""
+_CMP = COMPARISONS
 
 
 class TraceError(TypingError):
