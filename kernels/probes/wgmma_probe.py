@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from numba import cuda, float32, int16, uint32, uint64  # noqa: E402
 
 from napkin_cat.lowering import tensorcore_gpu  # noqa: E402
-from napkin_cat.lowering.tensorcore_gpu import ldsm_x2, ldsm_x4, mma_f16, shared_addr  # noqa: E402
+from napkin_cat.lowering.tensorcore_gpu import ldsm_x2, ldsm_x4, mma_f16, shared_addr, wgmma_desc  # noqa: E402
 
 
 def cu_source(n: int) -> str:
@@ -86,8 +86,33 @@ def build():
     ns = {"cuda": cuda, "uint32": uint32, "uint64": uint64, "int16": int16, "float32": float32,
           "wg_rs": wg_rs, "wg_wait": wg_wait, "wg_fence": wg_fence, "wg_commit": wg_commit,
           "fence_proxy": fence_proxy, "shared_addr": shared_addr, "mma_f16": mma_f16, "np": np,
-          "wg_ss": wg_ss, "ldsm_x4": ldsm_x4, "ldsm_x2": ldsm_x2}
+          "wg_ss": wg_ss, "ldsm_x4": ldsm_x4, "ldsm_x2": ldsm_x2, "wgmma_desc": wgmma_desc}
     src = f'''
+@cuda.jit(device=True, inline=True)
+def acc_total(acc):
+    # every accumulator of a warpgroup MMA, summed (what a speed kernel writes, so nothing is dead)
+    tot = float32(0)
+    for i in range({R}):
+        tot += acc[i]
+    return tot
+
+
+@cuda.jit(device=True, inline=True)
+def frag_zero(acc):
+    for i in range(8):
+        for j in range(4):
+            acc[i, j] = float32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def frag_total(acc):
+    # every accumulator of the mma.sync fragments, summed
+    tot = float32(0)
+    for i in range(8):
+        for j in range(4):
+            tot += acc[i, j]
+    return tot
+
 @cuda.jit
 def wg_check(A, B, D, kmajor, lbo, sbo, lay_lbo, lay_sbo):
     # A: [64, 16] f16 bits; B: [16, N] f16 bits; D: [64, N] f32
@@ -113,7 +138,7 @@ def wg_check(A, B, D, kmajor, lbo, sbo, lay_lbo, lay_sbo):
     a2 = (uint32(A[r0, 2 * t + 8]) & uint32(0xFFFF)) | ((uint32(A[r0, 2 * t + 9]) & uint32(0xFFFF)) << uint32(16))
     a3 = (uint32(A[r0 + 8, 2 * t + 8]) & uint32(0xFFFF)) | ((uint32(A[r0 + 8, 2 * t + 9]) & uint32(0xFFFF)) << uint32(16))
     addr = uint64(shared_addr(sm))
-    desc = ((addr & uint64(0x3FFFF)) >> uint64(4)) | (uint64(lbo >> 4) << uint64(16)) | (uint64(sbo >> 4) << uint64(32))
+    desc = wgmma_desc(addr, lbo, sbo)
     acc = {ZERO}
     wg_fence()
     tb = 1 - kmajor
@@ -148,14 +173,11 @@ def wg_speed(seed, iters, out):
         wg_fence()
         for s in range(4):
             start = addr + uint64(s * 2 * 128 * {N // 8})
-            desc = ((start & uint64(0x3FFFF)) >> uint64(4)) | (uint64({N // 8 * 128} >> 4) << uint64(16)) | (uint64(128 >> 4) << uint64(32))
+            desc = wgmma_desc(start, {N // 8 * 128}, 128)
             acc = wg_rs(a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], desc, 0, {ARGS})
         wg_commit()
         acc = wg_wait(acc)
-    tot = float32(0)
-    for i in range({R}):
-        tot += acc[i]
-    out[cuda.blockIdx.x * 128 + tid] = tot
+    out[cuda.blockIdx.x * 128 + tid] = acc_total(acc)
 
 
 @cuda.jit
@@ -183,22 +205,19 @@ def wg_variants(seed, iters, mode, out):
         for s in range(4):
             start = addr + uint64(s * 2 * 128 * {N // 8})
             if mode == 2:
-                desc = ((start & uint64(0x3FFFF)) >> uint64(4)) | (uint64({N // 8 * 128} >> 4) << uint64(16)) | (uint64(128 >> 4) << uint64(32))
+                desc = wgmma_desc(start, {N // 8 * 128}, 128)
             else:
-                desc = ((start & uint64(0x3FFFF)) >> uint64(4)) | (uint64(128 >> 4) << uint64(16)) | (uint64({N // 8 * 128} >> 4) << uint64(32))
+                desc = wgmma_desc(start, 128, {N // 8 * 128})
             if mode == 1:
                 astart = aaddr + uint64(s * 256)
-                adesc = ((astart & uint64(0x3FFFF)) >> uint64(4)) | (uint64(128 >> 4) << uint64(16)) | (uint64(1024 >> 4) << uint64(32))
+                adesc = wgmma_desc(astart, 128, 1024)
                 acc = wg_ss(adesc, desc, acc)
             else:
                 a0, a1, a2, a3 = ldsm_x4(sa, (16 * w + l % 16) * 72 + l // 16 * 8 + s * 16)
                 acc = wg_rs(a0, a1, a2, a3, desc, tb, acc)
         wg_commit()
         acc = wg_wait(acc)
-    tot = float32(0)
-    for i in range({R}):
-        tot += acc[i]
-    out[cuda.blockIdx.x * 128 + tid] = tot
+    out[cuda.blockIdx.x * 128 + tid] = acc_total(acc)
 
 
 @cuda.jit
@@ -213,20 +232,14 @@ def mma_ldsm_speed(seed, iters, out):
     w = tid // 32
     l = tid % 32
     acc = cuda.local.array((8, 4), float32)
-    for i in range(8):
-        for j in range(4):
-            acc[i, j] = float32(0)
+    frag_zero(acc)
     for it in range(iters):
         for s in range(4):
             a0, a1, a2, a3 = ldsm_x4(sa, (16 * w + l % 16) * 72 + l // 16 * 8 + s * 16)
             for nt in range({N // 8}):
                 b0, b1 = ldsm_x2(sm, (8 * nt + l % 8) * 72 + (l // 8) % 2 * 8 + s * 16)
                 acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3] = mma_f16(a0, a1, a2, a3, b0, b1, acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
-    tot = float32(0)
-    for i in range(8):
-        for j in range(4):
-            tot += acc[i, j]
-    out[cuda.blockIdx.x * 128 + tid] = tot
+    out[cuda.blockIdx.x * 128 + tid] = frag_total(acc)
 
 
 @cuda.jit
@@ -240,18 +253,12 @@ def mma_speed(seed, iters, out):
     for i in range(64):
         b[i] = (x >> uint32(i % 13)) & uint32(0x3BFF3BFF)
     acc = cuda.local.array((8, 4), float32)
-    for i in range(8):
-        for j in range(4):
-            acc[i, j] = float32(0)
+    frag_zero(acc)
     for it in range(iters):
         for s in range(4):
             for nt in range({N // 8}):
                 acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3] = mma_f16(a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3], b[16 * s + 2 * nt], b[16 * s + 2 * nt + 1], acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
-    tot = float32(0)
-    for i in range(8):
-        for j in range(4):
-            tot += acc[i, j]
-    out[cuda.blockIdx.x * 128 + tid] = tot
+    out[cuda.blockIdx.x * 128 + tid] = frag_total(acc)
 '''
     exec(compile(src, "<wgmma_probe>", "exec"), ns)
     return ns["wg_check"], ns["wg_speed"], ns["mma_speed"], ns["wg_variants"], ns["mma_ldsm_speed"]

@@ -158,9 +158,8 @@ def index_code(em, box, fn, args, env, as_float: bool = False) -> str:
             row.src(f"{row.memo[key]} = {read}")
         return row.memo[key]
 
-    def float_leaf(n):
-        # an exact float32 image of an int subtree; a subtree without the column axis once per row
-        k = n.value[1]
+    def float_leaf(k):
+        # an exact float32 image of int subtree k; a subtree without the column axis once per row
         if row is not None and k.op != "const" and not _reads(k, row.col):
             key = ("float", k.key())
             if key not in row.memo:
@@ -175,19 +174,20 @@ def index_code(em, box, fn, args, env, as_float: bool = False) -> str:
             return f"float32(uint32{start})" if start.startswith("(") and start.endswith(")") else f"float32(uint32({start}))"
         if k.op in ("size", "const"):
             return fconst(float(em.sizes[k.value] if k.op == "size" else k.value))
-        parts = [float_leaf(Ix("idx", (), ("float", a))) for a in k.args]
+        parts = [float_leaf(a) for a in k.args]
         if k.op in _FLOAT_OPS:
             return f"({parts[0]} {_FLOAT_OPS[k.op]} {parts[1]})"
         return f"(-{parts[0]})" if k.op == "neg" else f"{k.op}({', '.join(parts)})"
 
     def any_leaf(n):
-        return float_leaf(n) if isinstance(n.value, tuple) and n.value[0] == "float" else leaf(n)
+        k = _float_image(n)
+        return leaf(n) if k is None else float_leaf(k)
 
     fconst = lambda value: em.consts.f(value, comment=f"{box.name} constant")
     fn_code = lambda name, x: fn_expr(em.consts, name, [f"({x})" if compound(x) else x])
     expr = block_quotients(em, fn.expr)
     if as_float and expr.dtype == "int" and EXACT_FLOATS and _int_bounds(em, expr) is not None:
-        return float_leaf(Ix("idx", (), ("float", expr)))
+        return float_leaf(expr)
     code = exact_floats(em, expr).to_code(any_leaf, fconst, fn_code)
     return f"float32({code})" if as_float and expr.dtype == "int" else code
 
@@ -256,13 +256,18 @@ def exact_floats(em, e: Ix) -> Ix:
     return Ix(e.op, args, e.value)
 
 
+def _float_image(n: Ix) -> Ix | None:
+    """The int subtree that leaf ``n`` stands for in float32 (:func:`exact_floats`), else None."""
+    v = n.value
+    return v[1] if n.op == "idx" and isinstance(v, tuple) and v[0] == "float" else None
+
+
 def _reads(e: Ix, axis: str) -> bool:
     """Whether index expression ``e`` varies along ``axis`` inside a block (reads its index, the
     score, or a gather that does; a block's first index, ``("block", axis)``, does not vary)."""
     if e.op == "idx":
-        if isinstance(e.value, tuple) and e.value[0] == "float":
-            return _reads(e.value[1], axis)
-        return e.value in ("score", axis)
+        k = _float_image(e)
+        return e.value in ("score", axis) if k is None else _reads(k, axis)
     return any(_reads(a, axis) for a in e.args if isinstance(a, Ix))
 
 

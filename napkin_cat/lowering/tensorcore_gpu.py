@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from llvmlite import ir
-from numba import cuda, uint32
+from numba import cuda, int32, uint32, uint64
 
 from .devices import import_cuda
 
@@ -107,12 +107,19 @@ def cp_async16(smem16, soff, src16, goff, valid):
     return _cp16(shared_addr(smem16) + uint32(soff) * uint32(2), addr_of(src16), 0)
 
 
+@cuda.jit(device=True, inline=True)
+def wgmma_desc(addr, lbo, sbo):
+    """A ``wgmma`` matrix descriptor without swizzle: the shared byte address ``addr`` and the byte
+    distances between core matrices adjacent along the reduced axis (``lbo``) and along the
+    operand's own axis (``sbo``), each in 16-byte units (:mod:`.wgmma`)."""
+    return (((addr & uint64(0x3FFFF)) >> uint64(4)) | (uint64(lbo >> 4) << uint64(16))
+            | (uint64(sbo >> 4) << uint64(32)))
+
+
 _WGMMA_WRAPPER = """
 @cuda.jit(device=True, inline=True)
 def wgmma(smem16, off, lbo, sbo, trans, a0, a1, a2, a3, acc):
-    addr = uint64(shared_addr(smem16) + uint32(off) * uint32(2))
-    desc = (((addr & uint64(0x3FFFF)) >> uint64(4)) | (uint64(lbo >> uint32(4)) << uint64(16))
-            | (uint64(sbo >> uint32(4)) << uint64(32)))
+    desc = wgmma_desc(uint64(shared_addr(smem16) + uint32(off) * uint32(2)), lbo, sbo)
     return linked(a0, a1, a2, a3, desc, int32(trans), acc)
 """
 
@@ -137,7 +144,6 @@ def _wgmma_file(n: int) -> str:
 def wgmma_primitive(name: str):
     """The device function behind warpgroup primitive ``name`` (:mod:`.wgmma`; cached by
     :func:`.tensorcore.wgmma_primitive`)."""
-    from numba import int32, uint64
     from .wgmma import FIXED, NAME
     if name in FIXED:
         return _linked[name]
@@ -151,6 +157,6 @@ def wgmma_primitive(name: str):
     linked = cuda.declare_device(f"nc_wgmma_{hit.group(1)}_n{n}",
                                  f"{acc}(uint32, uint32, uint32, uint32, uint64, int32, {acc})", link=_wgmma_file(n))
     ns = {"cuda": cuda, "uint32": uint32, "uint64": uint64, "int32": int32, "shared_addr": shared_addr,
-          "linked": linked}
+          "wgmma_desc": wgmma_desc, "linked": linked}
     exec(compile(_WGMMA_WRAPPER, f"<wgmma {name}>", "exec"), ns)
     return ns["wgmma"]

@@ -39,7 +39,6 @@ _BIN = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "m
         "ne": "!="}
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 """The comparison operators (``bool`` results)."""
-_CMP = COMPARISONS
 
 
 class TraceError(TypingError):
@@ -98,7 +97,7 @@ class Ix:
             return "bool" if isinstance(self.value, bool) else "int" if isinstance(self.value, int) else "float"
         if op in ("gather", "fn", "exp2", "log2", "truediv"):
             return "float"
-        if op in _CMP:
+        if op in COMPARISONS:
             return "bool"
         if op == "where":
             return _join(self.args[1].dtype, self.args[2].dtype)
@@ -297,7 +296,7 @@ class Ix:
             return fconst(float(v))
         dt = self.dtype
         parts = [k.to_code(leaf, fconst, fn_code) for k in a]
-        if dt == "float" or op in _CMP:
+        if dt == "float" or op in COMPARISONS:
             # operands meet as float32 unless both are ints
             if op not in ("where",) and any(k.dtype == "float" for k in a):
                 parts = [f"float32({p})" if k.dtype != "float" else p for p, k in zip(parts, a)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .index_expr import _CMP, NEG_INF, Ix
+from .index_expr import COMPARISONS, NEG_INF, Ix
 
 _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
 _NEGATE = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
@@ -66,7 +66,7 @@ def _sup(e, r0, r1, al, i, j, neg):
         b = _sup(e.args[1], r0, r1, al, i, j, neg)
         conj = (op == "and") != neg
         return _meet(a, b, al) if conj else _hull(a, b, al)
-    if op in _CMP:
+    if op in COMPARISONS:
         cmp = _NEGATE[op] if neg else op
         return _compare(cmp, e.args[0], e.args[1], r0, r1, al, i, j)
     return (0, None)
@@ -198,7 +198,7 @@ def block_atoms(e: Ix, i: str = "i", j: str = "j") -> tuple[BlockAtom, ...]:
     """The block atoms of a mask (data-dependent block skipping applies when there are any)."""
     out = []
     for n in e.walk():
-        if n.op in _CMP:
+        if n.op in COMPARISONS:
             a = block_atom(n.op, n.args[0], n.args[1], i, j)
             if a is not None and a not in out:
                 out.append(a)
@@ -246,7 +246,7 @@ def _state(e, box, al, lg, atom, i, j, neg):
         if (op == "and") != neg:
             return _and(lg, fa, fb), _or(lg, ea, eb)
         return _or(lg, fa, fb), _and(lg, ea, eb)
-    if op in _CMP:
+    if op in COMPARISONS:
         cmp = _NEGATE[op] if neg else op
         a = block_atom(cmp, e.args[0], e.args[1], i, j)
         if a is not None:
@@ -281,7 +281,7 @@ def _or(lg, a, b):
 def kept(e: Ix, r0, r1, al, i: str = "i", j: str = "j"):
     """For a comparison ``e``: ``(lo, hi)``, the columns ``lo <= j < hi`` that every row in
     ``[r0, r1)`` keeps (``hi`` None: no end; ``(0, 0)``: none known)."""
-    if e.op not in _CMP:
+    if e.op not in COMPARISONS:
         return 0, 0
     return _kept_compare(e.op, e.args[0], e.args[1], r0, r1, al, i, j)
 
