@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import planner  # noqa: E402
+from napkin_cat.lowering import emit_mma, planner  # noqa: E402
 from bench import compiled_flex, cuda_time, environment, kernel_ms  # noqa: E402
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
@@ -212,7 +212,8 @@ def main(argv=None):
                     "symbol=size (the op's blocks: s_x, g_q forward; g_x, s_q the dK, dV kernel; g_q, s_x dQ); "
                     "every case runs once per choice, peers with the first; an upper-case NAME=0|1 in a "
                     "choice sets that tunable of napkin_cat.lowering.planner for the choice (FRAG_OPERANDS=0: "
-                    "the backward's P and dS through shared memory, as before that pass)")
+                    "the backward's P and dS through shared memory, as before that pass; HOIST_REGISTERS=0: no row "
+                    "fragments held in registers across the stream loops)")
     ap.add_argument("--out", default=str(ROOT / "kernels"))
     args = ap.parse_args(argv)
     choices = [{k: int(v) for k, v in (kv.split("=") for kv in c.split(",") if kv)} for c in args.tiles.split(";")]
@@ -227,17 +228,18 @@ def main(argv=None):
         for n, tiles in enumerate(choices):
             switches = {k: v for k, v in tiles.items() if k.isupper()}
             blocks = {k: v for k, v in tiles.items() if not k.isupper()}
-            saved = {k: getattr(planner, k) for k in switches}
+            home = {k: next(m for m in (planner, emit_mma) if hasattr(m, k)) for k in switches}
+            saved = {k: getattr(home[k], k) for k in switches}
             try:
                 for k, v in switches.items():
-                    setattr(planner, k, type(saved[k])(v))
+                    setattr(home[k], k, type(saved[k])(v))
                 r = case(dt, N, D, causal, BH, not args.no_check, args.backward, args.prefetch, blocks, n == 0)
             except Exception as e:  # noqa: BLE001 - recorded with the case, the run goes on
                 r = {"dtype": dt, "N": N, "d": D, "causal": causal, "tiles": blocks,
                      "error": f"{type(e).__name__}: {str(e)[:300]}"}
             finally:
                 for k, v in saved.items():
-                    setattr(planner, k, v)
+                    setattr(home[k], k, v)
             r["switches"] = switches
             results["cases"].append(r)
             print(json.dumps(r), flush=True)

@@ -82,8 +82,11 @@ def test_backward_parts_for_a_gpu_read_p_and_ds_from_registers(monkeypatch):
     assert re.search(r"dS_r = cuda\.local\.array.*# dS kept for dK's update", body)
     assert "pack_f16(P_r[0, 0], P_r[0, 1])" in body and "pack_f16(dS_r[0, 0], dS_r[0, 1])" in body
     assert "pack_f16(dS_r[0, 0], dS_r[0, 1])" in _body(dq)
-    assert body.count("cuda.syncthreads()") == 2                       # the loads', and the loop end's
-    assert _body(bodies[False, "dK"]).count("cuda.syncthreads()") == 4
+    loop = body[body.index("    for q0 in range("):]
+    assert loop.count("cuda.syncthreads()") == 2                       # the loads', and the loop end's
+    assert body.count("cuda.syncthreads()") == 3          # and once before it: K's, V's fragments (.emit_mma)
+    unfused = _body(bodies[False, "dK"])
+    assert unfused[unfused.index("    for q0 in range("):].count("cuda.syncthreads()") == 4
     # the dQ kernel's query rows still read L and D once per fragment row
     assert re.search(r"^\s*D_\d+ = smem\[D_s \+ ", _body(dq), re.M)
 

@@ -163,10 +163,10 @@ def test_a_planted_fragment_indexing_bug_is_caught():
     bound = flash.bind({q: 16, x: 16, d: 16})
     kernel = nc.lower(bound, threads=32, verify=False)
     src = kernel.source
-    start = src.index("a00, a01, a02, a03 = ldsm_x4(")
-    line_end = src.index("\n", start)
-    call = src[start:line_end]
-    bad = src.replace(call, call.replace("a00, a01, a02, a03 =", "a00, a02, a01, a03 ="), 1)
+    line = re.search(r"^\s*(\w+), (\w+), (\w+), (\w+) = ldsm_x4\(.*$", src, re.M)   # Q's first A fragment
+    call = line.group(0)
+    r0, r1, r2, r3 = line.groups()
+    bad = src.replace(call, call.replace(f"{r0}, {r1}, {r2}, {r3} =", f"{r0}, {r2}, {r1}, {r3} ="), 1)
     assert bad != src
     broken = type(kernel)(kernel.diagram, bad, kernel.name, kernel.launch, kernel.schedule, _Gen(kernel))
     rng = np.random.default_rng(0)

@@ -22,6 +22,7 @@ from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, scaled_exponent
 from . import reindex
 from .emit_loads import Loads
+from .emit_mma import FragHoist, loaded_vars
 from .emit_threads import GROUP_HELPERS, Phases
 from .plan import Buffer, KernelPlan, Target
 from .source import Constants, Names, Source, paren as _paren
@@ -264,6 +265,8 @@ class Emitter(Loads, Phases):
         body = Source(1)
         self.pending_sync = self.pending_async = False
         self.reg_copy = {}   # target var -> its register copy (.register_copies)
+        self.frag_hoists = []   # the enclosing stream loops' preambles, innermost last (.emit_mma)
+        self.hoisted_regs = 0
         try:
             self._emit_prologue(body)
             self._emit_nodes(self.plan.inner, body)
@@ -390,7 +393,10 @@ class Emitter(Loads, Phases):
             elif isinstance(n, Compute):
                 self._emit_compute(n.eqn, src)
             elif isinstance(n, Loop):
+                settled = not (self.pending_async or self.pending_sync)
+                self.frag_hoists.append(FragHoist(src.slot(), n.axis, loaded_vars(n.body), settled))
                 self._emit_stream_loop(n, src)
+                self.frag_hoists.pop()
             elif isinstance(n, Init):
                 ACC_CODEGEN[self.ff.accumulators[n.acc].rule].init(self, self.accs[n.acc], src)
             elif isinstance(n, Update):

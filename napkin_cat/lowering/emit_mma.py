@@ -25,7 +25,10 @@ The primitives (and their simulated twins, which check this indexing in CI) are 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from ..core.errors import LoweringError
+from ..relabel.loopnest import Load, Loop
 from .plan import Frag
 from .source import Source
 from .tensorcore import DTYPES
@@ -34,6 +37,80 @@ from .wgmma import emit_wgmma
 UNROLL_LIMIT = 256
 """At most this many mma calls are written out per contraction (all its 16-wide steps unrolled
 in the source); beyond it the steps are a loop (operands in registers need the unrolled form)."""
+
+HOIST_REGISTERS = 32
+"""Registers per thread a kernel may spend on row-operand fragments loaded once before a stream
+loop instead of once per chunk (:func:`hoisted_fragments`; 0: never).  32 hold FlashAttention's
+Q at d = 64 on 4 warps of 32 rows (fp16 forward on an H100: 0.473 -> 0.455 ms,
+``kernels/probes/wgmma_pipeline.py``); a contraction whose fragments do not fit is left alone."""
+
+HOIST_CEILING = 255
+"""Fragments are hoisted only while the plan's register estimate plus them stays at or below
+this, the registers a thread can have (the dK, dV kernel at d = 128, estimated 258, already
+spills: hoisting K there took its spills from 276 to 884 bytes, ``kernels/ptx_resources.py``)."""
+
+
+@dataclass
+class FragHoist:
+    """A stream loop's preamble: a slot before the loop for fragments of shared buffers the loop
+    never rewrites (``varying``: the inputs its body loads), and the register names already there
+    by ``(buffer key, mapping, reduced axis, row tile, step)``."""
+    slot: Source
+    axis: str
+    varying: frozenset
+    settled: bool          # every shared write before the slot already waited for and behind a barrier
+    names: dict = field(default_factory=dict)
+    opened: bool = False
+
+
+def loaded_vars(nodes) -> frozenset:
+    """The variables a loop body (nested loops included) loads into shared memory."""
+    out = set()
+    for n in nodes:
+        if isinstance(n, Load):
+            out.add(n.var)
+        elif isinstance(n, Loop):
+            out |= loaded_vars(n.body)
+    return frozenset(out)
+
+
+def hoisted_fragments(em, m: Frag, key, kax: str, steps: int):
+    """``{(row tile, step): four register names}`` of the A fragments of a contraction whose row
+    operand sits in shared buffer ``key`` that the innermost enclosing stream loop never rewrites
+    (an input loaded before the loop: FlashAttention's Q while K, V stream), ``ldmatrix``-ed once
+    in the loop's preamble (after every copy has landed and a barrier) instead of once per chunk;
+    None when there is no such loop, the buffer changes in it, or the fragments would take the
+    kernel past :data:`HOIST_REGISTERS`."""
+    if not em.frag_hoists or key[0] != "var" or key[1] >= em.n_in:
+        return None
+    h = em.frag_hoists[-1]
+    if key[1] in h.varying:
+        return None
+    want = {(mt, ks): (key, m, kax, mt, ks) for mt in range(m.MT) for ks in range(steps)}
+    new = [w for w in want.values() if w not in h.names]
+    more = em.hoisted_regs + 4 * len(new)
+    if more > HOIST_REGISTERS or em.plan.launch.registers + more > HOIST_CEILING:
+        return None
+    if new:
+        k, s = em.consts, h.slot
+        if not h.opened and not h.settled:
+            s.comment(f"fragments that stay in registers for the whole stream over {h.axis}: every copy "
+                      f"issued so far has landed, then they are read once")
+            s("cp_async_wait_all()")
+            em.barrier(s)
+        h.opened = True
+        frag_begin(em, m, s)
+        ld = LdMatrix(em, m, kax, s)
+        b = em.bufs[key]
+        for w in new:
+            _, _, _, mt, ks = w
+            names = [em.names.fresh(f"{b.name}_a{mt}{ks}_{reg}") for reg in range(4)]
+            s(f"{', '.join(names)} = {ld.a_tile(key, mt, k.u(16 * ks))}")
+            h.names[w] = names
+        em.hoisted_regs += 4 * len(new)
+        em.notes += (f"Registers: the tensor-core fragments of {b.name} ({4 * len(new)} per thread) are "
+                     f"read once before the stream over {h.axis}, not once per chunk.",)
+    return {mk: h.names[w] for mk, w in want.items()}
 
 
 def frag_begin(em, m: Frag, src: Source) -> None:
@@ -117,9 +194,12 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
         c1 = str(int(c0) + 1) if c0.isdigit() else f"{c0} + 1"
         return f"{dt.pack}({o.frag}[{i}, {c0}], {o.frag}[{i}, {c1}])"
 
-    ldsm = LdMatrix(em, m, kax, src) if A.buffer is not None or (B.buffer is not None and not m.wg) else None
+    held = (hoisted_fragments(em, m, A.buffer, kax, steps)
+            if A.buffer is not None and unrolled and HOIST_REGISTERS > 0 else None)
+    a_ldsm = A.buffer is not None and held is None
+    ldsm = LdMatrix(em, m, kax, src) if a_ldsm or (B.buffer is not None and not m.wg) else None
     if ldsm is not None:
-        ldsm.lane_bases((A.buffer, "a"), (B.buffer if not m.wg else None, "b"))
+        ldsm.lane_bases((A.buffer if a_ldsm else None, "a"), (B.buffer if not m.wg else None, "b"))
 
     def a_regs(ks: str, literal: bool) -> tuple[dict, str, str]:
         """This warp's A fragments of step ``ks`` (names by (row tile, register)), the lane's
@@ -129,6 +209,9 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
         k16 = k.u(16 * int(ks)) if literal else f"{ks} * {k.u(16)}"
         a = {}
         for mt in range(m.MT):
+            if held is not None:
+                a.update({(mt, reg): nm for reg, nm in enumerate(held[mt, int(ks)])})
+                continue
             if A.buffer is not None:
                 names = [em.names.fresh(f"a{mt}{reg}") for reg in range(4)]
                 src(f"{', '.join(names)} = {ldsm.a_tile(A.buffer, mt, k16)}")

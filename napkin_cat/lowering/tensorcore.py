@@ -67,7 +67,7 @@ DTYPES = {
 }
 
 SHARED_PRIMITIVES = ("ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t", "pin",
-                     "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1")
+                     "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1", "cp_async_wait2")
 """The primitives every 16-bit kernel imports, whatever its dtype (beside its dtype's four)."""
 
 PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf", *SHARED_PRIMITIVES)
@@ -198,7 +198,8 @@ def _sim_primitives() -> dict:
                 h2f=h2f, bf2f=bf2f, f2h=f2h, f2bf=f2bf,
                 ldsm_x4=lambda a, o: _sim_ldsm(a, o, 4, False), ldsm_x4_t=lambda a, o: _sim_ldsm(a, o, 4, True),
                 ldsm_x2=lambda a, o: _sim_ldsm(a, o, 2, False), ldsm_x2_t=lambda a, o: _sim_ldsm(a, o, 2, True),
-                pin=lambda v: v, cp_async16=cp_async16, cp_async_wait_all=done, cp_async_commit=done, cp_async_wait1=done)
+                pin=lambda v: v, cp_async16=cp_async16, cp_async_wait_all=done, cp_async_commit=done, cp_async_wait1=done,
+                cp_async_wait2=done)
 
 
 def sim_wgmma(values, n: int, smem16, off, lbo, sbo, trans, a0, a1, a2, a3, acc):
@@ -235,7 +236,7 @@ def sim_wgmma_primitive(name: str):
     hit = NAME.match(name)
     if hit is None:
         return None
-    if hit.group(3):
+    if hit.group(3) or hit.group(4):
         return lambda acc: tuple(acc)
     values = _f16_values if hit.group(1) == "f16" else _bf16_values
     n = int(hit.group(2))

@@ -27,7 +27,7 @@ SIGNATURES = {
     "ldsm_x4": "UniTuple(uint32, 4)(uint32)", "ldsm_x4_t": "UniTuple(uint32, 4)(uint32)",
     "ldsm_x2": "UniTuple(uint32, 2)(uint32)", "ldsm_x2_t": "UniTuple(uint32, 2)(uint32)",
     "pin": "uint32(uint32)", "cp_async16": "int32(uint32, uint64, int32)", "cp_async_wait_all": "int32()",
-    "cp_async_commit": "int32()", "cp_async_wait1": "int32()",
+    "cp_async_commit": "int32()", "cp_async_wait1": "int32()", "cp_async_wait2": "int32()",
     "wgmma_fence": "int32()", "wgmma_commit": "int32()", "fence_proxy_async": "int32()",
 }
 """The linked functions of ``tensorcore.cu`` (``nc_`` + name) and their numba signatures; the
@@ -78,6 +78,7 @@ _ldsm_x2, _ldsm_x2_t = _linked["ldsm_x2"], _linked["ldsm_x2_t"]
 pin = _linked["pin"]
 _cp16, cp_async_wait_all = _linked["cp_async16"], _linked["cp_async_wait_all"]
 cp_async_commit, cp_async_wait1 = _linked["cp_async_commit"], _linked["cp_async_wait1"]
+cp_async_wait2 = _linked["cp_async_wait2"]
 
 
 @cuda.jit(device=True, inline=True)
@@ -150,10 +151,11 @@ def wgmma_primitive(name: str):
     hit = NAME.match(name)
     if hit is None:
         raise AttributeError(name)
-    n = int(hit.group(2) or hit.group(3))
+    n = int(hit.group(2) or hit.group(3) or hit.group(4))
     acc = f"UniTuple(float32, {n // 2})"
-    if hit.group(3):
-        return cuda.declare_device(f"nc_wgmma_wait_n{n}", f"{acc}({acc})", link=_wgmma_file(n))
+    if hit.group(3) or hit.group(4):
+        depth = "1" if hit.group(4) else ""
+        return cuda.declare_device(f"nc_wgmma_wait{depth}_n{n}", f"{acc}({acc})", link=_wgmma_file(n))
     linked = cuda.declare_device(f"nc_wgmma_{hit.group(1)}_n{n}",
                                  f"{acc}(uint32, uint32, uint32, uint32, uint64, int32, {acc})", link=_wgmma_file(n))
     ns = {"cuda": cuda, "uint32": uint32, "uint64": uint64, "int32": int32, "shared_addr": shared_addr,

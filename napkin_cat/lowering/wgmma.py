@@ -51,7 +51,7 @@ for all; more registers live), instead of each step's just before its ``wgmma``.
 MIN_CC = (9, 0)
 """Compute capability with ``wgmma`` (sm_90a: H100, H200)."""
 
-NAME = re.compile(r"^wgmma_(f16|bf16)_n(\d+)$|^wgmma_wait_n(\d+)$")
+NAME = re.compile(r"^wgmma_(f16|bf16)_n(\d+)$|^wgmma_wait_n(\d+)$|^wgmma_wait1_n(\d+)$")
 FIXED = ("wgmma_fence", "wgmma_commit", "fence_proxy_async")
 """The primitives every kernel with a warpgroup MMA imports, beside its ``wgmma_*_n{N}``."""
 
@@ -164,5 +164,10 @@ def cu_source(n: int) -> str:
         f'extern "C" __device__ int nc_wgmma_wait_n{n}(nc_acc{n}* ret, {params}) {{\n'
         f'  nc_acc{n} o; {init}\n'
         f'  asm volatile("wgmma.wait_group.sync.aligned 0;\\n" : {outs} :: "memory");\n'
+        f'  *ret = o;\n  return 0;\n}}')
+    text.append(   # the older groups done, the newest may still run: its accumulators must not pass here
+        f'extern "C" __device__ int nc_wgmma_wait1_n{n}(nc_acc{n}* ret, {params}) {{\n'
+        f'  nc_acc{n} o; {init}\n'
+        f'  asm volatile("wgmma.wait_group.sync.aligned 1;\\n" : {outs} :: "memory");\n'
         f'  *ret = o;\n  return 0;\n}}')
     return "\n\n".join(text) + "\n"

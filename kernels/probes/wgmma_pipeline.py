@@ -1,0 +1,258 @@
+"""Probe: what the generated fp16 attention forward on warpgroup MMAs gains from (a) the row
+operand's fragments held in registers across the stream loop (Q is loop-invariant: FlashAttention
+keeps it in registers) and (b) FlashAttention-3's intra-warpgroup pipeline (the update of chunk
+c - 1 runs on the tensor cores while chunk c's softmax runs on the CUDA cores).
+
+    NUMBA_ENABLE_CUDASIM=0 python kernels/probes/wgmma_pipeline.py [--d 64] [--blocks 128,64,128]
+    NUMBA_ENABLE_CUDASIM=1 python kernels/probes/wgmma_pipeline.py --check   # the edits, simulated
+
+The edits are text transforms of the generated source (this probe's measurement, not the
+generator): they decide whether the generator should learn them.  Each kernel is checked against
+float64 before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "kernels"))
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat.lowering import planner  # noqa: E402
+
+
+def _find(lines, pattern, start=0, stop=None):
+    rx = re.compile(pattern)
+    for i in range(start, len(lines) if stop is None else stop):
+        if rx.search(lines[i]):
+            return i
+    raise ValueError(f"no line matches {pattern!r}")
+
+
+def hoist_q(src: str) -> str:
+    """Load the row operand's ``ldmatrix`` fragments of the scores' contraction once, before the
+    stream loop (after its copy has landed), instead of once per chunk."""
+    lines = src.splitlines()
+    loop = _find(lines, r"^    for x0 in range\(")
+    moved, keep = [], lines[:loop + 1]
+    pat = r"^\s+(lm\w* = tid % U32|Q_s_lane\w* = pin\(|a\w+, a\w+, a\w+, a\w+ = ldsm_x4\(smem16, Q_s_lane)"
+    for ln in lines[loop + 1:]:
+        (moved if re.match(pat, ln) else keep).append("    " + ln.strip() if re.match(pat, ln) else ln)
+    assert any("Q_s_lane" in m for m in moved), "no Q fragments found"
+    pre = ["    cp_async_wait_all()  # probe: Q's copy landed before its fragments are read", "    cuda.syncthreads()"]
+    text = "\n".join(keep[:loop] + pre + moved + keep[loop:]) + "\n"
+    return text
+
+
+def late_prefetch(src: str) -> str:
+    """Issue the next chunk's copies after this chunk's wait, proxy fence and barrier (not before
+    the wait), and drop the proxy fence before the loop's closing barrier: a proxy fence waits for
+    every copy this thread has in flight, so a fence after the next chunk's copies were issued
+    waits for them too and the double buffer overlaps nothing.  The closing barrier goes too: the
+    next iteration's barrier now comes before its copies overwrite this chunk's buffers."""
+    lines = src.splitlines()
+    loop = _find(lines, r"^    for x0 in range\(")
+    i0 = _find(lines, r"^        if x_next < N_x:", loop)
+    j0 = _find(lines, r"^            cp_async_commit\(\)", i0)
+    fetch = lines[i0:j0 + 1]
+    k = j0 + 1
+    assert lines[k].strip().startswith("cp_async_wait1()") and lines[k + 1].strip() == "else:"
+    assert lines[k + 2].strip() == "cp_async_wait_all()" and lines[k + 3].strip() == "fence_proxy_async()"
+    assert lines[k + 4].strip() == "cuda.syncthreads()"
+    top = ["        cp_async_wait_all()", "        fence_proxy_async()", "        cuda.syncthreads()", *fetch]
+    out = lines[:i0] + top + lines[k + 5:]
+    end = _find(out, r"^        buf_x = U1 - buf_x", loop)
+    assert out[end - 1].strip() == "cuda.syncthreads()" and out[end - 2].strip() == "fence_proxy_async()"
+    del out[end - 2:end]          # the next iteration's barrier comes before its copies are issued
+    return "\n".join(out) + "\n"
+
+
+def pipeline(src: str) -> str:
+    """FlashAttention-3's intra-warpgroup overlap on the (hoisted) warpgroup kernel: chunk c's
+    scores are issued, then chunk c - 1's update (its probabilities kept packed in registers, its
+    V still in its buffer), then the softmax of chunk c runs while the update is on the tensor
+    cores; K of chunk c + 1 is fetched at the top, V of chunk c + 1 once the update of c - 1 no
+    longer reads its buffer."""
+    lines = hoist_q(src).splitlines()
+    loop = _find(lines, r"^    for x0 in range\(")
+    end = _find(lines, r"^    # O\[", loop)          # the epilogue after the loop
+    body = lines[loop + 1:end]
+    ind = " " * 8
+    kf = _find(body, r"^\s+K_s_fill2 = ")
+    vf = _find(body, r"^\s+V_s_fill2 = ")
+    cm = _find(body, r"^\s+cp_async_commit\(\)", vf)
+    k_lines, v_lines = body[kf:vf], body[vf:cm]
+    s0 = _find(body, r"^\s+V_s_cur = ") + 1
+    s_commit = _find(body, r"^\s+wgmma_commit\(\)", s0)
+    s_wait = body[s_commit + 1:_find(body, r"^\s+# S = ", s_commit)]
+    sm0 = _find(body, r"^\s+# S = ", s_commit)
+    sm1 = _find(body, r"^\s+# update O: o \+= ", sm0)
+    softmax = body[sm0:sm1]
+    rs = _find(softmax, r"O_o\[i, j\] \*= delta")
+    assert softmax[rs - 1].strip() == "for j in range(U16):"
+    softmax = softmax[:rs - 1] + [softmax[rs - 1].replace("for j in range(U16):", "O_dl[i] = delta")] + softmax[rs + 1:]
+    pv = body[sm1:_find(body, r"^\s+fence_proxy_async\(\)", sm1)]
+    packs = [ln for ln in pv if "pack_f16(" in ln]
+    pv_tuples = [ln for ln in pv if re.match(r"^\s+O_o_wg\d* = \(", ln)]
+    pv_mma = [ln.replace("V_s_cur", "V_s_prv") for ln in pv if re.match(r"^\s+O_o_wg\d* = wgmma_f16_n", ln)]
+    pv_wait = [ln for ln in pv if "wgmma_wait_n" in ln or re.match(r"^\s+O_o\[0, 0\]|^\s+O_o\[2, 0\]", ln)]
+    names = [ln.split("=")[0].strip() for ln in packs]
+    s_wait = [ln.replace("wgmma_wait_n", "wgmma_wait1_n") for ln in s_wait]
+    new = [
+        "    O_dl = cuda.local.array(4, float32)  # probe: each row's rescale, applied once the update landed",
+        *[f"    {n} = pack_f16(ZERO, ZERO)  # probe: chunk c - 1's probabilities, packed" for n in names],
+        lines[loop],
+        f"{ind}x_next = x0 + CHUNK_x",
+        f"{ind}cp_async_wait_all()",
+        f"{ind}fence_proxy_async()",
+        f"{ind}cuda.syncthreads()",
+        f"{ind}if x_next < N_x:",
+        *k_lines,
+        f"{ind}    cp_async_commit()",
+        f"{ind}K_s_cur = K_s + buf_x * STRIDE_K_s",
+        f"{ind}V_s_prv = V_s + ((U1 - buf_x) if x0 > U0 else buf_x) * STRIDE_V_s",
+        *body[s0:s_commit + 1],
+        *pv_tuples,
+        f"{ind}wgmma_fence()",
+        *pv_mma,
+        f"{ind}wgmma_commit()",
+        *s_wait,
+        *softmax,
+        *pv_wait,
+        f"{ind}for i in range(U4):",
+        f"{ind}    for j in range(U16):",
+        f"{ind}        O_o[i, j] *= O_dl[i]",
+        *packs,
+        f"{ind}cuda.syncthreads()",
+        f"{ind}if x_next < N_x:",
+        *v_lines,
+        f"{ind}    cp_async_commit()",
+        f"{ind}buf_x = U1 - buf_x",
+        "    cp_async_wait_all()",
+        "    fence_proxy_async()",
+        "    cuda.syncthreads()",
+        "    V_s_prv = V_s + (U1 - buf_x) * STRIDE_V_s",
+        *[ln[4:] for ln in pv_tuples],
+        "    wgmma_fence()",
+        *[ln[4:] for ln in pv_mma],
+        "    wgmma_commit()",
+        *[ln[4:] for ln in pv_wait],
+    ]
+    out = lines[:loop] + new + lines[end:]
+    text = "\n".join(out) + "\n"
+    head, sep, tail = text.partition("  # noqa: F401")    # the primitives' import line
+    return head + ", wgmma_wait1_n64" + sep + tail
+
+
+TRANSFORMS = {"none": lambda s: s, "hoist": hoist_q, "late": late_prefetch,
+              "hoist-late": lambda s: late_prefetch(hoist_q(s)), "pipe": pipeline}
+
+
+def variant(kernel, name: str):
+    k = copy.copy(kernel)
+    k.source = TRANSFORMS[name](kernel.source)
+    k._dispatcher, k._launchers, k._fast = None, {}, None    # nothing compiled for the original
+    return k
+
+
+def lower(N, D, BH, blocks, wg: bool):
+    q, x, d, h, b = nc.axes("q x d h b")
+    dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, causal=False, dtype=nc.f16).bind(
+        {q: N, x: N, d: D, h: BH, b: 1})
+    tq, tx, thr = map(int, blocks.split(","))
+    planner.WGMMA = wg
+    try:
+        return nc.lower(dia, prefetch="auto", verify=False, tiles={"q": tq, "x": tx}, threads=thr)
+    finally:
+        planner.WGMMA = True
+
+
+def check_sim():
+    """The edits keep the mathematics: each variant against float64 in the simulator."""
+    import numpy as np
+    N, D = 256, 64
+    rng = np.random.default_rng(0)
+    Q, K, V = (rng.standard_normal((1, 1, N, D)).astype(np.float16) for _ in range(3))
+    s = Q[0, 0].astype(np.float64) @ K[0, 0].astype(np.float64).T / 8.0
+    p = np.exp(s - s.max(1, keepdims=True))
+    ref = (p / p.sum(1, keepdims=True)) @ V[0, 0].astype(np.float64)
+    for wg, names in ((False, ("none", "hoist")), (True, ("none", "late", "hoist-late", "pipe"))):
+        base = lower(N, D, 1, "128,64,128", wg)
+        for name in names:
+            out = np.asarray(variant(base, name)(Q, K, V), dtype=np.float64)[0, 0]
+            print(f"wgmma={wg} {name}: max error {np.abs(out - ref).max():.2e}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--blocks", default="128,64,128")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--once", action="store_true", help="launch each kernel once (for ncu), no timing")
+    ap.add_argument("--dump", default="")
+    ap.add_argument("--only", default="", help="comma list of engine:edit (mma:none, wg:pipe, ...)")
+    args = ap.parse_args()
+    if args.check:
+        return check_sim()
+    if args.dump:
+        wg, name = args.dump.split(":")
+        print(variant(lower(4096, args.d, 32, args.blocks, wg == "wg"), name).source)
+        return
+    import torch
+    from bench import cuda_time, device_ms, reference_rows, rel_err
+    N, B, H, D = 4096, 2, 16, args.d
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    Q, K, V = (torch.randn(B, H, N, D, device="cuda", generator=gen).half() for _ in range(3))
+    sel = torch.randperm(N, device="cuda", generator=gen)[:128].sort().values
+    ref = reference_rows(Q, K, V, False, D ** -0.5, sel, 2)
+    rows = []
+    for wg, names in ((False, ("none", "hoist")), (True, ("none", "late", "hoist-late", "pipe"))):
+        if args.only and not any(f"{'wg' if wg else 'mma'}:{n}" in args.only.split(",") for n in names):
+            continue
+        base = lower(N, D, H * B, args.blocks, wg)
+        for name in names:
+            if args.only and f"{'wg' if wg else 'mma'}:{name}" not in args.only.split(","):
+                continue
+            k = variant(base, name)
+            O = torch.full_like(Q, float("nan")).view(1, B * H, N, D)
+            run = k.prepare(Q.view(1, B * H, N, D), K.view(1, B * H, N, D), V.view(1, B * H, N, D), out=O)
+            run()
+            torch.cuda.synchronize()
+            err = rel_err(O.view(B, H, N, D)[:, :2, sel], ref)
+            if args.once:          # one launch each, for a profiler
+                rows.append((("wgmma" if wg else "mma.sync"), name, err, 0, 0, 0, None))
+                continue
+            ms = cuda_time(run) if err < 1e-2 else float("nan")
+            kms = device_ms(run) if err < 1e-2 else float("nan")
+            info = k.compiled_info()
+            tf = 4 * B * H * N * N * D / kms / 1e9 if kms == kms else 0
+            rows.append((("wgmma" if wg else "mma.sync"), name, err, ms, kms, tf, info.get("registers")))
+            print(rows[-1], flush=True)
+    from bench import compiled_flex
+    flex = compiled_flex()
+    Qf, Kf, Vf = (t.view(1, B * H, N, D) for t in (Q, K, V))
+    fo = flex(Qf, Kf, Vf)
+    if args.once:
+        return
+    err = rel_err(fo.view(B, H, N, D)[:, :2, sel], ref)
+    kms = device_ms(lambda: flex(Qf, Kf, Vf))
+    rows.append(("FlexAttention", "compiled", err, cuda_time(lambda: flex(Qf, Kf, Vf)), kms,
+                 4 * B * H * N * N * D / kms / 1e9, None))
+    import subprocess
+    print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip())
+    print(f"| engine | edit | rel err | events ms | kernel ms | TFLOP/s | regs |  (f16, N={N}, d={D}, B*H={B * H}, blocks {args.blocks})")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]:.1e} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.0f} | {r[6]} |")
+
+
+if __name__ == "__main__":
+    main()
