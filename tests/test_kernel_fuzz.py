@@ -199,7 +199,7 @@ EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, 
                      "score_chain": {"micro"}, "matmul": {"micro", "flat"}, "reduction": {"flat"},
                      "library": {"micro"},
                      "tensor_core": {"fragments", "mma-registers", "ldmatrix", "ldmatrix-trans", "cp.async",
-                                     "cp.async-pipeline", "packed-operand", "wgmma"}}
+                                     "cp.async-pipeline", "packed-operand", "wgmma", "hoisted-fragments"}}
 
 
 # --------------------------------------------------------------------------- one example
@@ -259,7 +259,8 @@ def _features(kernel) -> set[str]:
     (``reindex``; ``reindex-predicate`` where the map can leave the input), a gather kernel of a
     multi-kernel cut, atomic adds of partial sums, a logsumexp read from an online softmax's
     statistics, a materialised 16-bit operand buffer, a value kept in registers for a later
-    epilogue (``register-copy``) or read from them as tensor-core A fragments (``frag-operand``).
+    epilogue (``register-copy``) or read from them as tensor-core A fragments (``frag-operand``),
+    A fragments of a loop-invariant input read once before a stream loop (``hoisted-fragments``).
     A multi-kernel: its kernels' features."""
     if isinstance(kernel, MultiKernel):
         return {"multi-kernel"}.union(*(_features(k) for k in kernel.kernels))
@@ -293,6 +294,8 @@ def _features(kernel) -> set[str]:
         out.add("lse-from-stats")
     if "(materialised, 16-bit" in kernel.source:
         out.add("16-bit-operand")
+    if "Registers: the tensor-core fragments of" in kernel.source:   # emit_mma.hoisted_fragments
+        out.add("hoisted-fragments")
     if re.search(r"int64\(\w+0\) // \d", body):     # emit_kinds.block_quotients
         out.add("block-quotient")
     if re.search(r"_r = cuda\.local\.array\(.*# \w+ kept for \w+(,|$)", body, re.M):   # lowering/register_copies.py
