@@ -94,5 +94,5 @@ def generate(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath: bo
     plan = plan_kernel(d, name, threads, batch_axes, fastmath=fastmath, micro=micro, prefetch=prefetch,
                        unroll=unroll, ff=ff)
     notes = (*plan.notes, *notes)
-    source, names = render(plan, notes)
+    source, names, notes = render(plan, notes)
     return Generated(plan, source, notes, names)

@@ -34,11 +34,12 @@ RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lan
             "FULL_MASK", "simulator_active", "red_s", "smem16", "int16", "ZERO16"} | set(PRIMITIVES)
 
 
-def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict]:
-    """(source, buffer key -> identifier) of ``plan``; ``notes`` go into the docstring."""
+def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict, tuple[str, ...]]:
+    """(source, buffer key -> identifier, notes) of ``plan``; ``notes`` go into the docstring,
+    followed by what the renderer itself decided (fragments held in registers: .emit_mma)."""
     em = Emitter(plan, notes)
     source = em.emit()
-    return source, {key: b.name for key, b in em.bufs.items()}
+    return source, {key: b.name for key, b in em.bufs.items()}, em.notes
 
 
 @dataclass(frozen=True)
