@@ -38,11 +38,13 @@ UNROLL_LIMIT = 256
 """At most this many mma calls are written out per contraction (all its 16-wide steps unrolled
 in the source); beyond it the steps are a loop (operands in registers need the unrolled form)."""
 
-HOIST_REGISTERS = 32
+HOIST_REGISTERS = 64
 """Registers per thread a kernel may spend on row-operand fragments loaded once before a stream
-loop instead of once per chunk (:func:`hoisted_fragments`; 0: never).  32 hold FlashAttention's
-Q at d = 64 on 4 warps of 32 rows (fp16 forward on an H100: 0.473 -> 0.455 ms,
-``kernels/probes/wgmma_pipeline.py``); a contraction whose fragments do not fit is left alone."""
+loop instead of once per chunk (:func:`hoisted_fragments`; 0: never).  Measured on an H100, fp16,
+N = 4096 (``kernels/BENCHMARKS.md``, "Third session of 2026-11-24"): 32 hold FlashAttention's Q at
+d = 64 (forward 0.473 -> 0.455 ms, ``kernels/probes/wgmma_pipeline.py``; dQ 0.755 -> 0.641 ms);
+64 hold the dQ kernel's Q and dO at d = 128 (1.468 -> 1.340 ms).  A contraction whose fragments
+do not fit is left alone."""
 
 HOIST_CEILING = 255
 """Fragments are hoisted only while the plan's register estimate plus them stays at or below
