@@ -1,14 +1,20 @@
-"""Probe: what the generated fp16 attention forward on warpgroup MMAs gains from (a) the row
-operand's fragments held in registers across the stream loop (Q is loop-invariant: FlashAttention
-keeps it in registers) and (b) FlashAttention-3's intra-warpgroup pipeline (the update of chunk
-c - 1 runs on the tensor cores while chunk c's softmax runs on the CUDA cores).
+"""Probe: what the generated fp16 attention forward (``mma.sync`` and warpgroup MMAs) gains from
+edits of its source, timed beside FlexAttention in one run:
+
+- ``hoist``: the row operand's fragments read once before the stream loop (Q is loop-invariant;
+  the generator now does this itself, ``lowering/emit_mma.py::hoisted_fragments``, which the
+  probe turns off for its base kernels so that ``none`` is the kernel the edits started from);
+- ``late``: the next chunk's copies issued after this chunk's wait, proxy fence and barrier;
+- ``pipe``: FlashAttention-3's intra-warpgroup pipeline (the update of chunk c - 1 on the tensor
+  cores while chunk c's softmax runs on the CUDA cores).
 
     NUMBA_ENABLE_CUDASIM=0 python kernels/probes/wgmma_pipeline.py [--d 64] [--blocks 128,64,128]
+    NUMBA_ENABLE_CUDASIM=0 python kernels/probes/wgmma_pipeline.py --once --only mma:none,wg:pipe  # for ncu
     NUMBA_ENABLE_CUDASIM=1 python kernels/probes/wgmma_pipeline.py --check   # the edits, simulated
 
 The edits are text transforms of the generated source (this probe's measurement, not the
 generator): they decide whether the generator should learn them.  Each kernel is checked against
-float64 before it is timed.
+float64 before it is timed.  Results: kernels/BENCHMARKS.md, "Third session of 2026-11-24".
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "kernels"))
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import planner  # noqa: E402
+from napkin_cat.lowering import emit_mma, planner  # noqa: E402
 
 
 def _find(lines, pattern, start=0, stop=None):
@@ -167,11 +173,12 @@ def lower(N, D, BH, blocks, wg: bool):
     dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, causal=False, dtype=nc.f16).bind(
         {q: N, x: N, d: D, h: BH, b: 1})
     tq, tx, thr = map(int, blocks.split(","))
-    planner.WGMMA = wg
+    saved = planner.WGMMA, emit_mma.HOIST_REGISTERS
+    planner.WGMMA, emit_mma.HOIST_REGISTERS = wg, 0     # the edits start from the kernel as it was
     try:
         return nc.lower(dia, prefetch="auto", verify=False, tiles={"q": tq, "x": tx}, threads=thr)
     finally:
-        planner.WGMMA = True
+        planner.WGMMA, emit_mma.HOIST_REGISTERS = saved
 
 
 def check_sim():
