@@ -82,7 +82,7 @@ def hoisted_fragments(em, m: Frag, key, kax: str, steps: int):
     (an input loaded before the loop: FlashAttention's Q while K, V stream), ``ldmatrix``-ed once
     in the loop's preamble (after every copy has landed and a barrier) instead of once per chunk;
     None when there is no such loop, the buffer changes in it, or the fragments would take the
-    kernel past :data:`HOIST_REGISTERS`."""
+    kernel past :data:`HOIST_REGISTERS` or its register estimate past :data:`HOIST_CEILING`."""
     if not em.frag_hoists or key[0] != "var" or key[1] >= em.n_in:
         return None
     h = em.frag_hoists[-1]
