@@ -1,9 +1,9 @@
 """Probe: what the generated fp16 attention forward (``mma.sync`` and warpgroup MMAs) gains from
 edits of its source, timed beside FlexAttention in one run:
 
-- ``hoist``: the row operand's fragments read once before the stream loop (Q is loop-invariant;
-  the generator now does this itself, ``lowering/emit_mma.py::hoisted_fragments``, which the
-  probe turns off for its base kernels so that ``none`` is the kernel the edits started from);
+- ``hoist``: the row operand's fragments read once before the stream loop (Q is loop-invariant):
+  the generator's own rule, ``lowering/emit_mma.py::hoisted_fragments``, which the other edits'
+  base kernels have off (``none``, ``late``) or on (``hoist-late``, ``pipe``);
 - ``late``: the next chunk's copies issued after this chunk's wait, proxy fence and barrier;
 - ``pipe``: FlashAttention-3's intra-warpgroup pipeline (the update of chunk c - 1 on the tensor
   cores while chunk c's softmax runs on the CUDA cores).
@@ -42,21 +42,6 @@ def _find(lines, pattern, start=0, stop=None):
     raise ValueError(f"no line matches {pattern!r}")
 
 
-def hoist_q(src: str) -> str:
-    """Load the row operand's ``ldmatrix`` fragments of the scores' contraction once, before the
-    stream loop (after its copy has landed), instead of once per chunk."""
-    lines = src.splitlines()
-    loop = _find(lines, r"^    for x0 in range\(")
-    moved, keep = [], lines[:loop + 1]
-    pat = r"^\s+(lm\w* = tid % U32|Q_s_lane\w* = pin\(|a\w+, a\w+, a\w+, a\w+ = ldsm_x4\(smem16, Q_s_lane)"
-    for ln in lines[loop + 1:]:
-        (moved if re.match(pat, ln) else keep).append("    " + ln.strip() if re.match(pat, ln) else ln)
-    assert any("Q_s_lane" in m for m in moved), "no Q fragments found"
-    pre = ["    cp_async_wait_all()  # probe: Q's copy landed before its fragments are read", "    cuda.syncthreads()"]
-    text = "\n".join(keep[:loop] + pre + moved + keep[loop:]) + "\n"
-    return text
-
-
 def late_prefetch(src: str) -> str:
     """Issue the next chunk's copies after this chunk's wait, proxy fence and barrier (not before
     the wait), and drop the proxy fence before the loop's closing barrier: a proxy fence waits for
@@ -81,12 +66,13 @@ def late_prefetch(src: str) -> str:
 
 
 def pipeline(src: str) -> str:
-    """FlashAttention-3's intra-warpgroup overlap on the (hoisted) warpgroup kernel: chunk c's
+    """FlashAttention-3's intra-warpgroup overlap on the warpgroup kernel (Q's fragments already
+    before the loop, as the generator puts them): chunk c's
     scores are issued, then chunk c - 1's update (its probabilities kept packed in registers, its
     V still in its buffer), then the softmax of chunk c runs while the update is on the tensor
     cores; K of chunk c + 1 is fetched at the top, V of chunk c + 1 once the update of c - 1 no
     longer reads its buffer."""
-    lines = hoist_q(src).splitlines()
+    lines = src.splitlines()
     loop = _find(lines, r"^    for x0 in range\(")
     end = _find(lines, r"^    # O\[", loop)          # the epilogue after the loop
     body = lines[loop + 1:end]
@@ -157,24 +143,29 @@ def pipeline(src: str) -> str:
     return head + ", wgmma_wait1_n64" + sep + tail
 
 
-TRANSFORMS = {"none": lambda s: s, "hoist": hoist_q, "late": late_prefetch,
-              "hoist-late": lambda s: late_prefetch(hoist_q(s)), "pipe": pipeline}
+EDITS = {"none": (False, lambda s: s), "hoist": (True, lambda s: s), "late": (False, late_prefetch),
+         "hoist-late": (True, late_prefetch), "pipe": (True, pipeline)}
+"""edit -> (the generator's own hoisting of Q's fragments on, a text edit of the source)."""
+ENGINES = ((False, ("none", "hoist")), (True, ("none", "late", "hoist-late", "pipe")))
 
 
-def variant(kernel, name: str):
-    k = copy.copy(kernel)
-    k.source = TRANSFORMS[name](kernel.source)
+def variant(N, D, BH, blocks, wg: bool, name: str):
+    """The kernel of edit ``name``: lowered (hoisting as the edit says), then its source edited."""
+    hoist, edit = EDITS[name]
+    k = copy.copy(lower(N, D, BH, blocks, wg, hoist))
+    k.source = edit(k.source)
     k._dispatcher, k._launchers, k._fast = None, {}, None    # nothing compiled for the original
     return k
 
 
-def lower(N, D, BH, blocks, wg: bool):
+def lower(N, D, BH, blocks, wg: bool, hoist: bool):
     q, x, d, h, b = nc.axes("q x d h b")
     dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, causal=False, dtype=nc.f16).bind(
         {q: N, x: N, d: D, h: BH, b: 1})
     tq, tx, thr = map(int, blocks.split(","))
     saved = planner.WGMMA, emit_mma.HOIST_REGISTERS
-    planner.WGMMA, emit_mma.HOIST_REGISTERS = wg, 0     # the edits start from the kernel as it was
+    planner.WGMMA = wg
+    emit_mma.HOIST_REGISTERS = saved[1] if hoist else 0
     try:
         return nc.lower(dia, prefetch="auto", verify=False, tiles={"q": tq, "x": tx}, threads=thr)
     finally:
@@ -190,10 +181,9 @@ def check_sim():
     s = Q[0, 0].astype(np.float64) @ K[0, 0].astype(np.float64).T / 8.0
     p = np.exp(s - s.max(1, keepdims=True))
     ref = (p / p.sum(1, keepdims=True)) @ V[0, 0].astype(np.float64)
-    for wg, names in ((False, ("none", "hoist")), (True, ("none", "late", "hoist-late", "pipe"))):
-        base = lower(N, D, 1, "128,64,128", wg)
+    for wg, names in ENGINES:
         for name in names:
-            out = np.asarray(variant(base, name)(Q, K, V), dtype=np.float64)[0, 0]
+            out = np.asarray(variant(N, D, 1, "128,64,128", wg, name)(Q, K, V), dtype=np.float64)[0, 0]
             print(f"wgmma={wg} {name}: max error {np.abs(out - ref).max():.2e}", flush=True)
 
 
@@ -210,7 +200,7 @@ def main():
         return check_sim()
     if args.dump:
         wg, name = args.dump.split(":")
-        print(variant(lower(4096, args.d, 32, args.blocks, wg == "wg"), name).source)
+        print(variant(4096, args.d, 32, args.blocks, wg == "wg", name).source)
         return
     import torch
     from bench import cuda_time, device_ms, reference_rows, rel_err
@@ -220,14 +210,11 @@ def main():
     sel = torch.randperm(N, device="cuda", generator=gen)[:128].sort().values
     ref = reference_rows(Q, K, V, False, D ** -0.5, sel, 2)
     rows = []
-    for wg, names in ((False, ("none", "hoist")), (True, ("none", "late", "hoist-late", "pipe"))):
-        if args.only and not any(f"{'wg' if wg else 'mma'}:{n}" in args.only.split(",") for n in names):
-            continue
-        base = lower(N, D, H * B, args.blocks, wg)
+    for wg, names in ENGINES:
         for name in names:
             if args.only and f"{'wg' if wg else 'mma'}:{name}" not in args.only.split(","):
                 continue
-            k = variant(base, name)
+            k = variant(N, D, H * B, args.blocks, wg, name)
             O = torch.full_like(Q, float("nan")).view(1, B * H, N, D)
             run = k.prepare(Q.view(1, B * H, N, D), K.view(1, B * H, N, D), V.view(1, B * H, N, D), out=O)
             run()

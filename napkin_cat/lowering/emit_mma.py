@@ -62,7 +62,6 @@ class FragHoist:
     varying: frozenset
     settled: bool          # every shared write before the slot already waited for and behind a barrier
     names: dict = field(default_factory=dict)
-    opened: bool = False
 
 
 def loaded_vars(nodes) -> frozenset:
@@ -95,12 +94,11 @@ def hoisted_fragments(em, m: Frag, key, kax: str, steps: int):
         return None
     if new:
         k, s = em.consts, h.slot
-        if not h.opened and not h.settled:
+        if not h.names and not h.settled:     # the first fragments here: wait for the copies once
             s.comment(f"fragments that stay in registers for the whole stream over {h.axis}: every copy "
                       f"issued so far has landed, then they are read once")
             s("cp_async_wait_all()")
             em.barrier(s)
-        h.opened = True
         frag_begin(em, m, s)
         ld = LdMatrix(em, m, kax, s)
         b = em.bufs[key]
@@ -196,8 +194,7 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
         c1 = str(int(c0) + 1) if c0.isdigit() else f"{c0} + 1"
         return f"{dt.pack}({o.frag}[{i}, {c0}], {o.frag}[{i}, {c1}])"
 
-    held = (hoisted_fragments(em, m, A.buffer, kax, steps)
-            if A.buffer is not None and unrolled and HOIST_REGISTERS > 0 else None)
+    held = hoisted_fragments(em, m, A.buffer, kax, steps) if A.buffer is not None and unrolled else None
     a_ldsm = A.buffer is not None and held is None
     ldsm = LdMatrix(em, m, kax, src) if a_ldsm or (B.buffer is not None and not m.wg) else None
     if ldsm is not None:
