@@ -199,7 +199,8 @@ EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, 
                      "score_chain": {"micro"}, "matmul": {"micro", "flat"}, "reduction": {"flat"},
                      "library": {"micro"},
                      "tensor_core": {"fragments", "mma-registers", "ldmatrix", "ldmatrix-trans", "cp.async",
-                                     "cp.async-pipeline", "packed-operand", "wgmma", "hoisted-fragments"}}
+                                     "cp.async-pipeline", "packed-operand", "wgmma", "wgmma-scale-d-0",
+                                     "wgmma-accumulate", "hoisted-fragments"}}
 
 
 # --------------------------------------------------------------------------- one example
@@ -294,6 +295,10 @@ def _features(kernel) -> set[str]:
         out.add("lse-from-stats")
     if "(materialised, 16-bit" in kernel.source:
         out.add("16-bit-operand")
+    if "_z(smem16" in body:                        # wgmma.emit_wgmma: a fresh accumulator's first step
+        out.add("wgmma-scale-d-0")
+    if re.search(r"wgmma_b?f16_n\d+\(smem16", body):   # ... and the steps that add to it
+        out.add("wgmma-accumulate")
     if "Registers: the tensor-core fragments of" in kernel.source:   # emit_mma.hoisted_fragments
         out.add("hoisted-fragments")
     if re.search(r"int64\(\w+0\) // \d", body):     # emit_kinds.block_quotients

@@ -13,6 +13,7 @@ wrappers compile for sm_90a where NVRTC is installed.
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
@@ -149,6 +150,47 @@ def test_a_planted_wrong_descriptor_is_caught(warpgroups, monkeypatch):
     dia = _forward(nc.f16, False).bind(sizes)
     kernel = nc.lower(dia, threads=128, verify=False)
     rng = np.random.default_rng(0)
+    oracle = dia.unrelabelled()
+    ins = [rng.standard_normal(tuple(a.size for a in arr.axes)) for arr in oracle.dom]
+    assert kernelcheck.kernel_outcome(oracle, kernel, ins).failure is not None
+
+
+def test_descriptors_are_built_once_and_fresh_accumulators_start_at_scale_d_0(warpgroups):
+    """Each contraction builds B's descriptor once and adds each step's constant (16-byte units:
+    128 elements K-major = 256 B = 16; MN-major 16 rows of 32 = 1024 B = 64); the scores, set to zero
+    just before, start with scale-d 0 (``_z``, no zeros moved into the accumulators); the output's
+    update, which adds to the rescaled O, never does."""
+    src = nc.lower(_forward(nc.f16, False).bind({q: 64, x: 32, d: 32}), threads=128, verify=False).source
+    body = src.split("@cuda.jit(fastmath")[-1]
+    assert body.count("wgmma_desc16(smem16,") == 2
+    assert re.search(r"S\w*_wg = wgmma_f16_n32_z\(smem16, K_s_desc, U0, ", body), body
+    assert re.search(r"S\w*_wg = wgmma_f16_n32\(smem16, K_s_desc \+ U16, U0, ", body)
+    assert re.search(r"O\w*_wg = wgmma_f16_n32\(smem16, V_s_desc \+ U64, U1, ", body)
+    assert not re.search(r"O\w*_wg = wgmma_f16_n32_z\(", body)
+    assert not re.search(r"S\w*_wg = \(", body)        # no tuple of zeros handed to the tensor cores
+
+
+def test_the_simulated_descriptor_is_the_gpus_bit_layout():
+    from napkin_cat.lowering.tensorcore import sim_desc16
+    desc = int(sim_desc16(np.zeros(8, np.int16), 4160, 128, 1024))
+    assert desc == (8320 >> 4) | (8 << 16) | (64 << 32)
+    assert wgmma.desc_fields(desc + 16) == (8320 + 256, 128, 1024)
+
+
+@pytest.mark.parametrize("plant", ["step", "fresh"])
+def test_a_planted_wrong_step_or_scale_d_is_caught(warpgroups, monkeypatch, plant):
+    """A descriptor advanced by the wrong constant reads the wrong rows of B; scale-d 0 on an
+    accumulator that holds the rescaled output drops every earlier chunk: the check catches both."""
+    if plant == "step":
+        real = wgmma.strides
+        monkeypatch.setattr(wgmma, "strides", lambda b, kax: (*real(b, kax)[:3], 2 * real(b, kax)[3]))
+    else:
+        real_emit = wgmma.emit_wgmma
+        from napkin_cat.lowering import emit_mma
+        monkeypatch.setattr(emit_mma, "emit_wgmma", lambda *a, **kw: real_emit(*a, **{**kw, "fresh": True}))
+    dia = _forward(nc.f16, False).bind({q: 64, x: 64, d: 32})
+    kernel = nc.lower(dia, threads=128, verify=False)
+    rng = np.random.default_rng(2)
     oracle = dia.unrelabelled()
     ins = [rng.standard_normal(tuple(a.size for a in arr.axes)) for arr in oracle.dom]
     assert kernelcheck.kernel_outcome(oracle, kernel, ins).failure is not None

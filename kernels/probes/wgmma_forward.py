@@ -53,7 +53,7 @@ def sass_counts(kernel) -> dict:
         sass = sass if isinstance(sass, str) else "\n".join(sass.values())
     except Exception as exc:  # noqa: BLE001
         return {"sass": str(exc)[:80]}
-    return {op: sass.count(op) for op in ("HGMMA", "HMMA", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "LDSM", "LDL")}
+    return {op: sass.count(op) for op in ("HGMMA", "HMMA", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "LDSM", "LDL", "IMAD.MOV", "UIADD3", "MEMBAR")}
 
 
 def main():

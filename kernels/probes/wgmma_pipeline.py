@@ -31,7 +31,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "kernels"))
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import emit_mma, planner  # noqa: E402
+from napkin_cat.lowering import emit_mma, planner, wgmma  # noqa: E402
+
+PRELOAD = False
+"""Form every step's A fragments before a contraction's first wgmma (``wgmma.PRELOAD_A``)."""
 
 
 def _find(lines, pattern, start=0, stop=None):
@@ -93,7 +96,8 @@ def pipeline(src: str) -> str:
     pv = body[sm1:_find(body, r"^\s+fence_proxy_async\(\)", sm1)]
     packs = [ln for ln in pv if "pack_f16(" in ln]
     pv_tuples = [ln for ln in pv if re.match(r"^\s+O_o_wg\d* = \(", ln)]
-    pv_mma = [ln.replace("V_s_cur", "V_s_prv") for ln in pv if re.match(r"^\s+O_o_wg\d* = wgmma_f16_n", ln)]
+    pv_mma = [ln.replace("V_s_cur", "V_s_prv") for ln in pv
+              if re.match(r"^\s+(O_o_wg\d* = wgmma_f16_n|V_s_desc\d* = wgmma_desc16\()", ln)]
     pv_wait = [ln for ln in pv if "wgmma_wait_n" in ln or re.match(r"^\s+O_o\[0, 0\]|^\s+O_o\[2, 0\]", ln)]
     names = [ln.split("=")[0].strip() for ln in packs]
     s_wait = [ln.replace("wgmma_wait_n", "wgmma_wait1_n") for ln in s_wait]
@@ -146,7 +150,7 @@ def pipeline(src: str) -> str:
 EDITS = {"none": (False, lambda s: s), "hoist": (True, lambda s: s), "late": (False, late_prefetch),
          "hoist-late": (True, late_prefetch), "pipe": (True, pipeline)}
 """edit -> (the generator's own hoisting of Q's fragments on, a text edit of the source)."""
-ENGINES = ((False, ("none", "hoist")), (True, ("none", "late", "hoist-late", "pipe")))
+ENGINES = ((False, ("none", "hoist")), (True, ("none", "hoist", "late", "hoist-late", "pipe")))
 
 
 def variant(N, D, BH, blocks, wg: bool, name: str):
@@ -163,13 +167,14 @@ def lower(N, D, BH, blocks, wg: bool, hoist: bool):
     dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, causal=False, dtype=nc.f16).bind(
         {q: N, x: N, d: D, h: BH, b: 1})
     tq, tx, thr = map(int, blocks.split(","))
-    saved = planner.WGMMA, emit_mma.HOIST_REGISTERS
+    saved = planner.WGMMA, emit_mma.HOIST_REGISTERS, wgmma.PRELOAD_A
     planner.WGMMA = wg
     emit_mma.HOIST_REGISTERS = saved[1] if hoist else 0
+    wgmma.PRELOAD_A = PRELOAD
     try:
         return nc.lower(dia, prefetch="auto", verify=False, tiles={"q": tq, "x": tx}, threads=thr)
     finally:
-        planner.WGMMA, emit_mma.HOIST_REGISTERS = saved
+        planner.WGMMA, emit_mma.HOIST_REGISTERS, wgmma.PRELOAD_A = saved
 
 
 def check_sim():
@@ -195,7 +200,9 @@ def main():
     ap.add_argument("--once", action="store_true", help="launch each kernel once (for ncu), no timing")
     ap.add_argument("--dump", default="")
     ap.add_argument("--only", default="", help="comma list of engine:edit (mma:none, wg:pipe, ...)")
+    ap.add_argument("--preload", default="0", help="comma list of 0/1: wgmma.PRELOAD_A off / on (the wgmma kernels)")
     args = ap.parse_args()
+    global PRELOAD
     if args.check:
         return check_sim()
     if args.dump:
@@ -210,25 +217,26 @@ def main():
     sel = torch.randperm(N, device="cuda", generator=gen)[:128].sort().values
     ref = reference_rows(Q, K, V, False, D ** -0.5, sel, 2)
     rows = []
-    for wg, names in ENGINES:
-        for name in names:
-            if args.only and f"{'wg' if wg else 'mma'}:{name}" not in args.only.split(","):
-                continue
-            k = variant(N, D, H * B, args.blocks, wg, name)
-            O = torch.full_like(Q, float("nan")).view(1, B * H, N, D)
-            run = k.prepare(Q.view(1, B * H, N, D), K.view(1, B * H, N, D), V.view(1, B * H, N, D), out=O)
-            run()
-            torch.cuda.synchronize()
-            err = rel_err(O.view(B, H, N, D)[:, :2, sel], ref)
-            if args.once:          # one launch each, for a profiler
-                rows.append((("wgmma" if wg else "mma.sync"), name, err, 0, 0, 0, None))
-                continue
-            ms = cuda_time(run) if err < 1e-2 else float("nan")
-            kms = device_ms(run) if err < 1e-2 else float("nan")
-            info = k.compiled_info()
-            tf = 4 * B * H * N * N * D / kms / 1e9 if kms == kms else 0
-            rows.append((("wgmma" if wg else "mma.sync"), name, err, ms, kms, tf, info.get("registers")))
-            print(rows[-1], flush=True)
+    runs = [(wg, name, pre) for wg, names in ENGINES for name in names
+            for pre in (map(bool, map(int, args.preload.split(","))) if wg else (False,))
+            if not args.only or f"{'wg' if wg else 'mma'}:{name}" in args.only.split(",")]
+    for wg, name, PRELOAD in runs:
+        k = variant(N, D, H * B, args.blocks, wg, name)
+        name = f"{name}{' +preload' if PRELOAD else ''}"
+        O = torch.full_like(Q, float("nan")).view(1, B * H, N, D)
+        run = k.prepare(Q.view(1, B * H, N, D), K.view(1, B * H, N, D), V.view(1, B * H, N, D), out=O)
+        run()
+        torch.cuda.synchronize()
+        err = rel_err(O.view(B, H, N, D)[:, :2, sel], ref)
+        if args.once:          # one launch each, for a profiler
+            rows.append((("wgmma" if wg else "mma.sync"), name, err, 0, 0, 0, None))
+            continue
+        ms = cuda_time(run) if err < 1e-2 else float("nan")
+        kms = device_ms(run) if err < 1e-2 else float("nan")
+        info = k.compiled_info()
+        tf = 4 * B * H * N * N * D / kms / 1e9 if kms == kms else 0
+        rows.append((("wgmma" if wg else "mma.sync"), name, err, ms, kms, tf, info.get("registers")))
+        print(rows[-1], flush=True)
     from bench import compiled_flex
     flex = compiled_flex()
     Qf, Kf, Vf = (t.view(1, B * H, N, D) for t in (Q, K, V))

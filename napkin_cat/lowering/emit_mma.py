@@ -228,7 +228,7 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
         return a, kb, k16
 
     if m.wg:   # warpgroups read B from its buffer by descriptor (.wgmma)
-        emit_wgmma(em, m, acc, B, kax, steps, lambda ks: a_regs(str(ks), True)[0], src)
+        emit_wgmma(em, m, acc, B, kax, steps, lambda ks: a_regs(str(ks), True)[0], src, fresh=init)
         return
 
     def step(ks: str, literal: bool):

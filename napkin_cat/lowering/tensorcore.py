@@ -202,10 +202,13 @@ def _sim_primitives() -> dict:
                 cp_async_wait2=done)
 
 
-def sim_wgmma(values, n: int, smem16, off, lbo, sbo, trans, a0, a1, a2, a3, acc):
+def sim_wgmma(values, n: int, smem16, desc, trans, a0, a1, a2, a3, acc=None):
     """One lane's part of a warpgroup MMA: the warp's A fragments are exchanged (the rows of A
-    this warp owns), B is read from ``smem16`` as the descriptor describes, and the lane's
-    accumulators of ``D = A B + C`` are returned in the ``mma.sync`` C order per 8-column tile."""
+    this warp owns), B is read from ``smem16`` where the descriptor's fields say (its address a
+    byte offset into ``smem16``: :func:`sim_desc16`), and the lane's accumulators of
+    ``D = A B + C`` (``C = 0`` without ``acc``: scale-d 0) are returned in the ``mma.sync`` C order
+    per 8-column tile."""
+    from .wgmma import desc_fields
     ctx = _context()
     warp, lane = divmod(int(ctx.threadIdx.x), 32)
     exchange = ctx.shared.array((32, 32, 4), np.uint32)
@@ -214,10 +217,11 @@ def sim_wgmma(values, n: int, smem16, off, lbo, sbo, trans, a0, a1, a2, a3, acc)
     words = np.array(exchange[warp], dtype=np.uint32)
     ctx.syncthreads()
     A = values(words.view(np.uint16).reshape(32, 8))[_A_LANE, _A_HALF]       # 16 x 16
+    addr, lbo, sbo = desc_fields(desc)
     k = np.arange(16)[:, None]
     c = np.arange(n)[None, :]
     inner = (k % 8) * 16 + (c % 8) * 2 if int(trans) else (c % 8) * 16 + (k % 8) * 2
-    byte = 2 * int(off) + (c // 8) * int(sbo) + (k // 8) * int(lbo) + inner
+    byte = addr + (c // 8) * sbo + (k // 8) * lbo + inner
     B = values(np.asarray(smem16)[byte // 2].astype(np.int16).view(np.uint16))  # 16 x n
     D = A @ B
     g, t = divmod(lane, 4)
@@ -225,21 +229,30 @@ def sim_wgmma(values, n: int, smem16, off, lbo, sbo, trans, a0, a1, a2, a3, acc)
     for nt in range(n // 8):
         col = 8 * nt + 2 * t
         out += [D[g, col], D[g, col + 1], D[g + 8, col], D[g + 8, col + 1]]
+    acc = (0.0,) * len(out) if acc is None else acc
     return tuple(np.float32(float(x) + float(y)) for x, y in zip(acc, out))
+
+
+def sim_desc16(smem16, off, lbo, sbo):
+    """The simulated descriptor: the GPU's bit fields, the address a byte offset into ``smem16``."""
+    from .wgmma import descriptor
+    return np.uint64(descriptor(2 * int(off), int(lbo), int(sbo)))
 
 
 def sim_wgmma_primitive(name: str):
     """The simulated twin of warpgroup primitive ``name`` (None: not one)."""
-    from .wgmma import FIXED, NAME
+    from .wgmma import FIXED, parse
+    if name == "wgmma_desc16":
+        return sim_desc16
     if name in FIXED:
         return lambda: 0
-    hit = NAME.match(name)
+    hit = parse(name)
     if hit is None:
         return None
-    if hit.group(3) or hit.group(4):
+    dt, n, _ = hit
+    if dt is None:
         return lambda acc: tuple(acc)
-    values = _f16_values if hit.group(1) == "f16" else _bf16_values
-    n = int(hit.group(2))
+    values = _f16_values if dt == "f16" else _bf16_values
     return lambda *args: sim_wgmma(values, n, *args)
 
 
@@ -268,8 +281,8 @@ _WG_CACHE: dict[tuple[bool, str], object] = {}
 def wgmma_primitive(name: str):
     """A warpgroup primitive (:mod:`.wgmma`) for this process's numba.cuda, or None."""
     from .devices import simulator_active
-    from .wgmma import FIXED, NAME
-    if name not in FIXED and NAME.match(name) is None:
+    from .wgmma import FIXED, parse
+    if name not in FIXED and parse(name) is None:
         return None
     sim = simulator_active()
     if (sim, name) not in _WG_CACHE:

@@ -117,12 +117,20 @@ def wgmma_desc(addr, lbo, sbo):
             | (uint64(sbo >> 4) << uint64(32)))
 
 
+@cuda.jit(device=True, inline=True)
+def wgmma_desc16(smem16, off, lbo, sbo):
+    """The descriptor of the 16-bit shared buffer element ``off`` (the kernel adds each step's
+    constant to it: :func:`.wgmma.emit_wgmma`)."""
+    return wgmma_desc(uint64(shared_addr(smem16) + uint32(off) * uint32(2)), lbo, sbo)
+
+
 _WGMMA_WRAPPER = """
 @cuda.jit(device=True, inline=True)
-def wgmma(smem16, off, lbo, sbo, trans, a0, a1, a2, a3, acc):
-    desc = wgmma_desc(uint64(shared_addr(smem16) + uint32(off) * uint32(2)), lbo, sbo)
-    return linked(a0, a1, a2, a3, desc, int32(trans), acc)
+def wgmma(smem16, desc, trans, a0, a1, a2, a3{acc}):
+    return linked(a0, a1, a2, a3, uint64(desc), int32(trans){acc})
 """
+"""``smem16`` is the simulated twin's (which has no shared window to address); here the
+descriptor alone names the operand."""
 
 
 def _wgmma_file(n: int) -> str:
@@ -145,20 +153,20 @@ def _wgmma_file(n: int) -> str:
 def wgmma_primitive(name: str):
     """The device function behind warpgroup primitive ``name`` (:mod:`.wgmma`; cached by
     :func:`.tensorcore.wgmma_primitive`)."""
-    from .wgmma import FIXED, NAME
+    from .wgmma import FIXED, parse
+    if name == "wgmma_desc16":
+        return wgmma_desc16
     if name in FIXED:
         return _linked[name]
-    hit = NAME.match(name)
+    hit = parse(name)
     if hit is None:
         raise AttributeError(name)
-    n = int(hit.group(2) or hit.group(3) or hit.group(4))
+    dt, n, extra = hit
     acc = f"UniTuple(float32, {n // 2})"
-    if hit.group(3) or hit.group(4):
-        depth = "1" if hit.group(4) else ""
-        return cuda.declare_device(f"nc_wgmma_wait{depth}_n{n}", f"{acc}({acc})", link=_wgmma_file(n))
-    linked = cuda.declare_device(f"nc_wgmma_{hit.group(1)}_n{n}",
-                                 f"{acc}(uint32, uint32, uint32, uint32, uint64, int32, {acc})", link=_wgmma_file(n))
-    ns = {"cuda": cuda, "uint32": uint32, "uint64": uint64, "int32": int32, "shared_addr": shared_addr,
-          "wgmma_desc": wgmma_desc, "linked": linked}
-    exec(compile(_WGMMA_WRAPPER, f"<wgmma {name}>", "exec"), ns)
+    if dt is None:
+        return cuda.declare_device(f"nc_wgmma_wait{extra or ''}_n{n}", f"{acc}({acc})", link=_wgmma_file(n))
+    args = f"uint32, uint32, uint32, uint32, uint64, int32{'' if extra else ', ' + acc}"
+    linked = cuda.declare_device(f"nc_{name}", f"{acc}({args})", link=_wgmma_file(n))
+    ns = {"cuda": cuda, "uint64": uint64, "int32": int32, "linked": linked}
+    exec(compile(_WGMMA_WRAPPER.format(acc="" if extra else ", acc"), f"<wgmma {name}>", "exec"), ns)
     return ns["wgmma"]

@@ -51,9 +51,35 @@ for all; more registers live), instead of each step's just before its ``wgmma``.
 MIN_CC = (9, 0)
 """Compute capability with ``wgmma`` (sm_90a: H100, H200)."""
 
-NAME = re.compile(r"^wgmma_(f16|bf16)_n(\d+)$|^wgmma_wait_n(\d+)$|^wgmma_wait1_n(\d+)$")
-FIXED = ("wgmma_fence", "wgmma_commit", "fence_proxy_async")
+NAME = re.compile(r"^wgmma_(?P<dt>f16|bf16)_n(?P<n>\d+)(?P<zero>_z)?$|^wgmma_wait(?P<depth>1?)_n(?P<wn>\d+)$")
+"""``wgmma_{dt}_n{N}`` (``D += A B``), ``wgmma_{dt}_n{N}_z`` (``D = A B``: scale-d 0, the
+accumulators only written) and ``wgmma_wait[1]_n{N}`` (``wait_group 0`` / ``1``)."""
+FIXED = ("wgmma_fence", "wgmma_commit", "fence_proxy_async", "wgmma_desc16")
 """The primitives every kernel with a warpgroup MMA imports, beside its ``wgmma_*_n{N}``."""
+
+
+def parse(name: str):
+    """``(dtype, N, zero)`` of an MMA primitive's name, ``(None, N, depth)`` of a wait's, else None."""
+    hit = NAME.match(name)
+    if hit is None:
+        return None
+    if hit["wn"] is not None:
+        return None, int(hit["wn"]), int(hit["depth"] or 0)
+    return hit["dt"], int(hit["n"]), hit["zero"] is not None
+
+
+def desc_fields(desc) -> tuple[int, int, int]:
+    """``(byte address, LBO, SBO)`` of a descriptor without swizzle (each field 14 bits of 16-byte
+    units: bits 0-13, 16-29, 32-45), the inverse of :func:`descriptor`."""
+    desc = int(desc)
+    return tuple(((desc >> shift) & 0x3FFF) << 4 for shift in (0, 16, 32))
+
+
+def descriptor(addr: int, lbo: int, sbo: int) -> int:
+    """The 64-bit ``wgmma`` matrix descriptor (no swizzle, base offset 0) of shared byte address
+    ``addr`` and byte strides ``lbo`` / ``sbo``: what the GPU's ``wgmma_desc16`` builds and the
+    simulated twin decodes."""
+    return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32)
 
 
 # --------------------------------------------------------------------------- what a plan uses
@@ -76,7 +102,8 @@ def primitive_names(plan) -> tuple[str, ...]:
     ms = sorted({(m.dtype, 8 * m.NT) for m in _mappings(plan) if isinstance(m, Frag) and m.wg})
     if not ms:
         return ()
-    return (*FIXED, *sorted({f"wgmma_{dt}_n{n}" for dt, n in ms} | {f"wgmma_wait_n{n}" for _, n in ms}))
+    return (*FIXED, *sorted({f"wgmma_{dt}_n{n}{z}" for dt, n in ms for z in ("", "_z")}
+                            | {f"wgmma_wait_n{n}" for _, n in ms}))
 
 
 # --------------------------------------------------------------------------- layout and emission
@@ -102,33 +129,43 @@ def strides(b, kax: str) -> tuple[int, int, int, int]:
     return 1, 16 * F, 128, 16 * F
 
 
-def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src) -> None:
+def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src, fresh: bool = False) -> None:
     """``acc += A . B`` as warpgroup MMAs: per 16-wide step ``ks`` and row tile ``mt`` one
-    ``wgmma`` on this warp's A fragments ``a_regs(ks)[mt, 0..3]``; one commit and wait at the end."""
+    ``wgmma`` on this warp's A fragments ``a_regs(ks)[mt, 0..3]``; one commit and wait at the end.
+
+    B's descriptor is built once and each step's is that one plus a constant (the address field
+    counts 16-byte units and a buffer never crosses 256 KB, so the add stays in its field).  With
+    ``fresh`` (``acc`` was just set to zero) the first step writes the accumulators without reading
+    them (scale-d 0): no zeros are moved into the registers the tensor cores write."""
     k = em.consts
     n = 8 * m.NT
     b = em.bufs[B.buffer]
     trans, lbo, sbo, step = strides(b, kax)
     fn = f"wgmma_{m.dtype}_n{n}"
-    base = em.s16base(B.buffer)
-    src.comment(f"{acc} += on tensor cores by warpgroups: {steps} step(s) of 16 along {kax}, {m.MT} "
-                f"wgmma.m64n{n}k16 ({m.dtype}) per step, B = {b.name} by descriptor "
-                f"({'MN' if trans else 'K'}-major core matrices)")
+    desc = em.names.fresh(f"{b.name}_desc")
+    src.comment(f"{acc} {'=' if fresh else '+='} on tensor cores by warpgroups: {steps} step(s) of 16 along {kax}, "
+                f"{m.MT} wgmma.m64n{n}k16 ({m.dtype}) per step, B = {b.name} by descriptor "
+                f"({'MN' if trans else 'K'}-major core matrices), advanced {2 * step} bytes a step")
+    src(f"{desc} = wgmma_desc16(smem16, {em.s16base(B.buffer)}, {k.u(lbo)}, {k.u(sbo)})")
     tuples = []
     for mt in range(m.MT):
         t = em.names.fresh(f"{acc}_wg")
         elems = [e for nt in range(m.NT) for e in (f"{acc}[{2 * mt}, {2 * nt}]", f"{acc}[{2 * mt}, {2 * nt + 1}]",
                                                     f"{acc}[{2 * mt + 1}, {2 * nt}]", f"{acc}[{2 * mt + 1}, {2 * nt + 1}]")]
         tuples.append((t, elems))
-        src(f"{t} = {' + '.join('(' + ', '.join(elems[i:i + 16]) + ',)' for i in range(0, len(elems), 16))}")
+        if not fresh:
+            src(f"{t} = {' + '.join('(' + ', '.join(elems[i:i + 16]) + ',)' for i in range(0, len(elems), 16))}")
     pre = [a_regs(ks) for ks in range(steps)] if PRELOAD_A else None
     src("wgmma_fence()")
     for ks in range(steps):
         a = pre[ks] if pre else a_regs(ks)
-        off = f"{base} + {k.u(ks * step)}" if ks else base
+        d = f"{desc} + {k.u(2 * step * ks // 16)}" if ks else desc
         for mt, (t, _) in enumerate(tuples):
             regs = ", ".join(a[mt, r] for r in range(4))
-            src(f"{t} = {fn}(smem16, {off}, {k.u(lbo)}, {k.u(sbo)}, {k.u(trans)}, {regs}, {t})")
+            if fresh and ks == 0:
+                src(f"{t} = {fn}_z(smem16, {d}, {k.u(trans)}, {regs})")
+            else:
+                src(f"{t} = {fn}(smem16, {d}, {k.u(trans)}, {regs}, {t})")
     src("wgmma_commit()")
     for t, elems in tuples:
         src(f"{t} = wgmma_wait_n{n}({t})")
@@ -138,36 +175,38 @@ def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src) -> N
 # --------------------------------------------------------------------------- the GPU's source
 
 def cu_source(n: int) -> str:
-    """Inline PTX of ``wgmma.m64n{n}k16`` (f16 and bf16 in, fp32 accumulators, A in registers)
-    and of the wait that passes ``n / 2`` accumulators through, behind numba's device ABI (a
-    tuple argument arrives as its elements; the result through the first pointer)."""
+    """Inline PTX of ``wgmma.m64n{n}k16`` (f16 and bf16 in, fp32 accumulators, A in registers):
+    ``D += A B`` (the accumulators read and written, scale-d 1) and ``D = A B`` (``_z``: only
+    written, scale-d 0), and of the waits that pass ``n / 2`` accumulators through, behind numba's
+    device ABI (a tuple argument arrives as its elements; the result through the first pointer)."""
     r = n // 2
     params = ", ".join(f"float c{i}" for i in range(r))
-    outs = ", ".join(f'"+f"(o.v[{i}])' for i in range(r))
     regs = ", ".join(f"%{i}" for i in range(r))
     init = " ".join(f"o.v[{i}] = c{i};" for i in range(r))
     text = [f"struct nc_acc{n} {{ float v[{r}]; }};"]
     for dt in ("f16", "bf16"):
-        body = []
-        for tb in (0, 1):
-            body.append(f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} '
-                        f'{{{regs}}}, {{%{r}, %{r + 1}, %{r + 2}, %{r + 3}}}, %{r + 4}, 1, 1, 1, {tb};\\n"\n'
-                        f'                 : {outs}\n'
-                        f'                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));')
+        for zero in (False, True):
+            outs = ", ".join(f'"{"=" if zero else "+"}f"(o.v[{i}])' for i in range(r))
+            body = []
+            for tb in (0, 1):
+                body.append(f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} '
+                            f'{{{regs}}}, {{%{r}, %{r + 1}, %{r + 2}, %{r + 3}}}, %{r + 4}, {0 if zero else 1}, '
+                            f'1, 1, {tb};\\n"\n'
+                            f'                 : {outs}\n'
+                            f'                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));')
+            name, acc_in, start = ((f"nc_wgmma_{dt}_n{n}_z", "", "nc_acc{n} o;".format(n=n)) if zero else
+                                   (f"nc_wgmma_{dt}_n{n}", f", {params}", f"nc_acc{n} o; {init}"))
+            text.append(
+                f'extern "C" __device__ int {name}(nc_acc{n}* ret, unsigned a0, unsigned a1, '
+                f'unsigned a2, unsigned a3, unsigned long long desc, int trans{acc_in}) {{\n'
+                f'  {start}\n'
+                f'  if (trans) {{\n{body[1]}\n  }} else {{\n{body[0]}\n  }}\n'
+                f'  *ret = o;\n  return 0;\n}}')
+    outs = ", ".join(f'"+f"(o.v[{i}])' for i in range(r))
+    for depth in (0, 1):   # wait 1: the older groups done, the newest may still run (its accumulators must not pass here)
         text.append(
-            f'extern "C" __device__ int nc_wgmma_{dt}_n{n}(nc_acc{n}* ret, unsigned a0, unsigned a1, '
-            f'unsigned a2, unsigned a3, unsigned long long desc, int trans, {params}) {{\n'
+            f'extern "C" __device__ int nc_wgmma_wait{depth or ""}_n{n}(nc_acc{n}* ret, {params}) {{\n'
             f'  nc_acc{n} o; {init}\n'
-            f'  if (trans) {{\n{body[1]}\n  }} else {{\n{body[0]}\n  }}\n'
+            f'  asm volatile("wgmma.wait_group.sync.aligned {depth};\\n" : {outs} :: "memory");\n'
             f'  *ret = o;\n  return 0;\n}}')
-    text.append(
-        f'extern "C" __device__ int nc_wgmma_wait_n{n}(nc_acc{n}* ret, {params}) {{\n'
-        f'  nc_acc{n} o; {init}\n'
-        f'  asm volatile("wgmma.wait_group.sync.aligned 0;\\n" : {outs} :: "memory");\n'
-        f'  *ret = o;\n  return 0;\n}}')
-    text.append(   # the older groups done, the newest may still run: its accumulators must not pass here
-        f'extern "C" __device__ int nc_wgmma_wait1_n{n}(nc_acc{n}* ret, {params}) {{\n'
-        f'  nc_acc{n} o; {init}\n'
-        f'  asm volatile("wgmma.wait_group.sync.aligned 1;\\n" : {outs} :: "memory");\n'
-        f'  *ret = o;\n  return 0;\n}}')
     return "\n\n".join(text) + "\n"
