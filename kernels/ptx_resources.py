@@ -70,6 +70,8 @@ def ptxas_report(kernel, arch: str = "sm_90a") -> dict:
         sources = [("tensorcore", (ROOT / "napkin_cat/lowering/tensorcore.cu").read_text())]
         sources += [(f"wgmma_n{n}", cu_source(n))   # the warpgroup MMAs of each width the kernel calls
                     for n in sorted({int(n) for n in re.findall(r"wgmma_wait_n(\d+)", kernel.source)})]
+        sources += [(Path(f).stem, Path(f).read_text())    # anything else the source links (a probe's PTX)
+                    for f in sorted(set(re.findall(r"link='([^']+\.cu)'", kernel.source)))]
         h = nj.create(3, [f"-arch={arch}", "-lto", "-ptx"])
         nj.add_data(h, nj.InputType.LTOIR, ltoir, len(ltoir), "kernel")
         for name, text in sources:

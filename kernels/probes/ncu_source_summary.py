@@ -42,6 +42,8 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--names", default="", help="comma list naming the kernels' columns, in file order")
+    ap.add_argument("--lines", type=int, default=0, help="also the N instructions with the most samples of each "
+                                                         "of the four largest stall reasons, per kernel")
     args = ap.parse_args()
     found = list(kernels(args.csv))
     short = [re.sub(r"^napkin_cat::generated::(\w+)::.*", r"\1", n)[:28] for n, _, _ in found]
@@ -70,6 +72,14 @@ def main():
     reasons = sorted({k for s in stalls for k in s}, key=lambda k: -max(s.get(k, 0) for s in stalls))
     for k in reasons[:args.top]:
         print(f"| {k} | {' | '.join(f'{100 * s.get(k, 0):.0f}%' for s in stalls)} |")
+    for (name, hdr, rows), label, st in zip(found, short, stalls) if args.lines else ():
+        ix = {h: i for i, h in enumerate(hdr)}
+        tot = sum(int(r[ix["Warp Stall Sampling (All Samples)"]]) for r in rows) or 1
+        print(f"\nInstructions with the most stall samples: {label}")
+        for reason in sorted(st, key=lambda k: -st[k])[:4]:
+            top = sorted(rows, key=lambda r: -int(r[ix["stall_" + reason]]))[:args.lines]
+            print(f"  {reason}: " + "; ".join(f"{r[ix['Source']].strip()[:48]} {100 * int(r[ix['stall_' + reason]]) / tot:.1f}%"
+                                            for r in top))
 
 
 if __name__ == "__main__":

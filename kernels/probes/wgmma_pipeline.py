@@ -6,20 +6,28 @@ edits of its source, timed beside FlexAttention in one run:
   base kernels have off (``none``, ``late``) or on (``hoist-late``, ``pipe``);
 - ``late``: the next chunk's copies issued after this chunk's wait, proxy fence and barrier;
 - ``pipe``: FlashAttention-3's intra-warpgroup pipeline (the update of chunk c - 1 on the tensor
-  cores while chunk c's softmax runs on the CUDA cores).
+  cores while chunk c's softmax runs on the CUDA cores);
+- ``producer``: warp specialisation, FlashAttention-3's split: a copying warpgroup (``cp.async``,
+  40 registers by ``setmaxnreg``) beside the multiplying ones (232), so the multiplying warps
+  never wait on their own copies at ``wgmma.fence`` / ``fence.proxy.async``.  The double-buffered
+  shape only (``--blocks`` whose kernel prefetches two cp.async buffers); GPU only: the
+  simulator's warp reductions and MMA twins need every thread of the block at each barrier.
 
     NUMBA_ENABLE_CUDASIM=0 python kernels/probes/wgmma_pipeline.py [--d 64] [--blocks 128,64,128]
     NUMBA_ENABLE_CUDASIM=0 python kernels/probes/wgmma_pipeline.py --once --only mma:none,wg:pipe  # for ncu
+    NUMBA_ENABLE_CUDASIM=0 python kernels/probes/wgmma_pipeline.py --blocks 256,64,256 --only wg:hoist,wg:producer
     NUMBA_ENABLE_CUDASIM=1 python kernels/probes/wgmma_pipeline.py --check   # the edits, simulated
 
 The edits are text transforms of the generated source (this probe's measurement, not the
 generator): they decide whether the generator should learn them.  Each kernel is checked against
-float64 before it is timed.  Results: kernels/BENCHMARKS.md, "Third session of 2026-11-24".
+float64 before it is timed.  Results: kernels/BENCHMARKS.md, "Third session of 2026-11-24" and
+"Fourth session of 2026-11-24".
 """
 from __future__ import annotations
 
 import argparse
 import copy
+from dataclasses import replace
 import os
 import re
 import sys
@@ -35,6 +43,8 @@ from napkin_cat.lowering import emit_mma, planner, wgmma  # noqa: E402
 
 PRELOAD = False
 """Form every step's A fragments before a contraction's first wgmma (``wgmma.PRELOAD_A``)."""
+PREFETCH = "auto"
+"""``nc.lower``'s ``prefetch`` for every kernel of the run (``--prefetch``)."""
 
 
 def _find(lines, pattern, start=0, stop=None):
@@ -147,10 +157,100 @@ def pipeline(src: str) -> str:
     return head + ", wgmma_wait1_n64" + sep + tail
 
 
+PRODUCER_THREADS = 128
+"""The copying warpgroup that :func:`producer_warp` adds to the block."""
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
+"""``setmaxnreg`` of the copying warpgroup and of the multiplying ones: 40 x 128 + 232 x 256 <= 65536
+(with 24 the copying warpgroup's address arithmetic spills, ptxas -v)."""
+SETMAXNREG_CU = """
+extern "C" __device__ int nc_probe_regs_dec(int* ret) {{
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 {dec};\\n" ::: "memory");
+  *ret = 0;
+  return 0;
+}}
+extern "C" __device__ int nc_probe_regs_inc(int* ret) {{
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 {inc};\\n" ::: "memory");
+  *ret = 0;
+  return 0;
+}}
+"""
+
+
+def _setmaxnreg_file() -> str:
+    import tempfile
+    path = Path(tempfile.gettempdir()) / f"nc_probe_setmaxnreg_{PRODUCER_REGS}_{CONSUMER_REGS}.cu"
+    path.write_text(SETMAXNREG_CU.format(dec=PRODUCER_REGS, inc=CONSUMER_REGS))
+    return str(path)
+
+
+def producer_warp(src: str) -> str:
+    """A copying warpgroup beside the multiplying ones (registers moved to them by ``setmaxnreg``).  ``wgmma.fence`` and
+    ``fence.proxy.async`` wait for the executing thread's ``cp.async`` copies in flight (Nsight
+    Compute: the stalls sit on FENCE.VIEW.ASYNC / WARPGROUP.ARRIVE), so while the warps that
+    multiply also issue the next chunk's copies, those copies serialise with the multiplications.
+    Here warp 4 fills chunk c + 1 (waits for its own copies, fences them for the async proxy)
+    while warps 0-3 compute chunk c; one block barrier per chunk hands the buffers over: chunk
+    c + 1's buffer was last read in chunk c - 1, before the previous barrier."""
+    lines = src.splitlines()
+    p = PRODUCER_THREADS
+    T = int(re.search(r"^NTHREADS = uint32\((\d+)\)", src, re.M).group(1))
+    lines = [re.sub(r'"launch_bounds": \((\d+), ', lambda m: f'"launch_bounds": ({int(m.group(1)) + p}, ', ln)
+             for ln in lines]
+    loop = _find(lines, r"^    for x0 in range\(")
+    first = _find(lines, r"^    if U0 < N_x:")
+    assert lines[loop - 1].strip() == "cp_async_commit()"
+    i0 = _find(lines, r"^        if x_next < N_x:", loop)
+    j0 = _find(lines, r"^            cp_async_commit\(\)", i0)
+
+    def one_warp(ln):
+        steps = re.search(r"for u in range\(U(\d+)\):", ln)
+        if steps:
+            return ln.replace(steps.group(0), f"for u in range({int(steps.group(1)) * T // p}):")
+        return ln.replace("tid + u * NTHREADS", f"(tid - NTHREADS) + u * uint32({p})").replace("buf_x", "pbuf")
+    fetch = [one_warp(ln) for ln in lines[i0 + 1:j0]]
+    k = j0 + 1
+    assert lines[k].strip().startswith("cp_async_wait1()") and lines[k + 3].strip() == "fence_proxy_async()"
+    assert lines[k + 4].strip() == "cuda.syncthreads()"
+    end = _find(lines, r"^        buf_x = U1 - buf_x", loop)
+    assert lines[end - 2].strip() == "fence_proxy_async()" and lines[end - 1].strip() == "cuda.syncthreads()"
+    consumer = lines[:first] + lines[loop:i0] + lines[k + 5:end - 2] + lines[end - 1:]
+    start = _find(consumer, r"^    b0 = by_rest")
+    producer = [
+        "    if tid >= NTHREADS:  # probe: the copying warpgroup",
+        "        probe_regs_dec()",
+        "        pbuf = U1  # (U1 - pbuf): the buffer being filled; chunk c goes to buffer c % 2",
+        "        x_next = U0",
+        "        if U0 < N_x:",
+        *fetch,
+        "            cp_async_commit()",
+        "            cp_async_wait_all()",
+        "            fence_proxy_async()",
+        "        cuda.syncthreads()  # the preamble's barrier: chunk 0 and Q have landed",
+        "        for x0 in range(U0, N_x, CHUNK_x):",
+        "            x_next = x0 + CHUNK_x",
+        "            pbuf = U1 - pbuf",
+        "            if x_next < N_x:",
+        *["    " + ln for ln in fetch],
+        "                cp_async_commit()",
+        "                cp_async_wait_all()",
+        "                fence_proxy_async()",
+        "            cuda.syncthreads()  # chunk x_next ready; the chunk just computed released",
+        "        return",
+        "    probe_regs_inc()",
+    ]
+    out = consumer[:start + 1] + producer + consumer[start + 1:]
+    text = "\n".join(out) + "\n"
+    decl = (f"probe_regs_dec = cuda.declare_device('nc_probe_regs_dec', 'int32()', link={_setmaxnreg_file()!r})\n"
+            f"probe_regs_inc = cuda.declare_device('nc_probe_regs_inc', 'int32()', link={_setmaxnreg_file()!r})\n")
+    at = text.index("\nZERO16 = ")
+    return text[:at + 1] + decl + text[at + 1:]
+
+
 EDITS = {"none": (False, lambda s: s), "hoist": (True, lambda s: s), "late": (False, late_prefetch),
-         "hoist-late": (True, late_prefetch), "pipe": (True, pipeline)}
+         "hoist-late": (True, late_prefetch), "pipe": (True, pipeline),
+         "producer": (True, producer_warp)}
 """edit -> (the generator's own hoisting of Q's fragments on, a text edit of the source)."""
-ENGINES = ((False, ("none", "hoist")), (True, ("none", "hoist", "late", "hoist-late", "pipe")))
+ENGINES = ((False, ("none", "hoist")), (True, ("none", "hoist", "late", "hoist-late", "pipe", "producer")))
 
 
 def variant(N, D, BH, blocks, wg: bool, name: str):
@@ -159,6 +259,8 @@ def variant(N, D, BH, blocks, wg: bool, name: str):
     k = copy.copy(lower(N, D, BH, blocks, wg, hoist))
     k.source = edit(k.source)
     k._dispatcher, k._launchers, k._fast = None, {}, None    # nothing compiled for the original
+    if edit is producer_warp:   # the block gains the copying warp
+        k.launch = replace(k.launch, block=(k.launch.block[0] + PRODUCER_THREADS, 1, 1))
     return k
 
 
@@ -172,7 +274,7 @@ def lower(N, D, BH, blocks, wg: bool, hoist: bool):
     emit_mma.HOIST_REGISTERS = saved[1] if hoist else 0
     wgmma.PRELOAD_A = PRELOAD
     try:
-        return nc.lower(dia, prefetch="auto", verify=False, tiles={"q": tq, "x": tx}, threads=thr)
+        return nc.lower(dia, prefetch=PREFETCH, verify=False, tiles={"q": tq, "x": tx}, threads=thr)
     finally:
         planner.WGMMA, emit_mma.HOIST_REGISTERS, wgmma.PRELOAD_A = saved
 
@@ -188,6 +290,9 @@ def check_sim():
     ref = (p / p.sum(1, keepdims=True)) @ V[0, 0].astype(np.float64)
     for wg, names in ENGINES:
         for name in names:
+            if EDITS[name][1] is producer_warp:
+                print(f"wgmma={wg} {name}: not simulated (the simulator's reductions need the whole block)")
+                continue
             out = np.asarray(variant(N, D, 1, "128,64,128", wg, name)(Q, K, V), dtype=np.float64)[0, 0]
             print(f"wgmma={wg} {name}: max error {np.abs(out - ref).max():.2e}", flush=True)
 
@@ -201,8 +306,10 @@ def main():
     ap.add_argument("--dump", default="")
     ap.add_argument("--only", default="", help="comma list of engine:edit (mma:none, wg:pipe, ...)")
     ap.add_argument("--preload", default="0", help="comma list of 0/1: wgmma.PRELOAD_A off / on (the wgmma kernels)")
+    ap.add_argument("--prefetch", default="auto", choices=("auto", "none", "regs", "double"))
     args = ap.parse_args()
-    global PRELOAD
+    global PRELOAD, PREFETCH
+    PREFETCH = {"auto": "auto", "none": False, "regs": True, "double": "double"}[args.prefetch]
     if args.check:
         return check_sim()
     if args.dump:
