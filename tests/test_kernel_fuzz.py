@@ -200,7 +200,7 @@ EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, 
                      "library": {"micro"},
                      "tensor_core": {"fragments", "mma-registers", "ldmatrix", "ldmatrix-trans", "cp.async",
                                      "cp.async-pipeline", "packed-operand", "wgmma", "wgmma-scale-d-0",
-                                     "wgmma-accumulate", "hoisted-fragments"}}
+                                     "wgmma-accumulate", "copying-warpgroup", "hoisted-fragments"}}
 
 
 # --------------------------------------------------------------------------- one example
@@ -295,6 +295,8 @@ def _features(kernel) -> set[str]:
         out.add("lse-from-stats")
     if "(materialised, 16-bit" in kernel.source:
         out.add("16-bit-operand")
+    if "the copying warpgroup: copies every chunk" in body:   # lowering/producer.py
+        out.add("copying-warpgroup")
     if "_z(smem16" in body:                        # wgmma.emit_wgmma: a fresh accumulator's first step
         out.add("wgmma-scale-d-0")
     if re.search(r"wgmma_b?f16_n\d+\(smem16", body):   # ... and the steps that add to it
@@ -324,6 +326,17 @@ def planner_switches(**values):
             setattr(planner, k, v)
 
 
+@contextlib.contextmanager
+def producer_switch(on: bool):
+    """napkin_cat.lowering.producer.SWITCH set for one lowering, then restored."""
+    from napkin_cat.lowering import producer
+    old, producer.SWITCH = producer.SWITCH, on
+    try:
+        yield
+    finally:
+        producer.SWITCH = old
+
+
 def fuzz_one(family: str, data, stats: Counter):
     label, base, steps, roles = data.draw(relabelled(family), label="diagram")
     try:
@@ -341,12 +354,13 @@ def fuzz_one(family: str, data, stats: Counter):
                                                                   "reduction", "library") else (None,)),
                                label="micro"),
             "prefetch": data.draw(st.sampled_from(PREFETCH), label="prefetch")}
+    copying = warpgroups and data.draw(st.booleans(), label="copying warpgroup")   # lowering/producer.py
     regime = data.draw(st.sampled_from(REGIME_NAMES), label="regime")
     seed = data.draw(st.integers(0, 2 ** 16), label="seed")
     bound = rel.bind(sizes)
     note(f"{label}: {bound}  lower({opts})")
     try:
-        with planner_switches(WGMMA=warpgroups):
+        with planner_switches(WGMMA=warpgroups), producer_switch(copying):
             kernel = nc.lower(bound, verify=False, **opts)
     except nc.LoweringError as err:
         stats["lowering refused"] += 1

@@ -211,7 +211,7 @@ def test_kernel_plan_is_frozen_and_names_its_engines():
         p.buffers[("extra",)] = None            # read-only views
     assert {a.engine for a in p.accs} == {"cuda_core"}
     assert p.skips["x"] and p.launch.heavy_last == {"q"}
-    source, _, _ = emit.render(p)
+    source = emit.render(p)[0]
     assert source == emit.render(p)[0]           # rendering leaves the plan as it was
 
 

@@ -207,3 +207,13 @@ def test_the_generated_ptx_compiles_for_sm_90a():
     except (RuntimeError, OSError) as exc:   # the bindings without the NVRTC library
         pytest.skip(f"NVRTC not loadable: {exc}")
     assert res == nvrtc.nvrtcResult.NVRTC_SUCCESS
+
+
+def test_warpgroups_under_a_mask_bounded_loop_read_their_fragments_per_chunk(warpgroups):
+    """Held in registers across a stream loop whose bounds a mask sets, the warpgroup forward was
+    wrong on an H100 past the first chunk (kernels/probes/wgmma_verify.py; the simulator could not
+    tell): such fragments are read per chunk; without a mask they stay held."""
+    held = "Registers: the tensor-core fragments"
+    for causal, expect in ((True, False), (False, True)):
+        kernel = nc.lower(_forward(nc.f16, causal).bind({q: 128, x: 96, d: 16}), threads=128, verify=False)
+        assert any(n.startswith(held) for n in kernel.notes) is expect, kernel.notes

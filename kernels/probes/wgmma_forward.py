@@ -8,7 +8,7 @@ B*H = 32, the schedule's blocks), then timed (CUDA events, median); SASS counts 
 instructions and the warpgroup fences / waits the compiler added are printed beside.  Variants:
 ``mma`` (planner.WGMMA off), ``wg`` (on), ``wg-preload`` (every step's A fragments before the
 first wgmma: wgmma.PRELOAD_A), ``wg-scores`` / ``wg-update`` (only the scores' contraction or only
-the output's update on warpgroups).
+the output's update on warpgroups), ``wg-producer`` (a copying warpgroup: lowering/producer.py).
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import planner, wgmma, wgmma_plan  # noqa: E402
-from bench import cuda_time, reference_rows, rel_err  # noqa: E402
+from napkin_cat.lowering import planner, producer, wgmma, wgmma_plan  # noqa: E402
+from bench import compiled_flex, cuda_time, device_ms, reference_rows, rel_err  # noqa: E402
 
 _ALL = wgmma_plan._contractions
 
@@ -43,6 +43,7 @@ VARIANTS = {
     "wg-preload": dict(WGMMA=True, PRELOAD_A=True),
     "wg-scores": dict(WGMMA=True, only="fused"),
     "wg-update": dict(WGMMA=True, only="main"),
+    "wg-producer": dict(WGMMA=True, PRODUCER=True),
 }
 
 
@@ -62,6 +63,7 @@ def main():
     ap.add_argument("--causal", default="0")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--blocks", default="", help="semicolon list of q,x,threads (empty: the schedule's)")
+    ap.add_argument("--flex", action="store_true", help="time compiled FlexAttention too (its block mask when causal)")
     args = ap.parse_args()
     N, B, H = 4096, 2, 16
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -81,28 +83,44 @@ def main():
                     tq, tx, thr = map(int, blk.split(","))
                     opts = dict(tiles={"q": tq, "x": tx}, threads=thr)
                 planner.WGMMA = v["WGMMA"]
+                producer.SWITCH = v.get("PRODUCER", False)
                 wgmma.PRELOAD_A = v.get("PRELOAD_A", False)
                 wgmma_plan._contractions = only(v["only"]) if "only" in v else _ALL
                 try:
                     k = nc.lower(dia, prefetch="auto", verify=False, **opts)
                 finally:
                     planner.WGMMA, wgmma.PRELOAD_A, wgmma_plan._contractions = True, False, _ALL
+                    producer.SWITCH = False
                 O = torch.full_like(Q, float("nan"))
                 run = k.prepare(Q, K, V, out=O)
                 run()
                 torch.cuda.synchronize()
                 err = rel_err(O[:, :2, sel], ref)
                 ms = cuda_time(run) if err < 1e-2 else float("nan")
+                kms = device_ms(run) if err < 1e-2 else float("nan")
                 flops = 4 * B * H * N * N * D * (0.5 if causal else 1)
                 info = k.compiled_info()
-                rows.append((D, causal, f"{name} {blk}".strip(), err, ms, flops / ms / 1e9 if ms == ms else 0, info.get("registers"),
+                rows.append((D, causal, f"{name} {blk} (block {k.launch.block[0]})".strip(), err, ms, kms,
+                             flops / kms / 1e9 if kms == kms else 0, info.get("registers"),
                              info.get("local_bytes"), sass_counts(k)))
                 print(rows[-1], flush=True)
-    print("| d | causal | variant | err | ms | TFLOP/s | regs | local | SASS |")
-    print("|---|---|---|---|---|---|---|---|---|")
+            if args.flex:
+                from torch.nn.attention.flex_attention import create_block_mask
+                bm = create_block_mask(lambda b, h, i, j: i >= j, B=None, H=None, Q_LEN=N, KV_LEN=N,
+                                       device="cuda") if causal else None
+                flex = compiled_flex()
+                fo = flex(Q, K, V, block_mask=bm)
+                err = rel_err(fo[:, :2, sel], ref)
+                kms = device_ms(lambda: flex(Q, K, V, block_mask=bm))
+                flops = 4 * B * H * N * N * D * (0.5 if causal else 1)
+                rows.append((D, causal, "FlexAttention (compiled)", err, cuda_time(lambda: flex(Q, K, V, block_mask=bm)),
+                             kms, flops / kms / 1e9, None, None, {}))
+                print(rows[-1], flush=True)
+    print("| d | causal | variant | err | events ms | kernel ms | TFLOP/s | regs | local | SASS |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1e} | {r[4]:.3f} | {r[5]:.0f} | {r[6]} | {r[7]} | "
-              f"{' '.join(f'{a}={b}' for a, b in r[8].items())} |")
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1e} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.0f} | {r[7]} | {r[8]} | "
+              f"{' '.join(f'{a}={b}' for a, b in r[9].items())} |")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def _lower_one(d: Diagram, tiles=None, threads=None, name=None, micro=None, fast
         raise LoweringError(f"{d.short()} with {sched.diagram._sched_str()} needs {smem} bytes "
                             f"of shared memory per block ({gen.buffers()}); the limit is {limit}: use smaller "
                             f"tiles or chunks")
-    launch = Launch(gen.plan.launch.grid, (sched.threads, 1, 1), smem)
+    launch = Launch(gen.plan.launch.grid, (sched.threads + gen.extra_threads, 1, 1), smem)
     kernel = Kernel(sched.diagram, gen.source, kname, launch, sched, gen)
     kernel.options = {"threads": sched.threads, "micro": micro, "fastmath": fastmath, "prefetch": prefetch,
                       "name": kname}

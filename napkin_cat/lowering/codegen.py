@@ -75,6 +75,7 @@ class Generated:
     source: str
     notes: tuple[str, ...]
     buffer_names: dict
+    extra_threads: int = 0      # a copying warpgroup's, launched after the plan's threads (.producer)
 
     def buffers(self) -> str:
         """The shared buffers with their sizes, for messages."""
@@ -94,5 +95,5 @@ def generate(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath: bo
     plan = plan_kernel(d, name, threads, batch_axes, fastmath=fastmath, micro=micro, prefetch=prefetch,
                        unroll=unroll, ff=ff)
     notes = (*plan.notes, *notes)
-    source, names, notes = render(plan, notes)
-    return Generated(plan, source, notes, names)
+    source, names, notes, extra = render(plan, notes)
+    return Generated(plan, source, notes, names, extra)

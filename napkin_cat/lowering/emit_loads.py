@@ -10,6 +10,7 @@ import math
 from dataclasses import replace
 
 from ..relabel.loopnest import Load, Loop
+from . import producer
 from .source import Code, CodeAlgebra, Source, paren as _paren, render_code
 
 
@@ -142,6 +143,8 @@ class Loads:
         """Double buffering with ``cp.async`` (16-bit inputs, :meth:`_vector_ok`): chunk c + 1 is
         copied into one buffer while chunk c is computed from the other, with no registers in
         between; each thread waits for its own copies of chunk c, then one barrier."""
+        if self.specialise:     # the copies go to a copying warpgroup
+            return producer.emit_loop(self, lp, src)
         k = self.consts
         a = self.ax[lp.axis]
         lo, hi = self._stream_bounds(lp, src)
@@ -149,22 +152,10 @@ class Loads:
         bufs = [self.bufs[("var", n.var)] for n in loads]
         src.comment(f"stream {a.name} in chunks of {a.cap}, double-buffered with cp.async: chunk c + 1 "
                     f"is in flight while chunk c is computed")
-        stride = {b.name: k.u(b.stride, f"STRIDE_{b.name}", comment=f"words per copy of {b.name}") for b in bufs}
-        base = {b.name: (b.name if b.offset else k.u(0, "U0")) for b in bufs}
+        stride, base = self._copy_layout(bufs)
 
         def issue(start: str, copy: str):
-            saved = self.ax[lp.axis]
-            self.ax[lp.axis] = replace(saved, start=start)
-            if saved.ragged:
-                cnt = self.names.fresh(f"len_{a.name}")
-                src(f"{cnt} = min({a.cap_c}, {a.size_c} - {start})")
-                self.ax[lp.axis] = replace(self.ax[lp.axis], count=cnt)
-            for n, b in zip(loads, bufs):
-                self.cur[b.key] = self.names.fresh(f"{b.name}_fill")
-                src(f"{self.cur[b.key]} = {base[b.name]} + {copy} * {stride[b.name]}")
-                self._vector_load(n.var, src, wait=False)
-            src("cp_async_commit()")
-            self.ax[lp.axis] = saved
+            self._issue_chunk(lp, loads, bufs, start, copy, src)
 
         par = self.names.fresh(f"buf_{a.name}")
         src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
@@ -195,6 +186,30 @@ class Loads:
         self._drop_flags(lp)
         for b in bufs:
             del self.cur[b.key]
+
+    def _copy_layout(self, bufs) -> tuple[dict, dict]:
+        """``(stride, base)`` of double-buffered chunk buffers: the words between the two copies,
+        the first copy's offset."""
+        k = self.consts
+        return ({b.name: k.u(b.stride, f"STRIDE_{b.name}", comment=f"words per copy of {b.name}") for b in bufs},
+                {b.name: (b.name if b.offset else k.u(0, "U0")) for b in bufs})
+
+    def _issue_chunk(self, lp: Loop, loads, bufs, start: str, copy: str, src: Source):
+        """``cp.async`` of the chunk of ``lp`` starting at ``start`` into copy ``copy`` of its
+        buffers, committed as one group (by :attr:`copy_threads`)."""
+        a = saved = self.ax[lp.axis]
+        stride, base = self._copy_layout(bufs)
+        self.ax[lp.axis] = replace(saved, start=start)
+        if saved.ragged:
+            cnt = self.names.fresh(f"len_{a.name}")
+            src(f"{cnt} = min({a.cap_c}, {a.size_c} - {start})")
+            self.ax[lp.axis] = replace(self.ax[lp.axis], count=cnt)
+        for n, b in zip(loads, bufs):
+            self.cur[b.key] = self.names.fresh(f"{b.name}_fill")
+            src(f"{self.cur[b.key]} = {base[b.name]} + {copy} * {stride[b.name]}")
+            self._vector_load(n.var, src, wait=False)
+        src("cp_async_commit()")
+        self.ax[lp.axis] = saved
 
     def _emit_double_buffered_loop(self, lp: Loop, src: Source):
         if all(self._vector_ok(n.var) for n in lp.body if isinstance(n, Load)):
@@ -489,9 +504,10 @@ class Loads:
         src.comment(f"load {arr} -> shared {b.name} [{' '.join(b.axes)}]: cp.async, 16 bytes "
                     f"(8 elements of {names[-1]}) per thread and step")
         env = {}
-        with src.block(f"for u in range({k.u(-(-groups // self.T))}):"):
-            src("e = tid + u * NTHREADS")
-            with src.maybe(f"e < {k.u(groups)}" if groups % self.T else None):
+        tid, nthreads, T = self.copy_threads    # every thread, or the copying warpgroup's (.producer)
+        with src.block(f"for u in range({k.u(-(-groups // T))}):"):
+            src(f"e = {tid} + u * {nthreads}")
+            with src.maybe(f"e < {k.u(groups)}" if groups % T else None):
                 if b.core:   # 8 consecutive threads fill one 8 x 8 block: 128 contiguous bytes
                     self._decode(src, "e", ("_p8", "_g8", "_r8"), env,
                                  caps={"_p8": k.u(-(-caps[0] // 8)), "_g8": k.u(last.cap // 8), "_r8": k.u(8)})

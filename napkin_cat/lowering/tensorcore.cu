@@ -190,3 +190,12 @@ extern "C" __device__ int nc_fence_proxy_async(int* ret) {
   *ret = 0;
   return 0;
 }
+
+// A barrier over the first `count` threads of the block only (barrier `id`, 1..15; 0 is
+// __syncthreads'): the multiplying warps of a kernel whose copying warpgroup is elsewhere
+// (lowering/producer.py).
+extern "C" __device__ int nc_bar_named(int* ret, unsigned id, unsigned count) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+  *ret = 0;
+  return 0;
+}

@@ -37,6 +37,7 @@ floating point type"), lane ``l``, ``g = l // 4``, ``t = l % 4``:
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,7 +71,10 @@ SHARED_PRIMITIVES = ("ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t", "pin",
                      "cp_async16", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1", "cp_async_wait2")
 """The primitives every 16-bit kernel imports, whatever its dtype (beside its dtype's four)."""
 
-PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf", *SHARED_PRIMITIVES)
+PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf", *SHARED_PRIMITIVES,
+              "bar_named")
+"""Every primitive above, and ``bar_named(id, count)``: a barrier over the block's first ``count``
+threads (the multiplying warps of a kernel with a copying warpgroup, :mod:`.producer`)."""
 
 def fragment_layout() -> dict[str, np.ndarray]:
     """Where each element of the A, B and C tiles lives: ``A[r, k] = (register, lane, half)``,
@@ -119,6 +123,35 @@ def _context():
     return _get_kernel_context()
 
 
+_BARRIERS: dict = {}
+_BARRIERS_LOCK = threading.Lock()
+
+
+def _group_barrier(ctx, key, parties: int):
+    """The simulator's barrier over ``parties`` threads of this block named by ``key``: the
+    threads of one warp for the twins below (what they exchange stays within the warp), the
+    multiplying threads for ``bar_named``.  Not numba's block barrier, so a kernel whose copying
+    warpgroup passes only the block's own barriers runs in step (:mod:`.producer`)."""
+    block = tuple(int(v) for v in (ctx.blockIdx.x, ctx.blockIdx.y, ctx.blockIdx.z))
+    with _BARRIERS_LOCK:
+        b = _BARRIERS.get((block, key, parties))
+        if b is None or b.broken:
+            b = _BARRIERS[block, key, parties] = threading.Barrier(parties)
+    b.wait(timeout=120)
+
+
+def _warp_sync(ctx):
+    """A barrier over this thread's warp (its live lanes: every lane of a block of whole warps)."""
+    tid = int(ctx.threadIdx.x)
+    warp = tid // 32
+    _group_barrier(ctx, ("warp", warp), min(32, int(ctx.blockDim.x) - 32 * warp))
+
+
+def _sim_bar_named(bid, count):
+    _group_barrier(_context(), ("named", int(bid)), int(count))
+    return 0
+
+
 def _sim_mma(values, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     """One lane's part of a warp's mma: the lanes publish their fragments in shared memory,
     then each reads the whole A and B tiles back and keeps its four outputs."""
@@ -127,9 +160,9 @@ def _sim_mma(values, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     warp, lane = divmod(tid, 32)
     exchange = ctx.shared.array((32, 32, 6), np.uint32)   # one per block: 32 warps of 32 lanes
     exchange[warp, lane] = (a0, a1, a2, a3, b0, b1)
-    ctx.syncthreads()
+    _warp_sync(ctx)
     words = np.array(exchange[warp], dtype=np.uint32)
-    ctx.syncthreads()
+    _warp_sync(ctx)
     vals = values(words.view(np.uint16).reshape(32, 12))   # word w: halves 2w (low), 2w + 1
     A = vals[_A_LANE, _A_HALF]
     B = vals[_B_LANE, _B_HALF]
@@ -147,9 +180,9 @@ def _sim_ldsm(arr, off, count: int, trans: bool):
     warp, lane = divmod(tid, 32)
     rows = ctx.shared.array((32, 32), np.int64)   # one per block: each lane's row address
     rows[warp, lane] = int(off)
-    ctx.syncthreads()
+    _warp_sync(ctx)
     offs = [int(v) for v in rows[warp]]
-    ctx.syncthreads()
+    _warp_sync(ctx)
     g, t = divmod(lane, 4)
     out = []
     for q in range(count):
@@ -199,7 +232,7 @@ def _sim_primitives() -> dict:
                 ldsm_x4=lambda a, o: _sim_ldsm(a, o, 4, False), ldsm_x4_t=lambda a, o: _sim_ldsm(a, o, 4, True),
                 ldsm_x2=lambda a, o: _sim_ldsm(a, o, 2, False), ldsm_x2_t=lambda a, o: _sim_ldsm(a, o, 2, True),
                 pin=lambda v: v, cp_async16=cp_async16, cp_async_wait_all=done, cp_async_commit=done, cp_async_wait1=done,
-                cp_async_wait2=done)
+                cp_async_wait2=done, bar_named=_sim_bar_named)
 
 
 def sim_wgmma(values, n: int, smem16, desc, trans, a0, a1, a2, a3, acc=None):
@@ -213,9 +246,9 @@ def sim_wgmma(values, n: int, smem16, desc, trans, a0, a1, a2, a3, acc=None):
     warp, lane = divmod(int(ctx.threadIdx.x), 32)
     exchange = ctx.shared.array((32, 32, 4), np.uint32)
     exchange[warp, lane] = (a0, a1, a2, a3)
-    ctx.syncthreads()
+    _warp_sync(ctx)
     words = np.array(exchange[warp], dtype=np.uint32)
-    ctx.syncthreads()
+    _warp_sync(ctx)
     A = values(words.view(np.uint16).reshape(32, 8))[_A_LANE, _A_HALF]       # 16 x 16
     addr, lbo, sbo = desc_fields(desc)
     k = np.arange(16)[:, None]
@@ -241,7 +274,9 @@ def sim_desc16(smem16, off, lbo, sbo):
 
 def sim_wgmma_primitive(name: str):
     """The simulated twin of warpgroup primitive ``name`` (None: not one)."""
-    from .wgmma import FIXED, parse
+    from .wgmma import FIXED, SETMAXNREG, parse
+    if SETMAXNREG.match(name):
+        return lambda: 0          # the simulator has no register file to share out
     if name == "wgmma_desc16":
         return sim_desc16
     if name in FIXED:
@@ -281,8 +316,8 @@ _WG_CACHE: dict[tuple[bool, str], object] = {}
 def wgmma_primitive(name: str):
     """A warpgroup primitive (:mod:`.wgmma`) for this process's numba.cuda, or None."""
     from .devices import simulator_active
-    from .wgmma import FIXED, parse
-    if name not in FIXED and parse(name) is None:
+    from .wgmma import FIXED, SETMAXNREG, parse
+    if name not in FIXED and parse(name) is None and not SETMAXNREG.match(name):
         return None
     sim = simulator_active()
     if (sim, name) not in _WG_CACHE:

@@ -29,6 +29,7 @@ SIGNATURES = {
     "pin": "uint32(uint32)", "cp_async16": "int32(uint32, uint64, int32)", "cp_async_wait_all": "int32()",
     "cp_async_commit": "int32()", "cp_async_wait1": "int32()", "cp_async_wait2": "int32()",
     "wgmma_fence": "int32()", "wgmma_commit": "int32()", "fence_proxy_async": "int32()",
+    "bar_named": "int32(uint32, uint32)",
 }
 """The linked functions of ``tensorcore.cu`` (``nc_`` + name) and their numba signatures; the
 ``ldsm_*`` and ``cp_async16`` that kernels call wrap them (:mod:`.tensorcore_gpu`)."""
@@ -79,6 +80,7 @@ pin = _linked["pin"]
 _cp16, cp_async_wait_all = _linked["cp_async16"], _linked["cp_async_wait_all"]
 cp_async_commit, cp_async_wait1 = _linked["cp_async_commit"], _linked["cp_async_wait1"]
 cp_async_wait2 = _linked["cp_async_wait2"]
+bar_named = _linked["bar_named"]
 
 
 @cuda.jit(device=True, inline=True)
@@ -135,13 +137,17 @@ descriptor alone names the operand."""
 
 def _wgmma_file(n: int) -> str:
     """The generated PTX wrappers of width ``n`` (:func:`.wgmma.cu_source`), written once."""
+    from .wgmma import cu_source
+    return _cu_file(f"wgmma_n{n}", cu_source(n))
+
+
+def _cu_file(stem: str, text: str) -> str:
+    """``text`` in a ``.cu`` file named by ``stem`` and its hash, written once."""
     import hashlib
     import tempfile
-    from .wgmma import cu_source
-    text = cu_source(n)
     folder = os.path.join(tempfile.gettempdir(), "napkin_cat_wgmma")
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"wgmma_n{n}_{hashlib.sha1(text.encode()).hexdigest()[:12]}.cu")
+    path = os.path.join(folder, f"{stem}_{hashlib.sha1(text.encode()).hexdigest()[:12]}.cu")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}"
         with open(tmp, "w") as fh:
@@ -153,7 +159,10 @@ def _wgmma_file(n: int) -> str:
 def wgmma_primitive(name: str):
     """The device function behind warpgroup primitive ``name`` (:mod:`.wgmma`; cached by
     :func:`.tensorcore.wgmma_primitive`)."""
-    from .wgmma import FIXED, parse
+    from .wgmma import FIXED, SETMAXNREG, parse, setmaxnreg_source
+    regs = SETMAXNREG.match(name)
+    if regs is not None:
+        return cuda.declare_device(f"nc_{name}", "int32()", link=_cu_file(name, setmaxnreg_source(name)))
     if name == "wgmma_desc16":
         return wgmma_desc16
     if name in FIXED:

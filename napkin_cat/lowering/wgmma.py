@@ -55,6 +55,9 @@ NAME = re.compile(r"^wgmma_(?P<dt>f16|bf16)_n(?P<n>\d+)(?P<zero>_z)?$|^wgmma_wai
 """``wgmma_{dt}_n{N}`` (``D += A B``), ``wgmma_{dt}_n{N}_z`` (``D = A B``: scale-d 0, the
 accumulators only written) and ``wgmma_wait[1]_n{N}`` (``wait_group 0`` / ``1``)."""
 FIXED = ("wgmma_fence", "wgmma_commit", "fence_proxy_async", "wgmma_desc16")
+SETMAXNREG = re.compile(r"^setmaxnreg_(inc|dec)_(\d+)$")
+"""``setmaxnreg_{inc,dec}_{R}``: this warpgroup's registers per thread raised / lowered to ``R``
+(a multiple of 8 from 24 to 256; :mod:`.producer`)."""
 """The primitives every kernel with a warpgroup MMA imports, beside its ``wgmma_*_n{N}``."""
 
 
@@ -173,6 +176,16 @@ def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src, fres
 
 
 # --------------------------------------------------------------------------- the GPU's source
+
+def setmaxnreg_source(name: str) -> str:
+    """The PTX wrapper of ``setmaxnreg_{inc,dec}_{R}`` (the count is an immediate)."""
+    how, regs = SETMAXNREG.match(name).groups()
+    if int(regs) % 8 or not 24 <= int(regs) <= 256:
+        raise ValueError(f"{name}: setmaxnreg takes a multiple of 8 from 24 to 256")
+    return (f'extern "C" __device__ int nc_{name}(int* ret) {{\n'
+            f'  asm volatile("setmaxnreg.{how}.sync.aligned.u32 {regs};\\n" ::: "memory");\n'
+            f'  *ret = 0;\n  return 0;\n}}\n')
+
 
 def cu_source(n: int) -> str:
     """Inline PTX of ``wgmma.m64n{n}k16`` (f16 and bf16 in, fp32 accumulators, A in registers):

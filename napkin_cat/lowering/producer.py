@@ -1,0 +1,206 @@
+"""Warp specialisation: a copying warpgroup beside the warpgroups that multiply (FlashAttention-3's
+producer), for a stream loop double-buffered by ``cp.async`` whose contractions run on ``wgmma``.
+
+Why (measured on an H100, kernels/BENCHMARKS.md, "Fourth session of 2026-11-24"): ``wgmma.fence``
+and ``fence.proxy.async`` wait for the executing thread's ``cp.async`` copies still in flight.  When
+the warps that multiply also issue the next chunk's copies, every chunk's multiplications wait for
+the next chunk's copies: the double buffer overlaps nothing.  Given to warps that never multiply,
+the copies overlap the multiplications.
+
+The kernel (``NTHREADS`` multiplying threads, then :data:`THREADS` copying ones)::
+
+    if tid >= NTHREADS:                       # the copying warpgroup
+        setmaxnreg_dec_40()                   # its registers go to the multiplying warps
+        (the block barriers the multiplying warps pass before the stream loop, but the last)
+        copy chunk 0 into buffer 0; wait for the copies; fence them for the async proxy
+        barrier                               # chunk 0 has landed
+        for each chunk c:
+            copy chunk c + 1 into buffer (c + 1) % 2; wait; fence
+            barrier (as many as the multiplying warps pass per chunk)
+        (the barriers they pass after the loop)
+        return
+    setmaxnreg_inc_R()
+    ... the kernel as before, the stream loop without copies: one barrier before it, the
+    loop's closing barrier(s) ...
+
+Buffer ``(c + 1) % 2`` was last read in chunk ``c - 1``, before the barrier that ended it, and
+chunk ``c + 1`` has landed, fenced, before the barrier that ends chunk ``c``.  Every block barrier
+of the multiplying warps has its twin in the copying warpgroup: their count is read off the
+emitted code, and a kernel whose barriers are not all at fixed places (one inside a branch or an
+inner loop) is not specialised (:class:`NotSpecialised`, then emitted as before).  Reductions
+among the multiplying threads through shared memory use a named barrier over them
+(``bar_named(1, NTHREADS)``), and the simulated tensor-core twins synchronise within a warp, so
+the simulator runs the same protocol (:func:`.tensorcore._group_barrier`).
+
+Registers: the block starts with ``65536 / (blocks x threads)`` each; ``setmaxnreg`` moves them from
+the copying warpgroup (:data:`REGS`) to the multiplying ones (:func:`consumer_registers`).
+"""
+
+from __future__ import annotations
+
+from ..relabel.loopnest import Load, Loop
+
+SWITCH = False
+"""Give the copies of a qualifying stream loop to a copying warpgroup (:func:`why_not`).  Off by
+default until the measured forward and backward kernels say so (kernels/BENCHMARKS.md)."""
+
+THREADS = 128
+"""Threads of the copying warpgroup (``setmaxnreg`` acts on whole warpgroups)."""
+
+REGS = 40
+"""Registers per thread the copying warpgroup keeps (with 24 its address arithmetic spills:
+``ptxas -v`` on the probe kernel, kernels/probes/wgmma_pipeline.py)."""
+
+REGISTER_FILE = 65536
+MAX_REGS = 248
+"""The most ``setmaxnreg`` gives a thread here (a multiple of 8 at most 255)."""
+
+
+class NotSpecialised(Exception):
+    """The emitted kernel's barriers do not allow the copying warpgroup (the reason)."""
+
+
+def why_not(plan) -> str | None:
+    """Why ``plan``'s kernel gets no copying warpgroup (None: it gets one)."""
+    from .wgmma import uses_wgmma
+    if not SWITCH:
+        return "producer.SWITCH is off"
+    if not uses_wgmma(plan):
+        return "no contraction on warpgroup MMAs"
+    if plan.prefetch != "double":
+        return f"prefetch is {plan.prefetch!r}, not 'double'"
+    if plan.threads % 128 or plan.threads + THREADS > 1024:
+        return f"{plan.threads} threads: not whole warpgroups, or more than 1024 with the copying warpgroup"
+    loops = [n for n in plan.inner if isinstance(n, Loop)]
+    nested = [n for lp in loops for n in lp.body if isinstance(n, Loop)]
+    if len(loops) != 1 or loops[0].kind != "stream" or nested:
+        return "not one stream loop at the kernel's top level"
+    if any(s.pred.block_atoms() for s in plan.skips.get(loops[0].axis, ())):
+        return "chunks skipped by a block table (read by the copying warpgroup: not yet)"
+    return None
+
+
+def consumer_registers(threads: int, blocks: int) -> int:
+    """Registers per multiplying thread once the copying warpgroup has given its own up."""
+    free = REGISTER_FILE // blocks - THREADS * REGS
+    return min(MAX_REGS, free // threads // 8 * 8)
+
+
+def launch_registers(threads: int, blocks: int) -> int:
+    """Registers per thread at launch (every thread alike), what ``setmaxnreg`` starts from."""
+    return min(MAX_REGS, REGISTER_FILE // (blocks * (threads + THREADS)) // 8 * 8)
+
+
+def primitive_names(threads: int, blocks: int) -> tuple[str, ...]:
+    return ("bar_named", f"setmaxnreg_dec_{REGS}", f"setmaxnreg_inc_{consumer_registers(threads, blocks)}")
+
+
+# --------------------------------------------------------------------------- emission
+
+MARK = "the copying warpgroup fills the other buffer"
+
+
+def emit_loop(em, lp: Loop, src) -> None:
+    """The multiplying warps' side of stream loop ``lp`` (no copies), and the copying
+    warpgroup's, kept to be written into its slot once the kernel's barriers are known
+    (:func:`finish`)."""
+    k = em.consts
+    a = em.ax[lp.axis]
+    lo, hi = em._stream_bounds(lp, src)
+    loads = [n for n in lp.body if isinstance(n, Load)]
+    bufs = [em.bufs[("var", n.var)] for n in loads]
+    if not all(em._vector_ok(n.var) for n in loads):
+        raise NotSpecialised("an input of the stream loop is not copied by cp.async")
+    stride, base = em._copy_layout(bufs)
+    src.comment(f"stream {a.name} in chunks of {a.cap}, double-buffered: while chunk c is computed, "
+                f"{MARK} with chunk c + 1 (warp specialisation, lowering/producer.py)")
+    par = em.names.fresh(f"buf_{a.name}")
+    src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
+    em.pending_sync = True
+    em.sync(src)   # chunk 0 has landed (the copying warpgroup's first barrier in the loop's turn)
+    with src.block(em._chunk_header(lp, lo, hi, None, src)):
+        if a.ragged:
+            src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
+        for b in bufs:
+            em.cur[b.key] = em.names.fresh(f"{b.name}_cur")
+            src(f"{em.cur[b.key]} = {base[b.name]} + {par} * {stride[b.name]}")
+        em.pending_sync = False
+        empty = em._chunk_flags(lp, src)
+        em._emit_guarded([n for n in lp.body if n not in loads], empty, src)
+        em.pending_sync = True
+        em.sync(src)
+        src(f"{par} = {k.u(1, 'U1')} - {par}")
+    em._drop_flags(lp)
+    for b in bufs:
+        del em.cur[b.key]
+    em.producer_loop = (lp, loads, bufs)
+
+
+def _barrier_counts(lines: list[str]) -> tuple[int, int, int]:
+    """Block barriers of the multiplying warps before the stream loop, per chunk, after it: each
+    at the kernel body's own depth or the loop body's (else :class:`NotSpecialised`)."""
+    body = "    "
+    at = next(i for i, ln in enumerate(lines) if MARK in ln)
+    head = next(i for i in range(at, len(lines)) if lines[i].startswith(body + "for ") or lines[i].startswith(body + "while "))
+    end = next((i for i in range(head + 1, len(lines)) if lines[i].strip() and not lines[i].startswith(body + "    ")),
+               len(lines))
+    counts = [0, 0, 0]
+    for i, ln in enumerate(lines):
+        if ln.strip() != "cuda.syncthreads()":
+            continue
+        depth = (len(ln) - len(ln.lstrip())) // 4
+        part = 0 if i < head else 1 if i < end else 2
+        if depth != (2 if part == 1 else 1):
+            raise NotSpecialised(f"a block barrier at depth {depth} (line {i}): not at a fixed place")
+        counts[part] += 1
+    if counts[0] < 1 or counts[1] < 1:
+        raise NotSpecialised("no barrier before the stream loop or none in it")
+    return counts[0], counts[1], counts[2]
+
+
+def finish(em, body, slot) -> None:
+    """Write the copying warpgroup's code into ``slot`` (after the prologue), mirroring the
+    barriers of the multiplying warps' emitted ``body``."""
+    lp, loads, bufs = em.producer_loop
+    pre, per, post = _barrier_counts(body.lines)
+    k = em.consts
+    a = em.ax[lp.axis]
+    em.producer_threads = THREADS
+    blocks = em.blocks()
+    saved = em.pending_sync, em.pending_async, dict(em.cur), em.copy_threads
+    em.pending_sync = em.pending_async = False
+    nthreads = k.u(THREADS, "NPRODUCER", comment="threads of the copying warpgroup")
+    em.copy_threads = ("ptid", nthreads, THREADS)
+    src = slot
+    with src.block("if tid >= NTHREADS:  # the copying warpgroup: copies every chunk of the stream loop"):
+        src(f"setmaxnreg_dec_{REGS}()  # its registers go to the multiplying warps")
+        src("ptid = tid - NTHREADS")
+        for _ in range(pre - 1):
+            src("cuda.syncthreads()  # a barrier of the multiplying warps before the loop")
+        lo, hi = em._stream_bounds(lp, src)
+        par = em.names.fresh(f"pbuf_{a.name}")
+        src(f"{par} = {k.u(0, 'U0')}")
+
+        def issue(start: str, copy: str):
+            em._issue_chunk(lp, loads, bufs, start, copy, src)
+            src("cp_async_wait_all()  # this warpgroup's copies of the chunk have landed")
+            src("fence_proxy_async()  # ... and are visible to the tensor cores")
+
+        with src.block(f"if {lo} < {hi}:"):
+            issue(lo, k.u(0, "U0"))
+        src("cuda.syncthreads()  # chunk 0 has landed")
+        with src.block(em._chunk_header(lp, lo, hi, None, src)):
+            nxt = em.names.fresh(f"{a.name}_next")
+            src(f"{nxt} = {a.start} + {a.cap_c}")
+            with src.block(f"if {nxt} < {hi}:"):
+                issue(nxt, f"({k.u(1, 'U1')} - {par})")
+            for _ in range(per):
+                src("cuda.syncthreads()  # the next chunk has landed; the buffer of this one is free")
+            src(f"{par} = {k.u(1, 'U1')} - {par}")
+        for _ in range(post):
+            src("cuda.syncthreads()  # a barrier of the multiplying warps after the loop")
+        src("return")
+    src(f"setmaxnreg_inc_{consumer_registers(em.T, blocks)}()  # the multiplying warps take the registers")
+    em.pending_sync, em.pending_async, cur, em.copy_threads = saved
+    em.cur.clear()
+    em.cur.update(cur)

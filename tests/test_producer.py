@@ -1,0 +1,136 @@
+"""A copying warpgroup beside the warpgroups that multiply (lowering/producer.py): the stream loop's
+cp.async copies issued by threads NTHREADS .. NTHREADS + 127, the computing threads left with the
+tensor cores.
+
+Checked in the simulator (whose tensor-core twins synchronise within a warp and whose shared
+memory reductions meet at a barrier of the computing threads only, so the two sides run the
+protocol as on the GPU): the forward (f16 / bf16, causal, ragged, huge logits) and the dQ kernel
+against the oracle; the copying side passes exactly the block barriers the computing side does;
+kernels it does not fit are emitted as before, with the reason in their notes; a planted wrong
+schedule (each chunk's copy one chunk late) is caught.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import copy  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat.lowering import planner, producer  # noqa: E402
+from napkin_cat.verify import kernelcheck  # noqa: E402
+from test_frag_operands import _inputs  # noqa: E402
+from test_wgmma import _parts  # noqa: E402
+
+L = nc.library
+q, x, d = nc.axes("q x d")
+
+
+@pytest.fixture
+def copying(monkeypatch):
+    monkeypatch.setattr(planner, "WGMMA", True)
+    monkeypatch.setattr(producer, "SWITCH", True)
+
+
+def _forward(dtype, causal, sizes):
+    return L.attention(q=q, x=x, d=d, causal=causal, dtype=dtype).stream(x, 32).tile(q, 64) \
+        .place("O", "registers").bind(sizes)
+
+
+def _check(dia, kernel, scale=1.0, seed=1):
+    rng = np.random.default_rng(seed)
+    ins = [(scale if arr.name == "Q" else 1.0) * rng.standard_normal(tuple(a.size for a in arr.axes))
+           for arr in dia.dom]
+    return kernelcheck.kernel_outcome(dia.unrelabelled(), kernel, ins)
+
+
+def _body(kernel) -> list[str]:
+    return kernel.source.split("@cuda.jit(fastmath")[-1].splitlines()
+
+
+@pytest.mark.parametrize("dtype,causal,sizes,scale", [
+    pytest.param(nc.f16, False, {q: 70, x: 77, d: 16}, 1.0, id="f16-ragged"),
+    pytest.param(nc.bf16, True, {q: 64, x: 96, d: 32}, 12.0, id="bf16-causal-x12"),
+])
+def test_the_forward_with_a_copying_warpgroup_matches_the_oracle(copying, dtype, causal, sizes, scale):
+    dia = _forward(dtype, causal, sizes)
+    kernel = nc.lower(dia, threads=128, prefetch="double", verify=False)
+    assert kernel.launch.block == (128 + producer.THREADS, 1, 1)
+    assert any(n.startswith("Copying warpgroup: threads 128..255") for n in kernel.notes), kernel.notes
+    body = _body(kernel)
+    mine = body[:next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))]
+    theirs = body[len(mine):]
+    assert sum("cp_async16(" in ln for ln in mine) == 4          # K and V: the first chunk and the next ones
+    assert not any("cp_async16(smem16, K_s" in ln or "cp_async16(smem16, V_s" in ln for ln in theirs)
+    assert "setmaxnreg_dec_40()" in "\n".join(mine)
+    out = _check(dia, kernel, scale)
+    assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+def test_both_sides_pass_the_same_block_barriers(copying):
+    kernel = nc.lower(_forward(nc.f16, False, {q: 64, x: 64, d: 16}), threads=128, prefetch="double",
+                      verify=False)
+    body = _body(kernel)
+    split = next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))
+    pre, per, post = producer._barrier_counts(body[split:])
+    mine = [ln for ln in body[:split] if ln.strip().startswith("cuda.syncthreads()")]
+    loop = next(i for i, ln in enumerate(body[:split]) if ln.startswith("        for "))
+    in_loop = [ln for ln in body[loop:split] if ln.startswith("            cuda.syncthreads()")]
+    assert (len(mine) - len(in_loop), len(in_loop)) == (pre + post, per)
+
+
+def test_a_barrier_at_no_fixed_place_is_refused():
+    lines = ["    x = 1", "    # stream x " + producer.MARK, "    for x0 in range(U0, N_x, CHUNK_x):",
+             "        if x0 > U0:", "            cuda.syncthreads()", "        cuda.syncthreads()", "    cuda.syncthreads()"]
+    with pytest.raises(producer.NotSpecialised, match="depth 3"):
+        producer._barrier_counts(["    cuda.syncthreads()", *lines])
+    assert producer._barrier_counts(["    cuda.syncthreads()", *lines[:3], *lines[5:]]) == (1, 1, 1)
+
+
+def test_the_dq_kernel_takes_one_and_the_dk_dv_kernel_says_why_not(copying):
+    sizes = {q: 70, x: 45, d: 16}
+    inputs = _inputs(sizes, True, 4.0)
+    (dkdv, dq) = _parts(nc.f16, True)
+    for part, expect in ((dkdv, "none (the stream loop's inputs are not all copied by cp.async)"),
+                         (dq, "threads 128..255 copy")):
+        bound = part.bind(sizes)
+        tiles = {k: v for k, v in {"g_x": 64, "s_q": 32, "g_q": 64, "s_x": 32}.items() if k in part._sched_str()}
+        kernel = nc.lower(bound, tiles=tiles, threads=128, prefetch="double", verify=False)
+        assert any(expect in n for n in kernel.notes), kernel.notes
+        assert kernel.launch.block[0] == (256 if "threads 128" in expect else 128)
+        out = kernelcheck.kernel_outcome(bound.unrelabelled(), kernel, [inputs[a.name] for a in part.dom])
+        assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+def test_without_the_switch_or_warpgroups_nothing_changes(monkeypatch):
+    dia = _forward(nc.f16, False, {q: 64, x: 64, d: 16})
+    plain = nc.lower(dia, threads=128, prefetch="double", verify=False)
+    assert plain.launch.block == (128, 1, 1) and "copying warpgroup" not in plain.source
+    monkeypatch.setattr(producer, "SWITCH", True)
+    kernel = nc.lower(dia, threads=128, prefetch="double", verify=False)     # mma.sync: no warpgroups
+    assert kernel.source.split("\nLaunch:")[1] == plain.source.split("\nLaunch:")[1]
+    assert any("Copying warpgroup: none (no contraction on warpgroup MMAs)" in n for n in kernel.notes)
+
+
+def test_the_registers_moved_fit_the_register_file():
+    for threads, blocks in ((128, 2), (256, 1), (512, 1)):
+        mine, theirs = producer.REGS * producer.THREADS, producer.consumer_registers(threads, blocks) * threads
+        assert mine + theirs <= producer.REGISTER_FILE // blocks
+        assert producer.REGS <= producer.launch_registers(threads, blocks) <= producer.consumer_registers(threads, blocks)
+        assert producer.consumer_registers(threads, blocks) % 8 == 0
+
+
+def test_a_planted_late_copy_is_caught(copying):
+    """Each chunk copied one chunk late (the copying side's schedule shifted): the computing side
+    reads chunk 0 twice and never the last one, which the check against the oracle sees."""
+    dia = _forward(nc.f16, False, {q: 64, x: 96, d: 16})
+    kernel = copy.copy(nc.lower(dia, threads=128, prefetch="double", verify=False))
+    late = kernel.source.replace("x_next = x0 + CHUNK_x\n", "x_next = x0\n", 1)
+    assert late != kernel.source
+    kernel.source = late
+    kernel._dispatcher, kernel._launchers, kernel._fast = None, {}, None
+    assert _check(dia, kernel).failure is not None
