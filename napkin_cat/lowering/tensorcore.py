@@ -38,6 +38,7 @@ floating point type"), lane ``l``, ``g = l // 4``, ``t = l % 4``:
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,21 +124,25 @@ def _context():
     return _get_kernel_context()
 
 
-_BARRIERS: dict = {}
+_BARRIERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # launch -> {(block, key, parties): barrier}
 _BARRIERS_LOCK = threading.Lock()
 
 
 def _group_barrier(ctx, key, parties: int):
     """The simulator's barrier over ``parties`` threads of this block named by ``key``: the
     threads of one warp for the twins below (what they exchange stays within the warp), the
-    multiplying threads for ``bar_named``.  Not numba's block barrier, so a kernel whose copying
-    warpgroup passes only the block's own barriers runs in step (:mod:`.producer`)."""
+    computing threads for ``bar_named``.  Not numba's block barrier, so a kernel whose copying
+    warpgroup passes only the block's own barriers runs in step (:mod:`.producer`).  Barriers
+    belong to one launch (its block manager), so threads a failed launch left waiting never meet
+    a later launch's."""
+    launch = threading.current_thread()._manager
     block = tuple(int(v) for v in (ctx.blockIdx.x, ctx.blockIdx.y, ctx.blockIdx.z))
     with _BARRIERS_LOCK:
-        b = _BARRIERS.get((block, key, parties))
-        if b is None or b.broken:
-            b = _BARRIERS[block, key, parties] = threading.Barrier(parties)
-    b.wait(timeout=120)
+        mine = _BARRIERS.setdefault(launch, {})
+        b = mine.get((block, key, parties))
+        if b is None:
+            b = mine[block, key, parties] = threading.Barrier(parties)
+    b.wait(timeout=600)
 
 
 def _warp_sync(ctx):
