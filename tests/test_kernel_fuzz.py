@@ -161,13 +161,15 @@ def tensor_core_family(draw):
     chunks of 16 or 32, d = 16), ragged sizes: the tensor-core engine (simulated fragments)."""
     dt = draw(st.sampled_from((nc.f16, nc.bf16)))
     if draw(st.sampled_from((False, False, True)), label="warpgroups"):
-        # lowered with planner.WGMMA on 4 warps (fuzz_one): row tiles of 64, one warpgroup
+        # lowered with planner.WGMMA (fuzz_one): row tiles of 64 on one warpgroup (128 threads) or
+        # of 128 on two (256 threads, where a copying warpgroup may join: lowering/producer.py)
+        rows = draw(st.sampled_from((64, 128)))
         causal = draw(st.booleans())
         weave = draw(st.sampled_from(("none", "heads", "gqa")))
         kw = dict(causal=causal, dtype=dt, dv=e if draw(st.booleans()) else None)
         kw.update({"heads": dict(heads=h), "gqa": dict(groups=g, heads=h)}.get(weave, {}))
-        steps = (("stream", "x", draw(st.sampled_from((16, 32)))), ("tile", "q", 64), ("place", "O", "registers"))
-        return (f"wg {dt.name} attention({weave}, causal={causal})", L.attention(q=q, x=x, d=d, **kw),
+        steps = (("stream", "x", draw(st.sampled_from((16, 32)))), ("tile", "q", rows), ("place", "O", "registers"))
+        return (f"wg{rows} {dt.name} attention({weave}, causal={causal})", L.attention(q=q, x=x, d=d, **kw),
                 {"x": "stream", "q": "tile", "d": "size 16", "e": "size 32"}, steps)
     if draw(st.sampled_from(("attention", "attention", "matmul"))) == "attention":
         causal = draw(st.booleans())
@@ -347,8 +349,9 @@ def fuzz_one(family: str, data, stats: Counter):
         assume(False)
     sizes = _sizes(data.draw, base, steps, roles)
     threads = {"fused_attention": (16, 32), "tensor_core": (32, 64)}.get(family, THREADS)
-    warpgroups = label.startswith("wg ")      # tensor_core_family's warpgroup cases
-    threads = (128,) if warpgroups else threads
+    wg_rows = re.match(r"wg(\d+) ", label)      # tensor_core_family's warpgroup cases: 16 rows a warp
+    warpgroups = wg_rows is not None
+    threads = (2 * int(wg_rows.group(1)),) if warpgroups else threads
     opts = {"threads": data.draw(st.sampled_from(threads), label="threads"),
             "micro": data.draw(st.sampled_from(MICRO if family in ("attention", "score_chain", "matmul",
                                                                   "reduction", "library") else (None,)),

@@ -36,8 +36,8 @@ def copying(monkeypatch):
     monkeypatch.setattr(producer, "SWITCH", True)
 
 
-def _forward(dtype, causal, sizes):
-    return L.attention(q=q, x=x, d=d, causal=causal, dtype=dtype).stream(x, 32).tile(q, 64) \
+def _forward(dtype, causal, sizes, rows=128):
+    return L.attention(q=q, x=x, d=d, causal=causal, dtype=dtype).stream(x, 32).tile(q, rows) \
         .place("O", "registers").bind(sizes)
 
 
@@ -53,14 +53,14 @@ def _body(kernel) -> list[str]:
 
 
 @pytest.mark.parametrize("dtype,causal,sizes,scale", [
-    pytest.param(nc.f16, False, {q: 70, x: 77, d: 16}, 1.0, id="f16-ragged"),
-    pytest.param(nc.bf16, True, {q: 64, x: 96, d: 32}, 12.0, id="bf16-causal-x12"),
+    pytest.param(nc.f16, False, {q: 140, x: 77, d: 16}, 1.0, id="f16-ragged"),
+    pytest.param(nc.bf16, True, {q: 128, x: 96, d: 32}, 12.0, id="bf16-causal-x12"),
 ])
 def test_the_forward_with_a_copying_warpgroup_matches_the_oracle(copying, dtype, causal, sizes, scale):
     dia = _forward(dtype, causal, sizes)
-    kernel = nc.lower(dia, threads=128, prefetch="double", verify=False)
-    assert kernel.launch.block == (128 + producer.THREADS, 1, 1)
-    assert any(n.startswith("Copying warpgroup: threads 128..255") for n in kernel.notes), kernel.notes
+    kernel = nc.lower(dia, threads=256, prefetch="double", verify=False)
+    assert kernel.launch.block == (256 + producer.THREADS, 1, 1)
+    assert any(n.startswith("Copying warpgroup: threads 256..383") for n in kernel.notes), kernel.notes
     body = _body(kernel)
     mine = body[:next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))]
     theirs = body[len(mine):]
@@ -72,7 +72,7 @@ def test_the_forward_with_a_copying_warpgroup_matches_the_oracle(copying, dtype,
 
 
 def test_both_sides_pass_the_same_block_barriers(copying):
-    kernel = nc.lower(_forward(nc.f16, False, {q: 64, x: 64, d: 16}), threads=128, prefetch="double",
+    kernel = nc.lower(_forward(nc.f16, False, {q: 128, x: 64, d: 16}), threads=256, prefetch="double",
                       verify=False)
     body = _body(kernel)
     split = next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))
@@ -92,26 +92,27 @@ def test_a_barrier_at_no_fixed_place_is_refused():
 
 
 def test_the_dq_kernel_takes_one_and_the_dk_dv_kernel_says_why_not(copying):
-    sizes = {q: 70, x: 45, d: 16}
+    sizes = {q: 140, x: 45, d: 16}
     inputs = _inputs(sizes, True, 4.0)
     (dkdv, dq) = _parts(nc.f16, True)
-    for part, expect in ((dkdv, "none (the stream loop's inputs are not all copied by cp.async)"),
-                         (dq, "threads 128..255 copy")):
+    for part, threads, expect in ((dkdv, 256, "none (the stream loop's inputs are not all copied by cp.async)"),
+                                  (dq, 256, "threads 256..383 copy"),
+                                  (dq, 128, "none (128 computing threads: one warpgroup, measured slower")):
         bound = part.bind(sizes)
-        tiles = {k: v for k, v in {"g_x": 64, "s_q": 32, "g_q": 64, "s_x": 32}.items() if k in part._sched_str()}
-        kernel = nc.lower(bound, tiles=tiles, threads=128, prefetch="double", verify=False)
+        tiles = {k: v for k, v in {"g_x": 128, "s_q": 32, "g_q": 128, "s_x": 32}.items() if k in part._sched_str()}
+        kernel = nc.lower(bound, tiles=tiles, threads=threads, prefetch="double", verify=False)
         assert any(expect in n for n in kernel.notes), kernel.notes
-        assert kernel.launch.block[0] == (256 if "threads 128" in expect else 128)
+        assert kernel.launch.block[0] == threads + (producer.THREADS if "copy" in expect else 0)
         out = kernelcheck.kernel_outcome(bound.unrelabelled(), kernel, [inputs[a.name] for a in part.dom])
         assert out.failure is None, kernelcheck.describe_failure(out.failure)
 
 
 def test_without_the_switch_or_warpgroups_nothing_changes(monkeypatch):
-    dia = _forward(nc.f16, False, {q: 64, x: 64, d: 16})
-    plain = nc.lower(dia, threads=128, prefetch="double", verify=False)
-    assert plain.launch.block == (128, 1, 1) and "copying warpgroup" not in plain.source
+    dia = _forward(nc.f16, False, {q: 128, x: 64, d: 16})
+    plain = nc.lower(dia, threads=256, prefetch="double", verify=False)
+    assert plain.launch.block == (256, 1, 1) and "copying warpgroup" not in plain.source
     monkeypatch.setattr(producer, "SWITCH", True)
-    kernel = nc.lower(dia, threads=128, prefetch="double", verify=False)     # mma.sync: no warpgroups
+    kernel = nc.lower(dia, threads=256, prefetch="double", verify=False)     # mma.sync: no warpgroups
     assert kernel.source.split("\nLaunch:")[1] == plain.source.split("\nLaunch:")[1]
     assert any("Copying warpgroup: none (no contraction on warpgroup MMAs)" in n for n in kernel.notes)
 
@@ -127,8 +128,8 @@ def test_the_registers_moved_fit_the_register_file():
 def test_a_planted_late_copy_is_caught(copying):
     """Each chunk copied one chunk late (the copying side's schedule shifted): the computing side
     reads chunk 0 twice and never the last one, which the check against the oracle sees."""
-    dia = _forward(nc.f16, False, {q: 64, x: 96, d: 16})
-    kernel = copy.copy(nc.lower(dia, threads=128, prefetch="double", verify=False))
+    dia = _forward(nc.f16, False, {q: 128, x: 96, d: 16})
+    kernel = copy.copy(nc.lower(dia, threads=256, prefetch="double", verify=False))
     late = kernel.source.replace("x_next = x0 + CHUNK_x\n", "x_next = x0\n", 1)
     assert late != kernel.source
     kernel.source = late

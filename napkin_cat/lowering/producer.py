@@ -51,6 +51,12 @@ REGS = 40
 """Registers per thread the copying warpgroup keeps (with 24 its address arithmetic spills:
 ``ptxas -v`` on the probe kernel, kernels/probes/wgmma_pipeline.py)."""
 
+MIN_THREADS = 256
+"""Computing threads a kernel needs for a copying warpgroup: measured on an H100 (fp16 forward,
+d = 64), two computing warpgroups sharing each chunk ran 0.426 ms against ``mma.sync``'s 0.459,
+one ran 0.548 (its copying warpgroup idle half the time; the dQ kernel likewise, 0.88 against
+0.64 ms)."""
+
 REGISTER_FILE = 65536
 MAX_REGS = 248
 """The most ``setmaxnreg`` gives a thread here (a multiple of 8 at most 255)."""
@@ -71,6 +77,9 @@ def why_not(plan) -> str | None:
         return f"prefetch is {plan.prefetch!r}, not 'double'"
     if plan.threads % 128 or plan.threads + THREADS > 1024:
         return f"{plan.threads} threads: not whole warpgroups, or more than 1024 with the copying warpgroup"
+    if plan.threads < MIN_THREADS:
+        return (f"{plan.threads} computing threads: one warpgroup, measured slower with a copying one "
+                f"(kernels/BENCHMARKS.md)")
     loops = [n for n in plan.inner if isinstance(n, Loop)]
     nested = [n for lp in loops for n in lp.body if isinstance(n, Loop)]
     if len(loops) != 1 or loops[0].kind != "stream" or nested:
