@@ -32,7 +32,7 @@ from .wgmma import core_index, primitive_names, uses_wgmma
 
 RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lane", "e", "i", "j",
             "u", "k", "ty", "tx", "acc", "val", "SIMULATOR", "SMEM_ALIGN", "WARP_SHUFFLE",
-            "FULL_MASK", "simulator_active", "red_s", "smem16", "int16", "ZERO16"} | set(PRIMITIVES)
+            "FULL_MASK", "simulator_active", "red_s", "smem16", "int16", "ZERO16", "ptid"} | set(PRIMITIVES)
 
 
 def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict, tuple[str, ...], int]:
