@@ -357,7 +357,11 @@ def fuzz_one(family: str, data, stats: Counter):
                                                                   "reduction", "library") else (None,)),
                                label="micro"),
             "prefetch": data.draw(st.sampled_from(PREFETCH), label="prefetch")}
-    copying = warpgroups and data.draw(st.booleans(), label="copying warpgroup")   # lowering/producer.py
+    # lowering/producer.py: with two computing warpgroups and two cp.async buffers, mostly with one
+    copying = warpgroups and threads[0] >= 256 and data.draw(st.sampled_from((True, True, False)),
+                                                              label="copying warpgroup")
+    if copying:
+        opts["prefetch"] = data.draw(st.sampled_from(("double", "auto")), label="prefetch (copying)")
     regime = data.draw(st.sampled_from(REGIME_NAMES), label="regime")
     seed = data.draw(st.integers(0, 2 ** 16), label="seed")
     bound = rel.bind(sizes)
