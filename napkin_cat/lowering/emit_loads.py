@@ -153,21 +153,17 @@ class Loads:
         src.comment(f"stream {a.name} in chunks of {a.cap}, double-buffered with cp.async: chunk c + 1 "
                     f"is in flight while chunk c is computed")
         stride, base = self._copy_layout(bufs)
-
-        def issue(start: str, copy: str):
-            self._issue_chunk(lp, loads, bufs, start, copy, src)
-
         par = self.names.fresh(f"buf_{a.name}")
         src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
         first = self._first_chunk(lp, lo, hi, src)
         with src.block(f"if {first} < {hi}:"):
-            issue(first, k.u(0, "U0"))
+            self._issue_chunk(lp, loads, bufs, first, k.u(0, "U0"), src)
         with src.block(self._chunk_header(lp, lo, hi, first, src)):
             if a.ragged:
                 src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
             nxt = self._next_chunk(lp, hi, src)
             with src.block(f"if {nxt} < {hi}:"):
-                issue(nxt, f"({k.u(1, 'U1')} - {par})")
+                self._issue_chunk(lp, loads, bufs, nxt, f"({k.u(1, 'U1')} - {par})", src)
                 src("cp_async_wait1()  # this chunk's copies have landed; the next one's may not")
             with src.block("else:"):
                 src("cp_async_wait_all()")
@@ -197,10 +193,10 @@ class Loads:
     def _issue_chunk(self, lp: Loop, loads, bufs, start: str, copy: str, src: Source):
         """``cp.async`` of the chunk of ``lp`` starting at ``start`` into copy ``copy`` of its
         buffers, committed as one group (by :attr:`copy_threads`)."""
-        a = saved = self.ax[lp.axis]
+        a = self.ax[lp.axis]
         stride, base = self._copy_layout(bufs)
-        self.ax[lp.axis] = replace(saved, start=start)
-        if saved.ragged:
+        self.ax[lp.axis] = replace(a, start=start)
+        if a.ragged:
             cnt = self.names.fresh(f"len_{a.name}")
             src(f"{cnt} = min({a.cap_c}, {a.size_c} - {start})")
             self.ax[lp.axis] = replace(self.ax[lp.axis], count=cnt)
@@ -209,7 +205,7 @@ class Loads:
             src(f"{self.cur[b.key]} = {base[b.name]} + {copy} * {stride[b.name]}")
             self._vector_load(n.var, src, wait=False)
         src("cp_async_commit()")
-        self.ax[lp.axis] = saved
+        self.ax[lp.axis] = a
 
     def _emit_double_buffered_loop(self, lp: Loop, src: Source):
         if all(self._vector_ok(n.var) for n in lp.body if isinstance(n, Load)):

@@ -321,8 +321,8 @@ _WG_CACHE: dict[tuple[bool, str], object] = {}
 def wgmma_primitive(name: str):
     """A warpgroup primitive (:mod:`.wgmma`) for this process's numba.cuda, or None."""
     from .devices import simulator_active
-    from .wgmma import FIXED, SETMAXNREG, parse
-    if name not in FIXED and parse(name) is None and not SETMAXNREG.match(name):
+    from .wgmma import known
+    if not known(name):
         return None
     sim = simulator_active()
     if (sim, name) not in _WG_CACHE:

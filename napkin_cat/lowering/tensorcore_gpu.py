@@ -160,8 +160,7 @@ def wgmma_primitive(name: str):
     """The device function behind warpgroup primitive ``name`` (:mod:`.wgmma`; cached by
     :func:`.tensorcore.wgmma_primitive`)."""
     from .wgmma import FIXED, SETMAXNREG, parse, setmaxnreg_source
-    regs = SETMAXNREG.match(name)
-    if regs is not None:
+    if SETMAXNREG.match(name):
         return cuda.declare_device(f"nc_{name}", "int32()", link=_cu_file(name, setmaxnreg_source(name)))
     if name == "wgmma_desc16":
         return wgmma_desc16

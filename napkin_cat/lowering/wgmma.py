@@ -55,10 +55,15 @@ NAME = re.compile(r"^wgmma_(?P<dt>f16|bf16)_n(?P<n>\d+)(?P<zero>_z)?$|^wgmma_wai
 """``wgmma_{dt}_n{N}`` (``D += A B``), ``wgmma_{dt}_n{N}_z`` (``D = A B``: scale-d 0, the
 accumulators only written) and ``wgmma_wait[1]_n{N}`` (``wait_group 0`` / ``1``)."""
 FIXED = ("wgmma_fence", "wgmma_commit", "fence_proxy_async", "wgmma_desc16")
+"""The primitives every kernel with a warpgroup MMA imports, beside its ``wgmma_*_n{N}``."""
 SETMAXNREG = re.compile(r"^setmaxnreg_(inc|dec)_(\d+)$")
 """``setmaxnreg_{inc,dec}_{R}``: this warpgroup's registers per thread raised / lowered to ``R``
 (a multiple of 8 from 24 to 256; :mod:`.producer`)."""
-"""The primitives every kernel with a warpgroup MMA imports, beside its ``wgmma_*_n{N}``."""
+
+
+def known(name: str) -> bool:
+    """Whether ``name`` is a primitive of this module (fixed, an MMA or wait, or ``setmaxnreg``)."""
+    return name in FIXED or parse(name) is not None or SETMAXNREG.match(name) is not None
 
 
 def parse(name: str):
