@@ -66,10 +66,12 @@ def ptxas_report(kernel, arch: str = "sm_90a") -> dict:
         opts = jit.targetoptions     # the kernel's own fastmath and launch bounds
         ltoir, _ = cuda.compile(jit.py_func, _signature(kernel), device=False, output="ltoir", cc=cc, abi="numba",
                                 fastmath=opts.get("fastmath", False), launch_bounds=opts.get("launch_bounds"))
-        from napkin_cat.lowering.wgmma import cu_source
+        from napkin_cat.lowering.wgmma import cu_source, setmaxnreg_source
         sources = [("tensorcore", (ROOT / "napkin_cat/lowering/tensorcore.cu").read_text())]
         sources += [(f"wgmma_n{n}", cu_source(n))   # the warpgroup MMAs of each width the kernel calls
                     for n in sorted({int(n) for n in re.findall(r"wgmma_wait_n(\d+)", kernel.source)})]
+        sources += [(name, setmaxnreg_source(name))        # a copying warpgroup's register moves
+                    for name in sorted(set(re.findall(r"setmaxnreg_(?:inc|dec)_\d+", kernel.source)))]
         sources += [(Path(f).stem, Path(f).read_text())    # anything else the source links (a probe's PTX)
                     for f in sorted(set(re.findall(r"link='([^']+\.cu)'", kernel.source)))]
         h = nj.create(3, [f"-arch={arch}", "-lto", "-ptx"])
