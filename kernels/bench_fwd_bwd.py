@@ -176,7 +176,11 @@ def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: 
         want = reference(Q.detach(), K.detach(), V.detach(), dO, causal)
         res["errs"] = {n: rel(a, b) for n, a, b in zip(("O", "dQ", "dK", "dV"), (O,) + grads, want)}
         res["err"] = max(res["errs"].values())
-        del want
+        q4, k4, v4 = (t.detach().unsqueeze(0).requires_grad_() for t in (Q, K, V))   # SDPA's own error, same data
+        s_out = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)
+        s_grads = torch.autograd.grad(s_out, (q4, k4, v4), dO.unsqueeze(0))
+        res["sdpa_err"] = max(rel(a.squeeze(0), b) for a, b in zip((s_out,) + s_grads, want))
+        del want, q4, k4, v4, s_out, s_grads
     del O, grads
     res["ours_fwd_ms"] = cuda_time(lambda: op(Q, K, V))
     res["ours_ms"] = cuda_time(lambda: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
@@ -245,7 +249,7 @@ def main(argv=None):
             print(json.dumps(r), flush=True)
             (out / "fwd_bwd.json").write_text(json.dumps(results, indent=1))
             torch.cuda.empty_cache()
-    print("\n| dtype | N | d | causal | blocks | paths | err | ours fwd+bwd ms | TFLOP/s | SDPA | Flex | naive "
+    print("\n| dtype | N | d | causal | blocks | paths | err (SDPA's) | ours fwd+bwd ms | TFLOP/s | SDPA | Flex | naive "
           "| vs Flex | vs SDPA | extra MiB ours / SDPA / Flex | kernels ms |")
     f = lambda r, k: f"{r[k]:.3f}" if isinstance(r.get(k), float) else r.get(k.replace("_ms", "_error"), "-")  # noqa: E731
     for r in results["cases"]:
@@ -259,7 +263,7 @@ def main(argv=None):
         kms = " / ".join(f"{v:.2f}" for k, v in r.get("ours_kernels", {}).items()
                          if "generated" in k and isinstance(v, float))
         print(f"| {r['dtype']} | {r['N']} | {r['d']} | {r['causal']} | {blocks} | {r['path']}/{r['backward_path']} "
-              f"| {r.get('err', float('nan')):.1e} | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | {f(r, 'sdpa_ms')} "
+              f"| {r.get('err', float('nan')):.1e} (SDPA {r.get('sdpa_err', float('nan')):.1e}) | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | {f(r, 'sdpa_ms')} "
               f"| {f(r, 'flex_ms')} | {f(r, 'naive_ms')} | {ratio('flex_ms')} | {ratio('sdpa_ms')} | {mem} | {kms} |")
     both = [r for r in results["cases"] if "ours_one_ms" in r]
     if both:   # --backward both: the cost model's pick against the measured faster form

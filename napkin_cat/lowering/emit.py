@@ -27,7 +27,7 @@ from . import producer
 from .emit_threads import GROUP_HELPERS, Phases
 from .plan import Buffer, KernelPlan, Target
 from .source import Constants, Names, Source, paren as _paren
-from .tensorcore import DTYPES, PRIMITIVES, SHARED_PRIMITIVES
+from .tensorcore import DTYPES, PRIMITIVES, SHARED_PRIMITIVES, TF32X3
 from .wgmma import core_index, primitive_names, uses_wgmma
 
 RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lane", "e", "i", "j",
@@ -366,11 +366,17 @@ class Emitter(Loads, Phases):
                 lines.append(f"Tensor cores: {p.acc.box.cod[0].name} ({p.acc.rule}) on {p.main.describe()}")
         return lines
 
+    def _uses_mma(self) -> bool:
+        """Whether any contraction of this kernel runs on tensor cores."""
+        return any(t.engine == "mma" for t in self.targets.values()) or any(p.engine == "mma" for p in self.accs)
+
     def _primitive_imports(self) -> list[str]:
         """The tensor-core and 16-bit primitives this kernel's dtypes call (:mod:`.tensorcore`)."""
         dt = DTYPES.get(self.plan.dtype)
         if dt is None:
-            return []
+            if not self._uses_mma():
+                return []
+            return ["", f"from napkin_cat.lowering.tensorcore import {TF32X3.mma}, {TF32X3.pack}  # noqa: F401", ""]
         names = (dt.mma, dt.pack, dt.to_f32, dt.from_f32, *SHARED_PRIMITIVES, *primitive_names(self.plan))
         if self.producer_threads:
             names += producer.primitive_names(self.T, self.blocks())

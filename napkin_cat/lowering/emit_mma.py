@@ -31,7 +31,7 @@ from ..core.errors import LoweringError
 from ..relabel.loopnest import Load, Loop
 from .plan import Frag
 from .source import Source
-from .tensorcore import DTYPES
+from .tensorcore import TF32X3, mma_dtype
 from .wgmma import emit_wgmma
 
 UNROLL_LIMIT = 256
@@ -161,7 +161,8 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
     """``acc[i, j] (*= prescale) (+)= sum over red of A . B`` on tensor cores (see the module
     docstring); ``operands``: the row operand and the column operand, in either order."""
     k = em.consts
-    dt = DTYPES[m.dtype]
+    dt = mma_dtype(m.dtype)
+    split = dt is TF32X3    # a packed pair is two registers, its big and small tf32 parts
     zero = k.f(0.0, "ZERO")
     (kax,) = [a for a in red if em.ax[a].cap > 1]
     A = next(o for o in operands if m.row in o.axes)
@@ -173,10 +174,13 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
     if m.wg and B.buffer is None:
         raise LoweringError(f"internal: a warpgroup MMA over ({m.row}, {m.col}) without its column "
                             f"operand's 16-bit buffer")
+    if split and (A.buffer is not None or B.buffer is not None or m.wg):
+        raise LoweringError(f"internal: a 3xTF32 contraction over ({m.row}, {m.col}) reading a 16-bit buffer")
     if not m.wg:
+        how = (f"3xTF32: 2x3 mma.sync.m16n8k8.tf32 per {m.MT}x{m.NT} tile" if split
+               else f"{m.MT}x{m.NT} mma.sync.m16n8k16 ({m.dtype})")
         src.comment(f"{acc} += {' . '.join(sorted(f'({chr(32).join(sorted(o.axes))})' for o in (A, B)))} "
-                    f"on tensor cores: {steps} step(s) of 16 along {kax}, {m.MT}x{m.NT} mma.sync.m16n8k16 "
-                    f"({m.dtype}) per warp and step")
+                    f"on tensor cores: {steps} step(s) of 16 along {kax}, {how} per warp and step")
     kb0 = em.names.fresh("kq")
     src(f"{kb0} = tx % {k.u(4)} * {k.u(2)}  # this lane's pair of columns in a 16-wide step")
     rows = [frag_rows(em, m, str(i)) for i in range(m.RY)]
@@ -198,6 +202,11 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
     def frag_pair(o, i: int, c0: str):
         c1 = str(int(c0) + 1) if c0.isdigit() else f"{c0} + 1"
         return f"{dt.pack}({o.frag}[{i}, {c0}], {o.frag}[{i}, {c1}])"
+
+    def reg(prefix: str) -> str:
+        """A fresh register for one packed pair (3xTF32: its big and its small part)."""
+        name = em.names.fresh(prefix)
+        return f"{name}, {em.names.fresh(prefix + 's')}" if split else name
 
     held = hoisted_fragments(em, m, A.buffer, kax, steps) if A.buffer is not None and unrolled else None
     a_ldsm = A.buffer is not None and held is None
@@ -221,15 +230,15 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
                 src(f"{', '.join(names)} = {ldsm.a_tile(A.buffer, mt, k16)}")
                 a.update({(mt, reg): nm for reg, nm in enumerate(names)})
                 continue
-            for reg, (h, kh) in enumerate(((0, 0), (1, 0), (0, 8), (1, 8))):
-                name = em.names.fresh(f"a{mt}{reg}")
+            for r, (h, kh) in enumerate(((0, 0), (1, 0), (0, 8), (1, 8))):
+                name = reg(f"a{mt}{r}")
                 if A.frag is not None:
                     c0 = str(4 * int(ks) + kh // 4) if literal else f"{ks} * 4 + {kh // 4}"
                     src(f"{name} = {frag_pair(A, 2 * mt + h, c0)}")
                 else:
                     kexpr = f"{kb} + {k.u(kh)}" if kh else kb
                     src(f"{name} = {pair(A, m.row, rows[2 * mt + h], kexpr)}")
-                a[mt, reg] = name
+                a[mt, r] = name
         return a, kb, k16
 
     if m.wg:   # warpgroups read B from its buffer by descriptor (.wgmma)
@@ -245,7 +254,7 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
                 b = [em.names.fresh(f"b{nt}{h}") for h in range(2)]
                 src(f"{', '.join(b)} = {ldsm.b_tile(B.buffer, nt, k16)}")
             for kh in ((0, 8) if B.buffer is None else ()):
-                name = em.names.fresh(f"b{nt}{kh // 8}")
+                name = reg(f"b{nt}{kh // 8}")
                 kexpr = f"{kb} + {k.u(kh)}" if kh else kb
                 src(f"{name} = {pair(B, m.col, col, kexpr)}")
                 b.append(name)

@@ -161,7 +161,7 @@ class Frag(Micro):
     ``(i, j)`` at row ``16*MT*(ty // 8) + 16*(i // 2) + 8*(i % 2) + ty % 8`` and column
     ``8*NT*(tx // 4) + 8*(j // 2) + 2*(tx % 4) + j % 2``.  With ``Wn == 1`` the 4 lanes of a row
     are consecutive threads (``tx = tid % 4``), as row statistics need.  ``dtype``: the
-    operands' (``f16`` / ``bf16``)."""
+    operands' (``f16`` / ``bf16``; ``f32``: multiplied by 3xTF32)."""
 
     Wm: int = 1
     Wn: int = 1
@@ -184,9 +184,11 @@ class Frag(Micro):
                     f"wgmma.m64n{8 * self.NT}k16 per warpgroup and step ({self.dtype} in, A from registers, "
                     f"B from shared memory, fp32 accumulators; requires {self.row} % {16 * self.Wm}, "
                     f"reduced extent % 16)")
+        how = ("3xTF32 (fp32 in, six mma.sync.m16n8k8.tf32 per tile and 16-wide step)" if self.dtype == "f32"
+               else f"{self.dtype} in")
         return (f"tensor-core fragments over ({self.row}, {self.col}): {self.Wm}x{self.Wn} warps, "
                 f"each {16 * self.MT}x{8 * self.NT} = {self.MT}x{self.NT} mma.sync.m16n8k16 tiles "
-                f"({self.dtype} in, fp32 accumulators; requires {self.row} % {16 * self.Wm}, "
+                f"({how}, fp32 accumulators; requires {self.row} % {16 * self.Wm}, "
                 f"{self.col} % {8 * self.Wn}, reduced extent % 16)")
 
 

@@ -19,7 +19,7 @@
        :func:`~.register_copies.register_copies`  a value read again by a later epilogue on
        the same threads kept in registers for it;
     7. :func:`~.sixteen_bit.sixteen_bit_targets`  intermediates read only by tensor cores, kept
-       in 16 bits; :func:`plan_layouts` / :func:`plan_buffers`  shared-memory layouts and offsets;
+       in 16 bits; :func:`~.layouts.plan_layouts` / :func:`plan_buffers`  shared-memory layouts and offsets;
     8. :func:`plan_launch`      grid, chunk skipping, launch bounds.
 
 The tunables below are read at each call (``kernels/variants.py`` switches them).
@@ -39,6 +39,7 @@ from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, REDUCE_OPS
 from .frag_operands import frag_operands
 from .fuse import fuse_scores
+from .layouts import FRAG_PAD, plan_layouts
 from .register_copies import register_copies
 from .reindex import check_axes as check_reindexed_axes, remaps
 from .sixteen_bit import sixteen_bit_buffer, sixteen_bit_targets
@@ -97,6 +98,12 @@ measured on an H100 with each contraction waited for before its epilogue, 5-100%
 ``mma.sync`` (kernels/BENCHMARKS.md, "Warpgroup MMA")."""
 
 
+TF32X3 = False
+"""Multiply fp32 kernels' contractions on tensor cores by 3xTF32 (:data:`.tensorcore.TF32X3`:
+three tf32 products per product, fp32-level error, CUTLASS's "FastF32", which SDPA's fp32
+kernels use on sm_80+) where their shapes fit, instead of fp32 FMAs on CUDA cores."""
+
+
 def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath: bool = True,
                 micro: tuple[int, int] | None = None, prefetch: bool | str = False,
                 unroll: int | None = None, ff: FinalForm | None = None) -> KernelPlan:
@@ -116,7 +123,7 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     st = read_structure(ff, ax)
     cls = classify(ff)
     targets, absorbed = plan_targets(ff, ax, st, cls)
-    threads_ = Threads(threads, micro, ax, dtype=kernel_dtype(ff.diagram))
+    threads_ = Threads(threads, micro, ax, dtype=kernel_dtype(ff.diagram), tf32x3=TF32X3)
     accs = plan_accumulators(ff, threads_)
     targets, norm_stats = plan_mappings(ff, ax, st, cls, targets, accs, threads_)
     accs, targets, fused = fuse_scores(ff, ax, st, targets, accs, threads_) if FUSE_SCORES else (accs, targets, {})
@@ -127,9 +134,9 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     if prefetch == "auto":
         prefetch = auto_prefetch(ff, ax, targets, accs, threads, copies, threads_.dtype)
     sixteen = sixteen_bit_targets(ff, st, cls, targets, absorbed, accs, threads_.dtype)
-    prefs = plan_layouts(ff, st, targets, absorbed, accs, ax, sixteen)
+    prefs, packed = plan_layouts(ff, st, targets, absorbed, accs, ax, sixteen)
     buffers, accs = plan_buffers(ff, ax, st, targets, absorbed, accs, norm_stats, prefs, threads, prefetch,
-                                 sixteen)
+                                 sixteen, packed)
     targets, accs, buffers, wg_notes = plan_wgmma(ff, ax, st, targets, accs, buffers, threads, len(ff.diagram.dom),
                                                   absorbed, WGMMA and wgmma_capable())
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
@@ -335,7 +342,7 @@ def _contraction_mapping(dd, what: str, out_axes, eqn: int, red, th: Threads):
     the shapes fit ``mma.sync.m16n8k16``, else a register micro-tile on CUDA cores (None when
     no micro-tile fits either: the caller picks a flat or cooperative mapping)."""
     operands = [axes_set(dd.var_types()[v], th.ax) for v in dd.eqns[eqn].ins]
-    if th.dtype != "f32":
+    if th.tensor_cores:
         why = th.mma_refusal(out_axes, operands, red)
         m = th.frag_for(out_axes) if why is None else None
         if why is None and m is None:
@@ -387,50 +394,13 @@ def plan_mappings(ff: FinalForm, ax, st: Structure, cls, targets: dict, accs, th
 
 # --------------------------------------------------------------------------- 7. layouts and buffers
 
-def plan_layouts(ff: FinalForm, st: Structure, targets, absorbed, accs, ax,
-                 sixteen=frozenset()) -> dict[tuple, str]:
-    """Shared buffers read by a micro-tile along one axis put that axis last (contiguous);
-    16-bit buffers (inputs, and the targets in ``sixteen``) keep their own order."""
-    dd = ff.diagram
-    types = dd.var_types()
-    n_in = len(dd.dom)
-    pref: dict[tuple, str] = {}
-
-    def prefer(v, m: Micro, red=()):
-        key = ("var", v)
-        if storage(v, n_in, targets, absorbed) not in ("load", "smem") or key in pref:
-            return
-        axes = axes_set(types[v], ax)
-        has_r, has_c = m.row in axes, m.col in axes
-        if isinstance(m, Frag):
-            # a 16-bit input or intermediate keeps its order (cp.async; ldmatrix reads either
-            # orientation); other operands are packed from pairs along the reduced axis
-            k = [a for a in red if a in axes]
-            if k and has_r != has_c and types[v].dtype.name not in ("f16", "bf16") and v not in sixteen:
-                pref[key] = k[0]
-        elif has_r != has_c:
-            pref[key] = m.row if has_r else m.col
-
-    for t in targets.values():
-        if isinstance(t.mapping, Micro) and t.source is not None and t.source not in st.acc_of_var:
-            k = st.eqn_of[t.source]
-            for v in dd.eqns[k].ins:
-                prefer(v, t.mapping, reduced_axes(dd.eqns[k].box))
-    for p in accs:
-        if isinstance(p.main, Micro) and ACC_CODEGEN[p.acc.rule].contraction:
-            ins = dd.eqns[p.acc.eqn].ins
-            # with row statistics the weights keep the scores' layout: the statistics read them
-            # along the streamed axis (contiguous), the micro-tile reads them as broadcasts
-            for v in (ins[1:] if p.stat is not None else ins):
-                prefer(v, p.main, acc_reduced_axes(p.acc))
-    return pref
-
-
 def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list, norm_stats, pref,
-                 T: int, prefetch, sixteen=frozenset()) -> tuple[dict[tuple, Buffer], list[AccPlan]]:
+                 T: int, prefetch, sixteen=frozenset(), packed=frozenset()) -> tuple[dict[tuple, Buffer], list[AccPlan]]:
     """(every shared buffer with its layout and its 16-byte aligned offset, the accumulator
     plans with the buffers of their weights: ``p_buf``); the targets in ``sixteen`` are held
-    as 16-bit patterns (:mod:`.sixteen_bit`)."""
+    as 16-bit patterns (:mod:`.sixteen_bit`); the fp32 buffers in ``packed`` (read by tensor
+    cores as pairs along their last axis) get :data:`FRAG_PAD` more floats per row where their
+    rows are a multiple of 16 floats."""
     dd = ff.diagram
     accs = list(accs)
     types = dd.var_types()
@@ -443,7 +413,10 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
         if last in names:
             names = [a for a in names if a != last] + [last]
         bufs[key] = Buffer(key, base, tuple(names), tuple(ax[a].cap for a in names), what, **kw)
-        return bufs[key]
+        b = bufs[key]
+        if key in packed and len(b.axes) >= 2 and b.axes[-1] == last and not b.pad and b.caps[-1] % 16 == 0:
+            b = bufs[key] = replace(b, pad=FRAG_PAD, what=b.what + f" (rows padded by {FRAG_PAD} for fragment reads)")
+        return b
 
     chunked = {m.var for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"
                for m in n.body if isinstance(m, Load)}
@@ -454,7 +427,7 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
         names = [a for a in arr.axis_names if ax[a].cap > 1]
         if arr.dtype.name in ("f16", "bf16"):
             b = bufs[b.key] = sixteen_bit_buffer(b)
-        elif len(b.axes) >= 2 and names and b.axes[-1] != names[-1] and v in chunked:
+        elif len(b.axes) >= 2 and names and b.axes[-1] != names[-1] and v in chunked and not b.pad:
             # a chunk written transposed (global order in, threads along the global last
             # axis): a row of 4 more floats keeps 16-byte alignment and spreads the stores
             b = bufs[b.key] = replace(b, pad=TRANSPOSE_PAD,

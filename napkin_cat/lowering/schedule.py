@@ -48,6 +48,7 @@ from ..core.errors import LoweringError, NapkinError
 from ..relabel.loopnest import FinalForm
 from ..relabel.rules import (check_blocks, fuse_norm_contract, fuse_softmax_contract, requirements, stream_plan,
                        tile_problem)
+from . import planner
 from .plan import kernel_dtype
 from .reindex import remaps
 
@@ -304,35 +305,36 @@ def _chunk(d0: Diagram, axis: str, simulate: bool) -> int:
     n = d0.axis(axis).size
     if simulate:
         return min(n, 3)
-    # tensor cores: 64 when two or more accumulators share the stream, whose loads and barriers
-    # then serve twice the work (FlashAttention-2's dK, dV kernel on an H100: kernels/BENCHMARKS.md)
-    sixteen = (64 if len(plan.accumulators) >= 2 else 32) if _sixteen_bit(d0) else 16
-    return min(n, 64 if rules & {"online_softmax", "normalized", "logsumexp"} else sixteen)
+    # tensor cores: 64 when two or more accumulators share the stream (FA2's dK, dV kernel, H100)
+    mma = (64 if len(plan.accumulators) >= 2 else 32) if _tensor_cores(d0) else 16
+    return min(n, 64 if rules & {"online_softmax", "normalized", "logsumexp"} else mma)
 
 
 def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: int = GPU_THREADS) -> int:
     n = d0.axis(axis).size
     if simulate:
         return min(n, 4)
-    if _sixteen_bit(d0) and len(main) < 2:
-        # tensor cores: 16 rows per warp and row tile, two row tiles per warp when the
-        # contractions are narrow (d <= 64) and the block has at most 4 warps, else one
-        # (registers and shared memory: measured on an H100)
+    if _tensor_cores(d0) and len(main) < 2:
+        # tensor cores: 16 rows per warp and row tile, two row tiles per warp when the contractions
+        # are narrow (d <= 64) and the block has at most 4 warps, else one (measured on an H100);
+        # one for 3xTF32 (four times the fragment registers: spills at two, ptxas)
         wide = max((a.size for a in d0.axes if a.name != axis and isinstance(a.size, int) and a.size <= 256),
                    default=0)
         warps = max(1, T // 32)
-        return min(n, 16 * warps * (1 if wide > 64 or warps > 4 else 2))
+        one = wide > 64 or warps > 4 or kernel_dtype(d0) == "f32"
+        return min(n, 16 * warps * (1 if one else 2))
     return min(n, 128 if len(main) >= 2 else 64)
 
 
-def _sixteen_bit(d0: Diagram) -> bool:
-    return kernel_dtype(d0) != "f32"
+def _tensor_cores(d0: Diagram) -> bool:
+    """Tensor cores: 16-bit inputs, or fp32 ones by 3xTF32 (:data:`.planner.TF32X3`)."""
+    return kernel_dtype(d0) != "f32" or planner.TF32X3
 
 
 def _tensor_core_threads(d0: Diagram) -> int | None:
-    """Threads per block of a 16-bit (tensor-core) kernel: 4 warps for diagrams with a
-    normalisation (rows per warp, row statistics in registers), 8 for the rest; None for fp32."""
-    if not _sixteen_bit(d0):
+    """Threads per block of a tensor-core kernel: 4 warps for diagrams with a normalisation (rows
+    per warp, row statistics in registers), 8 for the rest; None for fp32 on CUDA cores."""
+    if not _tensor_cores(d0):
         return None
     norm = any(e.box.kind in ("softmax", "normalize", "softmax_contract") for e in d0.eqns)
     return 128 if norm else GPU_THREADS
@@ -395,7 +397,7 @@ def _build(d: Diagram, d0: Diagram, tiles: dict, tileable, streamable, main, sim
             chosen.update(_row_tiles(d0, free, tileable, chosen, simulate, T))
             how = "heuristic (rows per block)"
         else:
-            best = None if simulate or (_sixteen_bit(d0) and len(free) < 2) else \
+            best = None if simulate or (_tensor_cores(d0) and len(free) < 2) else \
                 _cost_tiles(d0, free, chosen, streamable, T, hw)
             if best:
                 chosen.update(best)
@@ -403,7 +405,7 @@ def _build(d: Diagram, d0: Diagram, tiles: dict, tileable, streamable, main, sim
             else:
                 for a in free:
                     chosen[a] = _heuristic_tile(d0, a, main, simulate, T)
-        if not simulate and not _sixteen_bit(d0) and _fill_device(d0, free, chosen, streamable, hw):
+        if not simulate and not _tensor_cores(d0) and _fill_device(d0, free, chosen, streamable, hw):
             how += ", halved until the grid fills the device"
         for a in free:
             chosen[a] = _fit(size(a), chosen[a], req.get(a, 1), f"tile of {a}")

@@ -33,6 +33,61 @@ extern "C" __device__ int nc_mma_bf16(nc_f4* ret, unsigned a0, unsigned a1, unsi
   return 0;
 }
 
+// ---- fp32 on tensor cores by 3xTF32 (CUTLASS's "FastF32", what SDPA's fp32 kernels use on sm_80+):
+// x = big + small with big = cvt.rna.tf32(x) (10 mantissa bits) and small = cvt.rna.tf32(x - big)
+// (the next 10 or 11; x - big is exact), and a b ~ big_a big_b + big_a small_b + small_a big_b:
+// the dropped small_a small_b is below 2^-20 of |a b|, under fp32's accumulation error over a
+// reduction.  A pair of fp32 operands (lo, hi) travels as two 64-bit registers, the big pair and
+// the small pair (lo in bits 0-31), in the ownership of the 16-bit A / B fragments: lane (g, t)
+// holds columns 2t, 2t + 1, 2t + 8, 2t + 9 of a 16-wide step.
+struct nc_u64x2 { unsigned long long x, y; };
+
+extern "C" __device__ int nc_pack_tf32x3(nc_u64x2* ret, float lo, float hi) {
+  unsigned blo, bhi, slo, shi;
+  float flo, fhi;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(blo) : "f"(lo));
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(bhi) : "f"(hi));
+  asm("mov.b32 %0, %1;\n" : "=f"(flo) : "r"(blo));
+  asm("mov.b32 %0, %1;\n" : "=f"(fhi) : "r"(bhi));
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(slo) : "f"(lo - flo));
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(shi) : "f"(hi - fhi));
+  ret->x = ((unsigned long long)bhi << 32) | blo;
+  ret->y = ((unsigned long long)shi << 32) | slo;
+  return 0;
+}
+
+// One m16n8k8 tf32 mma into d (PTX ISA 9.7.14.5.7, "Matrix Fragments for mma.m16n8k8": lane (g, t)
+// gives A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4] and B[t][g], B[t+4][g]).
+#define NC_MMA_TF32(d, a0, a1, a2, a3, b0, b1)                                                    \
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "                                      \
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                   \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                           \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+#define NC_LO(x) ((unsigned)(x))
+#define NC_HI(x) ((unsigned)((x) >> 32))
+
+// D = A B + C over one 16-wide step: two m16n8k8 halves, each with its reduced index permuted so
+// that the lane's own columns are its operands (k' = t is column 2t, k' = t + 4 is column 2t + 1
+// of the half; the sum over k does not depend on its order), three products per half.  The
+// products are summed from zero and C added after, by an fp32 add (CUTLASS's staged
+// accumulation for 3xTF32): the tensor cores' own addition of C does not round to nearest, and
+// over a long stream of steps that error, not the split's, would dominate.
+extern "C" __device__ int nc_mma_tf32x3(nc_f4* ret,
+    unsigned long long a0b, unsigned long long a0s, unsigned long long a1b, unsigned long long a1s,
+    unsigned long long a2b, unsigned long long a2s, unsigned long long a3b, unsigned long long a3s,
+    unsigned long long b0b, unsigned long long b0s, unsigned long long b1b, unsigned long long b1s,
+    float c0, float c1, float c2, float c3) {
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // the step's products staged apart from C, then added
+  NC_MMA_TF32(d, NC_LO(a0s), NC_LO(a1s), NC_HI(a0s), NC_HI(a1s), NC_LO(b0b), NC_HI(b0b));
+  NC_MMA_TF32(d, NC_LO(a2s), NC_LO(a3s), NC_HI(a2s), NC_HI(a3s), NC_LO(b1b), NC_HI(b1b));
+  NC_MMA_TF32(d, NC_LO(a0b), NC_LO(a1b), NC_HI(a0b), NC_HI(a1b), NC_LO(b0s), NC_HI(b0s));
+  NC_MMA_TF32(d, NC_LO(a2b), NC_LO(a3b), NC_HI(a2b), NC_HI(a3b), NC_LO(b1s), NC_HI(b1s));
+  NC_MMA_TF32(d, NC_LO(a0b), NC_LO(a1b), NC_HI(a0b), NC_HI(a1b), NC_LO(b0b), NC_HI(b0b));
+  NC_MMA_TF32(d, NC_LO(a2b), NC_LO(a3b), NC_HI(a2b), NC_HI(a3b), NC_LO(b1b), NC_HI(b1b));
+  ret->x = c0 + d[0]; ret->y = c1 + d[1]; ret->z = c2 + d[2]; ret->w = c3 + d[3];
+  return 0;
+}
+
 // Two fp32 values rounded (to nearest even) into one packed pair: `lo` in bits 0-15.
 // cvt.rn.{f16x2,bf16x2}.f32 d, a, b puts a in the upper half and b in the lower one.
 extern "C" __device__ int nc_pack_f16(unsigned* ret, float lo, float hi) {

@@ -14,6 +14,14 @@ tensor cores with ``mma.sync.m16n8k16`` (fp32 accumulators).  Its source imports
                               fragment address formed beside its load, :class:`.emit_mma.LdMatrix`)
 ``cp_async16``               16 bytes global -> shared, asynchronously (``cp_async_wait_*``)
 
+An fp32 kernel may multiply on tensor cores too, by 3xTF32 (:data:`TF32X3`, CUTLASS's "FastF32",
+what SDPA's fp32 kernels do on sm_80+): ``pack_tf32x3(lo, hi) -> (big, small)`` splits two fp32
+values into their tf32 parts (64-bit registers, ``lo`` in bits 0-31), and
+``mma_tf32x3(a0b, a0s, ..., a3b, a3s, b0b, b0s, b1b, b1s, c0..c3)`` multiplies a 16-wide step as
+two ``m16n8k8.tf32`` halves of three products each.  The fragments have the 16-bit ownership below
+(each half's reduced index permuted: its ``k' = t`` is column ``2t``, ``k' = t + 4`` column
+``2t + 1``), so every emitter path of the 16-bit engine that packs values reads them unchanged.
+
 On a GPU they are inline PTX in ``tensorcore.cu``, linked by numba-cuda (NVRTC) and inlined
 into the kernel.  Under the CUDA simulator (which links no C++) they are Python with the same
 arguments and results: ``mma_*`` exchanges the warp's fragments through shared memory and
@@ -63,6 +71,9 @@ class TensorDType:
     numpy: str | None  # numpy's dtype, where numpy has one (bf16: none)
 
 
+TF32X3 = TensorDType("f32", "mma_tf32x3", "pack_tf32x3", "", "", "tf32", "float32", "float32")
+"""fp32 operands multiplied by 3xTF32: a packed pair is two registers, its big and small parts."""
+
 DTYPES = {
     "f16": TensorDType("f16", "mma_f16", "pack_f16", "h2f", "f2h", "f16", "float16", "float16"),
     "bf16": TensorDType("bf16", "mma_bf16", "pack_bf16", "bf2f", "f2bf", "bf16", "bfloat16", None),
@@ -73,9 +84,14 @@ SHARED_PRIMITIVES = ("ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t", "pin",
 """The primitives every 16-bit kernel imports, whatever its dtype (beside its dtype's four)."""
 
 PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf", *SHARED_PRIMITIVES,
-              "bar_named")
+              "bar_named", "mma_tf32x3", "pack_tf32x3")
 """Every primitive above, and ``bar_named(id, count)``: a barrier over the block's first ``count``
 threads (the multiplying warps of a kernel with a copying warpgroup, :mod:`.producer`)."""
+
+def mma_dtype(name: str) -> TensorDType:
+    """The tensor-core primitives of a :class:`~.plan.Frag` of dtype ``name`` (``f32``: 3xTF32)."""
+    return TF32X3 if name == "f32" else DTYPES[name]
+
 
 def fragment_layout() -> dict[str, np.ndarray]:
     """Where each element of the A, B and C tiles lives: ``A[r, k] = (register, lane, half)``,
@@ -177,6 +193,50 @@ def _sim_mma(values, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
             np.float32(c2 + C[g + 8, 2 * t]), np.float32(c3 + C[g + 8, 2 * t + 1]))
 
 
+def tf32_round(x) -> np.ndarray:
+    """``cvt.rna.tf32.f32``: fp32 values rounded to 10 mantissa bits, ties away from zero (the
+    low 13 bits of the result zero)."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
+
+
+def _sim_pack_tf32x3(lo, hi):
+    x = np.array([lo, hi], dtype=np.float32)
+    big = tf32_round(x)
+    small = tf32_round(x - big)
+    return big.view(np.uint64)[0], small.view(np.uint64)[0]
+
+
+def _sim_mma_tf32x3(*args):
+    """One lane's part of a warp's 3xTF32 step as the GPU computes it: the lanes publish their
+    64-bit registers, each m16n8k8 half's A (16x8) and B (8x8) are assembled from the registers
+    in PTX's tf32 fragment layout (``tensorcore.cu`` passes a register's low word as ``k' = t``,
+    its high word as ``k' = t + 4``), and the three products of each half are summed."""
+    regs, c = args[:12], args[12:]
+    ctx = _context()
+    warp, lane = divmod(int(ctx.threadIdx.x), 32)
+    exchange = ctx.shared.array((32, 32, 12), np.uint64)   # one per block: 32 warps of 32 lanes
+    exchange[warp, lane] = regs
+    _warp_sync(ctx)
+    words = np.array(exchange[warp], dtype=np.uint64)
+    _warp_sync(ctx)
+    v = words.view(np.float32).astype(np.float64).reshape(32, 12, 2)   # [lane, register, lo / hi]
+    gs, ts = np.divmod(np.arange(32), 4)
+    total = np.zeros((16, 8))
+    for half in range(2):
+        for big_a, big_b in ((False, True), (True, False), (True, True)):
+            A, B = np.zeros((16, 8)), np.zeros((8, 8))
+            r0, r1 = 4 * half + (0 if big_a else 1), 4 * half + (2 if big_a else 3)    # a(2h), a(2h+1)
+            A[gs, ts], A[gs + 8, ts] = v[:, r0, 0], v[:, r1, 0]
+            A[gs, ts + 4], A[gs + 8, ts + 4] = v[:, r0, 1], v[:, r1, 1]
+            rb = 8 + 2 * half + (0 if big_b else 1)
+            B[ts, gs], B[ts + 4, gs] = v[:, rb, 0], v[:, rb, 1]
+            total += A @ B
+    g, t = divmod(lane, 4)
+    return (np.float32(c[0] + total[g, 2 * t]), np.float32(c[1] + total[g, 2 * t + 1]),
+            np.float32(c[2] + total[g + 8, 2 * t]), np.float32(c[3] + total[g + 8, 2 * t + 1]))
+
+
 def _sim_ldsm(arr, off, count: int, trans: bool):
     """One lane's part of ``ldmatrix``: the lanes publish their row addresses, then each takes
     its pair of every 8x8 matrix (of its transpose with ``trans``)."""
@@ -237,7 +297,8 @@ def _sim_primitives() -> dict:
                 ldsm_x4=lambda a, o: _sim_ldsm(a, o, 4, False), ldsm_x4_t=lambda a, o: _sim_ldsm(a, o, 4, True),
                 ldsm_x2=lambda a, o: _sim_ldsm(a, o, 2, False), ldsm_x2_t=lambda a, o: _sim_ldsm(a, o, 2, True),
                 pin=lambda v: v, cp_async16=cp_async16, cp_async_wait_all=done, cp_async_commit=done, cp_async_wait1=done,
-                cp_async_wait2=done, bar_named=_sim_bar_named)
+                cp_async_wait2=done, bar_named=_sim_bar_named, mma_tf32x3=_sim_mma_tf32x3,
+                pack_tf32x3=_sim_pack_tf32x3)
 
 
 def sim_wgmma(values, n: int, smem16, desc, trans, a0, a1, a2, a3, acc=None):

@@ -40,6 +40,11 @@ class Threads:
     ax: dict
     notes: list = field(default_factory=list)
     dtype: str = "f32"   # the kernel's input dtype: f16 / bf16 kernels may use tensor cores
+    tf32x3: bool = False  # fp32 kernels too, by 3xTF32 (.tensorcore.TF32X3)
+
+    @property
+    def tensor_cores(self) -> bool:
+        return self.dtype != "f32" or self.tf32x3
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -49,8 +54,8 @@ class Threads:
     def mma_refusal(self, out_axes, operands, red) -> str | None:
         """Why a contraction of ``operands`` (their axes with extent > 1) into ``out_axes`` over
         ``red`` cannot run on tensor cores, or None when its shapes fit ``m16n8k16``."""
-        if self.dtype not in ("f16", "bf16"):
-            return f"inputs are {self.dtype} (tensor cores take f16 / bf16)"
+        if not self.tensor_cores:
+            return f"inputs are {self.dtype} (tensor cores take f16 / bf16, or fp32 by 3xTF32)"
         names, cs = caps(out_axes, self.ax)
         if len(names) != 2:
             return f"its output has {len(names)} axes with extent > 1 in a block (fragments need 2)"

@@ -1,0 +1,155 @@
+"""fp32 on tensor cores by 3xTF32 (``planner.TF32X3``): the primitives' simulated twins against the
+PTX ISA's tf32 fragment layout, and fp32 kernels (forward and both backward parts) against the
+float64 oracle through the simulated fragment path.
+
+Each fp32 operand is split as ``x = big + small`` (``big = cvt.rna.tf32(x)``, ``small`` the
+rounded rest) and a product taken as ``big big + big small + small big``: the error against
+float64 is a few fp32 ulps of the result, far below a plain tf32 product's 2^-11 relative.  The
+tests hold the kernels to 1e-5 of the largest |reference|: one tf32 product (the classic mistake
+of dropping the small parts) misses it by far, as :func:`test_the_small_parts_matter` shows.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import contextlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from numba import cuda  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat.lowering import planner, tensorcore  # noqa: E402
+from napkin_cat.verify import kernelcheck  # noqa: E402
+
+q, x, d = nc.axes("q x d")
+L = nc.library
+TOL = 1e-5
+
+
+@contextlib.contextmanager
+def tf32x3(on: bool = True):
+    old, planner.TF32X3 = planner.TF32X3, on
+    try:
+        yield
+    finally:
+        planner.TF32X3 = old
+
+
+def test_tf32_rounding_keeps_ten_mantissa_bits_ties_away_from_zero():
+    r = tensorcore.tf32_round
+    assert r(np.float32(1 + 2 ** -10)) == np.float32(1 + 2 ** -10)
+    assert r(np.float32(1 + 2 ** -11)) == np.float32(1 + 2 ** -10)      # a tie: away from zero
+    assert r(np.float32(-(1 + 2 ** -11))) == np.float32(-(1 + 2 ** -10))
+    assert r(np.float32(1 + 2 ** -12)) == np.float32(1.0)
+    big, small = tensorcore._sim_pack_tf32x3(np.float32(np.pi), np.float32(-1e-3))
+    parts = np.array([big, small], dtype=np.uint64).view(np.float32).reshape(2, 2)
+    assert (parts.view(np.uint32) & 0x1FFF == 0).all()                    # both parts are tf32
+    np.testing.assert_allclose(parts.sum(0, dtype=np.float64), [np.pi, -1e-3], rtol=2 ** -21)
+
+
+def _mma_through_lanes(A, B, C0, small: bool = True):
+    """``A B + C0`` by the simulated ``mma_tf32x3``, each lane packing the elements the 16-bit
+    fragment layout gives it (``small=False``: the small parts zeroed, one tf32 product)."""
+    lay = tensorcore.fragment_layout()
+    prims = tensorcore.primitives()
+    pack, mma = prims["pack_tf32x3"], prims["mma_tf32x3"]
+    afr, bfr, cfr = np.zeros((32, 4, 2), np.float32), np.zeros((32, 2, 2), np.float32), np.zeros((32, 4), np.float32)
+    for (r, k), (reg, lane, half) in np.ndenumerate(lay["A"]):
+        afr[lane, reg, half] = A[r, k]
+    for (k, n), (reg, lane, half) in np.ndenumerate(lay["B"]):
+        bfr[lane, reg, half] = B[k, n]
+    for (r, n), (reg, lane) in np.ndenumerate(lay["C"]):
+        cfr[lane, reg] = C0[r, n]
+    out = np.zeros((32, 4), np.float32)
+    keep = np.uint64(0xFFFFFFFFFFFFFFFF if small else 0)
+
+    def body(out, afr, bfr, cfr):
+        lane = cuda.threadIdx.x
+        regs = []
+        for i in range(4):
+            bg, sm = pack(afr[lane, i, 0], afr[lane, i, 1])
+            regs += [bg, sm & keep]
+        for i in range(2):
+            bg, sm = pack(bfr[lane, i, 0], bfr[lane, i, 1])
+            regs += [bg, sm & keep]
+        res = mma(*regs, *[cfr[lane, i] for i in range(4)])
+        for i in range(4):
+            out[lane, i] = res[i]
+
+    cuda.jit(body)[1, 32](out, afr, bfr, cfr)
+    D = np.zeros((16, 8))
+    for (r, n), (reg, lane) in np.ndenumerate(lay["C"]):
+        D[r, n] = out[lane, reg]
+    return D
+
+
+def test_simulated_tf32x3_mma_multiplies_the_tiles_the_fragments_hold():
+    """The lanes hold the 16-bit engine's elements; the twin assembles each m16n8k8 half's A and
+    B by the tf32 layout from those registers (low word k' = t, high word k' = t + 4): a wrong
+    pairing of registers and columns would multiply other elements, far off float64."""
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((16, 16)).astype(np.float32)
+    B = rng.standard_normal((16, 8)).astype(np.float32)
+    C0 = rng.standard_normal((16, 8)).astype(np.float32)
+    want = A.astype(np.float64) @ B + C0
+    got = _mma_through_lanes(A, B, C0)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
+def test_the_small_parts_matter():
+    """One tf32 product (the small parts dropped) misses the tolerance the kernels are held to."""
+    rng = np.random.default_rng(1)
+    A = rng.standard_normal((16, 16)).astype(np.float32)
+    B = rng.standard_normal((16, 8)).astype(np.float32)
+    C0 = np.zeros((16, 8), np.float32)
+    want = A.astype(np.float64) @ B
+    err = np.abs(_mma_through_lanes(A, B, C0, small=False) - want).max() / np.abs(want).max()
+    assert err > 10 * TOL
+
+
+def _check(diagram, oracle, sizes, threads=32, examples=1, **opts):
+    with tf32x3():
+        kernel = nc.lower(diagram.bind(sizes), threads=threads, verify=False, **opts)
+    assert "mma_tf32x3(" in kernel.source and "mma_f16" not in kernel.source, kernel.notes
+    rng = np.random.default_rng(0)
+    bound = oracle.bind(sizes)
+    for _ in range(examples):
+        inputs = [rng.standard_normal(tuple(a.size for a in arr.axes)) for arr in bound.dom]
+        diff = kernelcheck.kernel_outcome(bound, kernel, inputs, rtol=TOL, atol=TOL)
+        assert diff.failure is None, kernelcheck.describe_failure(diff.failure)
+    return kernel
+
+
+def test_fp32_flash_attention_on_tf32x3_fragments_matches_the_oracle():
+    """The FlashAttention-2 forward in fp32: scores and output on 3xTF32 fragments, the
+    probabilities packed from the registers that computed them; ragged keys and queries."""
+    flash = L.attention(q=q, x=x, d=d, causal=True).stream(x, 16).tile(q, 16).place("O", "registers")
+    k = _check(flash, flash.unrelabelled(), {q: 20, x: 23, d: 16})
+    assert "pack_tf32x3(S_" in k.source   # P from the scores' registers
+    assert any("3xTF32" in v for v in k.mappings.values()), k.mappings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", [-2, -1], ids=["dK dV", "dQ"])
+def test_fp32_backward_parts_on_tf32x3_fragments_match_the_oracle(part):
+    """FlashAttention-2's two backward kernels of ``nc.torch_op`` in fp32 (dK, dV on key tiles
+    streaming the queries, dQ the other way; P and dS in registers), ragged sizes."""
+    import torch
+
+    from napkin_cat.lowering.torch_op import torch_op
+    attn = L.attention(q=q, x=x, d=d, causal=True).stream(x, "s_x").tile(q, "g_q")
+    sizes = (("d", 16), ("q", 37), ("x", 21))
+    rel = torch_op(attn, backward="two kernels").backward_plan((0, 1, 2), sizes, torch.float32).parts[part]
+    tiles = {"g_x": 16, "s_q": 16} if part == -2 else {"g_q": 16, "s_x": 16}
+    _check(rel, rel.unrelabelled(), {}, tiles=tiles)
+
+
+def test_fp32_kernels_stay_on_cuda_cores_unless_asked():
+    flash = L.attention(q=q, x=x, d=d).stream(x, 16).tile(q, 16).place("O", "registers")
+    with tf32x3(False):
+        k = nc.lower(flash.bind({q: 16, x: 16, d: 16}), threads=32, verify=False)
+    assert "mma_" not in k.source
