@@ -153,13 +153,13 @@ def kernel_breakdown(fn, calls: int = 5) -> dict:
 
 
 def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: str = "auto",
-         prefetch: str = "auto", tiles: dict | None = None, with_peers: bool = True) -> dict:
+         prefetch: str = "auto", tiles: dict | None = None, with_peers: bool = True, fp32: str = "fma") -> dict:
     t0 = time.perf_counter()
     g = torch.Generator(device="cuda").manual_seed(0)
     Q, K, V, dO = (torch.randn(BH, N, D, device="cuda", generator=g).to(DTYPES[dt]) for _ in range(4))
     Q, K, V = (t.requires_grad_() for t in (Q, K, V))
     op = nc.torch_op(flash(causal), tiles=tiles, verify=False, backward=FORMS[backward],
-                     prefetch=PREFETCH[prefetch])
+                     prefetch=PREFETCH[prefetch], fp32=fp32)
     O = op(Q, K, V)
     grads = torch.autograd.grad(O, (Q, K, V), dO)
     torch.cuda.synchronize()
@@ -192,7 +192,7 @@ def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: 
     if backward == "both":   # each form forced, timed the same way
         for key, form in (("one", "one kernel"), ("two", "two kernels")):
             forced = nc.torch_op(flash(causal), tiles=tiles, verify=False, backward=form,
-                                 prefetch=PREFETCH[prefetch])
+                                 prefetch=PREFETCH[prefetch], fp32=fp32)
             res[f"ours_{key}_ms"] = cuda_time(lambda: torch.autograd.grad(forced(Q, K, V), (Q, K, V), dO))
             res[f"backward_path_{key}"] = forced.last_backward_path
     if with_peers:
@@ -217,7 +217,8 @@ def main(argv=None):
                     "every case runs once per choice, peers with the first; an upper-case NAME=0|1 in a "
                     "choice sets that tunable of napkin_cat.lowering.planner for the choice (FRAG_OPERANDS=0: "
                     "the backward's P and dS through shared memory, as before that pass; HOIST_REGISTERS=0: no row "
-                    "fragments held in registers across the stream loops)")
+                    "fragments held in registers across the stream loops); TF32X3=1: nc.torch_op(fp32='3xtf32'), "
+                    "fp32 kernels on tensor cores by 3xTF32")
     ap.add_argument("--out", default=str(ROOT / "kernels"))
     args = ap.parse_args(argv)
     choices = [{k: int(v) for k, v in (kv.split("=") for kv in c.split(",") if kv)} for c in args.tiles.split(";")]
@@ -231,20 +232,21 @@ def main(argv=None):
         BH = args.bh or (32 if N <= 4096 else 16)
         for n, tiles in enumerate(choices):
             switches = {k: v for k, v in tiles.items() if k.isupper()}
+            fp32 = "3xtf32" if switches.pop("TF32X3", 0) else "fma"   # an option of the op, not a tunable
             blocks = {k: v for k, v in tiles.items() if not k.isupper()}
             home = {k: next(m for m in (planner, emit_mma, producer) if hasattr(m, k)) for k in switches}
             saved = {k: getattr(home[k], k) for k in switches}
             try:
                 for k, v in switches.items():
                     setattr(home[k], k, type(saved[k])(v))
-                r = case(dt, N, D, causal, BH, not args.no_check, args.backward, args.prefetch, blocks, n == 0)
+                r = case(dt, N, D, causal, BH, not args.no_check, args.backward, args.prefetch, blocks, n == 0, fp32)
             except Exception as e:  # noqa: BLE001 - recorded with the case, the run goes on
                 r = {"dtype": dt, "N": N, "d": D, "causal": causal, "tiles": blocks,
                      "error": f"{type(e).__name__}: {str(e)[:300]}"}
             finally:
                 for k, v in saved.items():
                     setattr(home[k], k, v)
-            r["switches"] = switches
+            r["switches"] = {**switches, **({"TF32X3": 1} if fp32 == "3xtf32" else {})}
             results["cases"].append(r)
             print(json.dumps(r), flush=True)
             (out / "fwd_bwd.json").write_text(json.dumps(results, indent=1))

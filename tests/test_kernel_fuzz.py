@@ -158,9 +158,11 @@ def fused_attention_family(draw):
 @st.composite
 def tensor_core_family(draw):
     """fp16 / bf16 attention and matmul relabelled onto whole m16n8k16 fragments (tiles and
-    chunks of 16 or 32, d = 16), ragged sizes: the tensor-core engine (simulated fragments)."""
-    dt = draw(st.sampled_from((nc.f16, nc.bf16)))
+    chunks of 16 or 32, d = 16), ragged sizes: the tensor-core engine (simulated fragments);
+    fp32 ones lowered with fp32="3xtf32" (3xTF32 fragments, fuzz_one)."""
+    dt = draw(st.sampled_from((nc.f16, nc.bf16, nc.f32)))
     if draw(st.sampled_from((False, False, True)), label="warpgroups"):
+        dt = nc.f16 if dt is nc.f32 else dt    # warpgroups multiply 16-bit operands only
         # lowered with planner.WGMMA (fuzz_one): row tiles of 64 on one warpgroup (128 threads) or
         # of 128 on two (256 threads, where a copying warpgroup may join: lowering/producer.py)
         rows = draw(st.sampled_from((64, 128)))
@@ -202,7 +204,7 @@ EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, 
                      "library": {"micro"},
                      "tensor_core": {"fragments", "mma-registers", "ldmatrix", "ldmatrix-trans", "cp.async",
                                      "cp.async-pipeline", "packed-operand", "wgmma", "wgmma-scale-d-0",
-                                     "wgmma-accumulate", "copying-warpgroup", "hoisted-fragments"}}
+                                     "wgmma-accumulate", "copying-warpgroup", "hoisted-fragments", "tf32x3"}}
 
 
 # --------------------------------------------------------------------------- one example
@@ -288,7 +290,8 @@ def _features(kernel) -> set[str]:
                          ("cp_async_wait1()", "cp.async-pipeline"), ("pack_f16(smem", "packed-operand"),
                          ("pack_f16((smem", "packed-operand"), ("pack_bf16(smem", "packed-operand"),
                          ("pack_bf16((smem", "packed-operand"), ("written out row by row", "fragment-rows"),
-                         ("C_PRESCALE_LOG2E", "prescale"), ("wgmma_f16_n", "wgmma"), ("wgmma_bf16_n", "wgmma")):
+                         ("C_PRESCALE_LOG2E", "prescale"), ("wgmma_f16_n", "wgmma"), ("wgmma_bf16_n", "wgmma"),
+                         ("mma_tf32x3(", "tf32x3")):
         if marker in body or marker in "".join(kernel.mappings.values()):
             out.add(feat)
     # the generator's notes in the kernel's docstring: L = mu + log z of the online softmax;
@@ -309,7 +312,7 @@ def _features(kernel) -> set[str]:
         out.add("block-quotient")
     if re.search(r"_r = cuda\.local\.array\(.*# \w+ kept for \w+(,|$)", body, re.M):   # lowering/register_copies.py
         out.add("register-copy")
-    if re.search(r"pack_b?f16\(\w+_r\[", body):   # lowering/frag_operands.py: A fragments from registers
+    if re.search(r"pack_(b?f16|tf32x3)\(\w+_r\[", body):   # lowering/frag_operands.py: A fragments from registers
         out.add("frag-operand")
     return out
 
@@ -368,7 +371,7 @@ def fuzz_one(family: str, data, stats: Counter):
     note(f"{label}: {bound}  lower({opts})")
     try:
         with planner_switches(WGMMA=warpgroups), producer_switch(copying):
-            kernel = nc.lower(bound, verify=False, **opts)
+            kernel = nc.lower(bound, verify=False, fp32="3xtf32" if label.startswith("f32") else "fma", **opts)
     except nc.LoweringError as err:
         stats["lowering refused"] += 1
         stats["refusal: " + str(err).split(":")[0][:60]] += 1

@@ -48,15 +48,7 @@ def test_simulated_mma_multiplies_the_tiles_the_fragments_hold(dtype):
     lay = tensorcore.fragment_layout()
     prims = tensorcore.primitives()
     pack, mma = prims[tensorcore.DTYPES[dtype].pack], prims[tensorcore.DTYPES[dtype].mma]
-    afr = np.zeros((32, 4, 2), np.float32)
-    bfr = np.zeros((32, 2, 2), np.float32)
-    cfr = np.zeros((32, 4), np.float32)
-    for (r, k), (reg, lane, half) in np.ndenumerate(lay["A"]):
-        afr[lane, reg, half] = A[r, k]
-    for (k, n), (reg, lane, half) in np.ndenumerate(lay["B"]):
-        bfr[lane, reg, half] = B[k, n]
-    for (r, n), (reg, lane) in np.ndenumerate(lay["C"]):
-        cfr[lane, reg] = C0[r, n]
+    afr, bfr, cfr = tensorcore.lane_fragments(A, B, C0)
     out = np.zeros((32, 4), np.float32)
 
     def body(out, afr, bfr, cfr):

@@ -15,7 +15,7 @@ import os
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-import contextlib  # noqa: E402
+import re  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -28,15 +28,6 @@ from napkin_cat.verify import kernelcheck  # noqa: E402
 q, x, d = nc.axes("q x d")
 L = nc.library
 TOL = 1e-5
-
-
-@contextlib.contextmanager
-def tf32x3(on: bool = True):
-    old, planner.TF32X3 = planner.TF32X3, on
-    try:
-        yield
-    finally:
-        planner.TF32X3 = old
 
 
 def test_tf32_rounding_keeps_ten_mantissa_bits_ties_away_from_zero():
@@ -57,13 +48,7 @@ def _mma_through_lanes(A, B, C0, small: bool = True):
     lay = tensorcore.fragment_layout()
     prims = tensorcore.primitives()
     pack, mma = prims["pack_tf32x3"], prims["mma_tf32x3"]
-    afr, bfr, cfr = np.zeros((32, 4, 2), np.float32), np.zeros((32, 2, 2), np.float32), np.zeros((32, 4), np.float32)
-    for (r, k), (reg, lane, half) in np.ndenumerate(lay["A"]):
-        afr[lane, reg, half] = A[r, k]
-    for (k, n), (reg, lane, half) in np.ndenumerate(lay["B"]):
-        bfr[lane, reg, half] = B[k, n]
-    for (r, n), (reg, lane) in np.ndenumerate(lay["C"]):
-        cfr[lane, reg] = C0[r, n]
+    afr, bfr, cfr = tensorcore.lane_fragments(A, B, C0)
     out = np.zeros((32, 4), np.float32)
     keep = np.uint64(0xFFFFFFFFFFFFFFFF if small else 0)
 
@@ -112,8 +97,7 @@ def test_the_small_parts_matter():
 
 
 def _check(diagram, oracle, sizes, threads=32, examples=1, **opts):
-    with tf32x3():
-        kernel = nc.lower(diagram.bind(sizes), threads=threads, verify=False, **opts)
+    kernel = nc.lower(diagram.bind(sizes), threads=threads, verify=False, fp32="3xtf32", **opts)
     assert "mma_tf32x3(" in kernel.source and "mma_f16" not in kernel.source, kernel.notes
     rng = np.random.default_rng(0)
     bound = oracle.bind(sizes)
@@ -130,6 +114,9 @@ def test_fp32_flash_attention_on_tf32x3_fragments_matches_the_oracle():
     flash = L.attention(q=q, x=x, d=d, causal=True).stream(x, 16).tile(q, 16).place("O", "registers")
     k = _check(flash, flash.unrelabelled(), {q: 20, x: 23, d: 16})
     assert "pack_tf32x3(S_" in k.source   # P from the scores' registers
+    # the scores sum on the tensor cores; O, a state of the stream, adds each step by an fp32 add
+    assert re.search(r"S_regs\[0, 0\].* = mma_tf32x3\(", k.source)
+    assert re.search(r"O_o\[0, 0\].* = mma_tf32x3s\(", k.source)
     assert any("3xTF32" in v for v in k.mappings.values()), k.mappings
 
 
@@ -150,6 +137,42 @@ def test_fp32_backward_parts_on_tf32x3_fragments_match_the_oracle(part):
 
 def test_fp32_kernels_stay_on_cuda_cores_unless_asked():
     flash = L.attention(q=q, x=x, d=d).stream(x, 16).tile(q, 16).place("O", "registers")
-    with tf32x3(False):
-        k = nc.lower(flash.bind({q: 16, x: 16, d: 16}), threads=32, verify=False)
-    assert "mma_" not in k.source
+    k = nc.lower(flash.bind({q: 16, x: 16, d: 16}), threads=32, verify=False)
+    assert "mma_" not in k.source and k.options["fp32"] == "fma"
+    assert planner.TF32X3 is False    # the option is set for one lowering only
+
+
+def test_the_fp32_option_is_checked():
+    flash = L.attention(q=q, x=x, d=d).stream(x, 16).tile(q, 16)
+    with pytest.raises(nc.LoweringError, match=r"fp32 must be one of \('fma', '3xtf32'\).*got 'tf32'"):
+        nc.lower(flash.bind({q: 16, x: 16, d: 16}), fp32="tf32")
+    half = L.attention(q=q, x=x, d=d, dtype=nc.f16).stream(x, 16).tile(q, 16)
+    with pytest.raises(nc.LoweringError, match=r"fp32='3xtf32' chooses how fp32 kernels multiply.*f16 kernel"):
+        nc.lower(half.bind({q: 16, x: 16, d: 16}), fp32="3xtf32")
+    with pytest.raises(nc.TypingError, match=r"torch_op: fp32 must be one of"):
+        nc.torch_op(flash, fp32=True)
+
+
+@pytest.mark.slow
+def test_torch_op_fp32_on_tf32x3_matches_fp64_autograd():
+    """``nc.torch_op(..., fp32="3xtf32")`` on float32 tensors: the forward and both backward kernels
+    on 3xTF32 fragments (the simulator), gradients against torch autograd of the float64 oracle."""
+    import torch
+    flash = L.attention(q=q, x=x, d=d, causal=True).stream(x, "s_x").tile(q, "g_q")
+    op = nc.torch_op(flash, threads=32, simulate=True, verify=False, backward="two kernels", fp32="3xtf32",
+                     tiles={"s_x": 16, "g_q": 16, "g_x": 16, "s_q": 16})
+    sizes = {"q": 37, "x": 21, "d": 16}
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(*(sizes[a.name] for a in arr.axes), generator=g).requires_grad_() for arr in op.diagram.dom]
+    out = op(*ts)
+    cot = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, ts, cot)
+    wide = [t.detach().double().requires_grad_() for t in ts]
+    want_out = nc.to_torch(op.diagram)(*wide)
+    want = torch.autograd.grad(want_out, wide, cot.double())
+    for name, a, b in [("O", out, want_out), *zip(("dQ", "dK", "dV"), got, want)]:
+        err = (a.double() - b.detach()).abs().max().item() / b.abs().max().item()
+        assert err <= TOL, f"{name}: {err:.2e}"
+    kernels = [k for key, k in op._cache.items() if key[0] in ("kernel", "backward kernel")]
+    streamed = [k for k in kernels if [a.name for a in k.diagram.cod] != ["D"]]
+    assert len(streamed) == 3 and all("mma_tf32x3" in k.source for k in streamed)

@@ -56,7 +56,7 @@ class Launch:
 
 def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, threads: int | None = None,
           *, name: str | None = None, micro: tuple[int, int] | None = None, fastmath: bool = True,
-          prefetch: bool | str = False, hw=None, verify: bool | int = True) -> "Kernel":
+          prefetch: bool | str = False, hw=None, verify: bool | int = True, fp32: str = "fma") -> "Kernel":
     """Generate a numba.cuda kernel for ``d`` (every axis size bound).
 
     ``tiles``: ``{axis or symbol: size}`` for tiled axes (tile size) and streamed axes (chunk);
@@ -68,7 +68,10 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     price of registers); ``prefetch="double"``: two shared-memory buffers per chunked input,
     one barrier per chunk; ``prefetch="auto"``: ``"double"`` where the inputs are 16-bit (filled
     by cp.async), the register estimate stays within a thread's registers and the shared memory
-    fits, else none (:func:`~.planner.auto_prefetch`).  ``verify``: before it is returned, the kernel runs against the NumPy
+    fits, else none (:func:`~.planner.auto_prefetch`).  ``fp32``: how an fp32 kernel multiplies:
+    ``"fma"`` (fp32 FMAs on CUDA cores) or ``"3xtf32"`` (tensor cores, each product as three tf32
+    products: fp32-level error, what SDPA's fp32 kernels do; :data:`~.planner.TF32X3`).
+    ``verify``: before it is returned, the kernel runs against the NumPy
     float64 oracle on ``SELF_CHECK_RUNS`` inputs (``True``) or that many (an int) at its bound
     sizes, and a difference raises :class:`~napkin_cat.core.errors.EquivalenceError` with code that
     reproduces it; ``verify=False`` skips it and ``kernel.verified`` says so
@@ -95,7 +98,9 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     if not (isinstance(verify, bool) or isinstance(verify, int) and verify >= 0):
         raise LoweringError(f"lower: verify must be True, False or a number of runs >= 0, got {verify!r}")
     runs = SELF_CHECK_RUNS if verify is True else int(verify)
-    opts = dict(tiles=tiles, threads=threads, name=name, micro=micro, fastmath=fastmath, prefetch=prefetch, hw=hw)
+    check_fp32(d, fp32)
+    opts = dict(tiles=tiles, threads=threads, name=name, micro=micro, fastmath=fastmath, prefetch=prefetch, hw=hw,
+                fp32=fp32)
     from .multi import lower_split, wants_split   # several kernels where one does not do
     try:
         kernel = lower_split(d, opts, _lower_one) if wants_split(d) else _lower_one(d, **opts)
@@ -110,9 +115,29 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     return kernel
 
 
+def check_fp32(d: Diagram, fp32) -> None:
+    """``fp32`` is one of :data:`.plan.FP32_ENGINES`, and ``"3xtf32"`` only for an fp32 kernel (a
+    16-bit one multiplies on tensor cores already: the option would be ignored)."""
+    from .plan import FP32_ENGINES, kernel_dtype
+    if fp32 not in FP32_ENGINES:
+        raise LoweringError(f"lower: fp32 must be one of {FP32_ENGINES} (fp32 FMAs on CUDA cores, or "
+                            f"tensor cores by 3xTF32), got {fp32!r}")
+    if fp32 == "3xtf32" and kernel_dtype(d) != "f32":
+        raise LoweringError(f"lower: fp32='3xtf32' chooses how fp32 kernels multiply; {d.short()} is a "
+                            f"{kernel_dtype(d)} kernel, on tensor cores already")
+
+
 def _lower_one(d: Diagram, tiles=None, threads=None, name=None, micro=None, fastmath=True, prefetch=False,
-               hw=None) -> "Kernel":
+               hw=None, fp32="fma") -> "Kernel":
     """One fused kernel for ``d`` (arguments checked by :func:`lower`), not yet verified."""
+    from .planner import tf32x3
+    with tf32x3(fp32 == "3xtf32"):
+        kernel = _lower_planned(d, tiles, threads, name, micro, fastmath, prefetch, hw)
+    kernel.options["fp32"] = fp32
+    return kernel
+
+
+def _lower_planned(d: Diagram, tiles, threads, name, micro, fastmath, prefetch, hw) -> "Kernel":
     from . import runtime
     from .codegen import generate
     from .schedule import choose

@@ -46,6 +46,12 @@ d = 64 (forward 0.473 -> 0.455 ms, ``kernels/probes/wgmma_pipeline.py``; dQ 0.75
 64 hold the dQ kernel's Q and dO at d = 128 (1.468 -> 1.340 ms).  A contraction whose fragments
 do not fit is left alone."""
 
+TF32X3_STAGED = True
+"""3xTF32 updates of an accumulator that is not zeroed by the contraction itself (a stream's
+state: O, dK, dV, dQ) add each step's products to it by an fp32 add (``mma_tf32x3s``), not on
+the tensor cores (whose addition does not round to nearest): 1e-6 of max |O| at 4096 keys on an
+H100 against 4e-5 (kernels/BENCHMARKS.md).  Fresh accumulators (scores) sum on the tensor cores."""
+
 HOIST_CEILING = 255
 """Fragments are hoisted only while the plan's register estimate plus them stays at or below
 this, the registers a thread can have (the dK, dV kernel at d = 128, estimated 258, already
@@ -163,6 +169,8 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
     k = em.consts
     dt = mma_dtype(m.dtype)
     split = dt is TF32X3    # a packed pair is two registers, its big and small tf32 parts
+    # 3xTF32 into an accumulator that outlives this contraction (a stream's state): staged
+    mma = dt.mma + "s" if split and not init and TF32X3_STAGED else dt.mma
     zero = k.f(0.0, "ZERO")
     (kax,) = [a for a in red if em.ax[a].cap > 1]
     A = next(o for o in operands if m.row in o.axes)
@@ -262,7 +270,7 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
                 i0, j0 = 2 * mt, 2 * nt
                 c = [f"{acc}[{i0}, {j0}]", f"{acc}[{i0}, {j0 + 1}]", f"{acc}[{i0 + 1}, {j0}]",
                      f"{acc}[{i0 + 1}, {j0 + 1}]"]
-                src(f"{', '.join(c)} = {dt.mma}({', '.join(a[mt, r] for r in range(4))}, "
+                src(f"{', '.join(c)} = {mma}({', '.join(a[mt, r] for r in range(4))}, "
                     f"{b[0]}, {b[1]}, {', '.join(c)})")
 
     if unrolled:

@@ -363,7 +363,7 @@ class MultiKernel:
         self.verified = False
         self.options = {"threads": options.get("threads"), "micro": options.get("micro"),
                         "fastmath": options.get("fastmath", True), "prefetch": options.get("prefetch", False),
-                        "name": name}
+                        "fp32": options.get("fp32", "fma"), "name": name}
 
     def __repr__(self) -> str:
         return f"MultiKernel({self.name}: {self.diagram}, {len(self.kernels)} kernels: " + \

@@ -450,6 +450,9 @@ def reduced_axes(box) -> tuple[str, ...]:
     return tuple(seen)
 
 
+FP32_ENGINES = ("fma", "3xtf32")
+"""``lower(..., fp32=...)``: fp32 FMAs on CUDA cores, or tensor cores by 3xTF32 (:mod:`.tensorcore`)."""
+
 IO_DTYPES = ("f32", "f16", "bf16")
 """Dtypes a kernel reads and writes: fp32, or 16-bit floats (read as bit patterns, computed in
 fp32, multiplied on tensor cores where the shapes fit)."""

@@ -27,6 +27,7 @@ The tunables below are read at each call (``kernels/variants.py`` switches them)
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 
@@ -101,7 +102,21 @@ measured on an H100 with each contraction waited for before its epilogue, 5-100%
 TF32X3 = False
 """Multiply fp32 kernels' contractions on tensor cores by 3xTF32 (:data:`.tensorcore.TF32X3`:
 three tf32 products per product, fp32-level error, CUTLASS's "FastF32", which SDPA's fp32
-kernels use on sm_80+) where their shapes fit, instead of fp32 FMAs on CUDA cores."""
+kernels use on sm_80+) where their shapes fit, instead of fp32 FMAs on CUDA cores.  Set for each
+lowering by ``lower(..., fp32="3xtf32")`` (:func:`tf32x3`); off by default: measured on an H100,
+a streamed softmax-contraction's forward + backward is 2.6x faster with it, a 4096^3 GEMM 1.4x
+slower (its blocks are the CUDA-core engine's; kernels/BENCHMARKS.md)."""
+
+
+@contextlib.contextmanager
+def tf32x3(on: bool):
+    """:data:`TF32X3` set for one lowering (``lower(..., fp32="3xtf32")``), then restored."""
+    global TF32X3
+    old, TF32X3 = TF32X3, on
+    try:
+        yield
+    finally:
+        TF32X3 = old
 
 
 def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath: bool = True,
@@ -531,8 +546,9 @@ def register_estimate(ff: FinalForm, ax, targets, accs, T: int, prefetch, copies
         if isinstance(t.mapping, Micro) and not isinstance(t.mapping, Frag):   # MMA_SLACK counts fragments
             frag = max(frag, t.mapping.RY + t.mapping.RX)
     live += sum(targets[v].mapping.RY * targets[v].mapping.RX for v in copies)
-    if any(isinstance(m, Frag) for m in [t.mapping for t in targets.values()] + [p.main for p in accs]):
-        live += MMA_SLACK
+    frags = [m for m in [t.mapping for t in targets.values()] + [p.main for p in accs] if isinstance(m, Frag)]
+    if frags:   # 3xTF32 pairs are four registers, not one: twice the slack (ptxas: spills at one)
+        live += MMA_SLACK * (2 if any(m.dtype == "f32" for m in frags) else 1)
     if prefetch:   # a chunk held in registers (16-bit inputs double-buffered go by cp.async instead)
         for n, _ in ff.walk():
             if isinstance(n, Loop) and n.kind == "stream":

@@ -8,12 +8,10 @@ sizes), or none.  This module completes it:
   matrix dimensions an input is shared across); the other weaved axes that every equation
   keeps (batch, heads, groups) get tiles of 1 and become extra grid dimensions.  Where the main
   axes all come from one operand of a contraction (a convolution's ``Y[b o ho wo]``: ``ho, wo``
-  from the input), the other operand's last kept axis (``o``) is main too: an implicit GEMM
-  tiles rows and columns.  Axes removed
-  by an accumulator (``relabel.stream_plan``) are streamed.
-* **How much.**  ``tiles={axis or symbol: size}`` wins.  Otherwise stream chunks come from a
-  rule of thumb (64 for a normalised contraction's scores, 16 for a plain contraction, 4 and 3
-  under the simulator), and tile sizes from the cost model: :meth:`napkin_cat.costmodel.Cost.optimize`
+  from the input), the other operand's last kept axis (``o``) is main too: an implicit GEMM tiles
+  rows and columns.  Axes removed by an accumulator (``relabel.stream_plan``) are streamed.
+* **How much.**  ``tiles={axis or symbol: size}`` wins.  Otherwise stream chunks come from a rule
+  of thumb (:func:`_chunk`; 3 under the simulator), and tile sizes from the cost model: :meth:`napkin_cat.costmodel.Cost.optimize`
   with the chunks fixed and the memory at the SMEM level capped at a per-block budget (half
   the device's opt-in shared memory per block, so two blocks fit on an SM), rounded down to a
   power of two that the thread mapping covers (at most 8 x 8 register accumulators per thread
@@ -33,8 +31,8 @@ sizes), or none.  This module completes it:
   ``C[a c] = A[a b] B[b c]``) is hoisted outside it with ``order(...)`` (loop order only: the accumulators are
   independent of the nesting), so every accumulator state has the extent of its own loops; an
   explicit ``order`` that asks for such a nesting is refused.  :attr:`Schedule.notes` says so.
-* **Threads.**  256 per block on a GPU, 16 under the simulator, unless ``threads`` is given (an
-  int from 1 to ``MAX_THREADS``; every mapping handles any count, idle threads included).
+* **Threads.**  256 per block on a GPU (128 for a tensor-core normalisation), 16 under the simulator,
+  unless ``threads`` is given (1 to ``MAX_THREADS``; every mapping handles any count).
 """
 
 from __future__ import annotations
@@ -305,9 +303,11 @@ def _chunk(d0: Diagram, axis: str, simulate: bool) -> int:
     n = d0.axis(axis).size
     if simulate:
         return min(n, 3)
-    # tensor cores: 64 when two or more accumulators share the stream (FA2's dK, dV kernel, H100)
+    # tensor cores: 64 when two or more accumulators share the stream (FA2's dK, dV kernel, H100);
+    # 32 for 3xTF32 (four registers a pair: 16.6 against 17.2 ms fwd+bwd, H100)
     mma = (64 if len(plan.accumulators) >= 2 else 32) if _tensor_cores(d0) else 16
-    return min(n, 64 if rules & {"online_softmax", "normalized", "logsumexp"} else mma)
+    tf32 = _tensor_cores(d0) and kernel_dtype(d0) == "f32"
+    return min(n, 32 if tf32 else 64 if rules & {"online_softmax", "normalized", "logsumexp"} else mma)
 
 
 def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: int = GPU_THREADS) -> int:
@@ -332,8 +332,8 @@ def _tensor_cores(d0: Diagram) -> bool:
 
 
 def _tensor_core_threads(d0: Diagram) -> int | None:
-    """Threads per block of a tensor-core kernel: 4 warps for diagrams with a normalisation (rows
-    per warp, row statistics in registers), 8 for the rest; None for fp32 on CUDA cores."""
+    """Threads of a tensor-core kernel: 4 warps with a normalisation (row statistics in
+    registers), 8 for the rest; None for fp32 on CUDA cores."""
     if not _tensor_cores(d0):
         return None
     norm = any(e.box.kind in ("softmax", "normalize", "softmax_contract") for e in d0.eqns)

@@ -18,7 +18,8 @@ An fp32 kernel may multiply on tensor cores too, by 3xTF32 (:data:`TF32X3`, CUTL
 what SDPA's fp32 kernels do on sm_80+): ``pack_tf32x3(lo, hi) -> (big, small)`` splits two fp32
 values into their tf32 parts (64-bit registers, ``lo`` in bits 0-31), and
 ``mma_tf32x3(a0b, a0s, ..., a3b, a3s, b0b, b0s, b1b, b1s, c0..c3)`` multiplies a 16-wide step as
-two ``m16n8k8.tf32`` halves of three products each.  The fragments have the 16-bit ownership below
+two ``m16n8k8.tf32`` halves of three products each (``mma_tf32x3s``: staged, the products summed
+apart from ``C`` and added by an fp32 add; the twins of both compute in float64).  The fragments have the 16-bit ownership below
 (each half's reduced index permuted: its ``k' = t`` is column ``2t``, ``k' = t + 4`` column
 ``2t + 1``), so every emitter path of the 16-bit engine that packs values reads them unchanged.
 
@@ -84,7 +85,7 @@ SHARED_PRIMITIVES = ("ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t", "pin",
 """The primitives every 16-bit kernel imports, whatever its dtype (beside its dtype's four)."""
 
 PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf", *SHARED_PRIMITIVES,
-              "bar_named", "mma_tf32x3", "pack_tf32x3")
+              "bar_named", "mma_tf32x3", "mma_tf32x3s", "pack_tf32x3")
 """Every primitive above, and ``bar_named(id, count)``: a barrier over the block's first ``count``
 threads (the multiplying warps of a kernel with a copying warpgroup, :mod:`.producer`)."""
 
@@ -111,6 +112,20 @@ def fragment_layout() -> dict[str, np.ndarray]:
             C[g, 2 * t + h] = (h, lane)
             C[g + 8, 2 * t + h] = (2 + h, lane)
     return {"A": A, "B": B, "C": C}
+
+
+def lane_fragments(A, B, C) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What each lane holds of a 16x16 A, 16x8 B and 16x8 C by :func:`fragment_layout`:
+    ``a[lane, register, half]``, ``b[lane, register, half]`` and ``c[lane, register]`` (fp32)."""
+    lay = fragment_layout()
+    a, b, c = np.zeros((32, 4, 2), np.float32), np.zeros((32, 2, 2), np.float32), np.zeros((32, 4), np.float32)
+    for (r, k), (reg, lane, half) in np.ndenumerate(lay["A"]):
+        a[lane, reg, half] = A[r, k]
+    for (k, n), (reg, lane, half) in np.ndenumerate(lay["B"]):
+        b[lane, reg, half] = B[k, n]
+    for (r, n), (reg, lane) in np.ndenumerate(lay["C"]):
+        c[lane, reg] = C[r, n]
+    return a, b, c
 
 
 # --------------------------------------------------------------------------- the simulator's twins
@@ -298,7 +313,7 @@ def _sim_primitives() -> dict:
                 ldsm_x2=lambda a, o: _sim_ldsm(a, o, 2, False), ldsm_x2_t=lambda a, o: _sim_ldsm(a, o, 2, True),
                 pin=lambda v: v, cp_async16=cp_async16, cp_async_wait_all=done, cp_async_commit=done, cp_async_wait1=done,
                 cp_async_wait2=done, bar_named=_sim_bar_named, mma_tf32x3=_sim_mma_tf32x3,
-                pack_tf32x3=_sim_pack_tf32x3)
+                mma_tf32x3s=_sim_mma_tf32x3, pack_tf32x3=_sim_pack_tf32x3)
 
 
 def sim_wgmma(values, n: int, smem16, desc, trans, a0, a1, a2, a3, acc=None):

@@ -32,6 +32,7 @@ SIGNATURES = {
     "bar_named": "int32(uint32, uint32)",
     "pack_tf32x3": "UniTuple(uint64, 2)(float32, float32)",
     "mma_tf32x3": f"UniTuple(float32, 4)({'uint64, ' * 12}float32, float32, float32, float32)",
+    "mma_tf32x3s": f"UniTuple(float32, 4)({'uint64, ' * 12}float32, float32, float32, float32)",
 }
 """The linked functions of ``tensorcore.cu`` (``nc_`` + name) and their numba signatures; the
 ``ldsm_*`` and ``cp_async16`` that kernels call wrap them (:mod:`.tensorcore_gpu`)."""
@@ -83,7 +84,7 @@ _cp16, cp_async_wait_all = _linked["cp_async16"], _linked["cp_async_wait_all"]
 cp_async_commit, cp_async_wait1 = _linked["cp_async_commit"], _linked["cp_async_wait1"]
 cp_async_wait2 = _linked["cp_async_wait2"]
 bar_named = _linked["bar_named"]
-mma_tf32x3, pack_tf32x3 = _linked["mma_tf32x3"], _linked["pack_tf32x3"]
+mma_tf32x3, mma_tf32x3s, pack_tf32x3 = _linked["mma_tf32x3"], _linked["mma_tf32x3s"], _linked["pack_tf32x3"]
 
 
 @cuda.jit(device=True, inline=True)

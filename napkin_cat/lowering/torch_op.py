@@ -91,6 +91,7 @@ from .backward_forms import (FORMS, BackwardChoice, BackwardPlan, at_dtype, back
                              choose_form, hardware_for)
 from .backward_parts import has_scatter, relabel_like, run_torch_part
 from .distributed import DistributedOp, device_plan
+from .plan import FP32_ENGINES, kernel_dtype
 from .torch_dtypes import (HALF_DTYPES, KERNEL_DTYPE, REFERENCE_DTYPE, TORCH_DTYPES, _host, _io_name, _launch,
                            _out_dtypes, _to_torch, kernel_path)
 
@@ -104,7 +105,7 @@ BACKWARD_PATHS = (*PATHS, "gpu-fa2", "simulator-fa2", "executor-fa2", "gpu-fa2-a
 
 def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = None,
              simulate: bool | None = None, verify: bool | int = True, backward: str | None = None,
-             prefetch: bool | str = "auto") -> "TorchOp":
+             prefetch: bool | str = "auto", fp32: str = "fma") -> "TorchOp":
     """``d`` as a differentiable torch callable ``op(*tensors)`` (see the module docstring).
 
     ``tiles``, ``threads``, ``verify``: passed to :func:`napkin_cat.lower` (and ``tiles`` to the
@@ -120,12 +121,17 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
     ``"double"`` (two shared-memory buffers per chunked input) or ``"auto"`` (the default:
     ``"double"`` for each 16-bit kernel whose registers and shared memory allow it, else none;
     fp32 kernels none); the executor paths have no chunks to prefetch, so there it changes
-    nothing but the kernels it would build."""
+    nothing but the kernels it would build.  ``fp32``: how the kernels of float32 calls multiply,
+    ``"fma"`` (CUDA cores) or ``"3xtf32"`` (tensor cores, fp32-level error: the attention forward
+    + backward 2.6x faster on an H100, kernels/BENCHMARKS.md); 16-bit calls use tensor cores."""
     if not isinstance(d, Diagram):
         raise TypingError(f"torch_op needs a Diagram, got {type(d).__name__}")
     check_form(backward, "torch_op")
     if not (prefetch is False or prefetch is True or prefetch in ("double", "auto")):
         raise TypingError(f"torch_op: prefetch must be False, True, 'double' or 'auto', got {prefetch!r}")
+    if fp32 not in FP32_ENGINES:
+        raise TypingError(f"torch_op: fp32 must be one of {FP32_ENGINES} (fp32 FMAs on CUDA cores, or tensor "
+                          f"cores by 3xTF32), got {fp32!r}")
     if simulate not in (None, True, False):
         raise TypingError(f"torch_op: simulate must be None, True or False, got {simulate!r}")
     if tiles is not None and not isinstance(tiles, dict):
@@ -144,12 +150,15 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
     if backward is not None and with_logsumexp(d) is None:
         raise TypingError(f"torch_op({d.short()}): backward={backward!r} chooses the form of an attention's "
                           f"backward, and this diagram has no softmax-contraction (its backward is nc.grad's)")
+    if device_plan(d) is not None and fp32 != "fma":
+        raise TypingError(f"torch_op({d.short()}): fp32={fp32!r} is not passed to the kernels of a split over "
+                          f"the devices (they run fp32 on CUDA cores); leave it 'fma'")
     if device_plan(d) is not None:   # split over the devices: one process per GPU (distributed.py)
         # each block pair's backward is a single-device op in the form asked for
         block_op = partial(TorchOp, backward=backward, prefetch=prefetch)
         return DistributedOp(d, dict(tiles or {}), threads, verify, backward_op=block_op, prefetch=prefetch,
                              simulate=simulate)
-    return TorchOp(d, dict(tiles or {}), threads, simulate, verify, backward, prefetch=prefetch)
+    return TorchOp(d, dict(tiles or {}), threads, simulate, verify, backward, prefetch=prefetch, fp32=fp32)
 
 
 class TorchOp:
@@ -162,10 +171,10 @@ class TorchOp:
     (a refused lowering, a copy to the host), each said once."""
 
     def __init__(self, d: Diagram, tiles: dict, threads, simulate, verify, backward: str | None = None, *,
-                 prefetch: bool | str = "auto"):
+                 prefetch: bool | str = "auto", fp32: str = "fma"):
         self.diagram = d
         self.tiles, self.threads, self.simulate, self.verify = tiles, threads, simulate, verify
-        self.prefetch = prefetch
+        self.prefetch, self.fp32 = prefetch, fp32
         self.backward_form = backward   # the option: None (the cost model chooses) or one of FORMS
         self.backward_choice: BackwardChoice | None = None
         self.last_path: str | None = None
@@ -246,7 +255,11 @@ class TorchOp:
         from . import lower
         return self._cached(("kernel", tag, sizes, str(device)), lambda: lower(
             self._bound(sizes, d, tag), tiles=self._tiles(d), threads=self.threads, verify=self.verify,
-            prefetch=self.prefetch))
+            prefetch=self.prefetch, fp32=self._fp32(d)))
+
+    def _fp32(self, d: Diagram) -> str:
+        """The ``fp32`` option for lowering ``d``: the op's, for an fp32 kernel (16-bit ones take none)."""
+        return self.fp32 if kernel_dtype(d) == "f32" else "fma"
 
     def _tiles(self, d: Diagram) -> dict | None:
         """The ``tiles`` entries naming a block symbol or an axis of ``d``: one dict serves the
@@ -426,7 +439,7 @@ class TorchOp:
         def make():
             try:
                 return lower(diagram, tiles=self._tiles(diagram), threads=self.threads, verify=self.verify,
-                             prefetch=self.prefetch)
+                             prefetch=self.prefetch, fp32=self._fp32(diagram))
             except LoweringError as e:
                 self._note(f"backward {diagram.short()} of {self.diagram.short()} at {dict(sizes)} was not "
                            f"lowered, so it ran in the NumPy executor on host copies: {e}")

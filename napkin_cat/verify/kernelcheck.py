@@ -67,7 +67,7 @@ DEFAULT_OPTIONS = {
     "simulator": {"threads": (16, 32, 64), "prefetch": (False, True, "double")},
     "gpu": {"threads": (64, 128, 256), "prefetch": (False, True, "double")},
 }
-LOWER_OPTIONS = ("threads", "micro", "prefetch", "fastmath", "tiles")
+LOWER_OPTIONS = ("threads", "micro", "prefetch", "fastmath", "tiles", "fp32")
 
 
 def is_kernel(x) -> bool:
