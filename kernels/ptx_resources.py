@@ -3,6 +3,7 @@ that the GPU build would link.
 
     python kernels/ptx_resources.py                      # the FlashAttention kernels, fp16, H100
     python kernels/ptx_resources.py --n 4096 --d 128 --dtype bf16
+    python kernels/ptx_resources.py --dtype f32 --fp32 3xtf32 --prefetch none
 
 Each kernel is planned as for a GPU (``nc.lower`` with the GPU heuristics), compiled by numba to
 LTO-IR for sm_90a, linked with ``lowering/tensorcore.cu`` (and the generated ``wgmma`` wrappers it calls) (NVRTC, LTO-IR) by nvJitLink into PTX,
@@ -120,7 +121,7 @@ def flash_kernels(n: int, dim: int, heads: int, dtype: str, options: list[dict])
     attn = nc.library.attention(q=q, x=x, d=d, heads=h).stream(x, "s_x").tile(q, "g_q").tile(h, 1)
     tdt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
     sizes = (("d", dim), ("h", heads), ("q", n), ("x", n))
-    plan = torch_op(attn).backward_plan((0, 1, 2), sizes, tdt)
+    plan = torch_op(attn, backward="two kernels").backward_plan((0, 1, 2), sizes, tdt)
     for name, dia in (("forward (O, L)", plan.forward), ("backward dK, dV", plan.parts[-2]),
                       ("backward dQ", plan.parts[-1])):
         for opt in options:
@@ -134,8 +135,12 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--dtype", choices=("f16", "bf16", "f32"), default="f16")
     ap.add_argument("--prefetch", nargs="+", default=["none", "double"], help="prefetch options to compare")
+    ap.add_argument("--fp32", choices=("fma", "3xtf32"), default="fma",
+                    help="nc.lower(fp32=...) for --dtype f32: CUDA-core FMAs or tensor cores by 3xTF32")
     args = ap.parse_args()
     options = [{"prefetch": {"none": False, "regs": True, "double": "double"}[p]} for p in args.prefetch]
+    if args.dtype == "f32":
+        options = [{**o, "fp32": args.fp32} for o in options]
     rows = []
     for name, opt, k in flash_kernels(args.n, args.d, args.heads, args.dtype, options):
         r = ptxas_report(k)
