@@ -135,7 +135,8 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--dtype", choices=("f16", "bf16", "f32"), default="f16")
     ap.add_argument("--prefetch", nargs="+", default=["none", "double"], help="prefetch options to compare")
-    ap.add_argument("--fp32", choices=("fma", "3xtf32"), default="fma",
+    from napkin_cat.lowering.plan import FP32_ENGINES
+    ap.add_argument("--fp32", choices=FP32_ENGINES, default="fma",
                     help="nc.lower(fp32=...) for --dtype f32: CUDA-core FMAs or tensor cores by 3xTF32")
     args = ap.parse_args()
     options = [{"prefetch": {"none": False, "regs": True, "double": "double"}[p]} for p in args.prefetch]

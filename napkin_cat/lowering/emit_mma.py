@@ -170,7 +170,7 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
     dt = mma_dtype(m.dtype)
     split = dt is TF32X3    # a packed pair is two registers, its big and small tf32 parts
     # 3xTF32 into an accumulator that outlives this contraction (a stream's state): staged
-    mma = dt.mma + "s" if split and not init and TF32X3_STAGED else dt.mma
+    mma = dt.staged if dt.staged and not init and TF32X3_STAGED else dt.mma
     zero = k.f(0.0, "ZERO")
     (kax,) = [a for a in red if em.ax[a].cap > 1]
     A = next(o for o in operands if m.row in o.axes)

@@ -304,10 +304,10 @@ def _chunk(d0: Diagram, axis: str, simulate: bool) -> int:
     if simulate:
         return min(n, 3)
     # tensor cores: 64 when two or more accumulators share the stream (FA2's dK, dV kernel, H100);
-    # 32 for 3xTF32 (four registers a pair: 16.6 against 17.2 ms fwd+bwd, H100)
+    if _tensor_cores(d0) and kernel_dtype(d0) == "f32":   # 32 for 3xTF32 (16.6 against 17.2 ms, H100)
+        return min(n, 32)
     mma = (64 if len(plan.accumulators) >= 2 else 32) if _tensor_cores(d0) else 16
-    tf32 = _tensor_cores(d0) and kernel_dtype(d0) == "f32"
-    return min(n, 32 if tf32 else 64 if rules & {"online_softmax", "normalized", "logsumexp"} else mma)
+    return min(n, 64 if rules & {"online_softmax", "normalized", "logsumexp"} else mma)
 
 
 def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: int = GPU_THREADS) -> int:

@@ -18,10 +18,11 @@ An fp32 kernel may multiply on tensor cores too, by 3xTF32 (:data:`TF32X3`, CUTL
 what SDPA's fp32 kernels do on sm_80+): ``pack_tf32x3(lo, hi) -> (big, small)`` splits two fp32
 values into their tf32 parts (64-bit registers, ``lo`` in bits 0-31), and
 ``mma_tf32x3(a0b, a0s, ..., a3b, a3s, b0b, b0s, b1b, b1s, c0..c3)`` multiplies a 16-wide step as
-two ``m16n8k8.tf32`` halves of three products each (``mma_tf32x3s``: staged, the products summed
-apart from ``C`` and added by an fp32 add; the twins of both compute in float64).  The fragments have the 16-bit ownership below
-(each half's reduced index permuted: its ``k' = t`` is column ``2t``, ``k' = t + 4`` column
-``2t + 1``), so every emitter path of the 16-bit engine that packs values reads them unchanged.
+two ``m16n8k8.tf32`` halves of three products each (``mma_tf32x3s``: staged, the products
+summed apart from ``C`` and added by an fp32 add; the twins of both compute in float64).  The
+fragments have the 16-bit ownership below (each half's reduced index permuted: its ``k' = t`` is
+column ``2t``, ``k' = t + 4`` column ``2t + 1``), so every emitter path of the 16-bit engine that
+packs values reads them unchanged.
 
 On a GPU they are inline PTX in ``tensorcore.cu``, linked by numba-cuda (NVRTC) and inlined
 into the kernel.  Under the CUDA simulator (which links no C++) they are Python with the same
@@ -70,9 +71,10 @@ class TensorDType:
     ptx: str           # the PTX type of the mma operands
     torch: str         # the torch dtype's name
     numpy: str | None  # numpy's dtype, where numpy has one (bf16: none)
+    staged: str = ""   # the mma that adds C after its products by an fp32 add (3xTF32 only)
 
 
-TF32X3 = TensorDType("f32", "mma_tf32x3", "pack_tf32x3", "", "", "tf32", "float32", "float32")
+TF32X3 = TensorDType("f32", "mma_tf32x3", "pack_tf32x3", "", "", "tf32", "float32", "float32", "mma_tf32x3s")
 """fp32 operands multiplied by 3xTF32: a packed pair is two registers, its big and small parts."""
 
 DTYPES = {
@@ -88,6 +90,7 @@ PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2
               "bar_named", "mma_tf32x3", "mma_tf32x3s", "pack_tf32x3")
 """Every primitive above, and ``bar_named(id, count)``: a barrier over the block's first ``count``
 threads (the multiplying warps of a kernel with a copying warpgroup, :mod:`.producer`)."""
+
 
 def mma_dtype(name: str) -> TensorDType:
     """The tensor-core primitives of a :class:`~.plan.Frag` of dtype ``name`` (``f32``: 3xTF32)."""

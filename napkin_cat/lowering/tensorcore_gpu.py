@@ -20,6 +20,7 @@ from .devices import import_cuda
 CU_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensorcore.cu")
 
 _MMA = "UniTuple(float32, 4)(uint32, uint32, uint32, uint32, uint32, uint32, float32, float32, float32, float32)"
+_MMA_TF32X3 = f"UniTuple(float32, 4)({'uint64, ' * 12}float32, float32, float32, float32)"
 SIGNATURES = {
     "mma_f16": _MMA, "mma_bf16": _MMA,
     "pack_f16": "uint32(float32, float32)", "pack_bf16": "uint32(float32, float32)",
@@ -31,8 +32,7 @@ SIGNATURES = {
     "wgmma_fence": "int32()", "wgmma_commit": "int32()", "fence_proxy_async": "int32()",
     "bar_named": "int32(uint32, uint32)",
     "pack_tf32x3": "UniTuple(uint64, 2)(float32, float32)",
-    "mma_tf32x3": f"UniTuple(float32, 4)({'uint64, ' * 12}float32, float32, float32, float32)",
-    "mma_tf32x3s": f"UniTuple(float32, 4)({'uint64, ' * 12}float32, float32, float32, float32)",
+    "mma_tf32x3": _MMA_TF32X3, "mma_tf32x3s": _MMA_TF32X3,
 }
 """The linked functions of ``tensorcore.cu`` (``nc_`` + name) and their numba signatures; the
 ``ldsm_*`` and ``cp_async16`` that kernels call wrap them (:mod:`.tensorcore_gpu`)."""
