@@ -3,7 +3,7 @@ that the GPU build would link.
 
     python kernels/ptx_resources.py                      # the FlashAttention kernels, fp16, H100
     python kernels/ptx_resources.py --n 4096 --d 128 --dtype bf16
-    python kernels/ptx_resources.py --dtype f32 --fp32 3xtf32 --prefetch none
+    python kernels/ptx_resources.py --dtype f32 --fp32 3xtf32 --prefetch none --backward one
 
 Each kernel is planned as for a GPU (``nc.lower`` with the GPU heuristics), compiled by numba to
 LTO-IR for sm_90a, linked with ``lowering/tensorcore.cu`` (and the generated ``wgmma`` wrappers it calls) (NVRTC, LTO-IR) by nvJitLink into PTX,
@@ -108,9 +108,10 @@ def occupancy(regs: int, threads: int, smem: int, sm=H100) -> int:
     return min(by_regs, by_smem, sm["warps"] // warps)
 
 
-def flash_kernels(n: int, dim: int, heads: int, dtype: str, options: list[dict]):
-    """The forward (with its logsumexp) and the two FlashAttention-2 backward parts of
-    ``nc.torch_op`` of attention at these sizes, lowered with each of ``options``."""
+def flash_kernels(n: int, dim: int, heads: int, dtype: str, options: list[dict], form: str = "two kernels"):
+    """The forward (with its logsumexp) and the backward kernels of ``nc.torch_op`` of attention
+    at these sizes in ``form`` (FlashAttention-2's two, or one with dQ by atomics), lowered with
+    each of ``options``."""
     import torch
 
     import napkin_cat as nc
@@ -121,9 +122,10 @@ def flash_kernels(n: int, dim: int, heads: int, dtype: str, options: list[dict])
     attn = nc.library.attention(q=q, x=x, d=d, heads=h).stream(x, "s_x").tile(q, "g_q").tile(h, 1)
     tdt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
     sizes = (("d", dim), ("h", heads), ("q", n), ("x", n))
-    plan = torch_op(attn, backward="two kernels").backward_plan((0, 1, 2), sizes, tdt)
-    for name, dia in (("forward (O, L)", plan.forward), ("backward dK, dV", plan.parts[-2]),
-                      ("backward dQ", plan.parts[-1])):
+    plan = torch_op(attn, backward=form).backward_plan((0, 1, 2), sizes, tdt)
+    parts = ((("backward dK, dV", plan.parts[-2]), ("backward dQ", plan.parts[-1])) if form == "two kernels"
+             else (("bwd dQ, dK, dV", plan.parts[-1]),))
+    for name, dia in (("forward (O, L)", plan.forward), *parts):
         for opt in options:
             yield name, opt, nc.lower(dia, verify=False, **opt)
 
@@ -138,12 +140,15 @@ def main():
     from napkin_cat.lowering.plan import FP32_ENGINES
     ap.add_argument("--fp32", choices=FP32_ENGINES, default="fma",
                     help="nc.lower(fp32=...) for --dtype f32: CUDA-core FMAs or tensor cores by 3xTF32")
+    ap.add_argument("--backward", choices=("one", "two"), default="two",
+                    help="the backward's form: two kernels (FlashAttention-2's) or one (dQ by fp32 atomics)")
     args = ap.parse_args()
     options = [{"prefetch": {"none": False, "regs": True, "double": "double"}[p]} for p in args.prefetch]
     if args.dtype == "f32":
         options = [{**o, "fp32": args.fp32} for o in options]
     rows = []
-    for name, opt, k in flash_kernels(args.n, args.d, args.heads, args.dtype, options):
+    for name, opt, k in flash_kernels(args.n, args.d, args.heads, args.dtype, options,
+                                         f"{args.backward} kernel{'s' if args.backward == 'two' else ''}"):
         r = ptxas_report(k)
         threads = k.launch.block[0] * k.launch.block[1] * k.launch.block[2]
         smem = k.launch.dynamic_smem_bytes

@@ -121,18 +121,37 @@ def test_fp32_flash_attention_on_tf32x3_fragments_matches_the_oracle():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("part", [-2, -1], ids=["dK dV", "dQ"])
-def test_fp32_backward_parts_on_tf32x3_fragments_match_the_oracle(part):
-    """FlashAttention-2's two backward kernels of ``nc.torch_op`` in fp32 (dK, dV on key tiles
-    streaming the queries, dQ the other way; P and dS in registers), ragged sizes."""
+@pytest.mark.parametrize("form, part", [("two kernels", -2), ("two kernels", -1), ("one kernel", -1)],
+                         ids=["dK dV", "dQ", "one kernel"])
+def test_fp32_backward_parts_on_tf32x3_fragments_match_the_oracle(form, part):
+    """The backward kernels of ``nc.torch_op`` in fp32: FlashAttention-2's two (dK, dV on key tiles
+    streaming the queries, dQ the other way; P and dS in registers), and the one kernel that adds
+    dQ across the key tiles by fp32 atomics (the form the cost model picks for fp32), ragged sizes."""
     import torch
 
     from napkin_cat.lowering.torch_op import torch_op
     attn = L.attention(q=q, x=x, d=d, causal=True).stream(x, "s_x").tile(q, "g_q")
     sizes = (("d", 16), ("q", 37), ("x", 21))
-    rel = torch_op(attn, backward="two kernels").backward_plan((0, 1, 2), sizes, torch.float32).parts[part]
-    tiles = {"g_x": 16, "s_q": 16} if part == -2 else {"g_q": 16, "s_x": 16}
-    _check(rel, rel.unrelabelled(), {}, tiles=tiles)
+    rel = torch_op(attn, backward=form).backward_plan((0, 1, 2), sizes, torch.float32).parts[part]
+    tiles = {"g_q": 16, "s_x": 16} if form == "two kernels" and part == -1 else {"g_x": 16, "s_q": 16}
+    k = _check(rel, rel.unrelabelled(), {}, tiles=tiles)
+    assert ("cuda.atomic.add(dQ" in k.source) is (form == "one kernel")
+
+
+def test_tf32x3_chunks_narrow_past_a_head_dimension_of_64():
+    """The schedule's 3xTF32 chunks (measured on an H100, kernels/BENCHMARKS.md): 32 at d = 64, 16
+    at d = 128 (the one-kernel backward 24.9 -> 20.9 ms, the forward 8.8 -> 8.6 ms); 16-bit kernels
+    keep theirs."""
+    from napkin_cat.lowering.planner import tf32x3
+    from napkin_cat.lowering.schedule import choose
+
+    def chunk(dim, dtype=nc.f32):
+        flash = L.attention(q=q, x=x, d=d, dtype=dtype).stream(x, "s_x").tile(q, "g_q")
+        with tf32x3(dtype == nc.f32):
+            sched = choose(flash.bind({q: 4096, x: 4096, d: dim}), None, None, simulate=False)
+        return next(r.size for r in sched.diagram.schedule if r.op == "stream")
+    assert (chunk(64), chunk(128)) == (32, 16)
+    assert chunk(128, nc.f16) == 64
 
 
 def test_fp32_kernels_stay_on_cuda_cores_unless_asked():

@@ -182,6 +182,34 @@ def test_none_chooses_the_form_with_the_smaller_prediction(n_q, n_x, dtype):
     print(f"N_q={n_q} N_x={n_x} {dtype}: {c.why} -> {c.form}")
 
 
+def test_the_prediction_prices_fp32_on_the_engine_the_kernels_use():
+    """``fp32="3xtf32"``: the fp32 parts are scheduled as that lowering schedules them and their
+    contractions priced at a third of the tf32 tensor rate (``Hardware.fp32_on``), not at the
+    CUDA cores' FMA rate; 16-bit parts ignore the option."""
+    from napkin_cat.lowering.planner import tf32x3
+    sizes = _sizes(q=4096, x=4096, d=64, h=16)
+    hw = nc.hardware.H100
+    fast = hw.fp32_on("3xtf32")
+    assert fast.tensor_rate("f32") == pytest.approx(hw.tensor_rate("tf32") / 3)
+    assert fast.tensor_rate("f32") > 2 * hw.tensor_rate("f32")
+    for dtype, changes in ((torch.float32, True), (torch.float16, False)):
+        fma, tc = (torch_op(attention("causal_heads"), fp32=e) for e in ("fma", "3xtf32"))
+        for op in (fma, tc):
+            op.backward_plan((0, 1, 2), sizes, dtype)
+        a, b = fma.backward_choice, tc.backward_choice
+        for form in FORMS:
+            assert (b.seconds(form) < a.seconds(form)) is changes, (dtype, form)
+        assert ("fp32 by 3xtf32" in b.why) is changes and "fp32 by" not in a.why
+    tc = torch_op(attention("causal_heads"), fp32="3xtf32")
+    tc.backward_plan((0, 1, 2), sizes, torch.float32)
+    plan = torch_op(attention("causal_heads"), backward="two kernels").backward_plan((0, 1, 2), sizes, torch.float32)
+    with tf32x3(True):
+        want = sum(float(nc.cost(choose(p, None, None, hw=hw).diagram).time(fast, {}).seconds) for p in plan.parts)
+    assert tc.backward_choice.seconds("two kernels") == pytest.approx(want, rel=1e-9)
+    with pytest.raises(nc.NapkinError, match="fp32 engine must be one of"):
+        hw.fp32_on("tf32")
+
+
 def test_none_without_a_choice_to_make():
     op = torch_op(attention())
     op.backward_plan((1, 2), _sizes(q=64, x=64, d=16), torch.float32)

@@ -64,7 +64,7 @@ The launch limits the lowering sizes kernels against (``napkin_cat.lowering.devi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from .diagram import DType
@@ -73,6 +73,11 @@ from .errors import CostError
 KB = 1024
 MB = 1024 * KB
 GB = 1024 * MB
+
+
+FP32_ENGINES = {"fma": None, "3xtf32": ("tf32", 3)}
+"""The engines an fp32 contraction can run on (``lower(..., fp32=...)``), each with the tensor
+dtype and the products per product it takes on tensor cores (None: CUDA-core FMAs)."""
 
 
 class FrozenDict(dict):
@@ -119,6 +124,27 @@ class Hardware:
     link_bandwidth: float | None = None   # bytes/s one way from one GPU to a peer (None: no link modelled)
     link_latency: float | None = None     # seconds per message over the link
     sources: tuple[str, ...] = ()
+
+    # ---- the fp32 engine
+    def fp32_on(self, engine: str) -> "Hardware":
+        """This GPU with its fp32 contractions priced on ``engine``, one of :data:`FP32_ENGINES`
+        (``lower(..., fp32=engine)``): ``"fma"``, CUDA-core FMAs, is this profile itself;
+        ``"3xtf32"`` multiplies on the tensor cores by three tf32 products a product
+        (``big big + big small + small big``), a third of the dense tf32 rate.
+
+        >>> round(H100.fp32_on("3xtf32").tensor_rate("f32") / 1e12, 1), round(H100.tensor_rate("f32") / 1e12, 1)
+        (164.9, 66.9)
+        """
+        if engine not in FP32_ENGINES:
+            raise CostError(f"{self.name}: the fp32 engine must be one of {tuple(FP32_ENGINES)}, got {engine!r}")
+        rule = FP32_ENGINES[engine]
+        if rule is None:
+            return self
+        dtype, products = rule
+        if dtype not in self.tensor_per_clk:
+            raise CostError(f"{self.name}: fp32 by {engine} needs {dtype} tensor cores, which this profile lacks")
+        per_clk = dict(self.tensor_per_clk, f32=self.tensor_per_clk[dtype] / products)
+        return replace(self, name=f"{self.name}, fp32 by {engine}", tensor_per_clk=_ro(per_clk))
 
     # ---- rates (per second, whole device)
     def tensor_rate(self, dtype: DType | str) -> float:

@@ -51,6 +51,7 @@ from ..ops.grad import grad
 from ..ops.residuals import grad_with_residuals, saved_softmaxes, with_logsumexp
 from ..relabel.split import split_axes
 from .backward_parts import fa2_parts, has_scatter, read_only, relabel_like
+from .plan import kernel_dtype
 
 __all__ = ["FORMS", "BackwardPlan", "backward_plan", "at_dtype", "BackwardChoice", "check_form", "choose_form",
            "hardware_for"]
@@ -108,19 +109,25 @@ class BackwardChoice:
         return dict(self.predicted).get(form)
 
 
-def predict(plan, hw: Hardware, tiles_of, threads) -> float:
+def predict(plan, hw: Hardware, tiles_of, threads, fp32: str = "fma") -> float:
     """Predicted seconds of ``plan``'s (bound, typed) parts on ``hw``: each part at the block sizes
     the lowering picks for a GPU (``tiles_of(part)``: the op's ``tiles`` for it), plus the
-    conversion of an fp32 output added across blocks to its gradient's dtype (read + write)."""
+    conversion of an fp32 output added across blocks to its gradient's dtype (read + write).
+    ``fp32``: the engine the fp32 kernels are lowered with (``lower(..., fp32=...)``), which
+    picks both their blocks and the rate their contractions are priced at
+    (:meth:`~napkin_cat.core.hardware.Hardware.fp32_on`)."""
     from ..costmodel import cost
+    from .planner import tf32x3
     from .schedule import choose
     final = {a.name: a.dtype for a in plan.diagram.cod}
     total = 0.0
     for part in plan.parts:
         if has_scatter(part):
             continue
-        scheduled = choose(part, tiles_of(part), threads, simulate=False, hw=hw).diagram
-        total += float(cost(scheduled).time(hw, {}).seconds)
+        engine = fp32 if kernel_dtype(part) == "f32" else "fma"
+        with tf32x3(engine == "3xtf32"):
+            scheduled = choose(part, tiles_of(part), threads, simulate=False, hw=hw).diagram
+        total += float(cost(scheduled).time(hw.fp32_on(engine), {}).seconds)
         if split_axes(part):
             moved = sum(prod(ax.size for ax in a.axes) * (a.dtype.bytes + final[a.name].bytes)
                         for a in part.cod if a.name in final and final[a.name] != a.dtype)
@@ -128,9 +135,10 @@ def predict(plan, hw: Hardware, tiles_of, threads) -> float:
     return total
 
 
-def choose_form(two, one, hw: Hardware, tiles_of, threads) -> BackwardChoice:
-    """The form whose parts :func:`predict` times faster: ``two`` is the two-kernel plan, ``one``
-    the one-kernel plan or the reason it cannot be had (a string)."""
+def choose_form(two, one, hw: Hardware, tiles_of, threads, fp32: str = "fma") -> BackwardChoice:
+    """The form whose parts :func:`predict` times faster (its kernels' fp32 engine ``fp32``):
+    ``two`` is the two-kernel plan, ``one`` the one-kernel plan or the reason it cannot be had
+    (a string)."""
     if isinstance(one, str):
         return BackwardChoice("two kernels", (), hw.name, f"one kernel is not eligible: {one}")
     if not any(split_axes(p) for p in one.parts):
@@ -140,18 +148,19 @@ def choose_form(two, one, hw: Hardware, tiles_of, threads) -> BackwardChoice:
     if unbound:
         return BackwardChoice("two kernels", (), hw.name, f"no sizes for {', '.join(unbound)}: nothing to predict")
     try:
-        t_two = predict(two, hw, tiles_of, threads)
+        t_two = predict(two, hw, tiles_of, threads, fp32)
     except NapkinError as e:   # a part the schedule or the cost model refuses: nothing to compare
         return BackwardChoice("two kernels", (), hw.name, f"the two kernels were not costed, so they are "
                               f"kept: {type(e).__name__}: {e}")
     try:
-        t_one = predict(one, hw, tiles_of, threads)
+        t_one = predict(one, hw, tiles_of, threads, fp32)
     except NapkinError as e:
         return BackwardChoice("two kernels", (), hw.name, f"one kernel is not eligible: it was not "
                               f"scheduled or costed: {type(e).__name__}: {e}")
     form = "one kernel" if t_one < t_two else "two kernels"
+    on = hw.fp32_on(fp32).name if any(kernel_dtype(p) == "f32" for p in two.parts) else hw.name
     return BackwardChoice(form, (("one kernel", t_one), ("two kernels", t_two)), hw.name,
-                          f"predicted on {hw.name}: one kernel {t_one * 1e3:.4g} ms, two kernels "
+                          f"predicted on {on}: one kernel {t_one * 1e3:.4g} ms, two kernels "
                           f"{t_two * 1e3:.4g} ms")
 
 

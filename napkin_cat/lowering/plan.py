@@ -29,6 +29,7 @@ from typing import Mapping
 
 from ..core.diagram import Diagram
 from ..core.errors import LoweringError
+from ..core.hardware import FP32_ENGINES as _ENGINES
 from ..relabel.accumulators import Accumulator
 from ..relabel.loopnest import FinalForm
 
@@ -450,7 +451,7 @@ def reduced_axes(box) -> tuple[str, ...]:
     return tuple(seen)
 
 
-FP32_ENGINES = ("fma", "3xtf32")
+FP32_ENGINES = tuple(_ENGINES)
 """``lower(..., fp32=...)``: fp32 FMAs on CUDA cores, or tensor cores by 3xTF32 (:mod:`.tensorcore`)."""
 
 IO_DTYPES = ("f32", "f16", "bf16")

@@ -11,12 +11,11 @@ sizes), or none.  This module completes it:
   from the input), the other operand's last kept axis (``o``) is main too: an implicit GEMM tiles
   rows and columns.  Axes removed by an accumulator (``relabel.stream_plan``) are streamed.
 * **How much.**  ``tiles={axis or symbol: size}`` wins.  Otherwise stream chunks come from a rule
-  of thumb (:func:`_chunk`; 3 under the simulator), and tile sizes from the cost model: :meth:`napkin_cat.costmodel.Cost.optimize`
-  with the chunks fixed and the memory at the SMEM level capped at a per-block budget (half
-  the device's opt-in shared memory per block, so two blocks fit on an SM), rounded down to a
-  power of two that the thread mapping covers (at most 8 x 8 register accumulators per thread
-  per tile pair); where no multiple of 16 fits (a convolution's rows), the optimum over every
-  integer.  On a GPU the tiles are then halved (not below 16) while the grid has fewer blocks
+  of thumb (:func:`_chunk`; 3 under the simulator), and tile sizes from the cost model
+  (:meth:`napkin_cat.costmodel.Cost.optimize`) with the chunks fixed and SMEM capped at half the
+  opt-in shared memory per block (two blocks an SM), rounded down to a power of two the thread
+  mapping covers (at most 8 x 8 accumulators per thread per tile pair), or, where no multiple of
+  16 fits (a convolution's rows), the optimum over every integer.  On a GPU the tiles are then halved (not below 16) while the grid has fewer blocks
   than 90% of the SMs.  Without the cost model, or if it fails, a heuristic (64 per main tiled axis,
   128 for two-axis tiles; 4 under the simulator).  :attr:`Schedule.how` records which.
 * **Requirements.**  ``require(axis, k)`` holds for every size chosen here: a rule of thumb or
@@ -28,11 +27,11 @@ sizes), or none.  This module completes it:
   (:class:`~napkin_cat.core.errors.LoweringError`): nothing in ``tiles`` is silently ignored.
 * **Loop order.**  A stream loop nested inside another stream loop whose enclosing accumulator it
   updates slice by slice (its states carry the inner axis: ``stream(b).stream(a)`` of
-  ``C[a c] = A[a b] B[b c]``) is hoisted outside it with ``order(...)`` (loop order only: the accumulators are
-  independent of the nesting), so every accumulator state has the extent of its own loops; an
-  explicit ``order`` that asks for such a nesting is refused.  :attr:`Schedule.notes` says so.
-* **Threads.**  256 per block on a GPU (128 for a tensor-core normalisation), 16 under the simulator,
-  unless ``threads`` is given (1 to ``MAX_THREADS``; every mapping handles any count).
+  ``C[a c] = A[a b] B[b c]``) is hoisted outside it with ``order(...)`` (the accumulators do not
+  depend on the nesting), so every state has the extent of its own loops; an explicit ``order``
+  asking for such a nesting is refused.  :attr:`Schedule.notes` says so.
+* **Threads.**  256 per block on a GPU (128 for a tensor-core normalisation), 16 under the
+  simulator, unless ``threads`` is given (1 to ``MAX_THREADS``).
 """
 
 from __future__ import annotations
@@ -299,13 +298,12 @@ def _chunk(d0: Diagram, axis: str, simulate: bool) -> int:
     plan = _fused_plan(d0, axis)
     if isinstance(plan, NapkinError):
         raise plan
-    rules = {a.rule for a in plan.accumulators}
-    n = d0.axis(axis).size
+    rules, n = {a.rule for a in plan.accumulators}, d0.axis(axis).size
     if simulate:
         return min(n, 3)
     # tensor cores: 64 when two or more accumulators share the stream (FA2's dK, dV kernel, H100);
-    if _tensor_cores(d0) and kernel_dtype(d0) == "f32":   # 32 for 3xTF32 (16.6 against 17.2 ms, H100)
-        return min(n, 32)
+    if _tensor_cores(d0) and kernel_dtype(d0) == "f32":   # 3xTF32: 32, 16 past d = 64 (H100, BENCHMARKS)
+        return min(n, 16 if _widest(d0, axis) > 64 else 32)
     mma = (64 if len(plan.accumulators) >= 2 else 32) if _tensor_cores(d0) else 16
     return min(n, 64 if rules & {"online_softmax", "normalized", "logsumexp"} else mma)
 
@@ -318,12 +316,14 @@ def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: 
         # tensor cores: 16 rows per warp and row tile, two row tiles per warp when the contractions
         # are narrow (d <= 64) and the block has at most 4 warps, else one (measured on an H100);
         # one for 3xTF32 (four times the fragment registers: spills at two, ptxas)
-        wide = max((a.size for a in d0.axes if a.name != axis and isinstance(a.size, int) and a.size <= 256),
-                   default=0)
         warps = max(1, T // 32)
-        one = wide > 64 or warps > 4 or kernel_dtype(d0) == "f32"
+        one = _widest(d0, axis) > 64 or warps > 4 or kernel_dtype(d0) == "f32"
         return min(n, 16 * warps * (1 if one else 2))
     return min(n, 128 if len(main) >= 2 else 64)
+
+
+def _widest(d0: Diagram, axis: str) -> int:   # another axis of at most 256: the head dimension
+    return max((a.size for a in d0.axes if a.name != axis and isinstance(a.size, int) and a.size <= 256), default=0)
 
 
 def _tensor_cores(d0: Diagram) -> bool:

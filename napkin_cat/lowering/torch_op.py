@@ -322,7 +322,7 @@ class TorchOp:
             one = self._form_plan(wrt, sizes, dtype, "one kernel")
         except LoweringError as e:
             one = str(e)
-        choice = choose_form(two, one, hw, self._tiles, self.threads)
+        choice = choose_form(two, one, hw, self._tiles, self.threads, self.fp32)
         if choice.why.startswith("one kernel is not eligible"):
             self._note(f"backward of {self.diagram.short()} at {dict(sizes)}: {choice.why}")
         return (one if choice.form == "one kernel" else two), choice
