@@ -16,8 +16,10 @@ kernel or two, with the cost model's choice between them (:func:`choose_form`).
 * ``None`` (the default): :func:`choose_form`.  Each form's parts are bound at the call's sizes
   and dtype, given the block sizes the lowering picks for a GPU (:func:`~.schedule.choose`,
   the op's ``tiles`` and ``threads``), and timed by the roofline of :func:`napkin_cat.cost` on
-  the hardware profile of the tensors' device (:func:`hardware_for`); the 16-bit conversion of
-  the fp32 ``dQ`` adds its HBM traffic.  The faster prediction runs; a tie keeps two kernels.
+  the hardware profile of the tensors' device (:func:`hardware_for`) with fp32 on the op's engine
+  (``fp32=``, :meth:`~napkin_cat.core.hardware.Hardware.fp32_on`); the 16-bit conversion of
+  the fp32 ``dQ`` adds its HBM traffic.  The faster prediction runs; a tie keeps two kernels,
+  and so do fp32 kernels on CUDA cores, measured (:data:`CUDA_CORE_ATOMICS`).
   The one-kernel form is not eligible where its relabeling is refused (the reason in the
   choice and ``op.notes``); where no gradient sums over the keys (only dK, dV are needed) the
   forms are the same kernel, and two kernels is the name kept.
@@ -158,10 +160,20 @@ def choose_form(two, one, hw: Hardware, tiles_of, threads, fp32: str = "fma") ->
         return BackwardChoice("two kernels", (), hw.name, f"one kernel is not eligible: it was not "
                               f"scheduled or costed: {type(e).__name__}: {e}")
     form = "one kernel" if t_one < t_two else "two kernels"
-    on = hw.fp32_on(fp32).name if any(kernel_dtype(p) == "f32" for p in two.parts) else hw.name
-    return BackwardChoice(form, (("one kernel", t_one), ("two kernels", t_two)), hw.name,
-                          f"predicted on {on}: one kernel {t_one * 1e3:.4g} ms, two kernels "
-                          f"{t_two * 1e3:.4g} ms")
+    fp32_parts = any(kernel_dtype(p) == "f32" for p in two.parts)
+    on = hw.fp32_on(fp32).name if fp32_parts else hw.name
+    why = f"predicted on {on}: one kernel {t_one * 1e3:.4g} ms, two kernels {t_two * 1e3:.4g} ms"
+    if fp32_parts and fp32 == "fma" and form == "one kernel":
+        form, why = "two kernels", f"{why}; but {CUDA_CORE_ATOMICS}"
+    return BackwardChoice(form, (("one kernel", t_one), ("two kernels", t_two)), hw.name, why)
+
+
+CUDA_CORE_ATOMICS = ("on CUDA cores (fp32='fma') two kernels are kept: the one kernel's dQ atomics measured 1.4x "
+                     "slower on an H100 (N = 4096, d = 64: 63.0 against 44.1 ms forward + backward, "
+                     "kernels/BENCHMARKS.md; 110 registers, no spills), for causes the roofline does not "
+                     "see, likely but not profiled: each thread adds 4 columns 4 apart, so a warp's atomics "
+                     "spread over 4 times the sectors, and every key tile adds into the same rows at once)")
+"""Why the cost model's choice of one kernel is overruled for CUDA-core fp32: measured, not modelled."""
 
 
 # --------------------------------------------------------------------------- the backward seam
