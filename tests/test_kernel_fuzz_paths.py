@@ -27,7 +27,9 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   :mod:`napkin_cat.lowering.register_copies`); ``P`` and ``dS`` read by the dV, dK and dQ updates
   as tensor-core A fragments from the registers that computed them (``frag-operand``,
   :mod:`napkin_cat.lowering.frag_operands`), and the one-kernel backward, whose dQ reads dS
-  transposed from its 16-bit buffer.
+  transposed from its 16-bit buffer;
+* ``tf32x3``: fp32 backward parts on 3xTF32 fragments (``tf32x3``), the one kernel with its dQ
+  atomics among them (``tf32x3-atomic``).
 
 ``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
 """
@@ -316,13 +318,15 @@ def logsumexp_family(draw):
 # --------------------------------------------------------------------------- 16-bit operand buffers
 
 @st.composite
-def sixteen_bit_family(draw):
+def sixteen_bit_family(draw, what=None):
     """f16 / bf16 on simulated tensor cores (tiles and chunks of 16 or 32, d = 16): one part
     of the FlashAttention-2 backward (dS a 16-bit buffer), or an MLP (its hidden layer)."""
     from napkin_cat.lowering.torch_op import backward_plan   # the parts torch_op runs
     dt = draw(st.sampled_from((nc.f16, nc.bf16)))
     options = {"threads": draw(st.sampled_from((32, 64)), label="threads")}
-    what = draw(st.sampled_from(("backward", "backward", "backward-wg", "mlp", "document", "document")))
+    what = what or draw(st.sampled_from(("backward", "backward", "backward-wg", "mlp", "document", "document")))
+    if what == "backward-tf32x3":   # tf32x3_family: fp32 on 3xTF32 fragments
+        dt, what, options["fp32"] = nc.f32, "backward", "3xtf32"
     if what == "backward-wg":   # 4 warps in one warpgroup: wgmma where the fragments allow (planner.WGMMA)
         options = {"threads": 128, "wgmma": True}
     if what == "document":   # one warp: the scores and the output on the same fragment rows
@@ -336,7 +340,7 @@ def sixteen_bit_family(draw):
     fl = L.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
     # D = rowsum(dO O), the key-tile part (dK, dV) or the query-tile part (dQ) of two kernels, or
     # the one kernel adding dQ across key tiles (its dS also a 16-bit buffer, read by dQ transposed)
-    which = draw(st.sampled_from((0, 1, 1, 2, 2, "one")))
+    which = draw(st.sampled_from((1, 2, "one", "one") if dt is nc.f32 else (0, 1, 1, 2, 2, "one")))
     if which == "one":
         part = backward_plan(fl, form="one kernel").at(dt).parts[-1]
     else:
@@ -345,10 +349,19 @@ def sixteen_bit_family(draw):
               for n in ("g_x", "s_q", "g_q", "s_x") if n in part._sched_str()}
     sizes = {q: draw(st.integers(1, 24), label="q"), x: draw(st.integers(1, 24), label="x"), d: 16}
     fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True)
-    label = f"{dt.name} attention backward ({', '.join(a.name for a in part.cod)}, causal={causal})"
+    label = (f"{dt.name}{' 3xTF32' if dt is nc.f32 else ''} attention backward "
+             f"({', '.join(a.name for a in part.cod)}, causal={causal})")
     mine = {a.name for a in part.axes}                  # D = rowsum(dO O) has no key axis
     return Case(label, part, (), {a: n for a, n in sizes.items() if a.name in mine}, part.unrelabelled(),
                 {**options, "tiles": blocks}, _residuals(fwd, sizes, part), SMALL_DATA)
+
+
+@st.composite
+def tf32x3_family(draw):
+    """fp32 FlashAttention-2 backward parts on 3xTF32 fragments (``fp32="3xtf32"``): dK, dV or dQ
+    of the two kernels, or the one kernel adding dQ across key tiles with fp32 atomics (the form
+    ``nc.torch_op`` picks for 3xTF32); P and dS packed from the registers that computed them."""
+    return draw(sixteen_bit_family(what="backward-tf32x3"))
 
 
 def _document_case(draw, dt, options):
@@ -374,13 +387,14 @@ def _document_case(draw, dt, options):
 # --------------------------------------------------------------------------- one example
 
 FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family,
-            "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family}
+            "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family, "tf32x3": tf32x3_family}
 
 # what each family must reach across its examples (named by test_kernel_fuzz._features)
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
                      "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
                      "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient",
-                                     "register-copy", "frag-operand", "wgmma"}}
+                                     "register-copy", "frag-operand", "wgmma"},
+                     "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand"}}
 
 
 def fuzz_case(family: str, data, stats: Counter):
@@ -410,7 +424,10 @@ def fuzz_case(family: str, data, stats: Counter):
     stats["kernels"] += 1
     stats["case " + case.label.split("(")[0].strip()] += 1
     stats["non-power-of-two block"] += any(s & (s - 1) for op, _, s in case.steps if op != "place")
-    for feat in _features(kernel):
+    feats = _features(kernel)
+    if {"tf32x3", "atomic"} <= feats:   # the one-kernel backward on 3xTF32 fragments
+        feats.add("tf32x3-atomic")
+    for feat in feats:
         stats["feature " + feat] += 1
     assert diff.failure is None, (f"{case.label}: kernel differs from the oracle: "
                                   f"{kernelcheck.describe_failure(diff.failure)}\n{kernel!r}\nsource:\n"
@@ -420,7 +437,7 @@ def fuzz_case(family: str, data, stats: Counter):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_kernel_fuzz_reaches_generator_path(family):
-    if family == "sixteen_bit":
+    if family in ("sixteen_bit", "tf32x3"):
         pytest.importorskip("torch")   # the backward parts come from napkin_cat.lowering.torch_op
     stats: Counter = Counter()
 
