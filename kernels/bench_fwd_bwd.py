@@ -158,13 +158,15 @@ def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: 
     g = torch.Generator(device="cuda").manual_seed(0)
     Q, K, V, dO = (torch.randn(BH, N, D, device="cuda", generator=g).to(DTYPES[dt]) for _ in range(4))
     Q, K, V = (t.requires_grad_() for t in (Q, K, V))
-    op = nc.torch_op(flash(causal), tiles=tiles, verify=False, backward=FORMS[backward],
+    tiles = dict(tiles or {})
+    threads = tiles.pop("threads", None)
+    op = nc.torch_op(flash(causal), tiles=tiles or None, threads=threads, verify=False, backward=FORMS[backward],
                      prefetch=PREFETCH[prefetch], fp32=fp32)
     O = op(Q, K, V)
     grads = torch.autograd.grad(O, (Q, K, V), dO)
     torch.cuda.synchronize()
     choice = op.backward_choice
-    res = {"dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH, "prefetch": prefetch, "tiles": tiles or {},
+    res = {"dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH, "prefetch": prefetch, "tiles": tiles or {}, "threads": threads,
            "path": op.last_path,
            "backward_path": op.last_backward_path, "notes": list(getattr(op, "notes", [])),
            "backward_form": choice and choice.form, "backward_why": choice and choice.why,
@@ -191,7 +193,7 @@ def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: 
         res["ours_kernels"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     if backward == "both":   # each form forced, timed the same way
         for key, form in (("one", "one kernel"), ("two", "two kernels")):
-            forced = nc.torch_op(flash(causal), tiles=tiles, verify=False, backward=form,
+            forced = nc.torch_op(flash(causal), tiles=tiles or None, threads=threads, verify=False, backward=form,
                                  prefetch=PREFETCH[prefetch], fp32=fp32)
             res[f"ours_{key}_ms"] = cuda_time(lambda: torch.autograd.grad(forced(Q, K, V), (Q, K, V), dO))
             res[f"backward_path_{key}"] = forced.last_backward_path
@@ -213,7 +215,8 @@ def main(argv=None):
                     help="nc.torch_op(prefetch=...): auto (the op's default: double where registers allow), none, "
                          "regs (next chunk into registers), double (cp.async)")
     ap.add_argument("--tiles", default="", help="semicolon list of block choices, each a comma list of "
-                    "symbol=size (the op's blocks: s_x, g_q forward; g_x, s_q the dK, dV kernel; g_q, s_x dQ); "
+                    "symbol=size (the op's blocks: s_x, g_q forward; g_x, s_q the dK, dV kernel; g_q, s_x dQ; "
+                    "threads=N: nc.torch_op(threads=N), every kernel's threads per block); "
                     "every case runs once per choice, peers with the first; an upper-case NAME=0|1 in a "
                     "choice sets that tunable of napkin_cat.lowering.planner for the choice (FRAG_OPERANDS=0: "
                     "the backward's P and dS through shared memory, as before that pass; HOIST_REGISTERS=0: no row "

@@ -32,9 +32,14 @@ left out of both predictions.
 >>> att = nc.library.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q")
 >>> sizes = {"q": 1024, "x": 1024, "d": 64}
 >>> two, one = (backward_plan(att, form=f).bind(sizes) for f in FORMS[::-1])
->>> c = choose_form(two, one, nc.hardware.H100, lambda p: None, None)
+>>> c = choose_form(two, one, nc.hardware.H100, lambda p: None, None, fp32="3xtf32")
 >>> c.form, round(c.seconds("one kernel") * 1e6), round(c.seconds("two kernels") * 1e6)
-('one kernel', 83, 116)
+('one kernel', 67, 94)
+>>> c = choose_form(two, one, nc.hardware.H100, lambda p: None, None)   # fp32 on CUDA cores
+>>> c.form, round(c.seconds("one kernel") * 1e6), round(c.seconds("two kernels") * 1e6)
+('two kernels', 83, 116)
+>>> c.why.split("; but ")[1][:42]
+"on CUDA cores (fp32='fma') two kernels are"
 """
 
 from __future__ import annotations
