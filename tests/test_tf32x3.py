@@ -30,7 +30,7 @@ L = nc.library
 TOL = 1e-5
 
 
-def test_tf32_rounding_keeps_ten_mantissa_bits_ties_away_from_zero():
+def test_tf32_split_rounds_big_ties_away_from_zero_and_truncates_small():
     r = tensorcore.tf32_round
     assert r(np.float32(1 + 2 ** -10)) == np.float32(1 + 2 ** -10)
     assert r(np.float32(1 + 2 ** -11)) == np.float32(1 + 2 ** -10)      # a tie: away from zero
@@ -40,6 +40,28 @@ def test_tf32_rounding_keeps_ten_mantissa_bits_ties_away_from_zero():
     parts = np.array([big, small], dtype=np.uint64).view(np.float32).reshape(2, 2)
     assert (parts.view(np.uint32) & 0x1FFF == 0).all()                    # both parts are tf32
     np.testing.assert_allclose(parts.sum(0, dtype=np.float64), [np.pi, -1e-3], rtol=2 ** -21)
+    x = np.float32(1 + 2 ** -11 + 2 ** -20 + 2 ** -23)    # big rounds up; small's 11th bit is set
+    big, small = tensorcore._sim_pack_tf32x3(x, x)
+    b, s = (np.array([v], np.uint64).view(np.float32)[0] for v in (big, small))
+    assert b == np.float32(1 + 2 ** -10) and s == tensorcore.tf32_trunc(x - b) != tensorcore.tf32_round(x - b)
+
+
+def test_the_split_keeps_nan_and_inf_as_the_products_need_them():
+    """``pack_tf32x3`` splits by bit operations without cvt.rna's NaN / inf guard: a NaN (the GPU's
+    canonical 0x7fffffff, whose rounded bits wrap to -0.0) still gives a NaN small part, so every
+    product it enters is NaN; an infinity gives itself and a NaN small part, as cvt.rna did."""
+    def parts(v):
+        big, small = tensorcore._sim_pack_tf32x3(np.float32(v), np.float32(1.5))
+        return (np.array([big], np.uint64).view(np.float32)[0], np.array([small], np.uint64).view(np.float32)[0])
+    for bits in (0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000):
+        big, small = parts(np.uint32(bits).view(np.float32))
+        assert np.isnan(small), hex(bits)
+    big, small = parts(np.inf)
+    assert big == np.inf and np.isnan(small)
+    A = np.ones((16, 16), np.float32)
+    A[3, 5] = np.uint32(0x7FFFFFFF).view(np.float32)
+    D = _mma_through_lanes(A, np.ones((16, 8), np.float32), np.zeros((16, 8), np.float32))
+    assert np.isnan(D[3]).all() and not np.isnan(np.delete(D, 3, axis=0)).any()
 
 
 def _mma_through_lanes(A, B, C0, small: bool = True):

@@ -34,23 +34,32 @@ extern "C" __device__ int nc_mma_bf16(nc_f4* ret, unsigned a0, unsigned a1, unsi
 }
 
 // ---- fp32 on tensor cores by 3xTF32 (CUTLASS's "FastF32", what SDPA's fp32 kernels use on sm_80+):
-// x = big + small with big = cvt.rna.tf32(x) (10 mantissa bits) and small = cvt.rna.tf32(x - big)
-// (the next 10 or 11; x - big is exact), and a b ~ big_a big_b + big_a small_b + small_a big_b:
-// the dropped small_a small_b is below 2^-20 of |a b|, under fp32's accumulation error over a
-// reduction.  A pair of fp32 operands (lo, hi) travels as two 64-bit registers, the big pair and
-// the small pair (lo in bits 0-31), in the ownership of the 16-bit A / B fragments: lane (g, t)
-// holds columns 2t, 2t + 1, 2t + 8, 2t + 9 of a 16-wide step.
+// x = big + small with big = x rounded to tf32 (10 mantissa bits, ties away from zero) and small =
+// x - big (exact) truncated to tf32, and a b ~ big_a big_b + big_a small_b + small_a big_b: the
+// dropped small_a small_b is below 2^-20 of |a b| and small's truncation below 2^-21 of |x|, under
+// fp32's accumulation error over a reduction.  Both by bit operations, 4 instructions a value:
+// cvt.rna.tf32.f32 compiles to 4 on sm_90 (an inf / NaN guard around the same add and mask) and
+// took 8 for the pair (ptxas + nvdisasm, kernels/BENCHMARKS.md).  Without the guard a NaN x may give
+// any big, but its small is x - big = NaN and the mask keeps a NaN a NaN (exponent bits untouched),
+// so the products are NaN as before; an infinite x gives big = x and small = NaN, as cvt.rna did.
+// A pair of fp32 operands (lo, hi) travels as two 64-bit registers, the big pair and the small pair
+// (lo in bits 0-31), in the ownership of the 16-bit A / B fragments: lane (g, t) holds columns 2t,
+// 2t + 1, 2t + 8, 2t + 9 of a 16-wide step.
 struct nc_u64x2 { unsigned long long x, y; };
 
+#define NC_TF32_MASK 0xffffe000u
+
+__device__ __forceinline__ unsigned nc_tf32_big(float x) {
+  return (__float_as_uint(x) + 0x1000u) & NC_TF32_MASK;
+}
+
+__device__ __forceinline__ unsigned nc_tf32_small(float x, unsigned big) {
+  return __float_as_uint(x - __uint_as_float(big)) & NC_TF32_MASK;
+}
+
 extern "C" __device__ int nc_pack_tf32x3(nc_u64x2* ret, float lo, float hi) {
-  unsigned blo, bhi, slo, shi;
-  float flo, fhi;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(blo) : "f"(lo));
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(bhi) : "f"(hi));
-  asm("mov.b32 %0, %1;\n" : "=f"(flo) : "r"(blo));
-  asm("mov.b32 %0, %1;\n" : "=f"(fhi) : "r"(bhi));
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(slo) : "f"(lo - flo));
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(shi) : "f"(hi - fhi));
+  unsigned blo = nc_tf32_big(lo), bhi = nc_tf32_big(hi);
+  unsigned slo = nc_tf32_small(lo, blo), shi = nc_tf32_small(hi, bhi);
   ret->x = ((unsigned long long)bhi << 32) | blo;
   ret->y = ((unsigned long long)shi << 32) | slo;
   return 0;

@@ -212,16 +212,23 @@ def _sim_mma(values, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 def tf32_round(x) -> np.ndarray:
-    """``cvt.rna.tf32.f32``: fp32 values rounded to 10 mantissa bits, ties away from zero (the
-    low 13 bits of the result zero)."""
+    """fp32 values rounded to tf32 as ``tensorcore.cu``'s ``nc_tf32_big`` does: 10 mantissa bits,
+    ties away from zero (``cvt.rna.tf32.f32`` for finite values), by adding half a tf32 ulp to the
+    bits and clearing the low 13 (32-bit wrap-around, as on the device)."""
     bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
     return ((bits + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
+
+
+def tf32_trunc(x) -> np.ndarray:
+    """fp32 values truncated to tf32 (the low 13 bits cleared), ``nc_tf32_small``'s rounding."""
+    return (np.asarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 def _sim_pack_tf32x3(lo, hi):
     x = np.array([lo, hi], dtype=np.float32)
     big = tf32_round(x)
-    small = tf32_round(x - big)
+    with np.errstate(invalid="ignore"):   # inf - inf: small is NaN, as on the device
+        small = tf32_trunc(x - big)
     return big.view(np.uint64)[0], small.view(np.uint64)[0]
 
 
