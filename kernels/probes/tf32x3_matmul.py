@@ -1,7 +1,7 @@
 """Probe: fp32 matmul and attention forward on CUDA cores (fp32 FMAs) against the same diagrams
 on tensor cores by 3xTF32 (``nc.lower(..., fp32="3xtf32")``), beside cuBLAS SGEMM (TF32 off) and SDPA fp32.
 
-    NUMBA_ENABLE_CUDASIM=0 python kernels/probes/tf32x3_matmul.py [--n 4096]
+    NUMBA_ENABLE_CUDASIM=0 python kernels/probes/tf32x3_matmul.py [--n 4096] [--matmul-only]
 
 Each kernel is lowered by ``nc.lower`` (the schedule's blocks, its self-check against float64 at
 the bound sizes on), checked again here on new random inputs (max error / max |ref|, float64
@@ -44,6 +44,7 @@ def case(name, diagram, inputs, reference, peer, tf32x3: bool):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--matmul-only", action="store_true", help="leave the attention forward out")
     args = ap.parse_args()
     n = args.n
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -58,6 +59,8 @@ def main():
     for on in (False, True):
         rows.append(case(f"matmul {n}^3", mm, (A, B), lambda: A.double() @ B.double(), lambda: A @ B, on))
         print(rows[-1], flush=True)
+        if args.matmul_only:
+            continue
         rows.append(case("attention N=4096 d=64 BH=32", att, (Q, K, V),
                          lambda: torch.softmax(Q.double() @ K.double().transpose(1, 2) / 8.0, -1) @ V.double(),
                          sdpa, on))
