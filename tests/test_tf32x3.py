@@ -160,6 +160,17 @@ def test_fp32_backward_parts_on_tf32x3_fragments_match_the_oracle(form, part):
     assert ("cuda.atomic.add(dQ" in k.source) is (form == "one kernel")
 
 
+def test_auto_prefetch_double_buffers_3xtf32_kernels_only():
+    """``prefetch="auto"``: fp32 on tensor cores stages the next chunk (measured faster on an H100,
+    planner.auto_prefetch); fp32 on CUDA cores does not; the result still matches the oracle."""
+    flash = L.attention(q=q, x=x, d=d, causal=True).stream(x, 16).tile(q, 16).place("O", "registers")
+    sizes = {q: 37, x: 40, d: 16}
+    fma = nc.lower(flash.bind(sizes), threads=32, verify=False, prefetch="auto")
+    assert "two chunk buffers" not in fma.source
+    k = _check(flash, flash.unrelabelled(), sizes, prefetch="auto")
+    assert "two chunk buffers" in k.source and "double-buffered" in k.source
+
+
 def test_tf32x3_chunks_narrow_past_a_head_dimension_of_64():
     """The schedule's 3xTF32 chunks (measured on an H100, kernels/BENCHMARKS.md): 32 at d = 64, 16
     at d = 128 (the one-kernel backward 24.9 -> 20.9 ms, the forward 8.8 -> 8.6 ms); 16-bit kernels

@@ -120,7 +120,7 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
     blocks of a split over the devices): ``False``, ``True`` (the next chunk into registers),
     ``"double"`` (two shared-memory buffers per chunked input) or ``"auto"`` (the default:
     ``"double"`` for each 16-bit kernel whose registers and shared memory allow it, else none;
-    fp32 kernels none); the executor paths have no chunks to prefetch, so there it changes
+    fp32 kernels none on CUDA cores, ``"double"`` on tensor cores); the executor paths have no chunks to prefetch, so there it changes
     nothing but the kernels it would build.  ``fp32``: how the kernels of float32 calls multiply,
     ``"fma"`` (CUDA cores) or ``"3xtf32"`` (tensor cores, fp32-level error: the attention forward
     + backward 4x faster on an H100 and 1.06-1.32x SDPA fp32, kernels/BENCHMARKS.md); 16-bit calls use tensor cores."""
