@@ -123,7 +123,7 @@ def torch_op(d: Diagram, *, tiles: dict | None = None, threads: int | None = Non
     fp32 kernels none on CUDA cores, ``"double"`` on tensor cores); the executor paths have no chunks to prefetch, so there it changes
     nothing but the kernels it would build.  ``fp32``: how the kernels of float32 calls multiply,
     ``"fma"`` (CUDA cores) or ``"3xtf32"`` (tensor cores, fp32-level error: the attention forward
-    + backward 4x faster on an H100 and 1.06-1.32x SDPA fp32, kernels/BENCHMARKS.md); 16-bit calls use tensor cores."""
+    + backward 4x faster on an H100 and 1.12-1.40x SDPA fp32, kernels/BENCHMARKS.md); 16-bit calls use tensor cores."""
     if not isinstance(d, Diagram):
         raise TypingError(f"torch_op needs a Diagram, got {type(d).__name__}")
     check_form(backward, "torch_op")
