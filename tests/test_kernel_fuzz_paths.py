@@ -29,7 +29,8 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   :mod:`napkin_cat.lowering.frag_operands`), and the one-kernel backward, whose dQ reads dS
   transposed from its 16-bit buffer;
 * ``tf32x3``: fp32 backward parts on 3xTF32 fragments (``tf32x3``), the one kernel with its dQ
-  atomics among them (``tf32x3-atomic``).
+  atomics among them (``tf32x3-atomic``), with or without ``prefetch="auto"``'s double buffers
+  (``double-buffered``).
 
 ``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
 """
@@ -325,8 +326,9 @@ def sixteen_bit_family(draw, what=None):
     dt = draw(st.sampled_from((nc.f16, nc.bf16)))
     options = {"threads": draw(st.sampled_from((32, 64)), label="threads")}
     what = what or draw(st.sampled_from(("backward", "backward", "backward-wg", "mlp", "document", "document")))
-    if what == "backward-tf32x3":   # tf32x3_family: fp32 on 3xTF32 fragments
+    if what == "backward-tf32x3":   # tf32x3_family: fp32 on 3xTF32 fragments, "auto": double buffers
         dt, what, options["fp32"] = nc.f32, "backward", "3xtf32"
+        options["prefetch"] = draw(st.sampled_from((False, "auto")), label="prefetch")
     if what == "backward-wg":   # 4 warps in one warpgroup: wgmma where the fragments allow (planner.WGMMA)
         options = {"threads": 128, "wgmma": True}
     if what == "document":   # one warp: the scores and the output on the same fragment rows
@@ -394,7 +396,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                      "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
                      "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient",
                                      "register-copy", "frag-operand", "wgmma"},
-                     "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand"}}
+                     "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered"}}
 
 
 def fuzz_case(family: str, data, stats: Counter):
@@ -427,6 +429,8 @@ def fuzz_case(family: str, data, stats: Counter):
     feats = _features(kernel)
     if {"tf32x3", "atomic"} <= feats:   # the one-kernel backward on 3xTF32 fragments
         feats.add("tf32x3-atomic")
+    if "double-buffered: chunk c + 1 is fetched into registers" in kernel.source:   # fp32 prefetch="double"
+        feats.add("double-buffered")
     for feat in feats:
         stats["feature " + feat] += 1
     assert diff.failure is None, (f"{case.label}: kernel differs from the oracle: "
