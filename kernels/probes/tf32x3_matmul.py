@@ -1,7 +1,7 @@
 """Probe: fp32 matmul and attention forward on CUDA cores (fp32 FMAs) against the same diagrams
 on tensor cores by 3xTF32 (``nc.lower(..., fp32="3xtf32")``), beside cuBLAS SGEMM (TF32 off) and SDPA fp32.
 
-    NUMBA_ENABLE_CUDASIM=0 python kernels/probes/tf32x3_matmul.py [--n 4096] [--matmul-only]
+    NUMBA_ENABLE_CUDASIM=0 python kernels/probes/tf32x3_matmul.py [--n 4096] [--matmul-only] [--tiles "a=128,c=128,b=32;..."]
 
 Each kernel is lowered by ``nc.lower`` (the schedule's blocks, its self-check against float64 at
 the bound sizes on), checked again here on new random inputs (max error / max |ref|, float64
@@ -27,8 +27,8 @@ from bench import cuda_time  # noqa: E402
 torch.backends.cuda.matmul.allow_tf32 = False
 
 
-def case(name, diagram, inputs, reference, peer, tf32x3: bool):
-    k = nc.lower(diagram, fp32="3xtf32" if tf32x3 else "fma")
+def case(name, diagram, inputs, reference, peer, tf32x3: bool, tiles=None, prefetch=False):
+    k = nc.lower(diagram, fp32="3xtf32" if tf32x3 else "fma", tiles=tiles, prefetch=prefetch)
     out = k(*inputs)
     out = out[0] if isinstance(out, tuple) else out
     ref = reference()
@@ -45,6 +45,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--matmul-only", action="store_true", help="leave the attention forward out")
+    ap.add_argument("--tiles", default="", help="semicolon list of matmul block choices for 3xTF32, each "
+                    "a comma list axis=size over a, b, c (nc.lower(tiles=...)) and prefetch=double|auto, timed after "
+                    "the schedule's")
     args = ap.parse_args()
     n = args.n
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -64,6 +67,12 @@ def main():
         rows.append(case("attention N=4096 d=64 BH=32", att, (Q, K, V),
                          lambda: torch.softmax(Q.double() @ K.double().transpose(1, 2) / 8.0, -1) @ V.double(),
                          sdpa, on))
+        print(rows[-1], flush=True)
+    for choice in filter(None, args.tiles.split(";")):
+        tiles = dict(kv.split("=") for kv in choice.split(","))
+        prefetch = tiles.pop("prefetch", False)
+        rows.append(case(f"matmul {n}^3 {choice}", mm, (A, B), lambda: A.double() @ B.double(), lambda: A @ B,
+                         True, {k: int(v) for k, v in tiles.items()}, prefetch))
         print(rows[-1], flush=True)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; peers: cuBLAS SGEMM (TF32 off), SDPA fp32")
     print("| kernel | engine | err | ms | peer ms | peer err | vs peer | threads | blocks |")
