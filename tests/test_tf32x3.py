@@ -64,6 +64,33 @@ def test_the_split_keeps_nan_and_inf_as_the_products_need_them():
     assert np.isnan(D[3]).all() and not np.isnan(np.delete(D, 3, axis=0)).any()
 
 
+def test_lane_exchanges_belong_to_their_launch():
+    """The twins' lanes publish their registers through an array of their own launch and block,
+    found from the calling thread's launch: a thread of an aborted launch that runs on cannot
+    write into a later launch's (the simulator's kernel context is one global)."""
+    import threading
+    from types import SimpleNamespace
+
+    class Launch:
+        pass
+
+    got = {}
+
+    def run(key, launch, bx):
+        threading.current_thread()._manager = launch
+        ctx = SimpleNamespace(blockIdx=SimpleNamespace(x=bx, y=0, z=0))
+        got[key] = tensorcore._lane_exchange(ctx, "mma", (32, 32, 6), np.uint32)
+
+    first, later = Launch(), Launch()
+    for key, launch, bx in (("a", first, 0), ("a again", first, 0), ("other block", first, 1), ("b", later, 0)):
+        t = threading.Thread(target=run, args=(key, launch, bx))
+        t.start()
+        t.join()
+    assert got["a"] is got["a again"]
+    assert got["a"] is not got["other block"] and got["a"] is not got["b"]
+    assert not got["b"].any()
+
+
 def _mma_through_lanes(A, B, C0, small: bool = True):
     """``A B + C0`` by the simulated ``mma_tf32x3``, each lane packing the elements the 16-bit
     fragment layout gives it (``small=False``: the small parts zeroed, one tf32 product)."""

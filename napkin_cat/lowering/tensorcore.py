@@ -179,6 +179,24 @@ def _group_barrier(ctx, key, parties: int):
     b.wait(timeout=600)
 
 
+_EXCHANGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # launch -> {(block, name): array}
+
+
+def _lane_exchange(ctx, name: str, shape: tuple, dtype) -> np.ndarray:
+    """The array through which a twin's lanes publish their registers to the warp: one per
+    launch, block and twin, found from the calling thread's own launch (as the barriers are),
+    not from the simulator's global kernel context, so the threads of an aborted launch that
+    run on never write into a later launch's."""
+    launch = threading.current_thread()._manager
+    block = tuple(int(v) for v in (ctx.blockIdx.x, ctx.blockIdx.y, ctx.blockIdx.z))
+    with _BARRIERS_LOCK:
+        mine = _EXCHANGES.setdefault(launch, {})
+        a = mine.get((block, name))
+        if a is None:
+            a = mine[block, name] = np.zeros(shape, dtype)
+    return a
+
+
 def _warp_sync(ctx):
     """A barrier over this thread's warp (its live lanes: every lane of a block of whole warps)."""
     tid = int(ctx.threadIdx.x)
@@ -197,7 +215,7 @@ def _sim_mma(values, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     ctx = _context()
     tid = int(ctx.threadIdx.x)
     warp, lane = divmod(tid, 32)
-    exchange = ctx.shared.array((32, 32, 6), np.uint32)   # one per block: 32 warps of 32 lanes
+    exchange = _lane_exchange(ctx, "mma", (32, 32, 6), np.uint32)   # 32 warps of 32 lanes
     exchange[warp, lane] = (a0, a1, a2, a3, b0, b1)
     _warp_sync(ctx)
     words = np.array(exchange[warp], dtype=np.uint32)
@@ -240,7 +258,7 @@ def _sim_mma_tf32x3(*args):
     regs, c = args[:12], args[12:]
     ctx = _context()
     warp, lane = divmod(int(ctx.threadIdx.x), 32)
-    exchange = ctx.shared.array((32, 32, 12), np.uint64)   # one per block: 32 warps of 32 lanes
+    exchange = _lane_exchange(ctx, "mma_tf32x3", (32, 32, 12), np.uint64)   # 32 warps of 32 lanes
     exchange[warp, lane] = regs
     _warp_sync(ctx)
     words = np.array(exchange[warp], dtype=np.uint64)
@@ -268,7 +286,7 @@ def _sim_ldsm(arr, off, count: int, trans: bool):
     ctx = _context()
     tid = int(ctx.threadIdx.x)
     warp, lane = divmod(tid, 32)
-    rows = ctx.shared.array((32, 32), np.int64)   # one per block: each lane's row address
+    rows = _lane_exchange(ctx, "ldmatrix", (32, 32), np.int64)   # each lane's row address
     rows[warp, lane] = int(off)
     _warp_sync(ctx)
     offs = [int(v) for v in rows[warp]]
@@ -335,7 +353,7 @@ def sim_wgmma(values, n: int, smem16, desc, trans, a0, a1, a2, a3, acc=None):
     from .wgmma import desc_fields
     ctx = _context()
     warp, lane = divmod(int(ctx.threadIdx.x), 32)
-    exchange = ctx.shared.array((32, 32, 4), np.uint32)
+    exchange = _lane_exchange(ctx, "wgmma", (32, 32, 4), np.uint32)
     exchange[warp, lane] = (a0, a1, a2, a3)
     _warp_sync(ctx)
     words = np.array(exchange[warp], dtype=np.uint32)
