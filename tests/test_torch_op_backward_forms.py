@@ -176,7 +176,7 @@ def test_none_chooses_the_form_with_the_smaller_prediction(n_q, n_x, dtype):
     want = "one kernel" if t_one < t_two else "two kernels"
     if dtype == torch.float32 and want == "one kernel":   # CUDA cores: measured, the roofline overruled
         want = "two kernels"
-        assert backward_forms.CUDA_CORE_ATOMICS in c.why
+        assert backward_forms.CUDA_CORE_ONE_KERNEL in c.why
     assert c.form == want == plan.form
     assert c.hardware == nc.hardware.H100.name and f"{t_one * 1e3:.4g} ms" in c.why
     assert t_two == pytest.approx(_predicted(op, "two kernels", (0, 1, 2), sizes, dtype), rel=1e-9)
@@ -253,8 +253,8 @@ def test_none_runs_the_form_it_predicted_faster():
     op = _run("plain", None)
     c = op.backward_choice
     faster = "one kernel" if c.seconds("one kernel") < c.seconds("two kernels") else "two kernels"
-    # fp32 on CUDA cores keeps two kernels whatever the roofline says (measured, CUDA_CORE_ATOMICS)
-    assert c.form == "two kernels" and (backward_forms.CUDA_CORE_ATOMICS in c.why) is (faster == "one kernel")
+    # fp32 on CUDA cores keeps two kernels whatever the roofline says (measured, CUDA_CORE_ONE_KERNEL)
+    assert c.form == "two kernels" and (backward_forms.CUDA_CORE_ONE_KERNEL in c.why) is (faster == "one kernel")
     assert op.last_backward_path == {"one kernel": "simulator-fa2-atomic", "two kernels": "simulator-fa2"}[c.form]
 
 

@@ -19,7 +19,7 @@ kernel or two, with the cost model's choice between them (:func:`choose_form`).
   the hardware profile of the tensors' device (:func:`hardware_for`) with fp32 on the op's engine
   (``fp32=``, :meth:`~napkin_cat.core.hardware.Hardware.fp32_on`); the 16-bit conversion of
   the fp32 ``dQ`` adds its HBM traffic.  The faster prediction runs; a tie keeps two kernels,
-  and so do fp32 kernels on CUDA cores, measured (:data:`CUDA_CORE_ATOMICS`).
+  and so do fp32 kernels on CUDA cores, measured (:data:`CUDA_CORE_ONE_KERNEL`).
   The one-kernel form is not eligible where its relabeling is refused (the reason in the
   choice and ``op.notes``); where no gradient sums over the keys (only dK, dV are needed) the
   forms are the same kernel, and two kernels is the name kept.
@@ -169,15 +169,15 @@ def choose_form(two, one, hw: Hardware, tiles_of, threads, fp32: str = "fma") ->
     on = hw.fp32_on(fp32).name if fp32_parts else hw.name
     why = f"predicted on {on}: one kernel {t_one * 1e3:.4g} ms, two kernels {t_two * 1e3:.4g} ms"
     if fp32_parts and fp32 == "fma" and form == "one kernel":
-        form, why = "two kernels", f"{why}; but {CUDA_CORE_ATOMICS}"
+        form, why = "two kernels", f"{why}; but {CUDA_CORE_ONE_KERNEL}"
     return BackwardChoice(form, (("one kernel", t_one), ("two kernels", t_two)), hw.name, why)
 
 
-CUDA_CORE_ATOMICS = ("on CUDA cores (fp32='fma') two kernels are kept: the one kernel's dQ atomics measured 1.4x "
-                     "slower on an H100 (N = 4096, d = 64: 63.0 against 44.1 ms forward + backward, "
-                     "kernels/BENCHMARKS.md; 110 registers, no spills), for causes the roofline does not "
-                     "see, likely but not profiled: each thread adds 4 columns 4 apart, so a warp's atomics "
-                     "spread over 4 times the sectors, and every key tile adds into the same rows at once)")
+CUDA_CORE_ONE_KERNEL = ("on CUDA cores (fp32='fma') two kernels are kept: the one kernel measured 1.4x slower "
+                        "on an H100 (N = 4096, d = 64: 63.0 against 44.1 ms forward + backward), for a cause "
+                        "the roofline does not see: its dQ contraction's shared-memory reads conflict (65% of the "
+                        "shared-load wavefronts are bank-conflict replays, shared memory 99% busy; its atomics "
+                        "keep L2 4.5% busy; kernels/BENCHMARKS.md)")
 """Why the cost model's choice of one kernel is overruled for CUDA-core fp32: measured, not modelled."""
 
 
