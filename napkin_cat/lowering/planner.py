@@ -567,8 +567,10 @@ def auto_prefetch(ff: FinalForm, ax, targets, accs, T: int, copies, dtype: str) 
     else False."""
     streams = any(isinstance(n, Loop) and n.kind == "stream" and any(isinstance(m, Load) for m in n.body)
                   for n, _ in ff.walk())
-    if dtype == "f32" or not streams:
-        return "double" if streams and TF32X3 else False
+    if not streams:
+        return False
+    if dtype == "f32":
+        return "double" if TF32X3 else False
     fits = register_estimate(ff, ax, targets, accs, T, "double", copies) <= AUTO_PREFETCH_REGISTERS
     return "double" if fits else False
 

@@ -158,8 +158,21 @@ def _context():
     return _get_kernel_context()
 
 
-_BARRIERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # launch -> {(block, key, parties): barrier}
+_BARRIERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # launch -> {(block, (key, parties)): barrier}
 _BARRIERS_LOCK = threading.Lock()
+
+
+def _per_launch(table, ctx, key, make):
+    """``table``'s entry for this thread's own launch (its block manager), block and ``key``,
+    made by ``make()`` the first time: state of one launch that no other launch's threads reach."""
+    launch = threading.current_thread()._manager
+    block = tuple(int(v) for v in (ctx.blockIdx.x, ctx.blockIdx.y, ctx.blockIdx.z))
+    with _BARRIERS_LOCK:
+        mine = table.setdefault(launch, {})
+        entry = mine.get((block, key))
+        if entry is None:
+            entry = mine[block, key] = make()
+    return entry
 
 
 def _group_barrier(ctx, key, parties: int):
@@ -169,14 +182,7 @@ def _group_barrier(ctx, key, parties: int):
     warpgroup passes only the block's own barriers runs in step (:mod:`.producer`).  Barriers
     belong to one launch (its block manager), so threads a failed launch left waiting never meet
     a later launch's."""
-    launch = threading.current_thread()._manager
-    block = tuple(int(v) for v in (ctx.blockIdx.x, ctx.blockIdx.y, ctx.blockIdx.z))
-    with _BARRIERS_LOCK:
-        mine = _BARRIERS.setdefault(launch, {})
-        b = mine.get((block, key, parties))
-        if b is None:
-            b = mine[block, key, parties] = threading.Barrier(parties)
-    b.wait(timeout=600)
+    _per_launch(_BARRIERS, ctx, (key, parties), lambda: threading.Barrier(parties)).wait(timeout=600)
 
 
 _EXCHANGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # launch -> {(block, name): array}
@@ -187,14 +193,7 @@ def _lane_exchange(ctx, name: str, shape: tuple, dtype) -> np.ndarray:
     launch, block and twin, found from the calling thread's own launch (as the barriers are),
     not from the simulator's global kernel context, so the threads of an aborted launch that
     run on never write into a later launch's."""
-    launch = threading.current_thread()._manager
-    block = tuple(int(v) for v in (ctx.blockIdx.x, ctx.blockIdx.y, ctx.blockIdx.z))
-    with _BARRIERS_LOCK:
-        mine = _EXCHANGES.setdefault(launch, {})
-        a = mine.get((block, name))
-        if a is None:
-            a = mine[block, name] = np.zeros(shape, dtype)
-    return a
+    return _per_launch(_EXCHANGES, ctx, name, lambda: np.zeros(shape, dtype))
 
 
 def _warp_sync(ctx):
