@@ -27,10 +27,12 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   :mod:`napkin_cat.lowering.register_copies`); ``P`` and ``dS`` read by the dV, dK and dQ updates
   as tensor-core A fragments from the registers that computed them (``frag-operand``,
   :mod:`napkin_cat.lowering.frag_operands`), and the one-kernel backward, whose dQ reads dS
-  transposed from its 16-bit buffer;
+  transposed from its 16-bit buffer; the fp32 ``L`` and ``D`` copied by ``cp.async`` beside the
+  16-bit inputs (``cp.async-f32``), with or without ``prefetch="auto"``'s double buffers;
 * ``tf32x3``: fp32 backward parts on 3xTF32 fragments (``tf32x3``), the one kernel with its dQ
   atomics among them (``tf32x3-atomic``), with or without ``prefetch="auto"``'s double buffers
-  (``double-buffered``).
+  (``double-buffered``: staged through registers where an fp32 input's rows are not whole 16-byte
+  groups, else by ``cp.async``, ``cp.async-f32``).
 
 ``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
 """
@@ -349,7 +351,11 @@ def sixteen_bit_family(draw, what=None):
         part = backward_plan(fl).at(dt).parts[which]
     blocks = {n: draw(st.sampled_from((64,) if what == "backward-wg" and n[0] == "g" else (16, 32)), label=n)
               for n in ("g_x", "s_q", "g_q", "s_x") if n in part._sched_str()}
-    sizes = {q: draw(st.integers(1, 24), label="q"), x: draw(st.integers(1, 24), label="x"), d: 16}
+    # queries often a multiple of 4: the fp32 L and D then go by cp.async too (4 words per copy)
+    n_q = draw(st.one_of(st.integers(1, 24), st.sampled_from((8, 20, 24))), label="q")
+    sizes = {q: n_q, x: draw(st.integers(1, 24), label="x"), d: 16}
+    if dt is not nc.f32 and what == "backward":     # what nc.torch_op lowers with, or none
+        options["prefetch"] = draw(st.sampled_from((False, "auto")), label="prefetch")
     fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True)
     label = (f"{dt.name}{' 3xTF32' if dt is nc.f32 else ''} attention backward "
              f"({', '.join(a.name for a in part.cod)}, causal={causal})")
@@ -395,8 +401,8 @@ FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
                      "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
                      "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient",
-                                     "register-copy", "frag-operand", "wgmma"},
-                     "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered"}}
+                                     "register-copy", "frag-operand", "wgmma", "cp.async-f32"},
+                     "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32"}}
 
 
 def fuzz_case(family: str, data, stats: Counter):

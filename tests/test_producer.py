@@ -91,20 +91,25 @@ def test_a_barrier_at_no_fixed_place_is_refused():
     assert producer._barrier_counts(["    cuda.syncthreads()", *lines[:3], *lines[5:]]) == (1, 1, 1)
 
 
-def test_the_dq_kernel_takes_one_and_the_dk_dv_kernel_says_why_not(copying):
-    sizes = {q: 140, x: 45, d: 16}
-    inputs = _inputs(sizes, True, 4.0)
+def test_both_backward_kernels_take_one_and_a_stream_not_all_copied_says_why_not(copying):
+    """The dK, dV kernel's fp32 ``L`` and ``D`` go by cp.async too (4 words per copy) when their
+    length is a multiple of 4; at 142 queries they cannot, and the kernel says so."""
     (dkdv, dq) = _parts(nc.f16, True)
-    for part, threads, expect in ((dkdv, 256, "none (the stream loop's inputs are not all copied by cp.async)"),
-                                  (dq, 256, "threads 256..383 copy"),
-                                  (dq, 128, "none (128 computing threads: one warpgroup, measured slower")):
+    for part, q_len, threads, expect in (
+            (dkdv, 140, 256, "threads 256..383 copy"),
+            (dkdv, 142, 256, "none (the stream loop's inputs are not all copied by cp.async)"),
+            (dq, 140, 256, "threads 256..383 copy"),
+            (dq, 140, 128, "none (128 computing threads: one warpgroup, measured slower")):
+        sizes = {q: q_len, x: 45, d: 16}
+        inputs = _inputs(sizes, True, 4.0)
         bound = part.bind(sizes)
         tiles = {k: v for k, v in {"g_x": 128, "s_q": 32, "g_q": 128, "s_x": 32}.items() if k in part._sched_str()}
         kernel = nc.lower(bound, tiles=tiles, threads=threads, prefetch="double", verify=False)
         assert any(expect in n for n in kernel.notes), kernel.notes
         assert kernel.launch.block[0] == threads + (producer.THREADS if "copy" in expect else 0)
-        out = kernelcheck.kernel_outcome(bound.unrelabelled(), kernel, [inputs[a.name] for a in part.dom])
-        assert out.failure is None, kernelcheck.describe_failure(out.failure)
+        if "copy" in expect:     # a refused kernel is the plain one, checked elsewhere
+            out = kernelcheck.kernel_outcome(bound.unrelabelled(), kernel, [inputs[a.name] for a in part.dom])
+            assert out.failure is None, kernelcheck.describe_failure(out.failure)
 
 
 def test_without_the_switch_or_warpgroups_nothing_changes(monkeypatch):

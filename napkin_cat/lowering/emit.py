@@ -376,8 +376,9 @@ class Emitter(Loads, Phases):
         if dt is None:
             if not self._uses_mma():
                 return []
-            return ["", f"from napkin_cat.lowering.tensorcore import {TF32X3.mma}, {TF32X3.staged}, {TF32X3.pack}"
-                    f"  # noqa: F401", ""]
+            copies = ", ".join(n for n in SHARED_PRIMITIVES if n.startswith("cp_async") and n != "cp_async16")
+            return ["", f"from napkin_cat.lowering.tensorcore import {TF32X3.mma}, {TF32X3.staged}, {TF32X3.pack}, "
+                    f"{copies}  # noqa: F401", ""]
         names = (dt.mma, dt.pack, dt.to_f32, dt.from_f32, *SHARED_PRIMITIVES, *primitive_names(self.plan))
         if self.producer_threads:
             names += producer.primitive_names(self.T, self.blocks())

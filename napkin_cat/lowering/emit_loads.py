@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from ..relabel.loopnest import Load, Loop
 from . import producer
+from .tensorcore import DTYPES
 from .source import Code, CodeAlgebra, Source, paren as _paren, render_code
 
 
@@ -473,51 +474,70 @@ class Loads:
     def _reg_type(self, v: int) -> str:
         return "int16" if self.bufs[("var", v)].bits == 16 else "float32"
 
-    def _vector_ok(self, v: int) -> bool:
-        """Whether input ``v`` is a 16-bit input whose block rows are whole 16-byte groups in
-        global memory and in its buffer (``cp.async`` applies)."""
+    def _vector_width(self, v: int) -> int:
+        """Elements per 16-byte ``cp.async`` copy of input ``v``'s block: 8 for a 16-bit input, 4
+        for an fp32 input of a kernel that links the tensor-core primitives (16-bit, or fp32 on
+        tensor cores); 0 where its block rows are not whole 16-byte groups in global memory and
+        in its buffer, or it holds anything else (then no ``cp.async``)."""
         arr = self.types[v]
         b = self.bufs[("var", v)]
         names, _ = self.plan.caps(arr.axis_names)
-        if b.bits != 16 or not names or b.axes[-1] != names[-1] or arr.axis_names[-1] != names[-1]:
-            return False
+        if not names or b.axes[-1] != names[-1] or arr.axis_names[-1] != names[-1]:
+            return 0
+        if b.bits == 16:
+            w = 8
+        elif arr.dtype.name == "f32" and not b.core and (DTYPES.get(self.plan.dtype) or self._uses_mma()):
+            w = 4
+        else:
+            return 0
         last = self.ax[names[-1]]
-        return not (last.cap % 8 or last.size % 8 or b.ld % 8)
+        return 0 if (last.cap % w or last.size % w or b.ld % w) else w
+
+    def _vector_ok(self, v: int) -> bool:
+        """Whether ``cp.async`` copies input ``v`` (:meth:`_vector_width`)."""
+        return self._vector_width(v) > 0
 
     def _vector_load(self, v: int, src: Source, wait: bool = True) -> bool:
-        """``cp.async`` of input ``v``'s block (:meth:`_vector_ok`), 16 bytes per thread and step,
-        zero-filled past a ragged end; ``wait``: waited for at the next barrier (:meth:`sync`),
+        """``cp.async`` of input ``v``'s block (:meth:`_vector_width`), 16 bytes per thread and
+        step, zero-filled past a ragged end; ``wait``: waited for at the next barrier (:meth:`sync`),
         so the inputs loaded one after another are in flight together (``False``: the caller
         commits and waits).  Returns False (nothing emitted) where that does not apply."""
-        if not self._vector_ok(v):
+        w = self._vector_width(v)
+        if not w:
             return False
         arr = self.types[v]
         b = self.bufs[("var", v)]
         names, caps = self.plan.caps(arr.axis_names)
         last = self.ax[names[-1]]
         k = self.consts
-        groups = math.prod(caps[:-1]) * (last.cap // 8)
+        groups = math.prod(caps[:-1]) * (last.cap // w)
         src.comment(f"load {arr} -> shared {b.name} [{' '.join(b.axes)}]: cp.async, 16 bytes "
-                    f"(8 elements of {names[-1]}) per thread and step")
+                    f"({w} elements of {names[-1]}) per thread and step")
         env = {}
         tid, nthreads, T = self.copy_threads    # every thread, or the copying warpgroup's (.producer)
+        g = f"_g{w}"
         with src.block(f"for u in range({k.u(-(-groups // T))}):"):
             src(f"e = {tid} + u * {nthreads}")
             with src.maybe(f"e < {k.u(groups)}" if groups % T else None):
                 if b.core:   # 8 consecutive threads fill one 8 x 8 block: 128 contiguous bytes
-                    self._decode(src, "e", ("_p8", "_g8", "_r8"), env,
-                                 caps={"_p8": k.u(-(-caps[0] // 8)), "_g8": k.u(last.cap // 8), "_r8": k.u(8)})
+                    self._decode(src, "e", ("_p8", g, "_r8"), env,
+                                 caps={"_p8": k.u(-(-caps[0] // 8)), g: k.u(last.cap // 8), "_r8": k.u(8)})
                     row = self.names.fresh(self.ax[names[0]].index)
                     src(f"{row} = {env['_p8']} * {k.u(8)} + {env['_r8']}")
                     env[names[0]] = row
                 else:
-                    self._decode(src, "e", (*names[:-1], "_g8"), env, caps={"_g8": k.u(last.cap // 8)})
+                    self._decode(src, "e", (*names[:-1], g), env, caps={g: k.u(last.cap // w)})
                 col = self.names.fresh(last.index)
-                src(f"{col} = {env['_g8']} * {k.u(8)}")
+                src(f"{col} = {env[g]} * {k.u(w)}")
                 env[names[-1]] = col
                 cond = self.valid(names, env) or "True"
-                src(f"cp_async16(smem16, {self.s16base(b.key)} + {self.sidx(b, env)}, {self.garg(v)}, "
-                    f"{self.gindex(arr, env)}, {cond})")
+                if b.bits == 16:
+                    src(f"cp_async16(smem16, {self.s16base(b.key)} + {self.sidx(b, env)}, {self.garg(v)}, "
+                        f"{self.gindex(arr, env)}, {cond})")
+                else:
+                    base = self.sbase(b.key)
+                    at = self.sidx(b, env) if base is None else f"{base} + {self.sidx(b, env)}"
+                    src(f"cp_async16_f32(smem, {at}, {self.garg(v)}, {self.gindex(arr, env)}, {cond})")
         if wait:        # waited for at the next barrier, with the copies issued after it
             self.pending_async = True
         self.pending_sync = True

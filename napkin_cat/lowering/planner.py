@@ -549,12 +549,23 @@ def register_estimate(ff: FinalForm, ax, targets, accs, T: int, prefetch, copies
     frags = [m for m in [t.mapping for t in targets.values()] + [p.main for p in accs] if isinstance(m, Frag)]
     if frags:   # 3xTF32 pairs are four registers, not one: twice the slack (ptxas: spills at one)
         live += MMA_SLACK * (2 if any(m.dtype == "f32" for m in frags) else 1)
-    if prefetch:   # a chunk held in registers (16-bit inputs double-buffered go by cp.async instead)
+    if prefetch:   # a chunk held in registers (double buffers filled by cp.async hold none)
+        linked = bool(frags) or any(a.dtype.name in ("f16", "bf16") for a in ff.diagram.dom)
         for n, _ in ff.walk():
             if isinstance(n, Loop) and n.kind == "stream":
-                live += sum(load_plan(types[m.var], ax, T)[1] for m in n.body if isinstance(m, Load)
-                            and not (prefetch == "double" and types[m.var].dtype.name in ("f16", "bf16")))
+                loads = [types[m.var] for m in n.body if isinstance(m, Load)]
+                if not (prefetch == "double" and all(async_copied(a, ax, linked) for a in loads)):
+                    live += sum(load_plan(a, ax, T)[1] for a in loads)
     return live + frag + REGISTER_SLACK
+
+
+def async_copied(arr, ax, linked: bool) -> bool:
+    """Whether ``cp.async`` fills ``arr``'s chunk buffers (``.emit_loads``: 16 bytes per copy, 8
+    elements of a 16-bit input or 4 of an fp32 one in a kernel that ``linked`` the tensor-core
+    primitives, along a last axis whose block and size they divide)."""
+    w = 8 if arr.dtype.name in ("f16", "bf16") else 4 if arr.dtype.name == "f32" and linked else 0
+    last = ax.get(arr.axis_names[-1]) if arr.axis_names else None
+    return bool(w) and last is not None and not (last.cap % w or last.size % w)
 
 
 def auto_prefetch(ff: FinalForm, ax, targets, accs, T: int, copies, dtype: str) -> bool | str:

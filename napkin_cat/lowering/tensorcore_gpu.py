@@ -115,6 +115,14 @@ def cp_async16(smem16, soff, src16, goff, valid):
 
 
 @cuda.jit(device=True, inline=True)
+def cp_async16_f32(smem, soff, src, goff, valid):
+    """16 bytes (4 fp32 words) from ``src[goff:]`` to ``smem[soff:]``; zeros where not ``valid``."""
+    if valid:
+        return _cp16(shared_addr(smem) + uint32(soff) * uint32(4), addr_of(src) + goff * 4, 16)
+    return _cp16(shared_addr(smem) + uint32(soff) * uint32(4), addr_of(src), 0)
+
+
+@cuda.jit(device=True, inline=True)
 def wgmma_desc(addr, lbo, sbo):
     """A ``wgmma`` matrix descriptor without swizzle: the shared byte address ``addr`` and the byte
     distances between core matrices adjacent along the reduced axis (``lbo``) and along the
