@@ -20,7 +20,10 @@ O, dQ, dK and dV are checked against torch autograd in float64 on the same (roun
 heads, a few heads at a time (``err``: max abs error / max |ref| over the four).  Peers in the same run, same inputs and dtype: SDPA (default backend),
 FlexAttention (``torch.compile(flex_attention)``, dynamo's cache limits raised, causal through
 ``create_block_mask``) and naive torch (``softmax(Q K^T / sqrt(d)) V``, autograd).  Times are
-CUDA-event medians of the whole forward + backward (and of the forward alone); extra memory is
+CUDA-event medians of the whole forward + backward (and of the forward alone), each timing one
+call between its events, so the host's latency before the first kernel and any GPU idle while the
+host prepares the backward count; ``*_steady_ms`` time ``--steady`` back-to-back calls per pair of
+events (default 10), where the host's work overlaps the GPU's as in a training loop; extra memory is
 the peak of ``torch.cuda.max_memory_allocated`` during forward + backward above what was
 allocated before (inputs, dO), the gradients included.  ``--prefetch auto|none|regs|double`` (default auto, the op's own) is passed
 to ``nc.torch_op`` (every kernel of the op: the next chunk into registers, or two shared-memory
@@ -90,8 +93,13 @@ def flex_fn():
     return compiled_flex(), create_block_mask
 
 
+STEADY = 10
+"""Back-to-back calls per timing of the steady-state columns (``*_steady_ms``, ``--steady``)."""
+
+
 def peers(Q, K, V, dO, causal) -> dict:
-    """Forward and forward + backward times of SDPA, FlexAttention and naive torch."""
+    """Forward and forward + backward times of SDPA, FlexAttention and naive torch (an isolated
+    call, and back-to-back calls: ``*_steady_ms``)."""
     F = torch.nn.functional
     q4, k4, v4 = (t.detach().unsqueeze(0).requires_grad_() for t in (Q, K, V))
     d4 = dO.unsqueeze(0)
@@ -119,6 +127,8 @@ def peers(Q, K, V, dO, causal) -> dict:
         try:
             res[f"{name}_fwd_ms"] = cuda_time(lambda: f())
             res[f"{name}_ms"] = cuda_time(lambda: torch.autograd.grad(f(), (q4, k4, v4), d4))
+            if STEADY > 1:
+                res[f"{name}_steady_ms"] = cuda_time(lambda: torch.autograd.grad(f(), (q4, k4, v4), d4), inner=STEADY)
             res[f"{name}_extra_mib"] = peak_extra(lambda: torch.autograd.grad(f(), (q4, k4, v4), d4))
         except torch.cuda.OutOfMemoryError:
             res[f"{name}_error"] = "out of memory"
@@ -186,6 +196,8 @@ def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: 
     del O, grads
     res["ours_fwd_ms"] = cuda_time(lambda: op(Q, K, V))
     res["ours_ms"] = cuda_time(lambda: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
+    if STEADY > 1:   # back to back: the host's work per call overlaps the GPU's (a training loop)
+        res["ours_steady_ms"] = cuda_time(lambda: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO), inner=STEADY)
     res["ours_extra_mib"] = peak_extra(lambda: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
     try:
         res["ours_kernels"] = kernel_breakdown(lambda: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
@@ -202,6 +214,12 @@ def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: 
     flops = 4 * BH * N * N * D * (0.5 if causal else 1) * 3.5   # forward 2 matmuls, backward 5
     res["ours_tflops"] = flops / res["ours_ms"] / 1e9
     return res
+
+
+def steady_ratio(r: dict) -> str:
+    """FlexAttention's steady-state time over ours (back-to-back calls), or '-'."""
+    a, b = r.get("flex_steady_ms"), r.get("ours_steady_ms")
+    return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"
 
 
 def main(argv=None):
@@ -222,8 +240,14 @@ def main(argv=None):
                     "the backward's P and dS through shared memory, as before that pass; HOIST_REGISTERS=0: no row "
                     "fragments held in registers across the stream loops); TF32X3=1: nc.torch_op(fp32='3xtf32'), "
                     "fp32 kernels on tensor cores by 3xTF32")
+    ap.add_argument("--steady", type=int, default=STEADY,
+                    help="back-to-back calls per timing of the steady-state columns (the host's work per call "
+                         "overlapping the GPU's, as in a training loop); 1: none. The other columns time one call "
+                         "between events, its host latency included")
     ap.add_argument("--out", default=str(ROOT / "kernels"))
     args = ap.parse_args(argv)
+    global STEADY
+    STEADY = args.steady
     choices = [{k: int(v) for k, v in (kv.split("=") for kv in c.split(",") if kv)} for c in args.tiles.split(";")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -255,7 +279,8 @@ def main(argv=None):
             (out / "fwd_bwd.json").write_text(json.dumps(results, indent=1))
             torch.cuda.empty_cache()
     print("\n| dtype | N | d | causal | blocks | paths | err (SDPA's) | ours fwd+bwd ms | TFLOP/s | SDPA | Flex | naive "
-          "| vs Flex | vs SDPA | extra MiB ours / SDPA / Flex | kernels ms |")
+          "| vs Flex | vs SDPA | extra MiB ours / SDPA / Flex | kernels ms | steady ms ours / SDPA / Flex "
+          "| steady vs Flex |")
     f = lambda r, k: f"{r[k]:.3f}" if isinstance(r.get(k), float) else r.get(k.replace("_ms", "_error"), "-")  # noqa: E731
     for r in results["cases"]:
         if "error" in r:
@@ -267,9 +292,11 @@ def main(argv=None):
         blocks = ",".join(f"{k}={v}" for k, v in {**r.get("tiles", {}), **r.get("switches", {})}.items()) or "chosen"
         kms = " / ".join(f"{v:.2f}" for k, v in r.get("ours_kernels", {}).items()
                          if "generated" in k and isinstance(v, float))
+        steady = " / ".join(f(r, f"{k}_steady_ms") for k in ("ours", "sdpa", "flex"))
         print(f"| {r['dtype']} | {r['N']} | {r['d']} | {r['causal']} | {blocks} | {r['path']}/{r['backward_path']} "
               f"| {r.get('err', float('nan')):.1e} (SDPA {r.get('sdpa_err', float('nan')):.1e}) | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | {f(r, 'sdpa_ms')} "
-              f"| {f(r, 'flex_ms')} | {f(r, 'naive_ms')} | {ratio('flex_ms')} | {ratio('sdpa_ms')} | {mem} | {kms} |")
+              f"| {f(r, 'flex_ms')} | {f(r, 'naive_ms')} | {ratio('flex_ms')} | {ratio('sdpa_ms')} | {mem} | {kms} "
+              f"| {steady} | {steady_ratio(r)} |")
     both = [r for r in results["cases"] if "ours_one_ms" in r]
     if both:   # --backward both: the cost model's pick against the measured faster form
         print("\n| dtype | N | d | causal | predicted backward ms one / two | measured fwd+bwd ms one / two "

@@ -12,7 +12,7 @@ or one kernel adding dQ across key tiles into a zero-filled fp32 buffer), the al
 O, dQ, dK and dV are compared with float64 autograd before timing.  Printed: host microseconds per
 call (``time.perf_counter`` over ``--calls`` calls in bursts of 20 with an untimed sync between),
 the same for SDPA, and with ``--profile`` the top functions of ``cProfile`` over that many calls
-(cumulative time), so a slow call path names its function.
+(by cumulative time, then by own time), so a slow call path names its function.
 """
 from __future__ import annotations
 
@@ -101,6 +101,7 @@ def main(argv=None) -> int:
         prof.disable()
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
         print(out.getvalue())
     print(f"N = {args.n}, d = {args.d}, B*H = {args.bh}, causal = {args.causal}, {args.dtype} (fp32={args.fp32}), backward "
           f"{op.last_backward_path}; {args.calls} calls")
