@@ -223,6 +223,7 @@ def steady_ratio(r: dict) -> str:
 
 
 def main(argv=None):
+    global STEADY
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="f16,4096,64,0;f16,4096,64,1")
     ap.add_argument("--bh", type=int, default=0, help="B*H (0: 32 for N <= 4096, else 16)")
@@ -246,7 +247,6 @@ def main(argv=None):
                          "between events, its host latency included")
     ap.add_argument("--out", default=str(ROOT / "kernels"))
     args = ap.parse_args(argv)
-    global STEADY
     STEADY = args.steady
     choices = [{k: int(v) for k, v in (kv.split("=") for kv in c.split(",") if kv)} for c in args.tiles.split(";")]
     out = Path(args.out)
