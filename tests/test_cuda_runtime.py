@@ -454,6 +454,7 @@ def test_torch_fast_path_leaves_what_it_does_not_check_to_the_general_path(small
         "too few": [Q, K],
         "subclass": [torch.nn.Parameter(Q), K, V],
         "not a tensor": [Q.numpy(), K, V],
+        "off the 16-byte boundary": [torch.cat([torch.zeros(1), Q.reshape(-1)])[1:].reshape(q_shape), K, V],
     }
     for why, arrays in declined.items():
         assert fast(arrays, None) is None, why
@@ -523,3 +524,19 @@ def test_torch_cuda_calls_after_the_first_take_the_packed_launch(gpu, small_kern
         run()
     torch.cuda.synchronize()
     np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_inputs_that_start_off_the_16_byte_boundary_are_copied_first():
+    """cp.async reads 16 aligned bytes: a view such as ``t[1:]`` reaches the kernel as a copy
+    that starts on the boundary, with the same values (the caller's tensor untouched)."""
+    torch = pytest.importorskip("torch")
+    from napkin_cat.lowering import io
+    values = torch.arange(16, dtype=torch.float32)
+    for kind, dt in (("f32", torch.float32), ("f16", torch.float16)):
+        view = torch.cat([torch.zeros(1, dtype=dt), values.to(dt)])[1:]    # one element in
+        assert view.data_ptr() % io.ALIGN
+        got = io.torch_input(view, kind, torch)
+        assert got.data_ptr() % io.ALIGN == 0
+        assert torch.equal((got if kind == "f32" else got.view(torch.float16)).float(), values)
+    aligned = torch.arange(16, dtype=torch.float32)
+    assert io.torch_input(aligned, "f32", torch).data_ptr() == aligned.data_ptr()   # no copy

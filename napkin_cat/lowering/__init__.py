@@ -417,13 +417,25 @@ def _flat_input(x, kind, sim, stream, keep, t="f32"):
         if str(x.dtype) != want or not x.is_c_contiguous():
             raise LoweringError(f"numba device arrays for a {t} input must be C-contiguous {want}"
                                 f"{' (16-bit patterns)' if t != 'f32' else ''}, got {x.dtype}")
-        return x.reshape(x.size)
+        return _aligned(x.reshape(x.size))
     if kind == "cai":
-        return as_device_array(x).reshape(-1)
+        return _aligned(as_device_array(x).reshape(-1))
     x = io.host_input(x, t)
     if sim:
         return x
     return import_cuda().to_device(x)   # an input: no copy back
+
+
+def _aligned(x):
+    """A flat device array whose data starts on an ``io.ALIGN`` boundary: ``x``, or a device
+    copy of it (``cp.async`` reads 16 aligned bytes; a view such as ``arr[1:]`` starts between)."""
+    ptr = getattr(getattr(x, "device_ctypes_pointer", None), "value", None)
+    if not ptr or ptr % io.ALIGN == 0:
+        return x
+    from .runtime import import_cuda
+    out = import_cuda().device_array(x.shape, dtype=x.dtype)
+    out.copy_to_device(x)
+    return out
 
 
 def _flat_output(o, kind, sim):
@@ -540,7 +552,10 @@ class _TorchFastPath:
         for t, shape, dtype in zip(arrays, self.in_shapes, self.in_dtypes):
             if not self._fits(t, shape, dtype):
                 return None
-            pointers.append(t.data_ptr())
+            ptr = t.data_ptr()
+            if ptr % io.ALIGN:      # the general path copies a view that starts off the boundary
+                return None
+            pointers.append(ptr)
         if out is None:
             outs = [(self.zeros if i in self.zeroed else self.empty)(shape, dtype=dtype, device=self.device)
                     for i, (shape, dtype) in enumerate(zip(self.out_shapes, self.out_dtypes))]

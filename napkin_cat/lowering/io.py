@@ -49,14 +49,22 @@ def torch_dtype(io: str, torch):
     return {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[io]
 
 
+ALIGN = 16
+"""Bytes a kernel argument's first element is aligned to: ``cp.async`` copies 16 bytes from
+a 16-byte aligned address (a view that starts elsewhere is copied first)."""
+
+
 def torch_input(x, io: str, torch):
     """A torch input (detached) as a flat contiguous tensor the kernel reads: float32, or the
-    16-bit tensor viewed as int16."""
+    16-bit tensor viewed as int16; copied when its data does not start on an :data:`ALIGN`
+    boundary (a view such as ``t[1:]``)."""
     x = x.detach()
     want = torch_dtype(io, torch)
     if x.dtype != want:
         x = x.to(want)
     x = x.contiguous().reshape(-1)
+    if x.data_ptr() % ALIGN:
+        x = x.clone()
     return x if io == "f32" else x.view(torch.int16)
 
 
