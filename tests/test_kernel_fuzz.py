@@ -283,11 +283,11 @@ def _features(kernel) -> set[str]:
         out.add("reindex")
         if "pos_" in body:
             out.add("reindex-predicate")
-    if kernel.zero_args and "cuda.atomic.add(" in body:
+    if kernel.zero_args and ("cuda.atomic.add(" in body or "red_add2(" in body):
         out.add("atomic")
     for marker, feat in (("tensor-core fragments", "fragments"), ("weights stay in registers", "mma-registers"),
                          ("ldsm_x4(", "ldmatrix"), ("_t(smem16", "ldmatrix-trans"), ("cp_async16(", "cp.async"),
-                         ("cp_async16_f32(", "cp.async-f32"),
+                         ("cp_async16_f32(", "cp.async-f32"), ("red_add2(", "paired-atomic"),
                          ("cp_async_wait1()", "cp.async-pipeline"), ("pack_f16(smem", "packed-operand"),
                          ("pack_f16((smem", "packed-operand"), ("pack_bf16(smem", "packed-operand"),
                          ("pack_bf16((smem", "packed-operand"), ("written out row by row", "fragment-rows"),

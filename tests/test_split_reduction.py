@@ -198,3 +198,20 @@ def test_one_kernel_gqa_backward_lowers():
     fwd = nc.library.attention(q=q, x=x, d=d, heads=h, groups=g, logsumexp=True)
     k = nc.lower(_one_kernel(fwd).bind({**BWD_SIZES, g: 2}), threads=16)
     assert k.verified and "cuda.atomic.add(dQ, " in k.source
+
+
+def test_tensor_core_fragments_add_two_adjacent_words_per_reduction():
+    """Split-K on 3xTF32 fragments: each lane's column pair (2t, 2t + 1) goes to the output as
+    one reduction (``red_add2``) where the output's columns are its last axis and their extent is
+    even; an odd extent keeps one atomic per element.  Both verified against the oracle in the
+    simulator; a planted swap of the pair's halves is caught."""
+    split = MM.tile(b, 16, partial="sum").tile(a, 16).tile(c, 16)
+    even = nc.lower(split.bind({a: 20, b: 40, c: 34}), threads=32, fp32="3xtf32")
+    assert even.verified and "mma_tf32x3(" in even.source
+    assert "red_add2(C, " in even.source and "cuda.atomic.add(C" not in even.source
+    odd = nc.lower(split.bind({a: 20, b: 40, c: 33}), threads=32, fp32="3xtf32")
+    assert odd.verified and "mma_tf32x3(" in odd.source
+    assert "cuda.atomic.add(C, " in odd.source and "red_add2(C" not in odd.source
+    bad = _mutant(even, r"red_add2\(C, (.*), (\w+)\[0\], (\w+)\[1\]\)", r"red_add2(C, \1, \3[1], \2[0])")
+    with pytest.raises(nc.EquivalenceError):
+        nc.check_equivalent(MM, bad, examples=2)

@@ -46,6 +46,12 @@ def atomic_add(out: str, index: str, value: str) -> str:
     return f"cuda.atomic.add({out}, {index}, {value})"
 
 
+def atomic_add_pair(out: str, index: str, lo: str, hi: str) -> str:
+    """The statement that adds ``lo`` into ``out[index]`` and ``hi`` into ``out[index + 1]``
+    (``index`` even): one vector reduction on the GPU (``tensorcore.red_add2``)."""
+    return f"red_add2({out}, {index}, {lo}, {hi})"
+
+
 def zero_args(d) -> tuple[int, ...]:
     """Argument positions (inputs first, then outputs) of the kernel of the relabelled ``d`` that
     the launcher zero-fills."""

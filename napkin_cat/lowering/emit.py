@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from ..core.errors import LoweringError
 from ..relabel.loopnest import Compute, Finalise, Init, Load, Loop, Store, Update
-from .atomics import atomic_add, check_added_outputs
+from .atomics import atomic_add, atomic_add_pair, check_added_outputs
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, scaled_exponent
 from . import reindex
@@ -71,6 +71,12 @@ class AxisView:
     @property
     def ragged(self) -> bool:
         return self.role in ("grid", "stream") and self.size % self.cap != 0
+
+
+PAIRED_ATOMICS = True
+"""Tensor-core fragments added across blocks go two adjacent words per reduction
+(:meth:`Emitter._added_pair`); False: one ``cuda.atomic.add`` per element (a switch for
+measuring)."""
 
 
 class Emitter(Loads, Phases):
@@ -376,7 +382,7 @@ class Emitter(Loads, Phases):
         if dt is None:
             if not self._uses_mma():
                 return []
-            copies = ", ".join(n for n in SHARED_PRIMITIVES if n.startswith("cp_async") and n != "cp_async16")
+            copies = ", ".join(n for n in SHARED_PRIMITIVES if n.startswith(("cp_async", "red_")) and n != "cp_async16")
             return ["", f"from napkin_cat.lowering.tensorcore import {TF32X3.mma}, {TF32X3.staged}, {TF32X3.pack}, "
                     f"{copies}  # noqa: F401", ""]
         names = (dt.mma, dt.pack, dt.to_f32, dt.from_f32, *SHARED_PRIMITIVES, *primitive_names(self.plan))
@@ -511,12 +517,38 @@ class Emitter(Loads, Phases):
             src(f"{self.sread(('var', t.var), env)} = {val}")
         if t.to_global:
             cond = self.valid(self.plan.caps(arr.axis_names)[0], env)
+            pair = self._added_pair(t, arr, env) if t.var in self.added else None
             with src.maybe(cond):
                 for pos, ov in enumerate(self.dd.outs):
-                    if ov == t.var and t.var in self.added:
+                    if ov == t.var and t.var in self.added and pair:
+                        j = env["_slot"].split(",")[-1].strip()
+                        src(f"{pair}[{j} % {self.consts.u(2)}] = {val}")
+                        with src.block(f"if {j} % {self.consts.u(2)} == {self.consts.u(1)}:"):
+                            src(atomic_add_pair(self.out_args[pos], f"{self.gindex(arr, env)} - {self.consts.u(1)}",
+                                                f"{pair}[0]", f"{pair}[1]"))
+                    elif ov == t.var and t.var in self.added:
                         src(atomic_add(self.out_args[pos], self.gindex(arr, env), val))
                     elif ov == t.var:
                         src(f"{self.out_args[pos]}[{self.gindex(arr, env)}] = {self.gvalue(arr, val)}")
+
+    def _added_pair(self, t: Target, arr, env) -> str | None:
+        """For an output blocks add into, held as tensor-core fragments whose column pairs
+        (``2t``, ``2t + 1``) are adjacent words of its last axis: the name of a two-word
+        register array, declared in the fragment row's slot, that collects each pair for one
+        :func:`.atomics.atomic_add_pair`; None where that does not apply (an odd extent or
+        block, another layout)."""
+        from .plan import Frag
+        m = t.mapping
+        hoist = env.get("_hoist")
+        if not (PAIRED_ATOMICS and isinstance(m, Frag) and hoist is not None and "," in env.get("_slot", "")
+                and arr.axis_names and arr.axis_names[-1] == m.col):
+            return None
+        a = self.ax[m.col]
+        if a.size % 2 or a.cap % 2:
+            return None
+        name = self.names.fresh(f"{arr.name}_pair")
+        hoist.src(f"{name} = cuda.local.array(2, float32)  # a column pair of {arr.name}, added as one reduction")
+        return name
 
     def _emit_target(self, t: Target, src: Source):
         self.sync(src)

@@ -217,6 +217,19 @@ extern "C" __device__ int nc_cp_async16(int* ret, unsigned s, unsigned long long
   return 0;
 }
 
+// Add two adjacent fp32 values into global memory at p (8-byte aligned): one vector reduction on
+// sm_90 (red.global.add.v2.f32: both words in one request), two scalar atomics before it.
+extern "C" __device__ int nc_red_add2(int* ret, unsigned long long p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(p), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd((float*)p, a);
+  atomicAdd((float*)p + 1, b);
+#endif
+  *ret = 0;
+  return 0;
+}
+
 // Wait for every cp.async this thread issued (then a barrier makes them visible to the block).
 extern "C" __device__ int nc_cp_async_wait_all(int* ret) {
   asm volatile("cp.async.wait_all;\n" ::: "memory");

@@ -28,6 +28,7 @@ SIGNATURES = {
     "ldsm_x4": "UniTuple(uint32, 4)(uint32)", "ldsm_x4_t": "UniTuple(uint32, 4)(uint32)",
     "ldsm_x2": "UniTuple(uint32, 2)(uint32)", "ldsm_x2_t": "UniTuple(uint32, 2)(uint32)",
     "pin": "uint32(uint32)", "cp_async16": "int32(uint32, uint64, int32)", "cp_async_wait_all": "int32()",
+    "red_add2": "int32(uint64, float32, float32)",
     "cp_async_commit": "int32()", "cp_async_wait1": "int32()", "cp_async_wait2": "int32()",
     "wgmma_fence": "int32()", "wgmma_commit": "int32()", "fence_proxy_async": "int32()",
     "bar_named": "int32(uint32, uint32)",
@@ -83,6 +84,7 @@ pin = _linked["pin"]
 _cp16, cp_async_wait_all = _linked["cp_async16"], _linked["cp_async_wait_all"]
 cp_async_commit, cp_async_wait1 = _linked["cp_async_commit"], _linked["cp_async_wait1"]
 cp_async_wait2 = _linked["cp_async_wait2"]
+_red2 = _linked["red_add2"]
 bar_named = _linked["bar_named"]
 mma_tf32x3, mma_tf32x3s, pack_tf32x3 = _linked["mma_tf32x3"], _linked["mma_tf32x3s"], _linked["pack_tf32x3"]
 
@@ -120,6 +122,13 @@ def cp_async16_f32(smem, soff, src, goff, valid):
     if valid:
         return _cp16(shared_addr(smem) + uint32(soff) * uint32(4), addr_of(src) + goff * 4, 16)
     return _cp16(shared_addr(smem) + uint32(soff) * uint32(4), addr_of(src), 0)
+
+
+@cuda.jit(device=True, inline=True)
+def red_add2(out, idx, a, b):
+    """``out[idx] += a`` and ``out[idx + 1] += b`` (fp32, ``idx`` even), atomically, as one
+    reduction of two words."""
+    return _red2(addr_of(out) + uint64(idx) * uint64(4), a, b)
 
 
 @cuda.jit(device=True, inline=True)
