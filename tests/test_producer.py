@@ -122,11 +122,18 @@ def test_without_the_switch_or_warpgroups_nothing_changes(monkeypatch):
     assert any("Copying warpgroup: none (no contraction on warpgroup MMAs)" in n for n in kernel.notes)
 
 
-def test_the_registers_moved_fit_the_register_file():
-    for threads, blocks in ((128, 2), (256, 1), (512, 1)):
+@pytest.mark.parametrize("regs", [40, 64])
+def test_the_registers_moved_fit_what_the_launch_gave(monkeypatch, regs):
+    """``setmaxnreg.inc`` waits until the block's pool holds what it asks for: asking more than the
+    launch gave the block (its threads times the launch's registers, less the copying warpgroup's)
+    hangs the kernel.  With 64 copying registers, sizing the request from the register file (65536)
+    instead asked 224 x 256 + 64 x 128 = 65536 of a pool of 168 x 384 = 64512."""
+    monkeypatch.setattr(producer, "REGS", regs)
+    for threads, blocks in ((128, 2), (256, 1), (384, 1), (512, 1)):
+        launch = producer.launch_registers(threads, blocks)
         mine, theirs = producer.REGS * producer.THREADS, producer.consumer_registers(threads, blocks) * threads
-        assert mine + theirs <= producer.REGISTER_FILE // blocks
-        assert producer.REGS <= producer.launch_registers(threads, blocks) <= producer.consumer_registers(threads, blocks)
+        assert mine + theirs <= launch * (threads + producer.THREADS) <= producer.REGISTER_FILE // blocks
+        assert producer.REGS <= launch <= producer.consumer_registers(threads, blocks)
         assert producer.consumer_registers(threads, blocks) % 8 == 0
 
 

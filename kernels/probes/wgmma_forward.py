@@ -8,7 +8,8 @@ B*H = 32, the schedule's blocks), then timed (CUDA events, median); SASS counts 
 instructions and the warpgroup fences / waits the compiler added are printed beside.  Variants:
 ``mma`` (planner.WGMMA off), ``wg`` (on), ``wg-preload`` (every step's A fragments before the
 first wgmma: wgmma.PRELOAD_A), ``wg-scores`` / ``wg-update`` (only the scores' contraction or only
-the output's update on warpgroups), ``wg-producer`` (a copying warpgroup: lowering/producer.py).
+the output's update on warpgroups), ``wg-producer`` (a copying warpgroup: lowering/producer.py),
+``wg-producer64`` (the same keeping 64 registers per copying thread instead of 40).
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ VARIANTS = {
     "wg-scores": dict(WGMMA=True, only="fused"),
     "wg-update": dict(WGMMA=True, only="main"),
     "wg-producer": dict(WGMMA=True, PRODUCER=True),
+    "wg-producer64": dict(WGMMA=True, PRODUCER=True, REGS=64),
 }
 
 
@@ -84,13 +86,14 @@ def main():
                     opts = dict(tiles={"q": tq, "x": tx}, threads=thr)
                 planner.WGMMA = v["WGMMA"]
                 producer.SWITCH = v.get("PRODUCER", False)
+                producer.REGS = v.get("REGS", 40)
                 wgmma.PRELOAD_A = v.get("PRELOAD_A", False)
                 wgmma_plan._contractions = only(v["only"]) if "only" in v else _ALL
                 try:
                     k = nc.lower(dia, prefetch="auto", verify=False, **opts)
                 finally:
                     planner.WGMMA, wgmma.PRELOAD_A, wgmma_plan._contractions = True, False, _ALL
-                    producer.SWITCH = False
+                    producer.SWITCH, producer.REGS = False, 40
                 O = torch.full_like(Q, float("nan"))
                 run = k.prepare(Q, K, V, out=O)
                 run()

@@ -90,8 +90,10 @@ def why_not(plan) -> str | None:
 
 
 def consumer_registers(threads: int, blocks: int) -> int:
-    """Registers per multiplying thread once the copying warpgroup has given its own up."""
-    free = REGISTER_FILE // blocks - THREADS * REGS
+    """Registers per multiplying thread once the copying warpgroup has given its own up: what the
+    launch gave the whole block, less the copying warpgroup's.  ``setmaxnreg.inc`` waits until the
+    block's pool holds what it asks for, so asking more than this hangs the kernel."""
+    free = launch_registers(threads, blocks) * (threads + THREADS) - THREADS * REGS
     return min(MAX_REGS, free // threads // 8 * 8)
 
 
