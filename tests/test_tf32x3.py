@@ -188,6 +188,20 @@ def test_fp32_backward_parts_on_tf32x3_fragments_match_the_oracle(form, part):
     assert adds is (form == "one kernel")
 
 
+def test_3xtf32_kernels_import_the_fp32_copies_and_reductions_they_call():
+    """A 3xTF32 kernel imports ``tensorcore.FP32_COPIES`` (no 16-bit primitive): each is one of the
+    shared primitives, and what the kernel calls of them is imported."""
+    assert set(tensorcore.FP32_COPIES) <= set(tensorcore.SHARED_PRIMITIVES)
+    assert "cp_async16" not in tensorcore.FP32_COPIES
+    flash = L.attention(q=q, x=x, d=d).stream(x, 16).tile(q, 16).place("O", "registers")
+    k = nc.lower(flash.bind({q: 32, x: 48, d: 16}), threads=32, verify=False, prefetch="double", fp32="3xtf32")
+    imported = re.search(r"from napkin_cat.lowering.tensorcore import ([^#]+)#", k.source).group(1)
+    names = {n.strip() for n in imported.split(",")}
+    assert set(tensorcore.FP32_COPIES) <= names
+    called = set(re.findall(r"\b(cp_async\w*|red_add2)\(", k.source))
+    assert called and called <= names
+
+
 def test_auto_prefetch_double_buffers_3xtf32_kernels_only():
     """``prefetch="auto"``: fp32 on tensor cores stages the next chunk (measured faster on an H100,
     planner.auto_prefetch); fp32 on CUDA cores does not; the result still matches the oracle."""

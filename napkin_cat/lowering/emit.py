@@ -27,7 +27,7 @@ from . import producer
 from .emit_threads import GROUP_HELPERS, Phases
 from .plan import Buffer, KernelPlan, Target
 from .source import Constants, Names, Source, paren as _paren
-from .tensorcore import DTYPES, PRIMITIVES, SHARED_PRIMITIVES, TF32X3
+from .tensorcore import DTYPES, FP32_COPIES, PRIMITIVES, SHARED_PRIMITIVES, TF32X3
 from .wgmma import core_index, primitive_names, uses_wgmma
 
 RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lane", "e", "i", "j",
@@ -382,9 +382,8 @@ class Emitter(Loads, Phases):
         if dt is None:
             if not self._uses_mma():
                 return []
-            copies = ", ".join(n for n in SHARED_PRIMITIVES if n.startswith(("cp_async", "red_")) and n != "cp_async16")
             return ["", f"from napkin_cat.lowering.tensorcore import {TF32X3.mma}, {TF32X3.staged}, {TF32X3.pack}, "
-                    f"{copies}  # noqa: F401", ""]
+                    f"{', '.join(FP32_COPIES)}  # noqa: F401", ""]
         names = (dt.mma, dt.pack, dt.to_f32, dt.from_f32, *SHARED_PRIMITIVES, *primitive_names(self.plan))
         if self.producer_threads:
             names += producer.primitive_names(self.T, self.blocks())
@@ -520,16 +519,19 @@ class Emitter(Loads, Phases):
             pair = self._added_pair(t, arr, env) if t.var in self.added else None
             with src.maybe(cond):
                 for pos, ov in enumerate(self.dd.outs):
-                    if ov == t.var and t.var in self.added and pair:
+                    if ov != t.var:
+                        continue
+                    out = self.out_args[pos]
+                    if pair:                           # blocks add into it, a column pair at a time
                         j = env["_slot"].split(",")[-1].strip()
                         src(f"{pair}[{j} % {self.consts.u(2)}] = {val}")
                         with src.block(f"if {j} % {self.consts.u(2)} == {self.consts.u(1)}:"):
-                            src(atomic_add_pair(self.out_args[pos], f"{self.gindex(arr, env)} - {self.consts.u(1)}",
+                            src(atomic_add_pair(out, f"{self.gindex(arr, env)} - {self.consts.u(1)}",
                                                 f"{pair}[0]", f"{pair}[1]"))
-                    elif ov == t.var and t.var in self.added:
-                        src(atomic_add(self.out_args[pos], self.gindex(arr, env), val))
-                    elif ov == t.var:
-                        src(f"{self.out_args[pos]}[{self.gindex(arr, env)}] = {self.gvalue(arr, val)}")
+                    elif t.var in self.added:          # blocks add into it, a word at a time
+                        src(atomic_add(out, self.gindex(arr, env), val))
+                    else:
+                        src(f"{out}[{self.gindex(arr, env)}] = {self.gvalue(arr, val)}")
 
     def _added_pair(self, t: Target, arr, env) -> str | None:
         """For an output blocks add into, held as tensor-core fragments whose column pairs

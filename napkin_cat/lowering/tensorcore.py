@@ -90,6 +90,10 @@ SHARED_PRIMITIVES = ("ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t", "pin",
 ``cp_async16`` copies 8 16-bit elements; ``red_add2(out, idx, a, b)`` adds two adjacent fp32
 values atomically (``idx`` even: a tensor-core fragment's column pair, one reduction)."""
 
+FP32_COPIES = ("cp_async16_f32", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1", "cp_async_wait2",
+               "red_add2")
+"""The shared primitives an fp32 kernel on tensor cores (3xTF32) imports: fp32 copies and reductions."""
+
 PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf", *SHARED_PRIMITIVES,
               "bar_named", "mma_tf32x3", "mma_tf32x3s", "pack_tf32x3")
 """Every primitive above, and ``bar_named(id, count)``: a barrier over the block's first ``count``
