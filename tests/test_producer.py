@@ -16,6 +16,8 @@ import os
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import copy  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -147,3 +149,28 @@ def test_a_planted_late_copy_is_caught(copying):
     kernel.source = late
     kernel._dispatcher, kernel._launchers, kernel._fast = None, {}, None
     assert _check(dia, kernel).failure is not None
+
+
+def test_the_decoupling_probe_still_edits_what_the_generator_writes():
+    """``kernels/probes/wgmma_decoupled.py`` measures edits of this kernel's text on the GPU
+    (kernels/BENCHMARKS.md); each edit finds its places in today's generated source (it refuses,
+    naming the text, otherwise), and every named barrier it waits at has arrivals: the copying
+    warpgroup's, the other warpgroup's, or both computing warpgroups'."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "wgmma_decoupled", Path(__file__).resolve().parents[1] / "kernels/probes/wgmma_decoupled.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    qq, xx, dd, hh = nc.axes("q x d h")
+    dia = L.attention(q=qq, x=xx, d=dd, heads=hh, dtype=nc.f16).bind({qq: 512, xx: 256, dd: 64, hh: 2})
+    src = probe.lower(dia, "256,64,256", True).source
+    assert planner.WGMMA is False and producer.SWITCH is False      # the probe restores the switches
+    for flags in ({}, {"pingpong": True}, {"overlap": True}, {"overlap": True, "split": True}):
+        edited = probe.decouple(src, 256, **flags)
+        compile(edited, "edited", "exec")
+        waits = set(re.findall(r"bar_named\(uint32\((\d+)\)", edited)) - {"1"}
+        arrives = set(re.findall(r"probe_bar_arrive\(uint32\((\d+)\)", edited))
+        assert waits and "cuda.syncthreads()  # the next chunk has landed" not in edited
+        assert {int(w) // 2 * 2 for w in waits} <= {int(a) // 2 * 2 for a in arrives}, (flags, waits, arrives)
+    with pytest.raises(ValueError, match="two computing warpgroups"):
+        probe.decouple(src, 384)
