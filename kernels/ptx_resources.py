@@ -136,14 +136,16 @@ def main():
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--dtype", choices=("f16", "bf16", "f32"), default="f16")
-    ap.add_argument("--prefetch", nargs="+", default=["none", "double"], help="prefetch options to compare")
+    prefetch = {"none": False, "regs": True, "double": "double", "auto": "auto"}
+    ap.add_argument("--prefetch", nargs="+", default=["none", "double"], choices=sorted(prefetch),
+                    help="prefetch options to compare (auto: what nc.torch_op picks)")
     from napkin_cat.lowering.plan import FP32_ENGINES
     ap.add_argument("--fp32", choices=FP32_ENGINES, default="fma",
                     help="nc.lower(fp32=...) for --dtype f32: CUDA-core FMAs or tensor cores by 3xTF32")
     ap.add_argument("--backward", choices=("one", "two"), default="two",
                     help="the backward's form: two kernels (FlashAttention-2's) or one (dQ by fp32 atomics)")
     args = ap.parse_args()
-    options = [{"prefetch": {"none": False, "regs": True, "double": "double"}[p]} for p in args.prefetch]
+    options = [{"prefetch": prefetch[p]} for p in args.prefetch]
     if args.dtype == "f32":
         options = [{**o, "fp32": args.fp32} for o in options]
     rows = []
