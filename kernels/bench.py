@@ -127,6 +127,17 @@ def rel_err(out, ref) -> float:
     return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
+def checked_times(run, result, ref, tol: float = 1e-2) -> tuple[float, float, float]:
+    """``(error, events ms, kernel ms)`` of ``run``: called once, and ``result()`` (the output rows
+    ``ref`` covers) checked against ``ref`` first; a wrong output is never timed (both ``nan``)."""
+    run()
+    torch.cuda.synchronize()
+    err = rel_err(result(), ref)
+    if not err < tol:
+        return err, float("nan"), float("nan")
+    return err, cuda_time(run), device_ms(run)
+
+
 def measure_machine() -> dict:
     n = 256 * 2 ** 20
     src = torch.empty(n, device=DEV)

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.lowering import planner, producer  # noqa: E402
+from probes.wgmma_pipeline import chunk_parts, find_line  # noqa: E402
 
 ARRIVE_CU = r"""
 extern "C" __device__ int nc_probe_bar_arrive(int* ret, unsigned id, unsigned count) {
@@ -79,12 +80,7 @@ def _pingpong(src: str) -> str:
                          "    for x0 in range(U0, N_x, CHUNK_x):\n        if x0 > U0:\n")
 
 
-def _find(lines, pattern, start=0):
-    rx = re.compile(pattern)
-    return next(i for i in range(start, len(lines)) if rx.search(lines[i]))
-
-
-def _overlap(src: str) -> str:
+def _overlap(src: str, total: int) -> str:
     """FlashAttention-3's intra-warpgroup overlap on the decoupled kernel: chunk c's scores are
     issued, then chunk c - 1's update (its probabilities kept packed in registers, its V still in
     its buffer); the softmax of chunk c runs while that update is on the tensor cores
@@ -92,72 +88,52 @@ def _overlap(src: str) -> str:
     buffer is released once its update has landed, so the copying warpgroup refills it one
     softmax later than without the overlap."""
     lines = src.splitlines()
-    loop = _find(lines, r"^    for x0 in range\(")
-    end = _find(lines, r"^    # O\[", loop)
+    loop = find_line(lines, r"^    for x0 in range\(")
+    end = find_line(lines, r"^    # O\[", loop)
     body = lines[loop + 1:end]
     ind = " " * 8
-    s0 = _find(body, r"^\s+V_s_cur = ") + 1
-    s_commit = _find(body, r"^\s+wgmma_commit\(\)", s0)
-    sm0 = _find(body, r"^\s+# S = ", s_commit)
-    s_wait = [ln.replace("wgmma_wait_n", "wgmma_wait1_n") for ln in body[s_commit + 1:sm0]]
-    sm1 = _find(body, r"^\s+# update O: o \+= ", sm0)
-    softmax = body[sm0:sm1]
-    rs = _find(softmax, r"O_o\[i, j\] \*= delta")
-    assert softmax[rs - 1].strip().startswith("for j in range(")
-    softmax = softmax[:rs - 1] + [softmax[rs - 1].split("for")[0] + "O_dl[i] = delta"] + softmax[rs + 1:]
-    pv = body[sm1:_find(body, r"^\s+fence_proxy_async\(\)", sm1)]
-    packs = [ln for ln in pv if "pack_f16(" in ln]
-    pv_tuples = [ln for ln in pv if re.match(r"^\s+O_o_wg\d* = \(", ln)]
-    pv_mma = [ln.replace("V_s_cur", "V_s_prv") for ln in pv
-              if re.match(r"^\s+(O_o_wg\d* = wgmma_f16_n|V_s_desc\d* = wgmma_desc16\()", ln)]
-    pv_wait = [ln for ln in pv if "wgmma_wait_n" in ln or re.match(r"^\s+O_o\[\d, 0\], ", ln)]
-    rows = int(re.search(r"O_o = cuda.local.array\(\((\d+), (\d+)\)", src).group(1))
-    cols = int(re.search(r"O_o = cuda.local.array\(\((\d+), (\d+)\)", src).group(2))
-    names = [ln.split("=")[0].strip() for ln in packs]
+    p = chunk_parts(body)
+    rows, cols = map(int, re.search(r"O_o = cuda.local.array\(\((\d+), (\d+)\)", src).groups())
     new = [
         f"    O_dl = cuda.local.array({rows}, float32)  # probe: each row's rescale, applied once the update landed",
-        *[f"    {n} = pack_f16(ZERO, ZERO)  # probe: chunk c - 1's probabilities, packed" for n in names],
+        *[f"    {n} = pack_f16(ZERO, ZERO)  # probe: chunk c - 1's probabilities, packed" for n in p.names],
         lines[loop],
-        *body[:s0 - 2],                         # the wait for this chunk's buffer
+        *body[:p.s0 - 2],                       # the wait for this chunk's buffer
         f"{ind}K_s_cur = K_s + buf_x * STRIDE_K_s",
         f"{ind}V_s_prv = V_s + ((U1 - buf_x) if x0 > U0 else buf_x) * STRIDE_V_s",
-        *body[s0:s_commit + 1],
-        *pv_tuples,
+        *body[p.s0:p.s_commit + 1],
+        *p.pv_tuples,
         f"{ind}wgmma_fence()",
-        *pv_mma,
+        *p.pv_mma,
         f"{ind}wgmma_commit()",
-        *s_wait,
-        *softmax,
-        *pv_wait,
+        *p.s_wait,
+        *p.softmax,
+        *p.pv_wait,
         f"{ind}fence_proxy_async()",
         f"{ind}if x0 > U0 and x0 + CHUNK_x < N_x:",
-        f"{ind}    probe_bar_arrive(uint32(6) + (U1 - buf_x), uint32({PROBE_TOTAL}))  # chunk c - 1's buffer is free",
+        f"{ind}    probe_bar_arrive(uint32(6) + (U1 - buf_x), uint32({total}))  # chunk c - 1's buffer is free",
         f"{ind}for i in range({rows}):",
         f"{ind}    for j in range({cols}):",
         f"{ind}        O_o[i, j] *= O_dl[i]",
-        *packs,
+        *p.packs,
         f"{ind}buf_x = U1 - buf_x",
         "    V_s_prv = V_s + (U1 - buf_x) * STRIDE_V_s",
-        *[ln[4:] for ln in pv_tuples],
+        *[ln[4:] for ln in p.pv_tuples],
         "    wgmma_fence()",
-        *[ln[4:] for ln in pv_mma],
+        *[ln[4:] for ln in p.pv_mma],
         "    wgmma_commit()",
-        *[ln[4:] for ln in pv_wait],
+        *[ln[4:] for ln in p.pv_wait],
     ]
     text = "\n".join(lines[:loop] + new + lines[end:]) + "\n"
     head, sep, tail = text.partition("  # noqa: F401")    # the primitives' import line
     return head + ", wgmma_wait1_n64" + sep + tail
 
 
-PROBE_TOTAL = 384
-
-
-def _split_hand_over(src: str) -> str:
+def _split_hand_over(src: str, total: int) -> str:
     """On the overlapped kernel: K and V of a chunk handed over separately (ids 2-7 for K as
     before, 8-13 for V), so that the copying warpgroup refills a K buffer as soon as its scores
     have landed, and V (needed one chunk later in the overlap) once its update has."""
-    total = PROBE_TOTAL
-    src = _replace_once(src, "                    bar_named(uint32(6) + (U1 - pbuf_x), uint32(384))  # buffer released\n",
+    src = _replace_once(src, f"                    bar_named(uint32(6) + (U1 - pbuf_x), uint32({total}))  # buffer released\n",
                         f"                    bar_named(uint32(6) + (U1 - pbuf_x), uint32({total}))  # K buffer released\n")
     at = src.index("                V_s_fill2 = ")
     src = (src[:at] + "                cp_async_commit()\n"
@@ -173,7 +149,7 @@ def _split_hand_over(src: str) -> str:
                         "                probe_bar_arrive(uint32(8) + (U1 - pbuf_x) * uint32(2), uint32(256))  # V landed, warpgroup 0\n"
                         "                probe_bar_arrive(uint32(9) + (U1 - pbuf_x) * uint32(2), uint32(256))  # V landed, warpgroup 1\n")
     wg = "tid // uint32(128)"
-    src = _replace_once(src, "probe_bar_arrive(uint32(6) + (U1 - buf_x), uint32(384))  # chunk c - 1's buffer is free",
+    src = _replace_once(src, f"probe_bar_arrive(uint32(6) + (U1 - buf_x), uint32({total}))  # chunk c - 1's buffer is free",
                         f"probe_bar_arrive(uint32(12) + (U1 - buf_x), uint32({total}))  # chunk c - 1's V buffer is free")
     # K of chunk c released once its scores landed
     src = _replace_once(src, "        # S = ",
@@ -183,7 +159,7 @@ def _split_hand_over(src: str) -> str:
                         "        # S = ")
     # V of chunk c - 1 waited for before its update (chunk 0's landed before the loop)
     lines = src.split("\n")
-    loop = _find(lines, r"^    for x0 in range\(")
+    loop = find_line(lines, r"^    for x0 in range\(")
     fences = [i for i in range(loop, len(lines)) if lines[i] in ("        wgmma_fence()", "    wgmma_fence()")]
     pv_fences = [i for i in fences if lines[i + 1].lstrip().startswith("V_s_desc")]
     assert len(pv_fences) == 2, pv_fences
@@ -228,9 +204,9 @@ def decouple(src: str, computing: int, pingpong: bool = False, overlap: bool = F
     if pingpong:
         src = _pingpong(src)
     if overlap:
-        src = _overlap(src)
+        src = _overlap(src, total)
     if split:
-        src = _split_hand_over(src)
+        src = _split_hand_over(src, total)
     decl = f"probe_bar_arrive = cuda.declare_device('nc_probe_bar_arrive', 'int32(uint32, uint32)', link={_arrive_file()!r})\n"
     at = src.index("\nZERO16 = ")
     return src[:at + 1] + decl + src[at + 1:]
@@ -238,11 +214,12 @@ def decouple(src: str, computing: int, pingpong: bool = False, overlap: bool = F
 
 def lower(dia, blocks: str, wg: bool):
     tq, tx, thr = map(int, blocks.split(","))
+    saved = planner.WGMMA, producer.SWITCH
     planner.WGMMA, producer.SWITCH = wg, wg
     try:
         return nc.lower(dia, prefetch="auto", verify=False, tiles={"q": tq, "x": tx}, threads=thr)
     finally:
-        planner.WGMMA, producer.SWITCH = False, False
+        planner.WGMMA, producer.SWITCH = saved
 
 
 def main():
@@ -266,7 +243,7 @@ def main():
         print(edits[args.edit].source)
         return
     import torch
-    from bench import compiled_flex, cuda_time, device_ms, reference_rows, rel_err
+    from bench import checked_times, compiled_flex, reference_rows
     gen = torch.Generator(device="cuda").manual_seed(0)
     Q, K, V = (torch.randn(B, H, N, D, device="cuda", generator=gen).half() for _ in range(3))
     sel = torch.randperm(N, device="cuda", generator=gen)[:128].sort().values
@@ -280,19 +257,12 @@ def main():
                     ("same, decoupled, and the softmax beside the previous chunk's update (overlap)", edits[2]),
                     ("overlap, K and V handed over separately", edits[3])):
         O = torch.full_like(Q, float("nan"))
-        run = k.prepare(Q, K, V, out=O)
-        run()
-        torch.cuda.synchronize()
-        err = rel_err(O[:, :2, sel], ref)
-        kms = device_ms(run) if err < 1e-2 else float("nan")
-        rows.append((name, err, cuda_time(run) if err < 1e-2 else float("nan"), kms, flops / kms / 1e9,
-                     k.compiled_info().get("registers")))
+        err, ms, kms = checked_times(k.prepare(Q, K, V, out=O), lambda: O[:, :2, sel], ref)
+        rows.append((name, err, ms, kms, flops / kms / 1e9, k.compiled_info().get("registers")))
         print(rows[-1], flush=True)
-    flex = compiled_flex()
-    fo = flex(Q, K, V)
-    kms = device_ms(lambda: flex(Q, K, V))
-    rows.append(("FlexAttention (compiled)", rel_err(fo[:, :2, sel], ref), cuda_time(lambda: flex(Q, K, V)), kms,
-                 flops / kms / 1e9, None))
+    flex, fo = compiled_flex(), {}
+    err, ms, kms = checked_times(lambda: fo.update(o=flex(Q, K, V)), lambda: fo["o"][:, :2, sel], ref)
+    rows.append(("FlexAttention (compiled)", err, ms, kms, flops / kms / 1e9, None))
     print(f"| kernel (f16, N = {N}, d = {D}, B*H = {B * H}) | err | events ms | kernel ms | TFLOP/s | regs |")
     print("|---|---|---|---|---|---|")
     for r in rows:

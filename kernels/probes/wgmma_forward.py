@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.lowering import planner, producer, wgmma, wgmma_plan  # noqa: E402
-from bench import compiled_flex, cuda_time, device_ms, reference_rows, rel_err  # noqa: E402
+from bench import checked_times, compiled_flex, reference_rows  # noqa: E402
 
 _ALL = wgmma_plan._contractions
 
@@ -86,21 +86,17 @@ def main():
                     opts = dict(tiles={"q": tq, "x": tx}, threads=thr)
                 planner.WGMMA = v["WGMMA"]
                 producer.SWITCH = v.get("PRODUCER", False)
-                producer.REGS = v.get("REGS", 40)
+                regs = producer.REGS
+                producer.REGS = v.get("REGS", regs)
                 wgmma.PRELOAD_A = v.get("PRELOAD_A", False)
                 wgmma_plan._contractions = only(v["only"]) if "only" in v else _ALL
                 try:
                     k = nc.lower(dia, prefetch="auto", verify=False, **opts)
                 finally:
                     planner.WGMMA, wgmma.PRELOAD_A, wgmma_plan._contractions = True, False, _ALL
-                    producer.SWITCH, producer.REGS = False, 40
+                    producer.SWITCH, producer.REGS = False, regs
                 O = torch.full_like(Q, float("nan"))
-                run = k.prepare(Q, K, V, out=O)
-                run()
-                torch.cuda.synchronize()
-                err = rel_err(O[:, :2, sel], ref)
-                ms = cuda_time(run) if err < 1e-2 else float("nan")
-                kms = device_ms(run) if err < 1e-2 else float("nan")
+                err, ms, kms = checked_times(k.prepare(Q, K, V, out=O), lambda: O[:, :2, sel], ref)
                 flops = 4 * B * H * N * N * D * (0.5 if causal else 1)
                 info = k.compiled_info()
                 rows.append((D, causal, f"{name} {blk} (block {k.launch.block[0]})".strip(), err, ms, kms,
@@ -111,13 +107,11 @@ def main():
                 from torch.nn.attention.flex_attention import create_block_mask
                 bm = create_block_mask(lambda b, h, i, j: i >= j, B=None, H=None, Q_LEN=N, KV_LEN=N,
                                        device="cuda") if causal else None
-                flex = compiled_flex()
-                fo = flex(Q, K, V, block_mask=bm)
-                err = rel_err(fo[:, :2, sel], ref)
-                kms = device_ms(lambda: flex(Q, K, V, block_mask=bm))
+                flex, fo = compiled_flex(), {}
+                err, ms, kms = checked_times(lambda: fo.update(o=flex(Q, K, V, block_mask=bm)),
+                                             lambda: fo["o"][:, :2, sel], ref)
                 flops = 4 * B * H * N * N * D * (0.5 if causal else 1)
-                rows.append((D, causal, "FlexAttention (compiled)", err, cuda_time(lambda: flex(Q, K, V, block_mask=bm)),
-                             kms, flops / kms / 1e9, None, None, {}))
+                rows.append((D, causal, "FlexAttention (compiled)", err, ms, kms, flops / kms / 1e9, None, None, {}))
                 print(rows[-1], flush=True)
     print("| d | causal | variant | err | events ms | kernel ms | TFLOP/s | regs | local | SASS |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -32,6 +32,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +48,7 @@ PREFETCH = "auto"
 """``nc.lower``'s ``prefetch`` for every kernel of the run (``--prefetch``)."""
 
 
-def _find(lines, pattern, start=0, stop=None):
+def find_line(lines, pattern, start=0, stop=None):
     rx = re.compile(pattern)
     for i in range(start, len(lines) if stop is None else stop):
         if rx.search(lines[i]):
@@ -62,9 +63,9 @@ def late_prefetch(src: str) -> str:
     waits for them too and the double buffer overlaps nothing.  The closing barrier goes too: the
     next iteration's barrier now comes before its copies overwrite this chunk's buffers."""
     lines = src.splitlines()
-    loop = _find(lines, r"^    for x0 in range\(")
-    i0 = _find(lines, r"^        if x_next < N_x:", loop)
-    j0 = _find(lines, r"^            cp_async_commit\(\)", i0)
+    loop = find_line(lines, r"^    for x0 in range\(")
+    i0 = find_line(lines, r"^        if x_next < N_x:", loop)
+    j0 = find_line(lines, r"^            cp_async_commit\(\)", i0)
     fetch = lines[i0:j0 + 1]
     k = j0 + 1
     assert lines[k].strip().startswith("cp_async_wait1()") and lines[k + 1].strip() == "else:"
@@ -72,10 +73,35 @@ def late_prefetch(src: str) -> str:
     assert lines[k + 4].strip() == "cuda.syncthreads()"
     top = ["        cp_async_wait_all()", "        fence_proxy_async()", "        cuda.syncthreads()", *fetch]
     out = lines[:i0] + top + lines[k + 5:]
-    end = _find(out, r"^        buf_x = U1 - buf_x", loop)
+    end = find_line(out, r"^        buf_x = U1 - buf_x", loop)
     assert out[end - 1].strip() == "cuda.syncthreads()" and out[end - 2].strip() == "fence_proxy_async()"
     del out[end - 2:end]          # the next iteration's barrier comes before its copies are issued
     return "\n".join(out) + "\n"
+
+
+def chunk_parts(body: list[str]) -> SimpleNamespace:
+    """The pieces of the warpgroup forward's stream-loop ``body`` that the overlap edits reorder:
+    the scores' contraction (``body[s0:s_commit + 1]``), its wait as ``wgmma.wait_group 1``
+    (``s_wait``), the softmax with each row's rescale of the output kept in ``O_dl[i]`` instead of
+    applied (``softmax``), and the update's packed probabilities (``packs``, their ``names``),
+    accumulator tuples, products (reading ``V_s_prv``) and wait."""
+    s0 = find_line(body, r"^\s+V_s_cur = ") + 1
+    s_commit = find_line(body, r"^\s+wgmma_commit\(\)", s0)
+    sm0 = find_line(body, r"^\s+# S = ", s_commit)
+    sm1 = find_line(body, r"^\s+# update O: o \+= ", sm0)
+    softmax = body[sm0:sm1]
+    rs = find_line(softmax, r"O_o\[i, j\] \*= delta")
+    assert softmax[rs - 1].strip().startswith("for j in range(")
+    softmax = softmax[:rs - 1] + [softmax[rs - 1].split("for")[0] + "O_dl[i] = delta"] + softmax[rs + 1:]
+    pv = body[sm1:find_line(body, r"^\s+fence_proxy_async\(\)", sm1)]
+    packs = [ln for ln in pv if "pack_f16(" in ln]
+    return SimpleNamespace(
+        s0=s0, s_commit=s_commit, softmax=softmax, packs=packs, names=[ln.split("=")[0].strip() for ln in packs],
+        s_wait=[ln.replace("wgmma_wait_n", "wgmma_wait1_n") for ln in body[s_commit + 1:sm0]],
+        pv_tuples=[ln for ln in pv if re.match(r"^\s+O_o_wg\d* = \(", ln)],
+        pv_mma=[ln.replace("V_s_cur", "V_s_prv") for ln in pv
+                if re.match(r"^\s+(O_o_wg\d* = wgmma_f16_n|V_s_desc\d* = wgmma_desc16\()", ln)],
+        pv_wait=[ln for ln in pv if "wgmma_wait_n" in ln or re.match(r"^\s+O_o\[\d, 0\], ", ln)])
 
 
 def pipeline(src: str) -> str:
@@ -86,31 +112,17 @@ def pipeline(src: str) -> str:
     cores; K of chunk c + 1 is fetched at the top, V of chunk c + 1 once the update of c - 1 no
     longer reads its buffer."""
     lines = src.splitlines()
-    loop = _find(lines, r"^    for x0 in range\(")
-    end = _find(lines, r"^    # O\[", loop)          # the epilogue after the loop
+    loop = find_line(lines, r"^    for x0 in range\(")
+    end = find_line(lines, r"^    # O\[", loop)          # the epilogue after the loop
     body = lines[loop + 1:end]
     ind = " " * 8
-    kf = _find(body, r"^\s+K_s_fill2 = ")
-    vf = _find(body, r"^\s+V_s_fill2 = ")
-    cm = _find(body, r"^\s+cp_async_commit\(\)", vf)
+    kf = find_line(body, r"^\s+K_s_fill2 = ")
+    vf = find_line(body, r"^\s+V_s_fill2 = ")
+    cm = find_line(body, r"^\s+cp_async_commit\(\)", vf)
     k_lines, v_lines = body[kf:vf], body[vf:cm]
-    s0 = _find(body, r"^\s+V_s_cur = ") + 1
-    s_commit = _find(body, r"^\s+wgmma_commit\(\)", s0)
-    s_wait = body[s_commit + 1:_find(body, r"^\s+# S = ", s_commit)]
-    sm0 = _find(body, r"^\s+# S = ", s_commit)
-    sm1 = _find(body, r"^\s+# update O: o \+= ", sm0)
-    softmax = body[sm0:sm1]
-    rs = _find(softmax, r"O_o\[i, j\] \*= delta")
-    assert softmax[rs - 1].strip() == "for j in range(U16):"
-    softmax = softmax[:rs - 1] + [softmax[rs - 1].replace("for j in range(U16):", "O_dl[i] = delta")] + softmax[rs + 1:]
-    pv = body[sm1:_find(body, r"^\s+fence_proxy_async\(\)", sm1)]
-    packs = [ln for ln in pv if "pack_f16(" in ln]
-    pv_tuples = [ln for ln in pv if re.match(r"^\s+O_o_wg\d* = \(", ln)]
-    pv_mma = [ln.replace("V_s_cur", "V_s_prv") for ln in pv
-              if re.match(r"^\s+(O_o_wg\d* = wgmma_f16_n|V_s_desc\d* = wgmma_desc16\()", ln)]
-    pv_wait = [ln for ln in pv if "wgmma_wait_n" in ln or re.match(r"^\s+O_o\[0, 0\]|^\s+O_o\[2, 0\]", ln)]
-    names = [ln.split("=")[0].strip() for ln in packs]
-    s_wait = [ln.replace("wgmma_wait_n", "wgmma_wait1_n") for ln in s_wait]
+    parts = chunk_parts(body)
+    s0, s_commit, softmax, s_wait = parts.s0, parts.s_commit, parts.softmax, parts.s_wait
+    packs, names, pv_tuples, pv_mma, pv_wait = parts.packs, parts.names, parts.pv_tuples, parts.pv_mma, parts.pv_wait
     new = [
         "    O_dl = cuda.local.array(4, float32)  # probe: each row's rescale, applied once the update landed",
         *[f"    {n} = pack_f16(ZERO, ZERO)  # probe: chunk c - 1's probabilities, packed" for n in names],
@@ -196,11 +208,11 @@ def producer_warp(src: str) -> str:
     T = int(re.search(r"^NTHREADS = uint32\((\d+)\)", src, re.M).group(1))
     lines = [re.sub(r'"launch_bounds": \((\d+), ', lambda m: f'"launch_bounds": ({int(m.group(1)) + p}, ', ln)
              for ln in lines]
-    loop = _find(lines, r"^    for x0 in range\(")
-    first = _find(lines, r"^    if U0 < N_x:")
+    loop = find_line(lines, r"^    for x0 in range\(")
+    first = find_line(lines, r"^    if U0 < N_x:")
     assert lines[loop - 1].strip() == "cp_async_commit()"
-    i0 = _find(lines, r"^        if x_next < N_x:", loop)
-    j0 = _find(lines, r"^            cp_async_commit\(\)", i0)
+    i0 = find_line(lines, r"^        if x_next < N_x:", loop)
+    j0 = find_line(lines, r"^            cp_async_commit\(\)", i0)
 
     def one_warp(ln):
         steps = re.search(r"for u in range\(U(\d+)\):", ln)
@@ -211,10 +223,10 @@ def producer_warp(src: str) -> str:
     k = j0 + 1
     assert lines[k].strip().startswith("cp_async_wait1()") and lines[k + 3].strip() == "fence_proxy_async()"
     assert lines[k + 4].strip() == "cuda.syncthreads()"
-    end = _find(lines, r"^        buf_x = U1 - buf_x", loop)
+    end = find_line(lines, r"^        buf_x = U1 - buf_x", loop)
     assert lines[end - 2].strip() == "fence_proxy_async()" and lines[end - 1].strip() == "cuda.syncthreads()"
     consumer = lines[:first] + lines[loop:i0] + lines[k + 5:end - 2] + lines[end - 1:]
-    start = _find(consumer, r"^    b0 = by_rest")
+    start = find_line(consumer, r"^    b0 = by_rest")
     producer = [
         "    if tid >= NTHREADS:  # probe: the copying warpgroup",
         "        probe_regs_dec()",
