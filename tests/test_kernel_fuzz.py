@@ -204,7 +204,8 @@ EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, 
                      "library": {"micro"},
                      "tensor_core": {"fragments", "mma-registers", "ldmatrix", "ldmatrix-trans", "cp.async",
                                      "cp.async-pipeline", "packed-operand", "wgmma", "wgmma-scale-d-0",
-                                     "wgmma-accumulate", "copying-warpgroup", "hoisted-fragments", "tf32x3"}}
+                                     "wgmma-accumulate", "copying-warpgroup", "hoisted-fragments", "tf32x3",
+                                     "ldmatrix-b-pair", "ldmatrix-b-single"}}
 
 
 # --------------------------------------------------------------------------- one example
@@ -315,6 +316,10 @@ def _features(kernel) -> set[str]:
         out.add("register-copy")
     if re.search(r"pack_(b?f16|tf32x3)\(\w+_r\[", body):   # lowering/frag_operands.py: A fragments from registers
         out.add("frag-operand")
+    if re.search(r"b\w+, b\w+, b\w+, b\w+ = ldsm_x4", body):   # emit_mma.LdMatrix.b_tile: two column tiles by one .x4
+        out.add("ldmatrix-b-pair")
+    if re.search(r"b\w+, b\w+ = ldsm_x2", body):                 # ... or one by .x2 (an odd count of column tiles)
+        out.add("ldmatrix-b-single")
     return out
 
 

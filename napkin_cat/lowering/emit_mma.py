@@ -38,6 +38,10 @@ UNROLL_LIMIT = 256
 """At most this many mma calls are written out per contraction (all its 16-wide steps unrolled
 in the source); beyond it the steps are a loop (operands in registers need the unrolled form)."""
 
+B_PAIRS = True
+"""Read the B fragments of two adjacent 8-column tiles by one ``ldmatrix .x4`` instead of two
+``.x2`` (half the shared-memory load instructions of a contraction's column operand)."""
+
 HOIST_REGISTERS = 64
 """Registers per thread a kernel may spend on row-operand fragments loaded once before a stream
 loop instead of once per chunk (:func:`hoisted_fragments`; 0: never).  Measured on an H100, fp16,
@@ -255,12 +259,16 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
 
     def step(ks: str, literal: bool):
         a, kb, k16 = a_regs(ks, literal)
+        paired: dict = {}
         for nt in range(m.NT):
             col = f"{bbase} + {k.u(8 * nt)}" if nt else bbase
-            b = []
-            if B.buffer is not None:
-                b = [em.names.fresh(f"b{nt}{h}") for h in range(2)]
-                src(f"{', '.join(b)} = {ldsm.b_tile(B.buffer, nt, k16)}")
+            b = paired.pop(nt, [])
+            if B.buffer is not None and not b:
+                pair_nt = nt + 1 < m.NT and nt % 2 == 0 and B_PAIRS
+                b = [em.names.fresh(f"b{nt + i // 2}{i % 2}") for i in range(4 if pair_nt else 2)]
+                src(f"{', '.join(b)} = {ldsm.b_tile(B.buffer, nt, k16, 2 if pair_nt else 1)}")
+                if pair_nt:   # the next column tile's pair came with this one (ldmatrix .x4)
+                    b, paired[nt + 1] = b[:2], b[2:]
             for kh in ((0, 8) if B.buffer is None else ()):
                 name = reg(f"b{nt}{kh // 8}")
                 kexpr = f"{kb} + {k.u(kh)}" if kh else kb
@@ -309,7 +317,14 @@ class LdMatrix:
         over k steps, whose every load adds only its tile part)."""
         for key, tile in keys_and_tiles:
             if key is not None:
-                (self.a_tile if tile == "a" else self.b_tile)(key, 0, None)
+                if tile == "a":
+                    self.a_tile(key, 0, None)
+                    continue
+                pairs = self.m.NT >= 2 and B_PAIRS
+                if pairs:
+                    self.b_tile(key, 0, None, 2)
+                if self.m.NT % 2 or not pairs:
+                    self.b_tile(key, 0, None, 1)
 
     def _at(self, key, fn: str, lane_env: dict, tile_env: dict) -> str:
         em = self.em
@@ -341,13 +356,17 @@ class LdMatrix:
                m.row: self._plus(self.wrow, f"{lane} // {k.u(8)} % {k.u(2)} * {k.u(8)}")}
         return self._at(key, "ldsm_x4_t", env, tile)
 
-    def b_tile(self, key, nt: int, k16: str | None) -> str:
+    def b_tile(self, key, nt: int, k16: str | None, count: int = 1) -> str:
+        """B fragments of column tile ``nt`` (``count`` 2: and of tile ``nt + 1``, by one
+        ``ldmatrix .x4``: lanes 16-31 address the second tile's rows, its two registers last)."""
         em, m, k, lane = self.em, self.m, self.em.consts, self.lane
         b = em.bufs[key]
         tile = {m.col: k.u(8 * nt) if nt else None, self.kax: k16}
+        second = f"{lane} // {k.u(16)} * {k.u(8)}" if count == 2 else None
+        x = "x4" if count == 2 else "x2"
         if b.axes[-1] == self.kax:
-            env = {m.col: self._plus(self.wcol, f"{lane} % {k.u(8)}"),
+            env = {m.col: self._plus(self.wcol, f"{lane} % {k.u(8)}", second),
                    self.kax: f"{lane} // {k.u(8)} % {k.u(2)} * {k.u(8)}"}
-            return self._at(key, "ldsm_x2", env, tile)
-        env = {self.kax: f"{lane} % {k.u(16)}", m.col: self.wcol or k.u(0, "U0")}
-        return self._at(key, "ldsm_x2_t", env, tile)
+            return self._at(key, f"ldsm_{x}", env, tile)
+        env = {self.kax: f"{lane} % {k.u(16)}", m.col: self._plus(self.wcol, second) or k.u(0, "U0")}
+        return self._at(key, f"ldsm_{x}_t", env, tile)
