@@ -222,6 +222,12 @@ def steady_ratio(r: dict) -> str:
     return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"
 
 
+def switch_value(old, v):
+    """A tunable's value from ``NAME=0|1``: a switch that is a bool or a mode name (``"auto"``)
+    becomes ``False`` / ``True``; a number keeps its type."""
+    return bool(int(v)) if isinstance(old, (bool, str)) and str(v) in ("0", "1") else type(old)(v)
+
+
 def main(argv=None):
     global STEADY
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -265,7 +271,7 @@ def main(argv=None):
             saved = {k: getattr(home[k], k) for k in switches}
             try:
                 for k, v in switches.items():
-                    setattr(home[k], k, type(saved[k])(v))
+                    setattr(home[k], k, switch_value(saved[k], v))
                 r = case(dt, N, D, causal, BH, not args.no_check, args.backward, args.prefetch, blocks, n == 0, fp32)
             except Exception as e:  # noqa: BLE001 - recorded with the case, the run goes on
                 r = {"dtype": dt, "N": N, "d": D, "causal": causal, "tiles": blocks,

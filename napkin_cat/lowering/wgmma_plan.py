@@ -68,6 +68,50 @@ def wgmma_capable() -> bool:
     return tuple(lim.compute_capability) >= MIN_CC
 
 
+AUTO_MIN_THREADS = 256
+"""Threads a kernel needs for warpgroup MMAs under ``planner.WGMMA = "auto"`` (several warpgroups)."""
+
+AUTO_MIN_COLUMNS = 64
+"""Columns (``N``) a contraction's warpgroup MMA needs under ``planner.WGMMA = "auto"``: measured on
+an H100 (fp16, N = 4096), the causal dQ kernel, whose keys stream in chunks of 32 (``m64n32``),
+ran 0.42 ms against ``mma.sync``'s 0.36 at d = 64 and 0.91 against 0.78 at d = 128, where the
+kernels with 64 columns or more gained (kernels/BENCHMARKS.md, "Third session of 2026-11-25")."""
+
+
+def wgmma_why_not(mode, T: int, accs=()) -> str | None:
+    """Why a kernel of ``T`` threads with accumulators ``accs`` gets no warpgroup MMAs under
+    ``planner.WGMMA = mode`` (None: its contractions move where their fragments and buffers allow).
+
+    ``"auto"`` follows what was measured on an H100 (fp16, N = 4096, every kernel checked against
+    float64 first; kernels/BENCHMARKS.md, "Warpgroup MMA" and "Third session of 2026-11-25"):
+
+    - kernels whose accumulators are plain sums, on two warpgroups or more, multiplied faster by
+      ``wgmma`` (the attention backward's dK, dV kernel 0.892 against 0.920 ms at d = 64, 1.889
+      against 2.056 at d = 128, where ``mma.sync``'s fragments read each column operand once per
+      warp and saturate shared memory; the dQ kernel 0.62 against 0.64 at d = 64);
+    - one warpgroup ran slower (the forward at 64 rows, 1.056 against 0.532 ms): each ``wgmma``
+      is collective over the warpgroup, its warps wait on each other at every contraction;
+    - an accumulator rescaled every chunk (an online softmax's output) ran slower on two
+      warpgroups too (0.604 against 0.543 ms, 128 rows and 256 threads): it is waited for and
+      rescaled on the CUDA cores every chunk.  With a copying warpgroup (``producer.SWITCH``) it
+      wins (0.427 ms at 256 rows), which ``planner.WGMMA = True`` and the switch ask for."""
+    if mode not in (True, False, "auto", 0, 1):
+        from ..core.errors import LoweringError
+        raise LoweringError(f"planner.WGMMA must be True, False or 'auto', got {mode!r}")
+    if not mode:
+        return "planner.WGMMA is off"
+    if not wgmma_capable():
+        return "the GPU has no warpgroup MMAs (compute capability below 9.0)"
+    if mode != "auto":
+        return None
+    if T < AUTO_MIN_THREADS:
+        return f"{T} threads, one warpgroup: measured slower than mma.sync (planner.WGMMA = True forces it)"
+    if any(p.stat is not None for p in accs):
+        return ("an accumulator rescaled every chunk (online softmax): measured slower than mma.sync unless a "
+                "separate warpgroup issues the copies (planner.WGMMA = True with producer.SWITCH)")
+    return None
+
+
 def mapping_ok(m: Frag, T: int) -> str | None:
     """Why fragments ``m`` cannot be multiplied by warpgroups on ``T`` threads (None: they can)."""
     if m.Wn != 1 or m.Wm % 4 or 32 * m.Wm * m.Wn != T:
@@ -77,14 +121,26 @@ def mapping_ok(m: Frag, T: int) -> str | None:
     return None
 
 
-def plan_wgmma(ff, ax, st: Structure, targets, accs, bufs, T: int, n_in: int, absorbed, enabled: bool):
+def plan_wgmma(ff, ax, st: Structure, targets, accs, bufs, T: int, n_in: int, absorbed, why_not: str | None,
+               min_columns: int = 8):
     """(targets, accs, buffers, notes): contractions whose fragments and column buffer allow it
     move to warpgroup MMAs (``Frag.wg``) and their column buffers to the core-matrix layout
     (offsets reassigned); ``notes`` say why each other one stays on ``mma.sync``.  A mapping
-    shared by several contractions moves only if each of them can."""
-    if not enabled:
-        return targets, accs, bufs, ()
+    shared by several contractions moves only if each of them can.  ``why_not``: why none
+    moves in this kernel (:func:`wgmma_why_not`; said in a note where a contraction could);
+    ``min_columns``: with a contraction of fewer columns, none moves (:data:`AUTO_MIN_COLUMNS` under
+    ``"auto"``)."""
     found = list(_contractions(ff, st, targets, accs))
+    if why_not is not None:
+        could = found and not why_not.startswith("planner.WGMMA is off") and "compute capability" not in why_not \
+            and any(mapping_ok(m, T) is None for _, m, _, _ in found)
+        return targets, accs, bufs, ((f"Warpgroup MMA: not used: {why_not}.",) if could else ())
+    narrow = [m for _, m, _, _ in found if 8 * m.NT < min_columns]
+    if narrow:   # the whole kernel stays: kernels with engines mixed were not measured
+        m = narrow[0]
+        return targets, accs, bufs, (f"Warpgroup MMA: not used: the contraction over ({m.row}, {m.col}) has "
+                                     f"{8 * m.NT} columns, fewer than {min_columns}: measured slower than mma.sync "
+                                     f"(planner.WGMMA = True forces it).",)
     ok: dict[Frag, bool] = {}
     cores = set()
     notes = []
