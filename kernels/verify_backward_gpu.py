@@ -66,7 +66,9 @@ def check(name: str, dtype: str, n: int, dim: int, backward: str | None = None) 
         cot = torch.randn(out.shape, device="cuda", generator=gen).to(dt)
         got = torch.autograd.grad(out, tensors, cot)
     except nc.NapkinError as err:
-        return (name, dtype, "refused", str(err)[:80], "", ""), {}
+        lines = str(err).splitlines()
+        why = [ln.strip() for ln in lines if ln.strip().startswith(("kernel:", "first difference"))]
+        return (name, dtype, "refused", lines[0][:100], "", ""), {"refusal": " / ".join(why)[:900]}
     ts = [t.detach().cpu().double().requires_grad_() for t in tensors]
     want_out = nc.to_torch(op.diagram)(*ts)
     want = torch.autograd.grad(want_out, ts, cot.cpu().double())
@@ -85,6 +87,7 @@ def main():
     ap.add_argument("--n", type=int, default=320)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--dtypes", default="f16,bf16")
+    ap.add_argument("--only", default="", help="comma list of variant names (default: all)")
     ap.add_argument("--backward", choices=("auto", "one", "two"), default="auto",
                     help="the backward's form (nc.torch_op(backward=...)): the cost model's, one kernel or two")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
@@ -92,7 +95,8 @@ def main():
     args = ap.parse_args()
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
-    cases = [(name, dt) for name in variants() for dt in args.dtypes.split(",")]
+    cases = [(name, dt) for name in variants() for dt in args.dtypes.split(",")
+             if not args.only or name in args.only.split(",")]
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         form = {"auto": None, "one": "one kernel", "two": "two kernels"}[args.backward]
         futures = [pool.submit(check, name, dt, args.n, args.d, form) for name, dt in cases]

@@ -403,3 +403,35 @@ def test_torch_op_refuses_params_and_bad_options():
         torch_op(flash(), simulate="yes")
     with pytest.raises(TypingError, match="needs a Diagram"):
         torch_op("attention")
+
+
+# --------------------------------------------------------------------------- self-check inputs of backward parts
+
+def test_backward_parts_are_self_checked_on_inputs_the_forward_gives_them():
+    """``residual_inputs``: L is the logsumexp of the (rounded) scaled scores and D = rowsum(dO O),
+    so P = exp(S - L) <= 1 even in the 'jumps' regime, where L drawn alone gave P ~ 1e83 and a
+    16-bit kernel's packed P overflowed (kernels/BENCHMARKS.md, "Third session of 2026-11-25")."""
+    from napkin_cat.lowering.backward_forms import residual_inputs
+    from napkin_cat.verify.data import REGIMES
+    plan = backward_plan(flash(causal=True), form="two kernels").bind({"q": 80, "x": 72, "d": 8}).at(nc.f16)
+    dkdv = plan.parts[1]
+    assert [a.name for a in dkdv.dom] == ["Q", "K", "V", "L", "dO", "D"]
+    for regime in ("normal", "jumps", "huge_one_sign"):
+        Q, K, V, L, dO, D = residual_inputs(plan, dkdv)(np.random.default_rng(1), REGIMES[regime][0])
+        assert Q.dtype == np.float64 and np.array_equal(Q, Q.astype(np.float16).astype(np.float64))
+        S = Q @ K.T / np.sqrt(8)
+        S = np.where(np.arange(72)[None, :] <= np.arange(80)[:, None], S, -np.inf)
+        np.testing.assert_allclose(L, np.log(np.exp(S - S.max(1, keepdims=True)).sum(1)) + S.max(1), rtol=1e-9)
+        assert np.nanmax(np.exp(S - L[:, None])) <= 1 + 1e-6     # float64 rounding of scores ~ 1e8
+        O = nc.evaluate(nc.library.attention(causal=True), Q, K, V)
+        np.testing.assert_allclose(D, (dO * O).sum(1), rtol=1e-9, atol=1e-9 * np.abs(dO * O).sum())
+
+
+def test_lower_refuses_check_inputs_it_would_ignore_or_cannot_call():
+    d = nc.library.matmul(*nc.axes("a b c")).bind({"a": 4, "b": 4, "c": 4})
+    with pytest.raises(nc.LoweringError, match="would be ignored"):
+        nc.lower(d, verify=False, check_inputs=lambda rng, draw: [])
+    with pytest.raises(nc.LoweringError, match="must be a callable"):
+        nc.lower(d, check_inputs=3)
+    with pytest.raises(nc.EquivalenceError, match="check_inputs gave arrays of shapes"):
+        nc.lower(d, verify=1, check_inputs=lambda rng, draw: [np.zeros((4, 4))])

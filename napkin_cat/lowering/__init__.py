@@ -56,7 +56,8 @@ class Launch:
 
 def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, threads: int | None = None,
           *, name: str | None = None, micro: tuple[int, int] | None = None, fastmath: bool = True,
-          prefetch: bool | str = False, hw=None, verify: bool | int = True, fp32: str = "fma") -> "Kernel":
+          prefetch: bool | str = False, hw=None, verify: bool | int = True, fp32: str = "fma",
+          check_inputs=None) -> "Kernel":
     """Generate a numba.cuda kernel for ``d`` (every axis size bound).
 
     ``tiles``: ``{axis or symbol: size}`` for tiled axes (tile size) and streamed axes (chunk);
@@ -71,11 +72,14 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     fits, else none (:func:`~.planner.auto_prefetch`).  ``fp32``: how an fp32 kernel multiplies:
     ``"fma"`` (fp32 FMAs on CUDA cores) or ``"3xtf32"`` (tensor cores, each product as three tf32
     products: fp32-level error, what SDPA's fp32 kernels do; :data:`~.planner.TF32X3`).
-    ``verify``: before it is returned, the kernel runs against the NumPy
-    float64 oracle on ``SELF_CHECK_RUNS`` inputs (``True``) or that many (an int) at its bound
-    sizes, and a difference raises :class:`~napkin_cat.core.errors.EquivalenceError` with code that
-    reproduces it; ``verify=False`` skips it and ``kernel.verified`` says so
-    (``nc.check_equivalent(oracle, kernel)`` draws far more inputs either way).
+    ``verify``: before it is returned, the kernel runs against the NumPy float64 oracle on
+    ``SELF_CHECK_RUNS`` inputs (``True``) or that many (an int) at its bound sizes; a difference
+    raises :class:`~napkin_cat.core.errors.EquivalenceError` with code that reproduces it;
+    ``verify=False`` skips it and ``kernel.verified`` says so (``nc.check_equivalent(oracle,
+    kernel)`` draws far more inputs either way).  ``check_inputs``: for a diagram whose inputs
+    are related (a backward part's ``L`` is the logsumexp of its ``Q K^T``), ``check_inputs(rng,
+    draw)`` makes the self-check's inputs (``d.dom``'s order) from ``draw(rng, shape)`` as its
+    producer would give them (:func:`~.backward_forms.residual_inputs`), else each is drawn alone.
 
     Where one fused kernel does not do (refused, or over the shared memory of the device or of
     ``hw``) or ``place(wire, "HBM")`` asks for it, the result is a :class:`~.multi.MultiKernel`:
@@ -98,6 +102,10 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     if not (isinstance(verify, bool) or isinstance(verify, int) and verify >= 0):
         raise LoweringError(f"lower: verify must be True, False or a number of runs >= 0, got {verify!r}")
     runs = SELF_CHECK_RUNS if verify is True else int(verify)
+    if check_inputs is not None and (not callable(check_inputs) or not runs):
+        raise LoweringError(f"lower: check_inputs must be a callable (rng, draw) -> input arrays, got {check_inputs!r}"
+                            if not callable(check_inputs) else f"lower: check_inputs makes the self-check's inputs, "
+                            f"and verify={verify!r} runs none, so it would be ignored; drop it or verify")
     check_fp32(d, fp32)
     opts = dict(tiles=tiles, threads=threads, name=name, micro=micro, fastmath=fastmath, prefetch=prefetch, hw=hw,
                 fp32=fp32)
@@ -108,7 +116,7 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
         kernel = lower_split(d, opts, _lower_one, e)
     if runs:
         from ..verify.kernelcheck import self_check
-        kernel.notes += (self_check(kernel, runs),)
+        kernel.notes += (self_check(kernel, runs, check_inputs),)
         kernel.verified = True
     else:
         kernel.notes += ("Not verified: lower(..., verify=False); run nc.check_equivalent(oracle, kernel).",)

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from dataclasses import dataclass, replace
 from math import prod
 
@@ -307,3 +309,37 @@ def at_dtype(d: Diagram, dtype, fixed: dict | None = None) -> Diagram:
     if (typed.dom, typed.cod, typed.eqns) == (d.dom, d.cod, d.eqns):
         return d
     return relabel_like(typed, d.schedule)
+
+
+def residual_inputs(plan: BackwardPlan, part: Diagram):
+    """For ``lower(part, check_inputs=...)``: the self-check's inputs of backward part ``part`` as
+    the forward gives them.  The inputs of the forward and the cotangents are drawn (each rounded
+    to its dtype), the forward's oracle computes its outputs (``O`` and the logsumexp ``L``) from
+    them, and the parts before ``part`` their row terms (``D = rowsum(dO O)``).  Drawn alone, ``L``
+    is no logsumexp of ``Q K^T``: ``P = exp(S - L)`` then reaches 1e83 where the forward keeps
+    ``P <= 1``, and a 16-bit kernel packing ``P`` for its tensor cores overflows on inputs it never
+    gets (kernels/BENCHMARKS.md, "Third session of 2026-11-25")."""
+    from ..verify.executor import evaluate
+    from ..verify.kernelcheck import as_kernel_inputs
+    forward = plan.forward.unrelabelled()
+    before = plan.parts[:[id(p) for p in plan.parts].index(id(part))]
+
+    def make(rng, draw):
+        shape = lambda arr: tuple(ax.size for ax in arr.axes)   # noqa: E731
+        drawn = {a.name: draw(rng, shape(a)) for a in forward.dom}
+        rounded = as_kernel_inputs([drawn[a.name] for a in forward.dom], forward.dom)
+        have = {a.name: np.asarray(x, dtype=np.float64) for a, x in zip(forward.dom, rounded)}
+        outs = evaluate(forward, *(have[a.name] for a in forward.dom), reference=True)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        have.update({a.name: np.asarray(o, dtype=np.float64) for a, o in zip(forward.cod, outs)})
+        for a in plan.diagram.dom:       # the cotangents
+            if a.name not in have:
+                (x,) = as_kernel_inputs([draw(rng, shape(a))], [a])
+                have[a.name] = np.asarray(x, dtype=np.float64)
+        for p in before:                 # row terms an earlier part computes for this one
+            ins = [have[a.name] for a in p.dom]
+            got = evaluate(p.unrelabelled(), *ins, reference=True)
+            got = got if isinstance(got, tuple) else (got,)
+            have.update({a.name: np.asarray(o, dtype=np.float64) for a, o in zip(p.cod, got)})
+        return [have[a.name] for a in part.dom]
+    return make

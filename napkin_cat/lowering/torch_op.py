@@ -419,7 +419,7 @@ class TorchOp:
                            f"tensors, not lowered) ran through their torch semantics on {device}")
                 got.update(zip((a.name for a in part.cod), run_torch_part(part, ins, _out_dtypes(part, dtype))))
                 continue
-            kernel = self._backward_kernel(part, wrt, sizes, device)
+            kernel = self._backward_kernel(part, wrt, sizes, device, plan)
             if kernel is None:
                 outs, fell = _to_torch(evaluate(part.unrelabelled(), *_host(ins), reference=True),
                                        _out_dtypes(part, dtype), device), True
@@ -431,15 +431,20 @@ class TorchOp:
         # the one-kernel form's fp32 dQ, converted to the inputs' dtype
         return tuple(got[a.name].to(t) for a, t in zip(plan.diagram.cod, _out_dtypes(plan.diagram, dtype)))
 
-    def _backward_kernel(self, diagram: Diagram, wrt, sizes, device):
+    def _backward_kernel(self, diagram: Diagram, wrt, sizes, device, plan: BackwardPlan | None = None):
         """The lowered backward diagram, or None (the refusal recorded in ``notes``).  ``tiles``
-        entries that name one of its block symbols (``g_x``, ``s_q``, ...) or axes apply to it."""
+        entries that name one of its block symbols (``g_x``, ``s_q``, ...) or axes apply to it.
+        A part of residual ``plan`` is self-checked on inputs its forward would give it
+        (:func:`~.backward_forms.residual_inputs`)."""
         from . import lower
+        from .backward_forms import residual_inputs
+        related = residual_inputs(plan, diagram) if plan is not None and self.verify is not False \
+            and self.verify != 0 else None
 
         def make():
             try:
                 return lower(diagram, tiles=self._tiles(diagram), threads=self.threads, verify=self.verify,
-                             prefetch=self.prefetch, fp32=self._fp32(diagram))
+                             prefetch=self.prefetch, fp32=self._fp32(diagram), check_inputs=related)
             except LoweringError as e:
                 self._note(f"backward {diagram.short()} of {self.diagram.short()} at {dict(sizes)} was not "
                            f"lowered, so it ran in the NumPy executor on host copies: {e}")

@@ -15,7 +15,7 @@ import numpy as np
 from ..core.diagram import Diagram
 from ..core.errors import ShapeError, TypingError
 from ..core.hierarchy import DEVICES
-from ..ops.semantics import (Ctx, _as_numpy, apply_box, check_call_options, check_inputs, concrete_shape,
+from ..ops.semantics import (NP_DTYPES, Ctx, _as_numpy, apply_box, check_call_options, check_inputs, concrete_shape,
                              resolve_sizes, run_eqns)
 from ..relabel.accumulators import Accumulator
 from ..relabel.devices import device_visits, layout_of
@@ -61,6 +61,35 @@ def evaluate(d: Diagram, *arrays, sizes: dict | None = None, params: dict | None
         outs = [env[v] for v in d.outs]
     outs = [np.array(o, copy=True) for o in outs]
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+class Fp32Ctx(Ctx):
+    """Every float wire computed in float32, whatever its dtype: a 16-bit kernel's registers."""
+
+    def dtype(self, dt):
+        return np.float32 if dt.kind == "float" else NP_DTYPES[dt.name]
+
+
+def evaluate_operands_rounded(d: Diagram, *arrays, sizes: dict | None = None) -> tuple:
+    """``d`` (unrelabelled) in float32, every computed 16-bit wire a ``contract`` box reads rounded
+    to its dtype: what a tensor-core kernel does with the operands it packs (a backward's ``P``
+    and ``dS``), its other intermediates kept in fp32 registers.  The 16-bit kernel check's plain
+    implementation in the kernel's precision (:mod:`.kernelcheck`)."""
+    from ..ops.arrays import round_to_dtype
+    d = d.unrelabelled()
+    arrays = tuple(_as_numpy(x, a) for x, a in zip(arrays, d.dom))
+    check_inputs(d, arrays)
+    ctx = Fp32Ctx(resolve_sizes(d, arrays, sizes), {}, False, {})
+    types = d.var_types()
+    packed = {v for e in d.eqns if e.box.kind == "contract" for v in e.ins
+              if v >= len(arrays) and types[v].dtype.name in ("f16", "bf16")}
+    env: list = [x.astype(ctx.dtype(a.dtype)) for x, a in zip(arrays, d.dom)] + [None] * (len(types) - len(arrays))
+    for k, e in enumerate(d.eqns):
+        run_eqns(d, env, ctx, (k,))
+        for v in d.eqn_outputs(k):
+            if v in packed:
+                env[v] = np.asarray(round_to_dtype(env[v], types[v].dtype.name), dtype=np.float32)
+    return tuple(np.asarray(env[v], dtype=np.float64) for v in d.outs)
 
 
 # --------------------------------------------------------------------------- the tiled executor

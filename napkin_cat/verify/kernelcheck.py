@@ -10,7 +10,9 @@ where ``oracle_lo`` is the same diagram evaluated by NumPy in the kernel's dtype
 answer rounded to each output's dtype) on the same (dtype-rounded) inputs, ``scale`` the largest
 finite output magnitude (at least 1) and ``(rtol, atol)`` :data:`KERNEL_TOLERANCES` of the
 dtype.  The last term is FlashAttention's test rule: a kernel may be as far from the exact
-answer as a plain implementation in its own precision (its largest error on that output), twice
+answer as a plain implementation in its own precision (its largest error on that output; for a
+16-bit kernel also the float64 answer with the computed 16-bit operands of its contractions rounded,
+as tensor cores take a backward's ``P`` and ``dS``), twice
 over (:data:`FASTMATH_FACTOR` times for kernels compiled with approximate exp and division, the
 default), and no further.  Where the
 low-precision oracle itself leaves the dtype's range (a finite float64 answer whose fp32
@@ -164,6 +166,19 @@ def oracle_outputs(oracle: Diagram, inputs32, sizes: dict, dtype: str = "f32") -
     return exact, low
 
 
+def wire_rounded_outputs(oracle: Diagram, inputs32, sizes: dict) -> tuple:
+    """A 16-bit kernel's plain implementation in its own precision: the float64 answer with every
+    computed 16-bit operand of a contraction rounded to its dtype, as tensor cores take them
+    (:func:`~.executor.evaluate_operands_rounded`).  A kernel that
+    packs ``P`` or ``dS`` into 16 bits for its tensor cores differs from the float64 answer by at
+    least that rounding, which a sum that cancels (``dQ = sum_x dS K`` with ``sum_x dS = 0``)
+    magnifies: measured on an H100, the bf16 dQ kernel's self-check at N = 320, regime 'jumps'
+    (kernels/BENCHMARKS.md, "Third session of 2026-11-25")."""
+    from .executor import evaluate_operands_rounded
+    with np.errstate(all="ignore"):
+        return evaluate_operands_rounded(oracle, *inputs32, sizes=sizes)
+
+
 @dataclass
 class KernelDiff:
     abs_error: float = 0.0
@@ -172,10 +187,12 @@ class KernelDiff:
 
 
 def compare_outputs(arrays, exact, low, got, rtol: float, atol: float,
-                    factor: float = LOW_PRECISION_FACTOR, half: bool = False) -> KernelDiff:
+                    factor: float = LOW_PRECISION_FACTOR, half: bool = False, wired=None) -> KernelDiff:
     """The kernel rule of the module docstring, output by output; the first failing entry.
     ``arrays``: the output types (names and axes for the report); ``half``: a kernel with 16-bit
-    wires, which may give NaN where the float64 answer is infinite (module docstring)."""
+    wires, which may give NaN where the float64 answer is infinite (module docstring); ``wired``:
+    a 16-bit kernel's plain implementation with its wires rounded (:func:`wire_rounded_outputs`),
+    whose largest finite error joins ``low``'s in the slack."""
     from .compare import note_difference
     out = KernelDiff()
     for i, (arr, r, lo, k) in enumerate(zip(arrays, exact, low, got)):
@@ -185,6 +202,9 @@ def compare_outputs(arrays, exact, low, got, rtol: float, atol: float,
         diff = np.where(both, np.abs(np.where(both, r, 0.0) - np.where(both, k, 0.0)), 0.0)
         with np.errstate(invalid="ignore", over="ignore"):   # lo - r where either is not finite: masked
             slack = float(np.max(np.abs(np.where(fr & fl, lo - r, 0.0)), initial=0.0))   # fp32's own error
+            if wired is not None:   # ... and a plain implementation's with 16-bit wires
+                w = wired[i]
+                slack = max(slack, float(np.max(np.abs(np.where(fr & np.isfinite(w), w - r, 0.0)), initial=0.0)))
         allowed = atol * scale + rtol * np.abs(np.where(fr, r, 0.0)) + factor * slack
         same = (k == r) | (np.isnan(k) & np.isnan(r))
         out_of_range = fr & ~fl                      # fp32 itself overflows here: follow it
@@ -212,6 +232,7 @@ def kernel_outcome(oracle: Diagram, kernel, inputs, sizes: dict | None = None, r
     rtol, atol = kernel_tolerances(kernel, rtol, atol)
     x32 = as_kernel_inputs(inputs, kernel.diagram.dom)
     exact, low = oracle_outputs(oracle, x32, sizes or {}, kernel_dtype(kernel))
+    wired = wire_rounded_outputs(oracle, x32, sizes or {}) if kernel_dtype(kernel) != "f32" else None
     try:
         got = run_kernel(kernel, x32)
     except NapkinError:   # the call itself refused (shapes, dtypes): a misuse, not a kernel difference
@@ -220,7 +241,8 @@ def kernel_outcome(oracle: Diagram, kernel, inputs, sizes: dict | None = None, r
         return KernelDiff(math.inf, math.inf, {"kind": "error", "side": "kernel",
                                                "error": f"{type(e).__name__}: {e}"})
     factor = FASTMATH_FACTOR if getattr(kernel, "options", {}).get("fastmath", True) else LOW_PRECISION_FACTOR
-    return compare_outputs(oracle.cod, exact, low, got, rtol, atol, factor, half=kernel_dtype(kernel) != "f32")
+    return compare_outputs(oracle.cod, exact, low, got, rtol, atol, factor, half=kernel_dtype(kernel) != "f32",
+                           wired=wired)
 
 
 # --------------------------------------------------------------------------- lower's own check
@@ -228,10 +250,12 @@ def kernel_outcome(oracle: Diagram, kernel, inputs, sizes: dict | None = None, r
 SELF_CHECK_REGIMES = ("normal", "jumps", "huge_one_sign")
 
 
-def self_check(kernel, examples: int) -> str:
+def self_check(kernel, examples: int, make_inputs=None) -> str:
     """Compare a freshly generated kernel with the oracle on ``examples`` inputs (regimes
     :data:`SELF_CHECK_REGIMES` in turn, seeds 0, 1, ...); raise :class:`EquivalenceError`
-    with reproducing code on a difference, else return the note that says what was checked."""
+    with reproducing code on a difference, else return the note that says what was checked.
+    ``make_inputs(rng, draw)``: the inputs of each run made from the regime's ``draw(rng, shape)``
+    by the caller (related inputs, ``lower(check_inputs=...)``), instead of each drawn alone."""
     from .data import REGIMES
     from .reproduce import reproducer_for_kernel
     oracle = kernel.diagram.unrelabelled()
@@ -241,10 +265,19 @@ def self_check(kernel, examples: int) -> str:
         regime = SELF_CHECK_REGIMES[k % len(SELF_CHECK_REGIMES)]
         rng = np.random.default_rng(k)
         gen = REGIMES[regime][0]
-        inputs = [gen(rng, tuple(ax.size for ax in arr.axes)) for arr in oracle.dom]
+        if make_inputs is None:
+            inputs = [gen(rng, tuple(ax.size for ax in arr.axes)) for arr in oracle.dom]
+        else:
+            inputs = [np.asarray(v, dtype=np.float64) for v in make_inputs(rng, gen)]
+            shapes = [tuple(ax.size for ax in arr.axes) for arr in oracle.dom]
+            if [v.shape for v in inputs] != shapes:
+                raise EquivalenceError(f"lower: check_inputs gave arrays of shapes {[v.shape for v in inputs]}, "
+                                       f"the kernel {kernel.name} takes {shapes}")
         diff = kernel_outcome(oracle, kernel, inputs)
         if diff.failure is not None:
-            code = reproducer_for_kernel(oracle, kernel, regime, k, diff.failure)
+            code = (reproducer_for_kernel(oracle, kernel, regime, k, diff.failure) if make_inputs is None else
+                    f"# inputs made by lower(check_inputs=...) from regime {regime!r}, "
+                    f"np.random.default_rng({k}): call it the same way")
             raise EquivalenceError(
                 f"lower: the generated kernel {kernel.name} differs from the NumPy oracle on its own "
                 f"self-check (regime {regime!r}, seed {k}); this is a code generation bug, please report it.\n"
