@@ -435,3 +435,26 @@ def test_lower_refuses_check_inputs_it_would_ignore_or_cannot_call():
         nc.lower(d, check_inputs=3)
     with pytest.raises(nc.EquivalenceError, match="check_inputs gave arrays of shapes"):
         nc.lower(d, verify=1, check_inputs=lambda rng, draw: [np.zeros((4, 4))])
+
+
+@needs_sim
+def test_torch_op_checks_each_backward_kernel_on_its_forwards_inputs(monkeypatch):
+    """Every backward part of the residual plan is lowered with ``check_inputs`` (its forward's
+    L and D, ``residual_inputs``); the forward itself draws its inputs alone."""
+    import napkin_cat.lowering as lowering
+    seen = []
+    real = lowering.lower
+
+    def spy(diagram, *args, **kw):
+        seen.append(([a.name for a in diagram.cod], kw.get("check_inputs")))
+        return real(diagram, *args, **kw)
+    monkeypatch.setattr(lowering, "lower", spy)
+    user = nc.library.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q")
+    op = torch_op(user, simulate=True, backward="two kernels")
+    ts = inputs(user, {"q": 6, "x": 7, "d": 4}, torch.float32)
+    torch.autograd.grad(op(*ts), ts, torch.ones(6, 4))
+    assert op.last_backward_path == "simulator-fa2", op.notes
+    by_output = {tuple(names): fn for names, fn in seen}
+    assert by_output[("O", "L")] is None
+    for part in (("D",), ("dK", "dV"), ("dQ",)):
+        assert callable(by_output[part]), (part, seen)
