@@ -208,7 +208,7 @@ def test_where_both_oracles_are_non_finite_the_kernel_follows_one_of_them():
 
 def test_a_16_bit_kernel_may_err_as_much_as_a_plain_implementation_with_16_bit_wires():
     """The slack of a 16-bit kernel includes fp32 arithmetic with the computed 16-bit operands of
-    its contractions rounded (``wire_rounded_outputs``): a dQ kernel computing dP - D in fp32 and
+    its contractions rounded (``packed_operand_outputs``): a dQ kernel computing dP - D in fp32 and
     packing dS into bf16 for its tensor cores errs by that much on the cancelling sum
     dQ = sum_x dS K (sum_x dS = 0) in regime 'jumps', which the float64 answer rounded to bf16
     did not allow (an H100 refused such kernels: kernels/BENCHMARKS.md, "Third session of
@@ -217,7 +217,7 @@ def test_a_16_bit_kernel_may_err_as_much_as_a_plain_implementation_with_16_bit_w
     from napkin_cat.ops.arrays import round_to_dtype
     from napkin_cat.verify.data import REGIMES
     from napkin_cat.verify.kernelcheck import (KERNEL_TOLERANCES, as_kernel_inputs, compare_outputs,
-                                               oracle_outputs, wire_rounded_outputs)
+                                               oracle_outputs, packed_operand_outputs)
     q, x, d = nc.axes("q x d")
     att = nc.library.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q")
     plan = backward_plan(att, form="two kernels").bind({"q": 96, "x": 80, "d": 16}).at(nc.bf16)
@@ -230,17 +230,17 @@ def test_a_16_bit_kernel_may_err_as_much_as_a_plain_implementation_with_16_bit_w
         x32 = as_kernel_inputs(inputs, part.dom)
         Q, K, V, L, dO, D = x32
         exact, low = oracle_outputs(oracle, x32, {}, "bf16")
-        wired = wire_rounded_outputs(oracle, x32, {})
+        packed = packed_operand_outputs(oracle, x32, {})
         P = np.exp((Q @ K.T) * np.float32(0.25) - L[:, None])                       # fp32 registers
         dS = round_to_dtype(P * (dO @ V.T - D[:, None]) * np.float32(0.25), "bf16")  # packed to bf16
         plain = dS.astype(np.float64) @ K.astype(np.float64)
         dropped = dS[:, 1:].astype(np.float64) @ K[1:].astype(np.float64)          # a kernel skipping key 0
 
-        def check(got, with_wired=True):
+        def check(got, with_packed=True):
             return compare_outputs(oracle.cod, exact, low, (got,), rtol, atol, 8.0, half=True,
-                                   wired=wired if with_wired else None).failure
+                                   packed=packed if with_packed else None).failure
         assert check(plain) is None, (regime, seed)
-        refused_before += check(plain, with_wired=False) is not None
+        refused_before += check(plain, with_packed=False) is not None
         if regime == "normal":
             assert check(dropped) is not None, seed
     assert refused_before >= 1

@@ -102,10 +102,9 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     if not (isinstance(verify, bool) or isinstance(verify, int) and verify >= 0):
         raise LoweringError(f"lower: verify must be True, False or a number of runs >= 0, got {verify!r}")
     runs = SELF_CHECK_RUNS if verify is True else int(verify)
-    if check_inputs is not None and (not callable(check_inputs) or not runs):
-        raise LoweringError(f"lower: check_inputs must be a callable (rng, draw) -> input arrays, got {check_inputs!r}"
-                            if not callable(check_inputs) else f"lower: check_inputs makes the self-check's inputs, "
-                            f"and verify={verify!r} runs none, so it would be ignored; drop it or verify")
+    if check_inputs is not None:
+        from ..verify.kernelcheck import check_self_check_inputs
+        check_self_check_inputs(check_inputs, verify, runs)
     check_fp32(d, fp32)
     opts = dict(tiles=tiles, threads=threads, name=name, micro=micro, fastmath=fastmath, prefetch=prefetch, hw=hw,
                 fp32=fp32)

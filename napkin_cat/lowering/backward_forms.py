@@ -45,11 +45,10 @@ left out of both predictions.
 from __future__ import annotations
 
 import functools
-
-import numpy as np
-
 from dataclasses import dataclass, replace
 from math import prod
+
+import numpy as np
 
 from ..core.diagram import Diagram
 from ..core.errors import LoweringError, NapkinError, TypingError
@@ -322,24 +321,16 @@ def residual_inputs(plan: BackwardPlan, part: Diagram):
     from ..verify.executor import evaluate
     from ..verify.kernelcheck import as_kernel_inputs
     forward = plan.forward.unrelabelled()
+    known = {a.name for a in (*forward.dom, *forward.cod)}
+    drawn = [*forward.dom, *(a for a in plan.diagram.dom if a.name not in known)]   # inputs, cotangents
     before = plan.parts[:[id(p) for p in plan.parts].index(id(part))]
 
     def make(rng, draw):
-        shape = lambda arr: tuple(ax.size for ax in arr.axes)   # noqa: E731
-        drawn = {a.name: draw(rng, shape(a)) for a in forward.dom}
-        rounded = as_kernel_inputs([drawn[a.name] for a in forward.dom], forward.dom)
-        have = {a.name: np.asarray(x, dtype=np.float64) for a, x in zip(forward.dom, rounded)}
-        outs = evaluate(forward, *(have[a.name] for a in forward.dom), reference=True)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        have.update({a.name: np.asarray(o, dtype=np.float64) for a, o in zip(forward.cod, outs)})
-        for a in plan.diagram.dom:       # the cotangents
-            if a.name not in have:
-                (x,) = as_kernel_inputs([draw(rng, shape(a))], [a])
-                have[a.name] = np.asarray(x, dtype=np.float64)
-        for p in before:                 # row terms an earlier part computes for this one
-            ins = [have[a.name] for a in p.dom]
-            got = evaluate(p.unrelabelled(), *ins, reference=True)
-            got = got if isinstance(got, tuple) else (got,)
-            have.update({a.name: np.asarray(o, dtype=np.float64) for a, o in zip(p.cod, got)})
+        values = as_kernel_inputs([draw(rng, tuple(ax.size for ax in a.axes)) for a in drawn], drawn)
+        have = {a.name: np.asarray(x, dtype=np.float64) for a, x in zip(drawn, values)}
+        for dg in (forward, *(p.unrelabelled() for p in before)):   # O, L; then row terms such as D
+            outs = evaluate(dg, *(have[a.name] for a in dg.dom), reference=True)
+            have.update({a.name: np.asarray(o, dtype=np.float64)
+                         for a, o in zip(dg.cod, outs if isinstance(outs, tuple) else (outs,))})
         return [have[a.name] for a in part.dom]
     return make

@@ -45,7 +45,7 @@ from .register_copies import register_copies
 from .reindex import check_axes as check_reindexed_axes, remaps
 from .sixteen_bit import sixteen_bit_buffer, sixteen_bit_targets
 from .threads import Threads, _check_micro
-from .wgmma_plan import AUTO_MIN_COLUMNS, assign_offsets, plan_wgmma, wgmma_why_not
+from .wgmma_plan import assign_offsets, plan_wgmma
 from .plan import (AccPlan, AxisPlan, Buffer, Coop, Frag, KernelPlan, LaunchPlan, Micro, Rows,
                    Structure, Target, acc_reduced_axes, axes_set, caps, frozen_map, kernel_dtype, load_plan,
                    reduced_axes, storage, var_cls)
@@ -97,7 +97,7 @@ WGMMA = "auto"
 column buffers allow, on compute capability 9.0 or later (the simulator plans for an H100):
 ``True`` wherever they allow, ``False`` never, ``"auto"`` (the default) where they were measured
 faster than ``mma.sync``: several warpgroups, no accumulator rescaled every chunk
-(:func:`.wgmma_plan.wgmma_why_not`)."""
+(:func:`.wgmma_plan.auto_why_not`)."""
 
 
 TF32X3 = False
@@ -154,8 +154,7 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     buffers, accs = plan_buffers(ff, ax, st, targets, absorbed, accs, norm_stats, prefs, threads, prefetch,
                                  sixteen, packed)
     targets, accs, buffers, wg_notes = plan_wgmma(ff, ax, st, targets, accs, buffers, threads, len(ff.diagram.dom),
-                                                  absorbed, wgmma_why_not(WGMMA, threads, accs),
-                                                  AUTO_MIN_COLUMNS if WGMMA == "auto" else 8)
+                                                  absorbed, WGMMA)
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
     launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch, copies)

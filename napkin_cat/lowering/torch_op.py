@@ -438,10 +438,9 @@ class TorchOp:
         (:func:`~.backward_forms.residual_inputs`)."""
         from . import lower
         from .backward_forms import residual_inputs
-        related = residual_inputs(plan, diagram) if plan is not None and self.verify is not False \
-            and self.verify != 0 else None
 
         def make():
+            related = residual_inputs(plan, diagram) if plan is not None and self.verify else None
             try:
                 return lower(diagram, tiles=self._tiles(diagram), threads=self.threads, verify=self.verify,
                              prefetch=self.prefetch, fp32=self._fp32(diagram), check_inputs=related)

@@ -78,9 +78,10 @@ ran 0.42 ms against ``mma.sync``'s 0.36 at d = 64 and 0.91 against 0.78 at d = 1
 kernels with 64 columns or more gained (kernels/BENCHMARKS.md, "Third session of 2026-11-25")."""
 
 
-def wgmma_why_not(mode, T: int, accs=()) -> str | None:
+def auto_why_not(T: int, accs) -> str | None:
     """Why a kernel of ``T`` threads with accumulators ``accs`` gets no warpgroup MMAs under
-    ``planner.WGMMA = mode`` (None: its contractions move where their fragments and buffers allow).
+    ``planner.WGMMA = "auto"`` (None: its contractions move where their fragments and buffers
+    allow, and each has :data:`AUTO_MIN_COLUMNS`).
 
     ``"auto"`` follows what was measured on an H100 (fp16, N = 4096, every kernel checked against
     float64 first; kernels/BENCHMARKS.md, "Warpgroup MMA" and "Third session of 2026-11-25"):
@@ -95,15 +96,6 @@ def wgmma_why_not(mode, T: int, accs=()) -> str | None:
       warpgroups too (0.604 against 0.543 ms, 128 rows and 256 threads): it is waited for and
       rescaled on the CUDA cores every chunk.  With a copying warpgroup (``producer.SWITCH``) it
       wins (0.427 ms at 256 rows), which ``planner.WGMMA = True`` and the switch ask for."""
-    if mode not in (True, False, "auto", 0, 1):
-        from ..core.errors import LoweringError
-        raise LoweringError(f"planner.WGMMA must be True, False or 'auto', got {mode!r}")
-    if not mode:
-        return "planner.WGMMA is off"
-    if not wgmma_capable():
-        return "the GPU has no warpgroup MMAs (compute capability below 9.0)"
-    if mode != "auto":
-        return None
     if T < AUTO_MIN_THREADS:
         return f"{T} threads, one warpgroup: measured slower than mma.sync (planner.WGMMA = True forces it)"
     if any(p.stat is not None for p in accs):
@@ -121,26 +113,30 @@ def mapping_ok(m: Frag, T: int) -> str | None:
     return None
 
 
-def plan_wgmma(ff, ax, st: Structure, targets, accs, bufs, T: int, n_in: int, absorbed, why_not: str | None,
-               min_columns: int = 8):
+def plan_wgmma(ff, ax, st: Structure, targets, accs, bufs, T: int, n_in: int, absorbed, mode):
     """(targets, accs, buffers, notes): contractions whose fragments and column buffer allow it
     move to warpgroup MMAs (``Frag.wg``) and their column buffers to the core-matrix layout
     (offsets reassigned); ``notes`` say why each other one stays on ``mma.sync``.  A mapping
-    shared by several contractions moves only if each of them can.  ``why_not``: why none
-    moves in this kernel (:func:`wgmma_why_not`; said in a note where a contraction could);
-    ``min_columns``: with a contraction of fewer columns, none moves (:data:`AUTO_MIN_COLUMNS` under
-    ``"auto"``)."""
+    shared by several contractions moves only if each of them can.  ``mode``: ``planner.WGMMA``
+    (``"auto"``: only where :func:`auto_why_not` finds nothing and every contraction has
+    :data:`AUTO_MIN_COLUMNS`, else none, said in a note)."""
+    if mode not in (True, False, "auto", 0, 1):
+        from ..core.errors import LoweringError
+        raise LoweringError(f"planner.WGMMA must be True, False or 'auto', got {mode!r}")
+    if not mode or not wgmma_capable():
+        return targets, accs, bufs, ()
     found = list(_contractions(ff, st, targets, accs))
-    if why_not is not None:
-        could = found and not why_not.startswith("planner.WGMMA is off") and "compute capability" not in why_not \
-            and any(mapping_ok(m, T) is None for _, m, _, _ in found)
-        return targets, accs, bufs, ((f"Warpgroup MMA: not used: {why_not}.",) if could else ())
-    narrow = [m for _, m, _, _ in found if 8 * m.NT < min_columns]
-    if narrow:   # the whole kernel stays: kernels with engines mixed were not measured
-        m = narrow[0]
-        return targets, accs, bufs, (f"Warpgroup MMA: not used: the contraction over ({m.row}, {m.col}) has "
-                                     f"{8 * m.NT} columns, fewer than {min_columns}: measured slower than mma.sync "
-                                     f"(planner.WGMMA = True forces it).",)
+    if mode == "auto":
+        why = auto_why_not(T, accs)
+        if why is not None:   # said where a contraction could have moved
+            could = any(mapping_ok(m, T) is None for _, m, _, _ in found)
+            return targets, accs, bufs, ((f"Warpgroup MMA: not used: {why}.",) if could else ())
+        narrow = [m for _, m, _, _ in found if 8 * m.NT < AUTO_MIN_COLUMNS]
+        if narrow:   # the whole kernel stays: kernels with engines mixed were not measured
+            m = narrow[0]
+            return targets, accs, bufs, (f"Warpgroup MMA: not used: the contraction over ({m.row}, {m.col}) has "
+                                         f"{8 * m.NT} columns, fewer than {AUTO_MIN_COLUMNS}: measured slower than "
+                                         f"mma.sync (planner.WGMMA = True forces it).",)
     ok: dict[Frag, bool] = {}
     cores = set()
     notes = []

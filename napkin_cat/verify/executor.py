@@ -15,7 +15,7 @@ import numpy as np
 from ..core.diagram import Diagram
 from ..core.errors import ShapeError, TypingError
 from ..core.hierarchy import DEVICES
-from ..ops.semantics import (NP_DTYPES, Ctx, _as_numpy, apply_box, check_call_options, check_inputs, concrete_shape,
+from ..ops.semantics import (Ctx, _as_numpy, apply_box, check_call_options, check_inputs, concrete_shape,
                              resolve_sizes, run_eqns)
 from ..relabel.accumulators import Accumulator
 from ..relabel.devices import device_visits, layout_of
@@ -67,7 +67,7 @@ class Fp32Ctx(Ctx):
     """Every float wire computed in float32, whatever its dtype: a 16-bit kernel's registers."""
 
     def dtype(self, dt):
-        return np.float32 if dt.kind == "float" else NP_DTYPES[dt.name]
+        return np.float32 if dt.kind == "float" else super().dtype(dt)
 
 
 def evaluate_operands_rounded(d: Diagram, *arrays, sizes: dict | None = None) -> tuple:

@@ -11,7 +11,7 @@ answer rounded to each output's dtype) on the same (dtype-rounded) inputs, ``sca
 finite output magnitude (at least 1) and ``(rtol, atol)`` :data:`KERNEL_TOLERANCES` of the
 dtype.  The last term is FlashAttention's test rule: a kernel may be as far from the exact
 answer as a plain implementation in its own precision (its largest error on that output; for a
-16-bit kernel also the float64 answer with the computed 16-bit operands of its contractions rounded,
+16-bit kernel also fp32 arithmetic with the computed 16-bit operands of its contractions rounded,
 as tensor cores take a backward's ``P`` and ``dS``), twice
 over (:data:`FASTMATH_FACTOR` times for kernels compiled with approximate exp and division, the
 default), and no further.  Where the
@@ -166,8 +166,8 @@ def oracle_outputs(oracle: Diagram, inputs32, sizes: dict, dtype: str = "f32") -
     return exact, low
 
 
-def wire_rounded_outputs(oracle: Diagram, inputs32, sizes: dict) -> tuple:
-    """A 16-bit kernel's plain implementation in its own precision: the float64 answer with every
+def packed_operand_outputs(oracle: Diagram, inputs32, sizes: dict) -> tuple:
+    """A 16-bit kernel's plain implementation in its own precision: fp32 arithmetic with every
     computed 16-bit operand of a contraction rounded to its dtype, as tensor cores take them
     (:func:`~.executor.evaluate_operands_rounded`).  A kernel that
     packs ``P`` or ``dS`` into 16 bits for its tensor cores differs from the float64 answer by at
@@ -187,12 +187,12 @@ class KernelDiff:
 
 
 def compare_outputs(arrays, exact, low, got, rtol: float, atol: float,
-                    factor: float = LOW_PRECISION_FACTOR, half: bool = False, wired=None) -> KernelDiff:
+                    factor: float = LOW_PRECISION_FACTOR, half: bool = False, packed=None) -> KernelDiff:
     """The kernel rule of the module docstring, output by output; the first failing entry.
     ``arrays``: the output types (names and axes for the report); ``half``: a kernel with 16-bit
-    wires, which may give NaN where the float64 answer is infinite (module docstring); ``wired``:
-    a 16-bit kernel's plain implementation with its wires rounded (:func:`wire_rounded_outputs`),
-    whose largest finite error joins ``low``'s in the slack."""
+    wires, which may give NaN where the float64 answer is infinite (module docstring); ``packed``:
+    a 16-bit kernel's plain implementation with its contractions' operands rounded
+    (:func:`packed_operand_outputs`), whose largest finite error joins ``low``'s in the slack."""
     from .compare import note_difference
     out = KernelDiff()
     for i, (arr, r, lo, k) in enumerate(zip(arrays, exact, low, got)):
@@ -202,8 +202,8 @@ def compare_outputs(arrays, exact, low, got, rtol: float, atol: float,
         diff = np.where(both, np.abs(np.where(both, r, 0.0) - np.where(both, k, 0.0)), 0.0)
         with np.errstate(invalid="ignore", over="ignore"):   # lo - r where either is not finite: masked
             slack = float(np.max(np.abs(np.where(fr & fl, lo - r, 0.0)), initial=0.0))   # fp32's own error
-            if wired is not None:   # ... and a plain implementation's with 16-bit wires
-                w = wired[i]
+            if packed is not None:   # ... and a plain implementation's with 16-bit operands
+                w = packed[i]
                 slack = max(slack, float(np.max(np.abs(np.where(fr & np.isfinite(w), w - r, 0.0)), initial=0.0)))
         allowed = atol * scale + rtol * np.abs(np.where(fr, r, 0.0)) + factor * slack
         same = (k == r) | (np.isnan(k) & np.isnan(r))
@@ -232,7 +232,7 @@ def kernel_outcome(oracle: Diagram, kernel, inputs, sizes: dict | None = None, r
     rtol, atol = kernel_tolerances(kernel, rtol, atol)
     x32 = as_kernel_inputs(inputs, kernel.diagram.dom)
     exact, low = oracle_outputs(oracle, x32, sizes or {}, kernel_dtype(kernel))
-    wired = wire_rounded_outputs(oracle, x32, sizes or {}) if kernel_dtype(kernel) != "f32" else None
+    packed = packed_operand_outputs(oracle, x32, sizes or {}) if kernel_dtype(kernel) != "f32" else None
     try:
         got = run_kernel(kernel, x32)
     except NapkinError:   # the call itself refused (shapes, dtypes): a misuse, not a kernel difference
@@ -242,12 +242,22 @@ def kernel_outcome(oracle: Diagram, kernel, inputs, sizes: dict | None = None, r
                                                "error": f"{type(e).__name__}: {e}"})
     factor = FASTMATH_FACTOR if getattr(kernel, "options", {}).get("fastmath", True) else LOW_PRECISION_FACTOR
     return compare_outputs(oracle.cod, exact, low, got, rtol, atol, factor, half=kernel_dtype(kernel) != "f32",
-                           wired=wired)
+                           packed=packed)
 
 
 # --------------------------------------------------------------------------- lower's own check
 
 SELF_CHECK_REGIMES = ("normal", "jumps", "huge_one_sign")
+
+
+def check_self_check_inputs(make_inputs, verify, runs: int) -> None:
+    """``lower(check_inputs=...)``: a callable, and a self-check that uses it."""
+    from ..core.errors import LoweringError
+    if not callable(make_inputs):
+        raise LoweringError(f"lower: check_inputs must be a callable (rng, draw) -> input arrays, got {make_inputs!r}")
+    if not runs:
+        raise LoweringError(f"lower: check_inputs makes the self-check's inputs, and verify={verify!r} runs none, "
+                            f"so it would be ignored; drop it or verify")
 
 
 def self_check(kernel, examples: int, make_inputs=None) -> str:
