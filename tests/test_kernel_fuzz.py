@@ -320,6 +320,8 @@ def _features(kernel) -> set[str]:
         out.add("ldmatrix-b-pair")
     if re.search(r"b\w+, b\w+ = ldsm_x2", body):                 # ... or one by .x2 (an odd count of column tiles)
         out.add("ldmatrix-b-single")
+    if "per column of this thread" in body:                     # column_values.column_value
+        out.add("column-values")
     return out
 
 

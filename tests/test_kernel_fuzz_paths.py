@@ -30,11 +30,12 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   transposed from its 16-bit buffer; the fp32 ``L`` and ``D`` copied by ``cp.async`` beside the
   16-bit inputs (``cp.async-f32``), with or without ``prefetch="auto"``'s double buffers; the one
   kernel's dQ fragments added across key tiles two adjacent words per reduction (``paired-atomic``,
-  ``tensorcore.red_add2``);
+  ``tensorcore.red_add2``); ``L`` and ``D`` read once per fragment column where queries are the
+  columns (``column-values``, :func:`napkin_cat.lowering.column_values.column_value`);
 * ``tf32x3``: fp32 backward parts on 3xTF32 fragments (``tf32x3``), the one kernel with its dQ
   atomics among them (``tf32x3-atomic``), with or without ``prefetch="auto"``'s double buffers
   (``double-buffered``: staged through registers where an fp32 input's rows are not whole 16-byte
-  groups, else by ``cp.async``, ``cp.async-f32``).
+  groups, else by ``cp.async``, ``cp.async-f32``); ``column-values`` as above.
 
 ``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
 """
@@ -403,9 +404,10 @@ FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
                      "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
                      "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient",
-                                     "register-copy", "frag-operand", "wgmma", "cp.async-f32", "paired-atomic"},
+                                     "register-copy", "frag-operand", "wgmma", "cp.async-f32", "paired-atomic",
+                                     "column-values"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
-                                "paired-atomic"}}
+                                "paired-atomic", "column-values"}}
 
 
 def fuzz_case(family: str, data, stats: Counter):

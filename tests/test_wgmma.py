@@ -88,13 +88,30 @@ def test_the_forward_on_warpgroups_is_planned_and_matches_the_oracle(warpgroups)
     assert src.count("wgmma.m64n32k16 per warpgroup and step") == 2
     assert "core matrices for wgmma" in next(ln for ln in src.splitlines() if ln.startswith("Shared memory:"))
     assert "(K-major core matrices)" in src and "(MN-major core matrices)" in src
-    body = src.split("@cuda.jit(fastmath")[-1]
-    assert body.count("cuda.syncthreads()") == body.count("fence_proxy_async()")
+    _assert_fenced_where_copies_land(src)
     rng = np.random.default_rng(1)
     ins = [(12.0 if arr.name == "Q" else 1.0) * rng.standard_normal(tuple(a.size for a in arr.axes))
            for arr in dia.dom]
     out = kernelcheck.kernel_outcome(dia.unrelabelled(), kernel, ins)
     assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+def _assert_fenced_where_copies_land(src: str) -> None:
+    """Every barrier that publishes copies (a ``cp.async`` wait just before it) is fenced for the
+    async proxy; a barrier that only ends a chunk's reads is not (``wgmma.FENCE_BY_WRITES``)."""
+    lines = [ln.strip() for ln in src.split("@cuda.jit(fastmath")[-1].splitlines()]
+    bars = [i for i, ln in enumerate(lines) if ln == "cuda.syncthreads()"]
+    landed = [i for i in bars if any(ln.startswith("cp_async_wait") for ln in lines[i - 4:i])]
+    assert landed and all(lines[i - 1] == "fence_proxy_async()" for i in landed)
+    assert any(lines[i - 1] != "fence_proxy_async()" for i in bars if i not in landed)
+
+
+def test_every_barrier_is_fenced_with_fences_by_writes_off(warpgroups, monkeypatch):
+    """``wgmma.FENCE_BY_WRITES = False`` fences every barrier of a warpgroup kernel, as before."""
+    monkeypatch.setattr(wgmma, "FENCE_BY_WRITES", False)
+    src = nc.lower(_forward(nc.f16, False).bind({q: 70, x: 45, d: 16}), threads=128, verify=False).source
+    body = src.split("@cuda.jit(fastmath")[-1]
+    assert body.count("cuda.syncthreads()") == body.count("fence_proxy_async()")
 
 
 def test_without_the_switch_nothing_moves():
@@ -134,6 +151,40 @@ def test_backward_kernels_on_warpgroups_match_the_oracle(warpgroups, dtype, size
         assert f"wgmma_{dtype.name}_n" in kernel.source, kernel.source[:3000]
         out = kernelcheck.kernel_outcome(bound.unrelabelled(), kernel, [inputs[a.name] for a in part.dom])
         assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+@pytest.mark.parametrize("dtype,causal,scale", [pytest.param(nc.f16, False, 1.0, id="f16-full"),
+                                                 pytest.param(nc.bf16, True, 12.0, id="bf16-causal-x12",
+                                                              marks=pytest.mark.slow)])
+def test_the_one_kernel_backward_splits_dqs_columns_between_warpgroups(warpgroups, dtype, causal, scale):
+    """The one-kernel backward on 8 warps: keys are the rows of S^T, dP^T, dK and dV (2 x 1
+    warpgroups), but dQ = dS K has one 64-row chunk of queries, so its 8 warps are reshaped into
+    2 warpgroups of 4 warps one above another, each multiplying one half of dQ's columns
+    (``wgmma.m64n16k16`` at d = 32, K read MN-major from its slice of the core-matrix buffer); ragged sizes,
+    several chunks and key tiles (dQ added across them by atomics)."""
+    from napkin_cat.lowering.backward_forms import backward_plan
+    fl = L.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
+    sizes = {q: 70, x: 140, d: 32}
+    (part,) = backward_plan(fl, form="one kernel").at(dtype).parts[1:]
+    bound = part.bind(sizes)
+    kernel = nc.lower(bound, tiles={"g_x": 128, "s_q": 64}, threads=256, verify=False)
+    assert "4x2 warps in 2 warpgroup(s) splitting the columns, each warp 16x16" in kernel.source
+    assert re.search(r"K_s_desc = wgmma_desc16\(smem16, K_s \* U2 \+ \(tx // U4 \* U16\)", kernel.source)
+    assert "mma_f16(" not in kernel.source.split("@cuda.jit(fastmath")[-1]    # every contraction on warpgroups
+    inputs = _inputs(sizes, causal, scale)
+    out = kernelcheck.kernel_outcome(bound.unrelabelled(), kernel, [inputs[a.name] for a in part.dom])
+    assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+def test_warpgroup_shapes_of_a_mapping():
+    """Warps reshaped into warpgroups: 64 rows on 8 warps split the columns in two; a mapping
+    already in warpgroups, or rows that no warpgroup slab divides, are left alone."""
+    two_by_four = Frag("q", "d", 64, 64, 4, 4, 16, 16, Wm=2, Wn=4)
+    alt = wgmma_plan.warpgroup_frag(two_by_four, 256)
+    assert (alt.Wm, alt.Wn, alt.MT, alt.NT, alt.TY, alt.TX) == (4, 2, 1, 4, 32, 8)
+    assert wgmma_plan.mapping_ok(alt, 256) is None
+    assert wgmma_plan.warpgroup_frag(Frag("x", "q", 128, 64, 2, 16, 64, 4, Wm=8, Wn=1), 256) is None
+    assert wgmma_plan.warpgroup_frag(Frag("q", "d", 32, 64, 2, 8, 16, 8, Wm=2, Wn=2), 128) is None
 
 
 def test_a_planted_wrong_descriptor_is_caught(warpgroups, monkeypatch):

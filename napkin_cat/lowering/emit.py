@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from ..core.errors import LoweringError
 from ..relabel.loopnest import Compute, Finalise, Init, Load, Loop, Store, Update
 from .atomics import atomic_add, atomic_add_pair, check_added_outputs
+from .column_values import column_value
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, scaled_exponent
 from . import reindex
@@ -29,6 +30,7 @@ from .plan import Buffer, KernelPlan, Target
 from .source import Constants, Names, Source, paren as _paren
 from .tensorcore import DTYPES, FP32_COPIES, PRIMITIVES, SHARED_PRIMITIVES, TF32X3
 from .wgmma import core_index, primitive_names, uses_wgmma
+from . import wgmma as wg
 
 RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lane", "e", "i", "j",
             "u", "k", "ty", "tx", "acc", "val", "SIMULATOR", "SMEM_ALIGN", "WARP_SHUFFLE",
@@ -75,8 +77,7 @@ class AxisView:
 
 PAIRED_ATOMICS = True
 """Tensor-core fragments added across blocks go two adjacent words per reduction
-(:meth:`Emitter._added_pair`); False: one ``cuda.atomic.add`` per element (a switch for
-measuring)."""
+(:meth:`Emitter._added_pair`); False: one ``cuda.atomic.add`` per element (for measuring)."""
 
 
 class Emitter(Loads, Phases):
@@ -103,6 +104,7 @@ class Emitter(Loads, Phases):
         self.state_names: dict[int, dict] = {}  # accumulator -> state -> identifier
         self.pending_sync = False               # a shared write not yet behind a barrier
         self.pending_async = False              # cp.async copies not yet waited for (.emit_loads)
+        self.core_dirty = False                 # a descriptor-read buffer written, not yet fenced
         self.full_flags: dict = {}              # (row, col, predicate) -> its chunk's 'keeps all' flag
         self.arg_names: dict = {}
         self.out_args: list[str] = []
@@ -157,12 +159,23 @@ class Emitter(Loads, Phases):
             expr = f"{_paren(expr)} * {mult} + {env[a]}"
         return expr
 
-    def barrier(self, src: Source):
-        """A block barrier; in a kernel with warpgroup MMAs, shared memory written before it is
-        first made visible to the tensor cores' asynchronous proxy (:mod:`.wgmma`)."""
-        if self.wgmma:
+    def barrier(self, src: Source, fence: bool | None = None):
+        """A block barrier, fenced for the tensor cores' async proxy (:mod:`.wgmma`) where a
+        buffer they read by descriptor was written since the last fence (``fence=None``:
+        :attr:`core_dirty`; True: copies that land here, or a barrier in an earlier slot)."""
+        if fence is None:
+            fence = self.core_dirty or self.specialise or not wg.FENCE_BY_WRITES
+            self.core_dirty = False
+        if self.wgmma and fence:
             src("fence_proxy_async()")
         src("cuda.syncthreads()")
+
+    def wrote(self, key) -> None:
+        """Shared buffer ``key`` was written (stored, or copied by ``cp.async``): the next barrier
+        publishes it, fenced for the tensor cores where they read it by descriptor."""
+        self.pending_sync = True
+        b = self.bufs.get(key)
+        self.core_dirty |= b is None or b.core
 
     def sread(self, key, env) -> str:
         """Buffer ``key`` at ``env`` as an fp32 value (16-bit patterns converted)."""
@@ -233,6 +246,9 @@ class Emitter(Loads, Phases):
                 row.memo[v] = self.names.fresh(f"{self.types[v].name}_{v}")
                 row.src(f"{row.memo[v]} = {expr}")
             return row.memo[v]
+        col = env.get("_colhoist")
+        if col is not None and src is not col.body and (hoisted := column_value(self, v, env, col, define)):
+            return hoisted
         st = "inline" if v == define else self.plan.storage(v)
         if st in ("load", "smem"):
             expr = self.sread(("var", v), env)
@@ -284,7 +300,7 @@ class Emitter(Loads, Phases):
                 self.arg_names[("out", pos)] = name
         self.names.used |= argn.used
         body = Source(1)
-        self.pending_sync = self.pending_async = False
+        self.pending_sync = self.pending_async = self.core_dirty = False
         self.reg_copy = {}   # target var -> its register copy (.register_copies)
         self.frag_hoists = []   # the enclosing stream loops' preambles, innermost last (.emit_mma)
         self.hoisted_regs = 0
@@ -574,7 +590,7 @@ class Emitter(Loads, Phases):
         else:
             self._emit_reduction_target(t, src)
         if t.to_smem:
-            self.pending_sync = True
+            self.wrote(("var", t.var))
 
     def describe_chain(self, v: int) -> str:
         if v < self.n_in or v in self.st.acc_of_var:

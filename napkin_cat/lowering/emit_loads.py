@@ -168,7 +168,8 @@ class Loads:
                 src("cp_async_wait1()  # this chunk's copies have landed; the next one's may not")
             with src.block("else:"):
                 src("cp_async_wait_all()")
-            self.barrier(src)
+            self.barrier(src, fence=any(b.core for b in bufs) or None)   # this chunk's copies land here
+            self.core_dirty = False       # the next chunk's (issued above) land at the next one, fenced there
             self.pending_async = False    # earlier copies were committed with the first chunk's
             for b in bufs:
                 self.cur[b.key] = self.names.fresh(f"{b.name}_cur")
@@ -452,7 +453,7 @@ class Loads:
                 with src.maybe(f"e < {k.u(n)}" if n % self.T else None):
                     self._decode(src, "e", order, env)
                     src(f"{self.swrite(b.key, env)} = {from_regs}[u]")
-            self.pending_sync = True
+            self.wrote(b.key)
             return
         if self._vector_load(v, src):
             return
@@ -469,7 +470,7 @@ class Loads:
                     src(f"{self.swrite(b.key, env)} = {g} if {cond} else {zero}")
                 else:
                     src(f"{self.swrite(b.key, env)} = {g}")
-        self.pending_sync = True
+        self.wrote(b.key)
 
     def _reg_type(self, v: int) -> str:
         return "int16" if self.bufs[("var", v)].bits == 16 else "float32"
@@ -540,7 +541,7 @@ class Loads:
                     src(f"cp_async16_f32(smem, {at}, {self.garg(v)}, {self.gindex(arr, env)}, {cond})")
         if wait:        # waited for at the next barrier, with the copies issued after it
             self.pending_async = True
-        self.pending_sync = True
+        self.wrote(b.key)
         return True
 
     def _load_order(self, v: int) -> tuple[str, ...]:

@@ -113,7 +113,7 @@ def hoisted_fragments(em, m: Frag, key, kax: str, steps: int):
             s.comment(f"fragments that stay in registers for the whole stream over {h.axis}: every copy "
                       f"issued so far has landed, then they are read once")
             s("cp_async_wait_all()")
-            em.barrier(s)
+            em.barrier(s, fence=True)    # written into the loop's preamble: fenced whatever came since
         frag_begin(em, m, s)
         ld = LdMatrix(em, m, kax, s)
         b = em.bufs[key]
@@ -134,6 +134,10 @@ def frag_begin(em, m: Frag, src: Source) -> None:
     if m.Wn == 1:
         src(f"ty = tid // {k.u(4)}")
         src(f"tx = tid % {k.u(4)}")
+        return
+    if m.wg:   # warpgroups split the columns: warp w at (w % Wm, w // Wm), a warpgroup's 4 warps one above another
+        src(f"ty = tid // {k.u(32)} % {k.u(m.Wm)} * {k.u(8)} + tid % {k.u(32)} // {k.u(4)}")
+        src(f"tx = tid // {k.u(32 * m.Wm)} * {k.u(4)} + tid % {k.u(4)}")
         return
     src(f"ty = tid // {k.u(32 * m.Wn)} * {k.u(8)} + tid % {k.u(32)} // {k.u(4)}")
     src(f"tx = tid // {k.u(32)} % {k.u(m.Wn)} * {k.u(4)} + tid % {k.u(4)}")

@@ -20,6 +20,7 @@ from .emit_kinds import CODEGEN_RULES, REDUCE_OPS, fn_expr
 from .emit_mma import contract_mma, frag_begin, frag_cols, frag_rows
 from .plan import Coop, Flat, Frag, Micro, Target
 from .register_copies import keep_copy, open_copy
+from .column_values import column_hoist
 from .source import RowHoist, Source
 
 IDLE_START = 0x7FFFFFFF
@@ -82,7 +83,6 @@ GROUP_HELPERS = "\n\n\n".join(_group_helper(*spec) for spec in (
     ("max", "Maximum of ``v`` over the ``width`` lanes of a group, in every lane.", "max({a}, {b})"),
     ("min", "Minimum of ``v`` over the ``width`` lanes of a group, in every lane.", "min({a}, {b})"),
 ))
-
 
 
 class Phases:
@@ -150,6 +150,7 @@ class Phases:
         class _C:
             def __enter__(self_):
                 k = gen.consts
+                col = column_hoist(gen, m, src)
                 self_.b1 = src.block(f"for i in range({k.u(m.RY)}):")
                 self_.b1.__enter__()
                 r = gen.names.fresh(gen.ax[m.row].index)
@@ -159,7 +160,7 @@ class Phases:
                 self_.b2.__enter__()
                 c = gen.names.fresh(gen.ax[m.col].index)
                 src(f"{c} = {gen.micro_cols(m, 'j')}")
-                return {m.row: r, m.col: c, "_slot": "i, j", "_row": "i", "_hoist": row}
+                return {m.row: r, m.col: c, "_slot": "i, j", "_row": "i", "_hoist": row, "_colhoist": col}
 
             def __exit__(self_, *exc):
                 self_.b2.__exit__(*exc)
@@ -173,6 +174,7 @@ class Phases:
         inside its ``for j`` loop (``_slot`` = ``i, j`` with ``i`` a literal, the row's index
         from uint32 constants), so a micro-tile indexed by the slot needs no unrolling of ``i``."""
         k = self.consts
+        col = column_hoist(self, m, src)
         for i in range(m.RY):
             r = self.names.fresh(self.ax[m.row].index)
             src(f"{r} = {self.micro_rows(m, k.u(i))}")   # uint32 constants: no signed mix
@@ -180,7 +182,7 @@ class Phases:
             with src.block(f"for j in range({k.u(m.RX)}):"):
                 c = self.names.fresh(self.ax[m.col].index)
                 src(f"{c} = {self.micro_cols(m, 'j')}")
-                yield {m.row: r, m.col: c, "_slot": f"{i}, j", "_row": str(i), "_hoist": row}
+                yield {m.row: r, m.col: c, "_slot": f"{i}, j", "_row": str(i), "_hoist": row, "_colhoist": col}
 
     def elements(self, m, src):
         return self.micro_elements(m, src) if isinstance(m, Micro) else self.flat_elements(m, src)
@@ -588,7 +590,6 @@ class Phases:
             src(f"{zt} = {zv}")
             src(f"{tmp} = {fn_expr(self.consts, a1, [xv])} / {zt} if {zt} != {zero} else {zero}")
         return tmp
-
 
 
 CONTRACTION_ENGINES: dict[str, Callable] = {

@@ -162,7 +162,10 @@ class Frag(Micro):
     ``(i, j)`` at row ``16*MT*(ty // 8) + 16*(i // 2) + 8*(i % 2) + ty % 8`` and column
     ``8*NT*(tx // 4) + 8*(j // 2) + 2*(tx % 4) + j % 2``.  With ``Wn == 1`` the 4 lanes of a row
     are consecutive threads (``tx = tid % 4``), as row statistics need.  ``dtype``: the
-    operands' (``f16`` / ``bf16``; ``f32``: multiplied by 3xTF32)."""
+    operands' (``f16`` / ``bf16``; ``f32``: multiplied by 3xTF32).  Warp ``w`` is at
+    ``(w // Wn, w % Wn)``; multiplied by warpgroups with ``Wn > 1`` (each warpgroup a slice of
+    the columns) at ``(w % Wm, w // Wm)``, so the 4 warps of a warpgroup hold 64 consecutive rows
+    of the same columns."""
 
     Wm: int = 1
     Wn: int = 1
@@ -181,7 +184,8 @@ class Frag(Micro):
     def describe(self) -> str:
         if self.wg:
             return (f"tensor-core fragments over ({self.row}, {self.col}): {self.Wm}x{self.Wn} warps in "
-                    f"{self.Wm // 4} warpgroup(s), each warp {16 * self.MT}x{8 * self.NT}: {self.MT} "
+                    f"{self.Wm * self.Wn // 4} warpgroup(s){' splitting the columns' if self.Wn > 1 else ''}, "
+                    f"each warp {16 * self.MT}x{8 * self.NT}: {self.MT} "
                     f"wgmma.m64n{8 * self.NT}k16 per warpgroup and step ({self.dtype} in, A from registers, "
                     f"B from shared memory, fp32 accumulators; requires {self.row} % {16 * self.Wm}, "
                     f"reduced extent % 16)")

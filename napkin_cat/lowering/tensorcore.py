@@ -372,12 +372,25 @@ def sim_wgmma(values, n: int, smem16, desc, trans, a0, a1, a2, a3, acc=None):
     from .wgmma import desc_fields
     ctx = _context()
     warp, lane = divmod(int(ctx.threadIdx.x), 32)
-    exchange = _lane_exchange(ctx, "wgmma", (32, 32, 4), np.uint32)
+    group, slab = divmod(warp, 4)     # the warpgroup, and this warp's 16 of its 64 rows
+    # two exchanges used in turn (this thread's count of calls), so one barrier per call: no thread
+    # writes the exchange of call n + 2 before every thread of its warpgroup has met at n + 1
+    calls = _lane_exchange(ctx, "wgmma-calls", (1024,), np.int64)
+    turn = int(calls[warp * 32 + lane]) % 2
+    calls[warp * 32 + lane] += 1
+    exchange = _lane_exchange(ctx, f"wgmma{turn}", (32, 32, 4), np.uint32)
+    descs = _lane_exchange(ctx, f"wgmma-desc{turn}", (32, 32), np.uint64)
     exchange[warp, lane] = (a0, a1, a2, a3)
-    _warp_sync(ctx)
-    words = np.array(exchange[warp], dtype=np.uint32)
-    _warp_sync(ctx)
-    A = values(words.view(np.uint16).reshape(32, 8))[_A_LANE, _A_HALF]       # 16 x 16
+    descs[warp, lane] = desc
+    _group_barrier(ctx, ("warpgroup", group), 128)
+    words = np.array(exchange[4 * group:4 * group + 4], dtype=np.uint32)
+    mine = set(int(v) for v in descs[4 * group:4 * group + 4].ravel())
+    if len(mine) != 1:   # the instruction is collective: one B for the 64 rows of the warpgroup
+        raise RuntimeError(f"wgmma: the warps of warpgroup {group} give {len(mine)} different descriptors")
+    # the 64 x 16 A of the warpgroup, warp w % 4 giving rows 16 (w % 4) .. + 15, and this warp's
+    # result rows are those, whichever rows its code thinks it holds
+    A = np.concatenate([values(words[w].view(np.uint16).reshape(32, 8))[_A_LANE, _A_HALF] for w in range(4)])
+    A = A[16 * slab:16 * slab + 16]
     addr, lbo, sbo = desc_fields(desc)
     k = np.arange(16)[:, None]
     c = np.arange(n)[None, :]

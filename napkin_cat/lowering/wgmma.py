@@ -51,6 +51,13 @@ for all; more registers live), instead of each step's just before its ``wgmma``.
 MIN_CC = (9, 0)
 """Compute capability with ``wgmma`` (sm_90a: H100, H200)."""
 
+FENCE_BY_WRITES = True
+"""In a kernel with warpgroup MMAs, ``fence.proxy.async`` only before the barriers that publish
+writes to a buffer the tensor cores read by descriptor (False: before every barrier, as until
+the fourth session of 2026-11-25).  A barrier that only ends the reads of a chunk (its ``wgmma``
+already waited for) or publishes a buffer read by ``ldmatrix`` needs none.  Measured on an H100:
+kernels/BENCHMARKS.md, "Fourth session of 2026-11-25"."""
+
 NAME = re.compile(r"^wgmma_(?P<dt>f16|bf16)_n(?P<n>\d+)(?P<zero>_z)?$|^wgmma_wait(?P<depth>1?)_n(?P<wn>\d+)$")
 """``wgmma_{dt}_n{N}`` (``D += A B``), ``wgmma_{dt}_n{N}_z`` (``D = A B``: scale-d 0, the
 accumulators only written) and ``wgmma_wait[1]_n{N}`` (``wait_group 0`` / ``1``)."""
@@ -154,7 +161,11 @@ def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src, fres
     src.comment(f"{acc} {'=' if fresh else '+='} on tensor cores by warpgroups: {steps} step(s) of 16 along {kax}, "
                 f"{m.MT} wgmma.m64n{n}k16 ({m.dtype}) per step, B = {b.name} by descriptor "
                 f"({'MN' if trans else 'K'}-major core matrices), advanced {2 * step} bytes a step")
-    src(f"{desc} = wgmma_desc16(smem16, {em.s16base(B.buffer)}, {k.u(lbo)}, {k.u(sbo)})")
+    base = em.s16base(B.buffer)
+    if m.Wn > 1:   # this warpgroup's slice of the columns: its first column, 8 NT (tx // 4), in the core layout
+        first = f"tx // {k.u(4)} * {k.u(8 * m.NT)}"
+        base = f"{base} + {core_index(first, k.u(0), b.ld, k.u) if trans == 0 else core_index(k.u(0), first, b.ld, k.u)}"
+    src(f"{desc} = wgmma_desc16(smem16, {base}, {k.u(lbo)}, {k.u(sbo)})")
     tuples = []
     for mt in range(m.MT):
         t = em.names.fresh(f"{acc}_wg")

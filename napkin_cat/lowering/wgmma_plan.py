@@ -54,8 +54,8 @@ def column_buffer(ff, ax, m: Frag, ins, red, bufs, n_in, targets, absorbed):
         return "its column operand is not a 16-bit shared buffer"
     if set(b.axes) != {m.col, kax} or len(b.axes) != 2 or b.copies not in (1, 2):
         return f"its column operand's buffer has axes {b.axes}, not ({m.col}, {kax})"
-    if ax[kax].cap % 16 or ax[m.col].cap % 8 or -(-ax[m.col].cap // 8) != m.NT:
-        return f"{kax} % 16 or {m.col} % 8 or the warp's {8 * m.NT} columns"
+    if ax[kax].cap % 16 or ax[m.col].cap % 8 or -(-ax[m.col].cap // 8) != m.NT * m.Wn:
+        return f"{kax} % 16 or {m.col} % 8 or the warps' {8 * m.NT} x {m.Wn} columns"
     return key
 
 
@@ -72,10 +72,14 @@ AUTO_MIN_THREADS = 256
 """Threads a kernel needs for warpgroup MMAs under ``planner.WGMMA = "auto"`` (several warpgroups)."""
 
 AUTO_MIN_COLUMNS = 64
-"""Columns (``N``) a contraction's warpgroup MMA needs under ``planner.WGMMA = "auto"``: measured on
-an H100 (fp16, N = 4096), the causal dQ kernel, whose keys stream in chunks of 32 (``m64n32``),
-ran 0.42 ms against ``mma.sync``'s 0.36 at d = 64 and 0.91 against 0.78 at d = 128, where the
-kernels with 64 columns or more gained (kernels/BENCHMARKS.md, "Third session of 2026-11-25")."""
+"""Columns (``N``) a contraction's warpgroup MMA needs under ``planner.WGMMA = "auto"`` where its
+columns are a stream loop's chunk: measured on an H100 (fp16, N = 4096), the causal dQ kernel,
+whose keys stream in chunks of 32 (``m64n32``), ran 0.42-0.44 ms against ``mma.sync``'s 0.36 at
+d = 64 and 0.91 against 0.78 at d = 128, where the kernels with 64 columns or more gained
+(kernels/BENCHMARKS.md, "Third session of 2026-11-25").  Narrower columns of a whole block (the
+one-kernel backward's dQ = dS K, ``m64n32`` over d = 64 split between two warpgroups) are not
+limited: that kernel measured faster on warpgroups (kernels/BENCHMARKS.md, "Fourth session of
+2026-11-25")."""
 
 
 def auto_why_not(T: int, accs) -> str | None:
@@ -105,11 +109,30 @@ def auto_why_not(T: int, accs) -> str | None:
 
 
 def mapping_ok(m: Frag, T: int) -> str | None:
-    """Why fragments ``m`` cannot be multiplied by warpgroups on ``T`` threads (None: they can)."""
-    if m.Wn != 1 or m.Wm % 4 or 32 * m.Wm * m.Wn != T:
-        return f"{m.Wm}x{m.Wn} warps on {T} threads (needs whole warpgroups of warps holding every column)"
+    """Why fragments ``m`` cannot be multiplied by warpgroups on ``T`` threads (None: they can):
+    whole warpgroups of 4 warps one above another (``Wm % 4 == 0``), each holding every column
+    or, with ``Wn > 1``, one slice of them (:attr:`~.plan.Frag.wg`'s warp order)."""
+    if m.Wm % 4 or 32 * m.Wm * m.Wn != T:
+        return f"{m.Wm}x{m.Wn} warps on {T} threads (needs whole warpgroups of 4 warps one above another)"
     if 8 * m.NT > MAX_N:
         return f"{8 * m.NT} columns per warp (at most {MAX_N})"
+    return None
+
+
+def warpgroup_frag(m: Frag, T: int) -> Frag | None:
+    """``m``'s extents on the same ``T`` threads as warpgroups: ``Wm`` a multiple of 4 (rows in
+    slabs of 64 per warpgroup) and the columns split among ``Wn`` warpgroup columns, the widest
+    slices first; None where no such split fits (or ``m`` already is one)."""
+    if mapping_ok(m, T) is None:
+        return None
+    W = T // 32
+    rows, cols = 16 * m.MT * m.Wm, 8 * m.NT * m.Wn
+    for Wm in range(4, W + 1, 4):
+        Wn = W // Wm
+        if W % Wm or rows % (16 * Wm) or cols % (8 * Wn) or cols // Wn > MAX_N:
+            continue
+        MT, NT = rows // (16 * Wm), cols // (8 * Wn)
+        return replace(m, RY=2 * MT, RX=2 * NT, TY=8 * Wm, TX=4 * Wn, Wm=Wm, Wn=Wn)
     return None
 
 
@@ -118,20 +141,23 @@ def plan_wgmma(ff, ax, st: Structure, targets, accs, bufs, T: int, n_in: int, ab
     move to warpgroup MMAs (``Frag.wg``) and their column buffers to the core-matrix layout
     (offsets reassigned); ``notes`` say why each other one stays on ``mma.sync``.  A mapping
     shared by several contractions moves only if each of them can.  ``mode``: ``planner.WGMMA``
-    (``"auto"``: only where :func:`auto_why_not` finds nothing and every contraction has
-    :data:`AUTO_MIN_COLUMNS`, else none, said in a note)."""
+    (``"auto"``: only where :func:`auto_why_not` finds nothing and every contraction whose
+    columns are a stream's chunk has :data:`AUTO_MIN_COLUMNS`, else none, said in a note)."""
     if mode not in (True, False, "auto", 0, 1):
         from ..core.errors import LoweringError
         raise LoweringError(f"planner.WGMMA must be True, False or 'auto', got {mode!r}")
     if not mode or not wgmma_capable():
         return targets, accs, bufs, ()
     found = list(_contractions(ff, st, targets, accs))
+    shaped = _reshaped(ff, ax, found, targets, accs, bufs, T, n_in, absorbed)
+    found = [(place, shaped.get(m, m), ins, red) for place, m, ins, red in found]
     if mode == "auto":
         why = auto_why_not(T, accs)
         if why is not None:   # said where a contraction could have moved
             could = any(mapping_ok(m, T) is None for _, m, _, _ in found)
             return targets, accs, bufs, ((f"Warpgroup MMA: not used: {why}.",) if could else ())
-        narrow = [m for _, m, _, _ in found if 8 * m.NT < AUTO_MIN_COLUMNS]
+        streamed = {n.axis for n, _ in ff.walk() if getattr(n, "kind", None) == "stream"}
+        narrow = [m for _, m, _, _ in found if 8 * m.NT < AUTO_MIN_COLUMNS and m.col in streamed]
         if narrow:   # the whole kernel stays: kernels with engines mixed were not measured
             m = narrow[0]
             return targets, accs, bufs, (f"Warpgroup MMA: not used: the contraction over ({m.row}, {m.col}) has "
@@ -150,6 +176,7 @@ def plan_wgmma(ff, ax, st: Structure, targets, accs, bufs, T: int, n_in: int, ab
     if not any(ok.values()):
         return targets, accs, bufs, tuple(notes)
     wg = {m: replace(m, wg=True) for m, good in ok.items() if good}
+    wg.update({old: wg[new] for old, new in shaped.items() if new in wg})
     targets = {v: (replace(t, mapping=wg[t.mapping]) if t.mapping in wg else t) for v, t in targets.items()}
     accs = [replace(p, main=wg.get(p.main, p.main),
                     fused=(replace(p.fused, ms=wg[p.fused.ms]) if p.fused is not None and p.fused.ms in wg
@@ -161,6 +188,21 @@ def plan_wgmma(ff, ax, st: Structure, targets, accs, bufs, T: int, n_in: int, ab
             what = re.sub(r", rows padded by \d+\)", ")", b.what) + " (core matrices for wgmma)"
             bufs[key] = replace(b, core=True, pad=0, what=what)
     return targets, accs, assign_offsets(bufs), tuple(notes)
+
+
+def _reshaped(ff, ax, found, targets, accs, bufs, T: int, n_in: int, absorbed) -> dict:
+    """``{mapping: its warpgroup shape}`` (:func:`warpgroup_frag`) for the contractions whose
+    warps are not in warpgroups: only a target's own mapping (no other target or accumulator
+    shares it), and only where the reshaped warps' column operand is a buffer they can read."""
+    out = {}
+    for place, m, ins, red in found:
+        alt = warpgroup_frag(m, T) if place[0] == "t" else None
+        shared = sum(t.mapping == m for t in targets.values()) > 1 or any(
+            m in (p.main, p.stat, p.fused.ms if p.fused is not None else None) for p in accs)
+        if alt is not None and not shared \
+                and isinstance(column_buffer(ff, ax, alt, ins, red, bufs, n_in, targets, absorbed), tuple):
+            out[m] = alt
+    return out
 
 
 def assign_offsets(bufs: dict) -> dict:
