@@ -26,7 +26,7 @@ q, x, d, h = nc.axes("q x d h")
 
 def _kernels(dim, dtype=torch.float16):
     attn = nc.library.attention(q=q, x=x, d=d, heads=h).stream(x, "s_x").tile(q, "g_q").tile(h, 1)
-    plan = torch_op(attn).backward_plan((0, 1, 2), (("d", dim), ("h", 32), ("q", 4096), ("x", 4096)), dtype)
+    plan = torch_op(attn, backward="two kernels").backward_plan((0, 1, 2), (("d", dim), ("h", 32), ("q", 4096), ("x", 4096)), dtype)
     return {name: lowering._lower_one(dia, prefetch="auto") for name, dia in
             (("forward", plan.forward), ("dK, dV", plan.parts[-2]), ("dQ", plan.parts[-1]))}
 

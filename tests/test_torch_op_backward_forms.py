@@ -177,6 +177,9 @@ def test_none_chooses_the_form_with_the_smaller_prediction(n_q, n_x, dtype):
     if dtype == torch.float32 and want == "one kernel":   # CUDA cores: measured, the roofline overruled
         want = "two kernels"
         assert backward_forms.CUDA_CORE_ONE_KERNEL in c.why
+    if dtype != torch.float32 and want == "two kernels":  # warpgroup MMAs: measured, the roofline overruled
+        want = "one kernel"
+        assert backward_forms.WARPGROUP_ONE_KERNEL in c.why
     assert c.form == want == plan.form
     assert c.hardware == nc.hardware.H100.name and f"{t_one * 1e3:.4g} ms" in c.why
     assert t_two == pytest.approx(_predicted(op, "two kernels", (0, 1, 2), sizes, dtype), rel=1e-9)
@@ -184,6 +187,21 @@ def test_none_chooses_the_form_with_the_smaller_prediction(n_q, n_x, dtype):
     convert = 0 if dtype == torch.float32 else n_q * 64 * 16 * 6 / nc.hardware.H100.bandwidth("HBM")
     assert t_one == pytest.approx(_predicted(op, "one kernel", (0, 1, 2), sizes, dtype) + convert, rel=1e-9)
     print(f"N_q={n_q} N_x={n_x} {dtype}: {c.why} -> {c.form}")
+
+
+def test_16_bit_keeps_the_predicted_form_without_warpgroup_mmas(monkeypatch):
+    """The measured one-kernel rule needs warpgroup MMAs: with ``planner.WGMMA`` off, or on a
+    GPU without them (an A100), the prediction stands."""
+    from napkin_cat.lowering import planner
+    sizes = _sizes(q=4096, x=4096, d=64, h=16)
+    assert backward_forms.warpgroup_one_kernel(nc.hardware.H100)
+    assert not backward_forms.warpgroup_one_kernel(backward_forms.A100_SXM4)
+    monkeypatch.setattr(planner, "WGMMA", False)
+    op = torch_op(attention("causal_heads"))
+    op.backward_plan((0, 1, 2), sizes, torch.float16)
+    c = op.backward_choice
+    want = "one kernel" if c.seconds("one kernel") < c.seconds("two kernels") else "two kernels"
+    assert c.form == want and backward_forms.WARPGROUP_ONE_KERNEL not in c.why
 
 
 def test_the_prediction_prices_fp32_on_the_engine_the_kernels_use():

@@ -171,7 +171,26 @@ def choose_form(two, one, hw: Hardware, tiles_of, threads, fp32: str = "fma") ->
     why = f"predicted on {on}: one kernel {t_one * 1e3:.4g} ms, two kernels {t_two * 1e3:.4g} ms"
     if fp32_parts and fp32 == "fma" and form == "one kernel":
         form, why = "two kernels", f"{why}; but {CUDA_CORE_ONE_KERNEL}"
+    if not fp32_parts and form == "two kernels" and warpgroup_one_kernel(hw):
+        form, why = "one kernel", f"{why}; but {WARPGROUP_ONE_KERNEL}"
     return BackwardChoice(form, (("one kernel", t_one), ("two kernels", t_two)), hw.name, why)
+
+
+WARPGROUP_ONE_KERNEL = (
+    "16-bit kernels on warpgroup tensor cores take the one kernel: measured on an H100 (fp16, N = 4096, "
+    "B*H = 32, forward + backward of one call), one kernel 2.064 against two 2.222 ms at d = 64, 1.552 / 1.659 "
+    "causal, 4.166 / 4.529 at d = 128, 2.599 / 2.732 causal, where the model predicts the two faster: it "
+    "charges dQ's fp32 atomic adds (read and written once per key tile) at HBM's rate "
+    "(kernels/BENCHMARKS.md, \"Fourth session of 2026-11-25\")")
+"""Why the cost model's choice of two kernels is overruled for 16-bit kernels with warpgroup MMAs."""
+
+
+def warpgroup_one_kernel(hw: Hardware) -> bool:
+    """Whether :data:`WARPGROUP_ONE_KERNEL` applies: ``hw`` has warpgroup MMAs and they are on
+    (``planner.WGMMA``)."""
+    from . import planner
+    from .wgmma import MIN_CC
+    return bool(planner.WGMMA) and tuple(hw.compute_capability) >= MIN_CC
 
 
 CUDA_CORE_ONE_KERNEL = ("on CUDA cores (fp32='fma') two kernels are kept: the one kernel measured 1.4x slower "
