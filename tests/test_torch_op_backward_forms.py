@@ -261,6 +261,25 @@ def test_one_kernel_gradients_match_fp64_autograd(name):
 
 
 @needs_sim
+def test_a_chosen_one_kernel_that_does_not_lower_gives_way_to_the_two(monkeypatch):
+    """16-bit picks the one kernel (``WARPGROUP_ONE_KERNEL``); where it does not lower, the op
+    runs the two kernels (noted), not the one kernel's part in the NumPy executor."""
+    from napkin_cat.lowering.torch_op import TorchOp
+    from napkin_cat.relabel.split import split_axes
+    real = TorchOp._backward_kernel
+
+    def refuse_split(self, diagram, *args, **kw):
+        return None if split_axes(diagram) else real(self, diagram, *args, **kw)
+
+    monkeypatch.setattr(TorchOp, "_backward_kernel", refuse_split)
+    op = torch_op(attention("plain"), simulate=True, verify=False, tiles=TILES)
+    check_grads(op, inputs(op.diagram, torch.float16), 4 * 2.0 ** -10)
+    assert op.backward_choice.form == "one kernel"
+    assert op.last_backward_path == "simulator-fa2", op.notes
+    assert any("the one kernel chosen did not lower, so the two kernels run" in n for n in op.notes), op.notes
+
+
+@needs_sim
 def test_one_kernel_fp16_adds_dq_in_fp32_and_returns_fp16():
     op = _run("plain", "one kernel", torch.float16, tol=4 * 2.0 ** -10)
     assert op.last_backward_path == "simulator-fa2-atomic", op.notes

@@ -410,6 +410,7 @@ class TorchOp:
             outs = evaluate(plan.diagram, *_host(args), reference=True)
             self.last_backward_path = "executor-fa2"
             return _to_torch(outs, _out_dtypes(plan.diagram, dtype), device)
+        plan = self._lowerable_form(plan, wrt, sizes, dtype, device)
         got, fell = {}, False
         for part in plan.parts:
             # an earlier part's output (a row term, lowering/backward_parts.row_terms) or a saved array
@@ -430,6 +431,21 @@ class TorchOp:
         self.last_backward_path = "executor-fa2" if fell else f"{path}-fa2{atomic}"
         # the one-kernel form's fp32 dQ, converted to the inputs' dtype
         return tuple(got[a.name].to(t) for a, t in zip(plan.diagram.cod, _out_dtypes(plan.diagram, dtype)))
+
+    def _lowerable_form(self, plan: BackwardPlan, wrt, sizes, dtype, device) -> BackwardPlan:
+        """``plan``, or the two kernels where ``plan`` is the one kernel this op chose (not one
+        the caller asked for) and a part of it does not lower: two kernels that lower beat one
+        in the executor (noted)."""
+        if plan.form != "one kernel" or self.backward_form is not None:
+            return plan
+        if all(has_scatter(p) or self._backward_kernel(p, wrt, sizes, device, plan) is not None for p in plan.parts):
+            return plan
+        two = self._form_plan(wrt, sizes, dtype, "two kernels")
+        if [a.name for a in two.diagram.dom] != [a.name for a in plan.diagram.dom]:
+            return plan
+        self._note(f"backward of {self.diagram.short()} at {dict(sizes)}: the one kernel chosen did not lower, "
+                   f"so the two kernels run")
+        return two
 
     def _backward_kernel(self, diagram: Diagram, wrt, sizes, device, plan: BackwardPlan | None = None):
         """The lowered backward diagram, or None (the refusal recorded in ``notes``).  ``tiles``
