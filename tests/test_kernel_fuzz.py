@@ -322,6 +322,8 @@ def _features(kernel) -> set[str]:
         out.add("ldmatrix-b-single")
     if "per column of this thread" in body:                     # column_values.column_value
         out.add("column-values")
+    if re.search(r"smem32\[.*\] = pack_b?f16\(\w+_pair\[0\]", body):   # paired_stores.stored_pair
+        out.add("paired-store")
     return out
 
 

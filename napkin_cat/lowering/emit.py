@@ -19,6 +19,7 @@ from ..core.errors import LoweringError
 from ..relabel.loopnest import Compute, Finalise, Init, Load, Loop, Store, Update
 from .atomics import atomic_add, atomic_add_pair, check_added_outputs
 from .column_values import column_value
+from .paired_stores import stored_pair
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, scaled_exponent
 from . import reindex
@@ -34,7 +35,7 @@ from . import wgmma as wg
 
 RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lane", "e", "i", "j",
             "u", "k", "ty", "tx", "acc", "val", "SIMULATOR", "SMEM_ALIGN", "WARP_SHUFFLE",
-            "FULL_MASK", "simulator_active", "red_s", "smem16", "int16", "ZERO16", "ptid"} | set(PRIMITIVES)
+            "FULL_MASK", "simulator_active", "red_s", "smem16", "smem32", "int16", "ZERO16", "ptid"} | set(PRIMITIVES)
 
 
 def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict, tuple[str, ...], int]:
@@ -106,8 +107,7 @@ class Emitter(Loads, Phases):
         self.pending_async = False              # cp.async copies not yet waited for (.emit_loads)
         self.core_dirty = False                 # a descriptor-read buffer written, not yet fenced
         self.full_flags: dict = {}              # (row, col, predicate) -> its chunk's 'keeps all' flag
-        self.arg_names: dict = {}
-        self.out_args: list[str] = []
+        self.arg_names, self.out_args = {}, []
         self.added = check_added_outputs(self.ff)   # outputs summed across blocks: atomics (.atomics)
 
     def _bind_names(self):
@@ -414,6 +414,7 @@ class Emitter(Loads, Phases):
             if any(b.bits == 16 for b in self.bufs.values()):
                 src("smem16 = cuda.shared.array(0, dtype=int16, alignment=SMEM_ALIGN)  # the same memory, "
                     "16-bit elements")
+            self.smem32_slot, self.smem32_declared = src.slot(), False   # .paired_stores
             for b in self.bufs.values():   # views are offsets: NVVM then sees aligned addresses
                 if b.offset:
                     self.consts.reserved(b.name, b.offset, comment=f"shared offset of {b.what}"
@@ -527,7 +528,8 @@ class Emitter(Loads, Phases):
             key = ("var", t.var)
             bits = f"{DTYPES[self.plan.dtype].from_f32}({val})"
             cond = self.valid(self.bufs[key].axes, env)
-            src(f"{self.swrite(key, env)} = " + (f"{bits} if {cond} else ZERO16" if cond else bits))
+            if not stored_pair(self, t, env, val, cond, src):
+                src(f"{self.swrite(key, env)} = " + (f"{bits} if {cond} else ZERO16" if cond else bits))
         elif t.to_smem:
             src(f"{self.sread(('var', t.var), env)} = {val}")
         if t.to_global:
@@ -550,11 +552,9 @@ class Emitter(Loads, Phases):
                         src(f"{out}[{self.gindex(arr, env)}] = {self.gvalue(arr, val)}")
 
     def _added_pair(self, t: Target, arr, env) -> str | None:
-        """For an output blocks add into, held as tensor-core fragments whose column pairs
-        (``2t``, ``2t + 1``) are adjacent words of its last axis: the name of a two-word
-        register array, declared in the fragment row's slot, that collects each pair for one
-        :func:`.atomics.atomic_add_pair`; None where that does not apply (an odd extent or
-        block, another layout)."""
+        """The two-word register array (in the fragment row's slot) that collects a column pair of
+        an output blocks add into for one :func:`.atomics.atomic_add_pair`; None where the pair is
+        not adjacent words of its last axis (an odd extent or block, another layout)."""
         from .plan import Frag
         m = t.mapping
         hoist = env.get("_hoist")

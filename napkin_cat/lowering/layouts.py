@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..relabel.loopnest import FinalForm
 from .emit_acc import ACC_CODEGEN
+from .paired_stores import prefer_columns
 from .plan import Frag, Micro, Structure, acc_reduced_axes, axes_set, reduced_axes, storage
 
 FRAG_PAD = 4
@@ -41,6 +42,7 @@ def plan_layouts(ff: FinalForm, st: Structure, targets, absorbed, accs, ax,
         elif has_r != has_c:
             pref[key] = m.row if has_r else m.col
 
+    prefer_columns(pref, targets, sixteen, types, ax)     # 16-bit fragments stored a pair per word
     for t in targets.values():
         if isinstance(t.mapping, Micro) and t.source is not None and t.source not in st.acc_of_var:
             k = st.eqn_of[t.source]

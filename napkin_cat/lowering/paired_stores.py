@@ -1,0 +1,58 @@
+"""16-bit fragments stored to shared memory a column pair per 32-bit word: an emitter pass.
+
+A materialised 16-bit intermediate (:mod:`.sixteen_bit`: the one-kernel backward's ``dS``, read
+by the dQ contraction through ``ldmatrix``) written from tensor-core fragments puts the
+fragments' column axis last (:func:`prefer_columns`), so lane ``(g, t)``'s columns ``2t`` and
+``2t + 1`` are adjacent halves of one 32-bit word: one packed store per pair
+(:func:`stored_pair`) instead of two 16-bit stores and their byte permutes.  ``ldmatrix`` reads
+either orientation (``.trans`` where needed), so the readers are unchanged.
+"""
+
+from __future__ import annotations
+
+from .plan import Frag, axes_set
+from .tensorcore import DTYPES
+
+PAIRED_STORES = True
+"""Store 16-bit fragment pairs as one word (False: one 16-bit store per element, the writer's
+layout not preferred, as until the fourth session of 2026-11-25)."""
+
+
+def prefer_columns(pref: dict, targets, sixteen, types, ax) -> None:
+    """Each materialised 16-bit target written by fragments puts their column axis last (an even
+    extent), unless another rule already chose."""
+    for t in targets.values():
+        m, key = t.mapping, ("var", t.var)
+        if not (PAIRED_STORES and t.to_smem and t.var in sixteen and isinstance(m, Frag)) or key in pref:
+            continue
+        axes = axes_set(types[t.var], ax)
+        if m.row in axes and m.col in axes and ax[m.col].cap % 2 == 0:
+            pref[key] = m.col
+
+
+def stored_pair(em, t, env, val: str, cond: str | None, src) -> bool:
+    """Store target ``t``'s 16-bit value ``val`` (zero where ``cond`` fails) a column pair per
+    word: collected in a two-value register array declared in the fragment row's slot, packed
+    and stored at the odd column.  False (nothing emitted) where that does not apply: not
+    fragments, the column axis not last, ragged or of odd extent."""
+    m, key = t.mapping, ("var", t.var)
+    b, hoist = em.bufs[key], env.get("_hoist")
+    if not (PAIRED_STORES and isinstance(m, Frag) and hoist is not None and "," in env.get("_slot", "")
+            and b.axes and b.axes[-1] == m.col):
+        return False
+    a = em.ax[m.col]
+    if a.ragged or a.cap % 2 or b.ld % 2:
+        return False
+    k = em.consts
+    if not em.smem32_declared:
+        em.smem32_slot("smem32 = cuda.shared.array(0, dtype=uint32, alignment=SMEM_ALIGN)  # the same memory, "
+                       "32-bit words")
+        em.smem32_declared = True
+    pair = em.names.fresh(f"{em.types[t.var].name}_pair")
+    hoist.src(f"{pair} = cuda.local.array(2, float32)  # a column pair of {em.types[t.var].name}, stored as one word")
+    j = env["_slot"].split(",")[-1].strip()
+    src(f"{pair}[{j} % {k.u(2)}] = " + (f"{val} if {cond} else {k.f(0.0, 'ZERO')}" if cond else val))
+    with src.block(f"if {j} % {k.u(2)} == {k.u(1)}:"):
+        word = f"({em.s16base(key)} + {em.sidx(b, env)}) // {k.u(2)}"
+        src(f"smem32[{word}] = {DTYPES[em.plan.dtype].pack}({pair}[0], {pair}[1])")
+    return True
