@@ -19,7 +19,7 @@ from ..core.errors import LoweringError
 from ..relabel.loopnest import Compute, Finalise, Init, Load, Loop, Store, Update
 from .atomics import atomic_add, atomic_add_pair, check_added_outputs
 from .column_values import column_value
-from .paired_stores import stored_pair
+from .paired_stores import column_pair, fragment_pairs, stored_pair
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, scaled_exponent
 from . import reindex
@@ -78,7 +78,7 @@ class AxisView:
 
 PAIRED_ATOMICS = True
 """Tensor-core fragments added across blocks go two adjacent words per reduction
-(:meth:`Emitter._added_pair`); False: one ``cuda.atomic.add`` per element (for measuring)."""
+(:meth:`Emitter._adds_pairs`); False: one ``cuda.atomic.add`` per element (for measuring)."""
 
 
 class Emitter(Loads, Phases):
@@ -247,7 +247,7 @@ class Emitter(Loads, Phases):
                 row.src(f"{row.memo[v]} = {expr}")
             return row.memo[v]
         col = env.get("_colhoist")
-        if col is not None and src is not col.body and (hoisted := column_value(self, v, env, col, define)):
+        if col is not None and (hoisted := column_value(self, v, env, col, define)):
             return hoisted
         st = "inline" if v == define else self.plan.storage(v)
         if st in ("load", "smem"):
@@ -534,16 +534,14 @@ class Emitter(Loads, Phases):
             src(f"{self.sread(('var', t.var), env)} = {val}")
         if t.to_global:
             cond = self.valid(self.plan.caps(arr.axis_names)[0], env)
-            pair = self._added_pair(t, arr, env) if t.var in self.added else None
+            pairs = t.var in self.added and self._adds_pairs(t, arr, env)
             with src.maybe(cond):
                 for pos, ov in enumerate(self.dd.outs):
                     if ov != t.var:
                         continue
                     out = self.out_args[pos]
-                    if pair:                           # blocks add into it, a column pair at a time
-                        j = env["_slot"].split(",")[-1].strip()
-                        src(f"{pair}[{j} % {self.consts.u(2)}] = {val}")
-                        with src.block(f"if {j} % {self.consts.u(2)} == {self.consts.u(1)}:"):
+                    if pairs:                          # blocks add into it, a column pair at a time
+                        with column_pair(self, arr.name, "added as one reduction", val, env, src) as pair:
                             src(atomic_add_pair(out, f"{self.gindex(arr, env)} - {self.consts.u(1)}",
                                                 f"{pair}[0]", f"{pair}[1]"))
                     elif t.var in self.added:          # blocks add into it, a word at a time
@@ -551,22 +549,13 @@ class Emitter(Loads, Phases):
                     else:
                         src(f"{out}[{self.gindex(arr, env)}] = {self.gvalue(arr, val)}")
 
-    def _added_pair(self, t: Target, arr, env) -> str | None:
-        """The two-word register array (in the fragment row's slot) that collects a column pair of
-        an output blocks add into for one :func:`.atomics.atomic_add_pair`; None where the pair is
-        not adjacent words of its last axis (an odd extent or block, another layout)."""
-        from .plan import Frag
-        m = t.mapping
-        hoist = env.get("_hoist")
-        if not (PAIRED_ATOMICS and isinstance(m, Frag) and hoist is not None and "," in env.get("_slot", "")
-                and arr.axis_names and arr.axis_names[-1] == m.col):
-            return None
-        a = self.ax[m.col]
-        if a.size % 2 or a.cap % 2:
-            return None
-        name = self.names.fresh(f"{arr.name}_pair")
-        hoist.src(f"{name} = cuda.local.array(2, float32)  # a column pair of {arr.name}, added as one reduction")
-        return name
+    def _adds_pairs(self, t: Target, arr, env) -> bool:
+        """Whether an output blocks add into goes a fragment column pair per reduction
+        (:func:`.atomics.atomic_add_pair`): adjacent words of its last axis, an even extent."""
+        if not (PAIRED_ATOMICS and arr.axis_names and fragment_pairs(t.mapping, env, arr.axis_names[-1])):
+            return False
+        a = self.ax[t.mapping.col]
+        return a.size % 2 == 0 and a.cap % 2 == 0
 
     def _emit_target(self, t: Target, src: Source):
         self.sync(src)

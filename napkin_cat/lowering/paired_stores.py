@@ -5,10 +5,14 @@ by the dQ contraction through ``ldmatrix``) written from tensor-core fragments p
 fragments' column axis last (:func:`prefer_columns`), so lane ``(g, t)``'s columns ``2t`` and
 ``2t + 1`` are adjacent halves of one 32-bit word: one packed store per pair
 (:func:`stored_pair`) instead of two 16-bit stores and their byte permutes.  ``ldmatrix`` reads
-either orientation (``.trans`` where needed), so the readers are unchanged.
+either orientation (``.trans`` where needed), so the readers are unchanged.  The same column pairs
+go as one reduction into an output blocks add into (:meth:`.emit.Emitter.write_target`,
+:func:`.atomics.atomic_add_pair`): both collect them by :func:`column_pair`.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from .plan import Frag, axes_set
 from .tensorcore import DTYPES
@@ -30,15 +34,32 @@ def prefer_columns(pref: dict, targets, sixteen, types, ax) -> None:
             pref[key] = m.col
 
 
+def fragment_pairs(m, env, last: str | None) -> bool:
+    """Whether an element loop over fragments ``m`` (``env``) holds each lane's column pair
+    ``(2t, 2t + 1)`` as neighbours along ``last``, an array's last axis."""
+    return isinstance(m, Frag) and env.get("_hoist") is not None and "," in env.get("_slot", "") and last == m.col
+
+
+@contextmanager
+def column_pair(em, name: str, purpose: str, val: str, env, src):
+    """Collect ``val`` into a two-value register array declared in the fragment row's slot; the
+    body runs at the pair's odd column, with the array's name."""
+    k = em.consts
+    pair = em.names.fresh(f"{name}_pair")
+    env["_hoist"].src(f"{pair} = cuda.local.array(2, float32)  # a column pair of {name}, {purpose}")
+    j = env["_slot"].split(",")[-1].strip()
+    src(f"{pair}[{j} % {k.u(2)}] = {val}")
+    with src.block(f"if {j} % {k.u(2)} == {k.u(1)}:"):
+        yield pair
+
+
 def stored_pair(em, t, env, val: str, cond: str | None, src) -> bool:
     """Store target ``t``'s 16-bit value ``val`` (zero where ``cond`` fails) a column pair per
-    word: collected in a two-value register array declared in the fragment row's slot, packed
-    and stored at the odd column.  False (nothing emitted) where that does not apply: not
-    fragments, the column axis not last, ragged or of odd extent."""
+    word, packed at the odd column (:func:`column_pair`).  False (nothing emitted) where that does
+    not apply: not fragments, the column axis not last, ragged or of odd extent."""
     m, key = t.mapping, ("var", t.var)
-    b, hoist = em.bufs[key], env.get("_hoist")
-    if not (PAIRED_STORES and isinstance(m, Frag) and hoist is not None and "," in env.get("_slot", "")
-            and b.axes and b.axes[-1] == m.col):
+    b = em.bufs[key]
+    if not (PAIRED_STORES and b.axes and fragment_pairs(m, env, b.axes[-1])):
         return False
     a = em.ax[m.col]
     if a.ragged or a.cap % 2 or b.ld % 2:
@@ -48,11 +69,9 @@ def stored_pair(em, t, env, val: str, cond: str | None, src) -> bool:
         em.smem32_slot("smem32 = cuda.shared.array(0, dtype=uint32, alignment=SMEM_ALIGN)  # the same memory, "
                        "32-bit words")
         em.smem32_declared = True
-    pair = em.names.fresh(f"{em.types[t.var].name}_pair")
-    hoist.src(f"{pair} = cuda.local.array(2, float32)  # a column pair of {em.types[t.var].name}, stored as one word")
-    j = env["_slot"].split(",")[-1].strip()
-    src(f"{pair}[{j} % {k.u(2)}] = " + (f"{val} if {cond} else {k.f(0.0, 'ZERO')}" if cond else val))
-    with src.block(f"if {j} % {k.u(2)} == {k.u(1)}:"):
+    name = em.types[t.var].name
+    with column_pair(em, name, "stored as one word", f"{val} if {cond} else {k.f(0.0, 'ZERO')}" if cond else val,
+                     env, src) as pair:
         word = f"({em.s16base(key)} + {em.sidx(b, env)}) // {k.u(2)}"
         src(f"smem32[{word}] = {DTYPES[em.plan.dtype].pack}({pair}[0], {pair}[1])")
     return True

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from ..relabel.loopnest import Loop
 from .emit_acc import ACC_CODEGEN
 from .plan import Frag, Structure, acc_reduced_axes, axes_set, reduced_axes, storage
 from .wgmma import MAX_N, MIN_CC
@@ -156,7 +157,7 @@ def plan_wgmma(ff, ax, st: Structure, targets, accs, bufs, T: int, n_in: int, ab
         if why is not None:   # said where a contraction could have moved
             could = any(mapping_ok(m, T) is None for _, m, _, _ in found)
             return targets, accs, bufs, ((f"Warpgroup MMA: not used: {why}.",) if could else ())
-        streamed = {n.axis for n, _ in ff.walk() if getattr(n, "kind", None) == "stream"}
+        streamed = {n.axis for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
         narrow = [m for _, m, _, _ in found if 8 * m.NT < AUTO_MIN_COLUMNS and m.col in streamed]
         if narrow:   # the whole kernel stays: kernels with engines mixed were not measured
             m = narrow[0]
