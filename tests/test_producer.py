@@ -73,16 +73,62 @@ def test_the_forward_with_a_copying_warpgroup_matches_the_oracle(copying, dtype,
     assert out.failure is None, kernelcheck.describe_failure(out.failure)
 
 
-def test_both_sides_pass_the_same_block_barriers(copying):
+@pytest.mark.parametrize("hand_over", ["named", "block"])
+def test_both_sides_pass_the_same_block_barriers(copying, monkeypatch, hand_over):
+    monkeypatch.setattr(producer, "HAND_OVER", hand_over)
     kernel = nc.lower(_forward(nc.f16, False, {q: 128, x: 64, d: 16}), threads=256, prefetch="double",
                       verify=False)
+    assert any(f"handed over by {hand_over} barriers" in n for n in kernel.notes), kernel.notes
     body = _body(kernel)
     split = next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))
-    pre, per, post = producer._barrier_counts(body[split:])
+    pre, per, post = producer._barrier_counts(body[split:], hand_over == "named")
     mine = [ln for ln in body[:split] if ln.strip().startswith("cuda.syncthreads()")]
     loop = next(i for i, ln in enumerate(body[:split]) if ln.startswith("        for "))
     in_loop = [ln for ln in body[loop:split] if ln.startswith("            cuda.syncthreads()")]
     assert (len(mine) - len(in_loop), len(in_loop)) == (pre + post, per)
+    assert per == (0 if hand_over == "named" else 1)
+
+
+def _named_barriers(lines) -> dict:
+    """``{(id expression, count): [sync or arrive, ...]}`` of the named barriers in ``lines``."""
+    found = {}
+    for ln in lines:
+        m = re.search(r"(bar_named|bar_arrive)\((.+), (U\d+)\)", ln)
+        if m and m.group(2) != "uint32(1)":
+            found.setdefault((m.group(2), m.group(3)), []).append(m.group(1))
+    return found
+
+
+def test_the_named_hand_over_pairs_every_wait_with_arrivals(copying):
+    """Each computing warpgroup waits for its own chunk where the copying warpgroup arrives (one
+    arrival per warpgroup, 128 + 128 threads), and the copying warpgroup waits for a buffer where
+    every computing warpgroup arrives (256 + 128 threads); nothing else meets at a block barrier in
+    the loop."""
+    kernel = nc.lower(_forward(nc.f16, True, {q: 128, x: 96, d: 16}), threads=256, prefetch="double",
+                      verify=False)
+    body = _body(kernel)
+    split = next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))
+    copying_side, computing = _named_barriers(body[:split]), _named_barriers(body[split:])
+    full, empty = producer.hand_over_ids(256)
+    assert computing == {(f"U{full} + buf_x * U2 + tid // U128", "U256"): ["bar_named"],
+                         (f"U{empty} + buf_x", "U384"): ["bar_arrive"]}
+    assert copying_side == {(f"U{full} + (U1 - pbuf_x) * U2", "U256"): ["bar_arrive"],
+                            (f"U{full + 1} + (U1 - pbuf_x) * U2", "U256"): ["bar_arrive"],
+                            (f"U{empty} + (U1 - pbuf_x)", "U384"): ["bar_named"]}
+    out = _check(_forward(nc.f16, True, {q: 128, x: 96, d: 16}), kernel, 8.0)
+    assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+def test_a_thread_arriving_twice_at_a_named_barrier_is_a_protocol_error():
+    """The simulator's named barrier refuses what the GPU would take as an early completion."""
+    from napkin_cat.lowering.tensorcore import _NamedBarrier
+    bar = _NamedBarrier(3)
+    bar.arrive(0, wait=False)
+    with pytest.raises(RuntimeError, match="arrived twice"):
+        bar.arrive(0, wait=False)
+    bar.arrive(1, wait=False)
+    bar.arrive(2, wait=False)          # completes: a new phase
+    bar.arrive(0, wait=False)
 
 
 def test_a_barrier_at_no_fixed_place_is_refused():
@@ -139,13 +185,16 @@ def test_the_registers_moved_fit_what_the_launch_gave(monkeypatch, regs):
         assert producer.consumer_registers(threads, blocks) % 8 == 0
 
 
-def test_a_planted_late_copy_is_caught(copying):
-    """Each chunk copied one chunk late (the copying side's schedule shifted): the computing side
-    reads chunk 0 twice and never the last one, which the check against the oracle sees."""
+@pytest.mark.parametrize("hand_over", ["named", "block"])
+def test_a_planted_late_copy_is_caught(copying, monkeypatch, hand_over):
+    """Each chunk copied one chunk late (the copying side reads chunk c where it should read
+    c + 1, its hand-over unchanged): the computing side reads chunk 0 twice and never the last
+    one, which the check against the oracle sees."""
+    monkeypatch.setattr(producer, "HAND_OVER", hand_over)
     dia = _forward(nc.f16, False, {q: 128, x: 96, d: 16})
     kernel = copy.copy(nc.lower(dia, threads=256, prefetch="double", verify=False))
-    late = kernel.source.replace("x_next = x0 + CHUNK_x\n", "x_next = x0\n", 1)
-    assert late != kernel.source
+    late = kernel.source.replace("(x_next + i_", "(x0 + i_")
+    assert late.count("(x0 + i_") == 2 and "(x_next + i_" not in late
     kernel.source = late
     kernel._dispatcher, kernel._launchers, kernel._fast = None, {}, None
     assert _check(dia, kernel).failure is not None

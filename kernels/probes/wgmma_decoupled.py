@@ -214,12 +214,12 @@ def decouple(src: str, computing: int, pingpong: bool = False, overlap: bool = F
 
 def lower(dia, blocks: str, wg: bool):
     tq, tx, thr = map(int, blocks.split(","))
-    saved = planner.WGMMA, producer.SWITCH
-    planner.WGMMA, producer.SWITCH = wg, wg
+    saved = planner.WGMMA, producer.SWITCH, producer.HAND_OVER
+    planner.WGMMA, producer.SWITCH, producer.HAND_OVER = wg, wg, "block"   # the edits start from block barriers
     try:
         return nc.lower(dia, prefetch="auto", verify=False, tiles={"q": tq, "x": tx}, threads=thr)
     finally:
-        planner.WGMMA, producer.SWITCH = saved
+        planner.WGMMA, producer.SWITCH, producer.HAND_OVER = saved
 
 
 def main():

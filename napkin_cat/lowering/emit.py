@@ -43,15 +43,19 @@ def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict, tu
     ``notes`` go into the docstring, followed by what the renderer itself decided (fragments held
     in registers: .emit_mma; a copying warpgroup: .producer)."""
     why = producer.why_not(plan)
-    em = Emitter(plan, notes, specialise=why is None)
-    try:
-        source = em.emit()
-    except producer.NotSpecialised as e:     # emitted again, every thread copying
-        why = str(e)
+    for mode in producer.hand_overs() if why is None else ():
+        em = Emitter(plan, notes, specialise=mode)
+        try:
+            source = em.emit()
+            break
+        except producer.NotSpecialised as e:     # emitted again: another hand-over, or every thread copying
+            why = str(e)
+    else:
         em = Emitter(plan, notes)
         source = em.emit()
     if producer.SWITCH and why is not None:
-        em.notes += (f"Copying warpgroup: none ({why}).",)
+        em.notes += (f"Copying warpgroup: {'chunks handed over by block barriers' if em.producer_threads else 'none'} "
+                     f"({why}).",)
     return source, {key: b.name for key, b in em.bufs.items()}, em.notes, em.producer_threads
 
 
@@ -84,9 +88,9 @@ PAIRED_ATOMICS = True
 class Emitter(Loads, Phases):
     """The renderer of one plan (see the module docstring)."""
 
-    def __init__(self, plan: KernelPlan, notes: tuple[str, ...] = (), specialise: bool = False):
+    def __init__(self, plan: KernelPlan, notes: tuple[str, ...] = (), specialise: str | None = None):
         self.plan = plan
-        self.specialise = specialise            # the stream loop's copies to a copying warpgroup (.producer)
+        self.specialise = specialise            # the stream loop's copies to a copying warpgroup: its hand-over (.producer)
         self.producer_loop = None
         self.producer_threads = 0
         self.copy_threads = ("tid", "NTHREADS", plan.threads)   # who issues cp.async copies, how many
@@ -315,7 +319,7 @@ class Emitter(Loads, Phases):
                 self.notes += (f"Copying warpgroup: threads {self.T}..{self.T + self.producer_threads - 1} copy the "
                                f"stream loop's chunks (cp.async, {producer.REGS} registers each by setmaxnreg); "
                                f"threads 0..{self.T - 1} compute ({producer.consumer_registers(self.T, self.blocks())} "
-                               f"registers each).",)
+                               f"registers each); chunks handed over by {self.specialise} barriers.",)
             return self._assemble(body)
         except LoweringError:
             raise

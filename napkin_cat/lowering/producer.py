@@ -51,6 +51,15 @@ REGS = 40
 """Registers per thread the copying warpgroup keeps (with 24 its address arithmetic spills:
 ``ptxas -v`` on the probe kernel, kernels/probes/wgmma_pipeline.py)."""
 
+HAND_OVER = "named"
+"""How a chunk's buffer passes between the copying warpgroup and the computing ones: ``"named"``,
+per buffer and computing warpgroup by named barriers (:func:`hand_over_ids`), so that each
+warpgroup waits only for its own chunk and the two drift apart; ``"block"``, one block barrier per
+chunk, which also holds the computing warpgroups in step.  Measured on an H100 (fp16 forward,
+d = 64, 256 computing threads; kernels/BENCHMARKS.md): the named hand-over 0.412 ms against the
+block barrier's 0.425 as a text edit of this kernel (kernels/probes/wgmma_decoupled.py).  A kernel
+whose stream loop needs a block barrier of its own gets ``"block"``."""
+
 MIN_THREADS = 256
 """Computing threads a kernel needs for a copying warpgroup: measured on an H100 (fp16 forward,
 d = 64), two computing warpgroups sharing each chunk ran 0.426 ms against ``mma.sync``'s 0.459,
@@ -103,7 +112,26 @@ def launch_registers(threads: int, blocks: int) -> int:
 
 
 def primitive_names(threads: int, blocks: int) -> tuple[str, ...]:
-    return ("bar_named", f"setmaxnreg_dec_{REGS}", f"setmaxnreg_inc_{consumer_registers(threads, blocks)}")
+    return ("bar_named", "bar_arrive", f"setmaxnreg_dec_{REGS}",
+            f"setmaxnreg_inc_{consumer_registers(threads, blocks)}")
+
+
+def hand_overs() -> tuple[str, ...]:
+    """The hand-overs to try, in order (the first a kernel allows is emitted)."""
+    if HAND_OVER not in ("named", "block"):
+        raise ValueError(f"producer.HAND_OVER must be 'named' or 'block', got {HAND_OVER!r}")
+    return ("named", "block") if HAND_OVER == "named" else ("block",)
+
+
+def hand_over_ids(threads: int) -> tuple[int, int]:
+    """The first named barrier of the ``"named"`` hand-over's "landed" barriers (buffer ``b``,
+    computing warpgroup ``w``: ``full + b * W + w``) and of its "released" ones (buffer ``b``:
+    ``empty + b``); id 1 is the computing threads' own (reductions), 0 the block's."""
+    groups = threads // 128
+    full, empty = 2, 2 + 2 * groups
+    if empty + 2 > 16:
+        raise NotSpecialised(f"{groups} computing warpgroups: more named barriers than the 16 a block has")
+    return full, empty
 
 
 # --------------------------------------------------------------------------- emission
@@ -135,11 +163,27 @@ def emit_loop(em, lp: Loop, src) -> None:
         for b in bufs:
             em.cur[b.key] = em.names.fresh(f"{b.name}_cur")
             src(f"{em.cur[b.key]} = {base[b.name]} + {par} * {stride[b.name]}")
+        named = em.specialise == "named"
+        if named:
+            full, empty_id = hand_over_ids(em.T)
+            groups = em.T // 128
+            with src.block(f"if {a.start} > {lo}:  # chunk 0 landed at the barrier above"):
+                src(f"bar_named({k.u(full, f'U{full}')} + {par} * {k.u(groups, f'U{groups}')} + tid // "
+                    f"{k.u(128, 'U128')}, {k.u(128 + THREADS, f'U{128 + THREADS}')})  # this warpgroup's chunk has landed")
         em.pending_sync = False
         empty = em._chunk_flags(lp, src)
         em._emit_guarded([n for n in lp.body if n not in loads], empty, src)
-        em.pending_sync = True
-        em.sync(src)
+        if named:
+            if em.pending_sync or em.pending_async:
+                raise NotSpecialised("shared memory written in the stream loop: its chunks end at a block barrier")
+            src("fence_proxy_async()  # this chunk's reads are done")
+            with src.block(f"if {a.start} + {k.u(2, 'U2')} * {a.cap_c} < {hi}:"):
+                total = em.T + THREADS
+                src(f"bar_arrive({k.u(empty_id, f'U{empty_id}')} + {par}, {k.u(total, f'U{total}')})  "
+                    f"# this buffer is free for chunk c + 2")
+        else:
+            em.pending_sync = True
+            em.sync(src)
         src(f"{par} = {k.u(1, 'U1')} - {par}")
     em._drop_flags(lp)
     for b in bufs:
@@ -147,9 +191,10 @@ def emit_loop(em, lp: Loop, src) -> None:
     em.producer_loop = (lp, loads, bufs)
 
 
-def _barrier_counts(lines: list[str]) -> tuple[int, int, int]:
+def _barrier_counts(lines: list[str], named: bool = False) -> tuple[int, int, int]:
     """Block barriers of the multiplying warps before the stream loop, per chunk, after it: each
-    at the kernel body's own depth or the loop body's (else :class:`NotSpecialised`)."""
+    at the kernel body's own depth or the loop body's (else :class:`NotSpecialised`); with the
+    ``named`` hand-over, none per chunk."""
     body = "    "
     at = next(i for i, ln in enumerate(lines) if MARK in ln)
     head = next(i for i in range(at, len(lines)) if lines[i].startswith(body + "for ") or lines[i].startswith(body + "while "))
@@ -164,7 +209,9 @@ def _barrier_counts(lines: list[str]) -> tuple[int, int, int]:
         if depth != (2 if part == 1 else 1):
             raise NotSpecialised(f"a block barrier at depth {depth} (line {i}): not at a fixed place")
         counts[part] += 1
-    if counts[0] < 1 or counts[1] < 1:
+    if named and counts[1]:
+        raise NotSpecialised(f"{counts[1]} block barrier(s) in the stream loop: the named hand-over needs none")
+    if counts[0] < 1 or (counts[1] < 1 and not named):
         raise NotSpecialised("no barrier before the stream loop or none in it")
     return counts[0], counts[1], counts[2]
 
@@ -173,7 +220,8 @@ def finish(em, body, slot) -> None:
     """Write the copying warpgroup's code into ``slot`` (after the prologue), mirroring the
     barriers of the multiplying warps' emitted ``body``."""
     lp, loads, bufs = em.producer_loop
-    pre, per, post = _barrier_counts(body.lines)
+    named = em.specialise == "named"
+    pre, per, post = _barrier_counts(body.lines, named)
     k = em.consts
     a = em.ax[lp.axis]
     em.producer_threads = THREADS
@@ -204,7 +252,16 @@ def finish(em, body, slot) -> None:
             nxt = em.names.fresh(f"{a.name}_next")
             src(f"{nxt} = {a.start} + {a.cap_c}")
             with src.block(f"if {nxt} < {hi}:"):
+                if named:
+                    full, empty = hand_over_ids(em.T)
+                    groups, total = em.T // 128, em.T + THREADS
+                    with src.block(f"if {a.start} > {lo}:"):
+                        src(f"bar_named({k.u(empty, f'U{empty}')} + ({k.u(1, 'U1')} - {par}), {k.u(total, f'U{total}')})"
+                            f"  # chunk c - 1's buffer released by every computing warpgroup")
                 issue(nxt, f"({k.u(1, 'U1')} - {par})")
+                for w in range(groups if named else 0):
+                    src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + ({k.u(1, 'U1')} - {par}) * {k.u(groups, f'U{groups}')}, "
+                        f"{k.u(128 + THREADS, f'U{128 + THREADS}')})  # chunk c + 1 has landed for warpgroup {w}")
             for _ in range(per):
                 src("cuda.syncthreads()  # the next chunk has landed; the buffer of this one is free")
             src(f"{par} = {k.u(1, 'U1')} - {par}")

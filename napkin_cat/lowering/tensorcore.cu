@@ -289,3 +289,11 @@ extern "C" __device__ int nc_bar_named(int* ret, unsigned id, unsigned count) {
   *ret = 0;
   return 0;
 }
+
+// Arrive at named barrier `id` without waiting (its `count` threads: those that arrive and those
+// that wait there by nc_bar_named): a buffer handed over between warpgroups (lowering/producer.py).
+extern "C" __device__ int nc_bar_arrive(int* ret, unsigned id, unsigned count) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+  *ret = 0;
+  return 0;
+}

@@ -95,9 +95,11 @@ FP32_COPIES = ("cp_async16_f32", "cp_async_wait_all", "cp_async_commit", "cp_asy
 """The shared primitives an fp32 kernel on tensor cores (3xTF32) imports: fp32 copies and reductions."""
 
 PRIMITIVES = ("mma_f16", "mma_bf16", "pack_f16", "pack_bf16", "h2f", "bf2f", "f2h", "f2bf", *SHARED_PRIMITIVES,
-              "bar_named", "mma_tf32x3", "mma_tf32x3s", "pack_tf32x3")
-"""Every primitive above, and ``bar_named(id, count)``: a barrier over the block's first ``count``
-threads (the multiplying warps of a kernel with a copying warpgroup, :mod:`.producer`)."""
+              "bar_named", "bar_arrive", "mma_tf32x3", "mma_tf32x3s", "pack_tf32x3")
+"""Every primitive above, ``bar_named(id, count)``: named barrier ``id`` (1-15) of ``count`` threads,
+waited at (the multiplying warps of a kernel with a copying warpgroup, or one warpgroup waiting for
+its buffer, :mod:`.producer`), and ``bar_arrive(id, count)``: the same barrier, arrived at without
+waiting (a buffer handed over)."""
 
 
 def mma_dtype(name: str) -> TensorDType:
@@ -185,9 +187,10 @@ def _per_launch(table, ctx, key, make):
 
 def _group_barrier(ctx, key, parties: int):
     """The simulator's barrier over ``parties`` threads of this block named by ``key``: the
-    threads of one warp for the twins below (what they exchange stays within the warp), the
-    computing threads for ``bar_named``.  Not numba's block barrier, so a kernel whose copying
-    warpgroup passes only the block's own barriers runs in step (:mod:`.producer`).  Barriers
+    threads of one warp for the twins below (what they exchange stays within the warp), a
+    warpgroup for ``wgmma`` (``bar_named`` is :class:`_NamedBarrier`).  Not numba's block
+    barrier, so a kernel whose copying warpgroup passes only the block's own barriers runs in step
+    (:mod:`.producer`).  Barriers
     belong to one launch (its block manager), so threads a failed launch left waiting never meet
     a later launch's."""
     _per_launch(_BARRIERS, ctx, (key, parties), lambda: threading.Barrier(parties)).wait(timeout=600)
@@ -211,9 +214,44 @@ def _warp_sync(ctx):
     _group_barrier(ctx, ("warp", warp), min(32, int(ctx.blockDim.x) - 32 * warp))
 
 
-def _sim_bar_named(bid, count):
-    _group_barrier(_context(), ("named", int(bid)), int(count))
+class _NamedBarrier:
+    """The simulator's named barrier (``bar.sync`` / ``bar.arrive``): it completes when ``parties``
+    threads have arrived, those that wait and those that only arrive; the waiters are released.  A
+    thread arriving twice in one phase is refused: on the GPU that is a protocol error (the count
+    reached early), here it would pass silently."""
+
+    def __init__(self, parties: int):
+        self.parties, self.phase, self.arrived = parties, 0, set()
+        self.cv = threading.Condition()
+
+    def arrive(self, me, wait: bool) -> None:
+        with self.cv:
+            if me in self.arrived:
+                raise RuntimeError(f"thread {me} arrived twice at one named barrier of {self.parties} "
+                                   f"before it completed")
+            phase = self.phase
+            self.arrived.add(me)
+            if len(self.arrived) == self.parties:
+                self.arrived.clear()
+                self.phase += 1
+                self.cv.notify_all()
+            elif wait and not self.cv.wait_for(lambda: self.phase != phase, timeout=300):
+                raise threading.BrokenBarrierError(f"named barrier of {self.parties}: timed out")
+
+
+def _sim_named(bid, count, wait: bool):
+    ctx = _context()
+    barrier = _per_launch(_BARRIERS, ctx, (("named", int(bid)), int(count)), lambda: _NamedBarrier(int(count)))
+    barrier.arrive(int(ctx.threadIdx.x), wait)
     return 0
+
+
+def _sim_bar_named(bid, count):
+    return _sim_named(bid, count, True)
+
+
+def _sim_bar_arrive(bid, count):
+    return _sim_named(bid, count, False)
 
 
 def _sim_mma(values, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -359,7 +397,8 @@ def _sim_primitives() -> dict:
                 ldsm_x4=lambda a, o: _sim_ldsm(a, o, 4, False), ldsm_x4_t=lambda a, o: _sim_ldsm(a, o, 4, True),
                 ldsm_x2=lambda a, o: _sim_ldsm(a, o, 2, False), ldsm_x2_t=lambda a, o: _sim_ldsm(a, o, 2, True),
                 pin=lambda v: v, cp_async16=cp_async16, cp_async16_f32=cp_async16_f32, red_add2=red_add2, cp_async_wait_all=done, cp_async_commit=done, cp_async_wait1=done,
-                cp_async_wait2=done, bar_named=_sim_bar_named, mma_tf32x3=_sim_mma_tf32x3,
+                cp_async_wait2=done, bar_named=_sim_bar_named, bar_arrive=_sim_bar_arrive,
+                mma_tf32x3=_sim_mma_tf32x3,
                 mma_tf32x3s=_sim_mma_tf32x3, pack_tf32x3=_sim_pack_tf32x3)
 
 

@@ -31,7 +31,7 @@ SIGNATURES = {
     "red_add2": "int32(uint64, float32, float32)",
     "cp_async_commit": "int32()", "cp_async_wait1": "int32()", "cp_async_wait2": "int32()",
     "wgmma_fence": "int32()", "wgmma_commit": "int32()", "fence_proxy_async": "int32()",
-    "bar_named": "int32(uint32, uint32)",
+    "bar_named": "int32(uint32, uint32)", "bar_arrive": "int32(uint32, uint32)",
     "pack_tf32x3": "UniTuple(uint64, 2)(float32, float32)",
     "mma_tf32x3": _MMA_TF32X3, "mma_tf32x3s": _MMA_TF32X3,
 }
@@ -85,7 +85,7 @@ _cp16, cp_async_wait_all = _linked["cp_async16"], _linked["cp_async_wait_all"]
 cp_async_commit, cp_async_wait1 = _linked["cp_async_commit"], _linked["cp_async_wait1"]
 cp_async_wait2 = _linked["cp_async_wait2"]
 _red2 = _linked["red_add2"]
-bar_named = _linked["bar_named"]
+bar_named, bar_arrive = _linked["bar_named"], _linked["bar_arrive"]
 mma_tf32x3, mma_tf32x3s, pack_tf32x3 = _linked["mma_tf32x3"], _linked["mma_tf32x3s"], _linked["pack_tf32x3"]
 
 
