@@ -224,7 +224,9 @@ def steady_ratio(r: dict) -> str:
 
 def switch_value(old, v):
     """A tunable's value from ``NAME=0|1``: a switch that is a bool or a mode name (``"auto"``)
-    becomes ``False`` / ``True``; a number keeps its type."""
+    becomes ``False`` / ``True``; a number keeps its type; a word is the mode (``HAND_OVER=block``)."""
+    if not str(v).lstrip("-").isdigit():
+        return str(v)
     return bool(int(v)) if isinstance(old, (bool, str)) and str(v) in ("0", "1") else type(old)(v)
 
 
@@ -254,7 +256,8 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "kernels"))
     args = ap.parse_args(argv)
     STEADY = args.steady
-    choices = [{k: int(v) for k, v in (kv.split("=") for kv in c.split(",") if kv)} for c in args.tiles.split(";")]
+    choices = [{k: int(v) if v.lstrip("-").isdigit() else v for k, v in (kv.split("=") for kv in c.split(",") if kv)}
+               for c in args.tiles.split(";")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"environment": environment(), "cases": []}

@@ -14,17 +14,15 @@ or numba device arrays (zero copy, through ``__cuda_array_interface__``); output
 allocated like the inputs unless ``out=`` is given.  Under ``NUMBA_ENABLE_CUDASIM=1`` the same
 source runs in numba's CUDA simulator on numpy arrays.
 
-What is generic and what is chosen is described in :mod:`napkin_cat.lowering.codegen` (the code
-generator: one rule per box kind and per accumulator kind) and
-:mod:`napkin_cat.lowering.schedule` (tile, chunk and thread choices: given, cost model, or
-heuristic).
+What is generic and what is chosen: :mod:`napkin_cat.lowering.codegen` (one rule per box kind and
+per accumulator kind) and :mod:`napkin_cat.lowering.schedule` (tiles, chunks, threads).
 
 Stages, imports pointing one way:
 ``schedule``  completes the relabelling and builds the final form once (:class:`~.schedule.Schedule`);
 ``planner``   turns it into a frozen kernel IR (:mod:`.plan`: :class:`~.plan.KernelPlan`);
-``emit``      renders the plan, with ``emit_threads`` (thread mappings, the CUDA-core contraction
-              engine), ``emit_kinds`` (one emitter per box kind) and ``emit_acc`` (one per
-              accumulator kind); ``codegen.generate`` runs planner then emitter.
+``emit``      renders the plan, with ``emit_threads`` (thread mappings, the CUDA-core engine),
+              ``emit_kinds`` (one emitter per box kind) and ``emit_acc`` (one per accumulator
+              kind); ``codegen.generate`` runs planner then emitter.
 
 Tensor cores: a contraction's plan names its engine (``Target.engine``, ``AccPlan.engine``;
 :data:`~.plan.ENGINES`): ``"cuda_core"``, or ``"mma"`` where the kernel's inputs are fp16 / bf16
@@ -70,8 +68,8 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     one barrier per chunk; ``prefetch="auto"``: ``"double"`` where the inputs are 16-bit (filled
     by cp.async), the register estimate stays within a thread's registers and the shared memory
     fits, else none (:func:`~.planner.auto_prefetch`).  ``fp32``: how an fp32 kernel multiplies:
-    ``"fma"`` (fp32 FMAs on CUDA cores) or ``"3xtf32"`` (tensor cores, each product as three tf32
-    products: fp32-level error, what SDPA's fp32 kernels do; :data:`~.planner.TF32X3`).
+    ``"fma"`` (fp32 FMAs on CUDA cores) or ``"3xtf32"`` (tensor cores, three tf32 products each:
+    fp32-level error, as SDPA's fp32 kernels; :data:`~.planner.TF32X3`).
     ``verify``: before it is returned, the kernel runs against the NumPy float64 oracle on
     ``SELF_CHECK_RUNS`` inputs (``True``) or that many (an int) at its bound sizes; a difference
     raises :class:`~napkin_cat.core.errors.EquivalenceError` with code that reproduces it;
@@ -99,7 +97,7 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     from ..core.hardware import Hardware
     if hw is not None and not isinstance(hw, Hardware):
         raise LoweringError(f"lower: hw must be a hardware profile such as nc.hardware.H100, got {hw!r}")
-    if not (isinstance(verify, bool) or isinstance(verify, int) and verify >= 0):
+    if not (isinstance(verify, bool) or isinstance(verify, int) and verify >= 0):   # a number of runs
         raise LoweringError(f"lower: verify must be True, False or a number of runs >= 0, got {verify!r}")
     runs = SELF_CHECK_RUNS if verify is True else int(verify)
     if check_inputs is not None:
@@ -145,29 +143,36 @@ def _lower_one(d: Diagram, tiles=None, threads=None, name=None, micro=None, fast
 
 
 def _lower_planned(d: Diagram, tiles, threads, name, micro, fastmath, prefetch, hw) -> "Kernel":
-    from . import runtime
+    from . import planner, runtime
     from .codegen import generate
     from .schedule import choose
+    from .wgmma_plan import awaited_copying_warpgroup, without_copying_warpgroup
 
     simulate = not _gpu_present(runtime)
     sched = choose(d, tiles, threads, simulate=simulate, hw=hw)
     kname = name or _default_name(sched.diagram)
-    # what the schedule chose and changed (loop order) follow the planner's notes
-    gen = generate(sched.diagram, kname, sched.threads, sched.batch_axes, fastmath=fastmath, micro=micro,
-                   prefetch=prefetch, ff=sched.final_form, notes=(f"Block sizes: {sched.how}.", *sched.notes))
+
+    def make(pf):   # what the schedule chose and changed (loop order) follow the planner's notes
+        return generate(sched.diagram, kname, sched.threads, sched.batch_axes, fastmath=fastmath, micro=micro,
+                        prefetch=pf, ff=sched.final_form, notes=(f"Block sizes: {sched.how}.", *sched.notes))
+    gen = make(prefetch)
     limits = runtime.device_limits() if "numba.cuda" in sys.modules else runtime.H100_DEFAULTS
     limit = limits.max_shared_per_block_optin
     if hw is not None:   # lowering for a target profile: its per-block shared memory
         limit = min(limit, hw.smem_per_block_optin)
     smem = gen.plan.smem_bytes
     if smem > limit and prefetch == "auto" and gen.plan.prefetch:   # 'auto': the second buffers only where they fit
-        gen = generate(sched.diagram, kname, sched.threads, sched.batch_axes, fastmath=fastmath, micro=micro,
-                       prefetch=False, ff=sched.final_form, notes=(f"Block sizes: {sched.how}.", *sched.notes))
+        gen = make(False)
         smem = gen.plan.smem_bytes
     if smem > limit:
         raise LoweringError(f"{d.short()} with {sched.diagram._sched_str()} needs {smem} bytes "
                             f"of shared memory per block ({gen.buffers()}); the limit is {limit}: use smaller "
                             f"tiles or chunks")
+    if awaited_copying_warpgroup(gen.plan, gen.extra_threads, planner.WGMMA):   # "auto" planned on one
+        with without_copying_warpgroup():
+            kernel = _lower_planned(d, tiles, threads, name, micro, fastmath, prefetch, hw)
+        kernel.notes += tuple(n for n in gen.notes if n.startswith("Copying warpgroup: none"))
+        return kernel
     launch = Launch(gen.plan.launch.grid, (sched.threads + gen.extra_threads, 1, 1), smem)
     kernel = Kernel(sched.diagram, gen.source, kname, launch, sched, gen)
     kernel.options = {"threads": sched.threads, "micro": micro, "fastmath": fastmath, "prefetch": prefetch,
@@ -194,11 +199,7 @@ class Kernel:
     shared memory), ``.diagram`` (the relabelled diagram it computes) and ``__call__``."""
 
     def __init__(self, diagram: Diagram, source: str, name: str, launch: Launch, schedule, gen):
-        self.diagram = diagram
-        self.source = source
-        self.name = name
-        self.launch = launch
-        self.schedule = schedule
+        self.diagram, self.source, self.name, self.launch, self.schedule = diagram, source, name, launch, schedule
         self.in_shapes = tuple(tuple(a.size for a in arr.axes) for arr in diagram.dom)
         self.out_shapes = tuple(tuple(a.size for a in arr.axes) for arr in diagram.cod)
         self.in_io = tuple(arr.dtype.name for arr in diagram.dom)     # what each array holds (.io)
@@ -209,8 +210,7 @@ class Kernel:
         self.notes: tuple[str, ...] = gen.notes   # what the generator chose, and what was verified
         self.verified = False                            # compared with the oracle by lower()
         self.options: dict = {}                          # the lower() options that rebuild it
-        self._dispatcher = None
-        self._launchers: dict = {}
+        self._dispatcher, self._launchers = None, {}
         self._fast = None   # _TorchFastPath after a first call on torch CUDA tensors (GPU)
 
     def __repr__(self) -> str:

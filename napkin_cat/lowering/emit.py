@@ -53,9 +53,7 @@ def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict, tu
     else:
         em = Emitter(plan, notes)
         source = em.emit()
-    if producer.SWITCH and why is not None:
-        em.notes += (f"Copying warpgroup: {'chunks handed over by block barriers' if em.producer_threads else 'none'} "
-                     f"({why}).",)
+    em.notes += producer.note(plan, why, em.producer_threads)
     return source, {key: b.name for key, b in em.bufs.items()}, em.notes, em.producer_threads
 
 

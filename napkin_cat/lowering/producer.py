@@ -40,9 +40,14 @@ from __future__ import annotations
 
 from ..relabel.loopnest import Load, Loop
 
-SWITCH = False
-"""Give the copies of a qualifying stream loop to a copying warpgroup (:func:`why_not`).  Off by
-default until the measured forward and backward kernels say so (kernels/BENCHMARKS.md)."""
+SWITCH = "auto"
+"""Give the copies of a qualifying stream loop to a copying warpgroup (:func:`why_not`): ``True``
+wherever it qualifies, ``False`` never, ``"auto"`` (the default) where it was measured faster: a
+stream loop whose accumulator is rescaled every chunk (an online softmax: the attention forward,
+0.426 against ``mma.sync``'s 0.459 ms at d = 64 and 256 computing threads on an H100), not the
+backward's plain sums (the dQ kernel 0.88 against 0.64 ms; kernels/BENCHMARKS.md).  Under
+``planner.WGMMA = "auto"`` such an accumulator goes to warpgroup MMAs only with this warpgroup
+(:func:`.wgmma_plan.auto_why_not`)."""
 
 THREADS = 128
 """Threads of the copying warpgroup (``setmaxnreg`` acts on whole warpgroups)."""
@@ -78,8 +83,12 @@ class NotSpecialised(Exception):
 def why_not(plan) -> str | None:
     """Why ``plan``'s kernel gets no copying warpgroup (None: it gets one)."""
     from .wgmma import uses_wgmma
+    if SWITCH not in (True, False, "auto"):
+        raise ValueError(f"producer.SWITCH must be True, False or 'auto', got {SWITCH!r}")
     if not SWITCH:
         return "producer.SWITCH is off"
+    if SWITCH == "auto" and not rescaled(plan.accs):
+        return "no accumulator rescaled every chunk (producer.SWITCH = 'auto': measured slower for plain sums)"
     if not uses_wgmma(plan):
         return "no contraction on warpgroup MMAs"
     if plan.prefetch != "double":
@@ -96,6 +105,26 @@ def why_not(plan) -> str | None:
     if any(s.pred.block_atoms() for s in plan.skips.get(loops[0].axis, ())):
         return "chunks skipped by a block table (read by the copying warpgroup: not yet)"
     return None
+
+
+def note(plan, why: str | None, threads: int) -> tuple[str, ...]:
+    """What a kernel's notes say of its copying warpgroup where it got none or the block-barrier
+    hand-over (``threads``: its copying threads; ``why``: the reason), when it would be asked for:
+    :data:`SWITCH` on, and under ``"auto"`` an accumulator rescaled every chunk."""
+    if why is None or not SWITCH or (SWITCH == "auto" and not rescaled(plan.accs)):
+        return ()
+    return (f"Copying warpgroup: {'chunks handed over by block barriers' if threads else 'none'} ({why}).",)
+
+
+def rescaled(accs) -> bool:
+    """Whether an accumulator of ``accs`` is rescaled every chunk (an online softmax's output)."""
+    return any(p.stat is not None for p in accs)
+
+
+def joins(threads: int) -> bool:
+    """Whether a copying warpgroup may join a kernel of ``threads`` computing threads whose
+    accumulator is rescaled every chunk (:data:`SWITCH`, :data:`MIN_THREADS`)."""
+    return bool(SWITCH) and threads >= MIN_THREADS and threads % 128 == 0
 
 
 def consumer_registers(threads: int, blocks: int) -> int:

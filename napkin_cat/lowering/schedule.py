@@ -48,10 +48,9 @@ from ..relabel.rules import (check_blocks, fuse_norm_contract, fuse_softmax_cont
 from . import planner
 from .plan import kernel_dtype
 from .reindex import remaps
+from .wgmma_plan import warpgroup_forward
 
-GPU_THREADS = 256
-SIM_THREADS = 16
-MAX_THREADS = 1024   # threads per block on every CUDA device
+GPU_THREADS, SIM_THREADS, MAX_THREADS = 256, 16, 1024   # MAX_THREADS: per block on every CUDA device
 
 
 @dataclass
@@ -315,9 +314,10 @@ def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: 
     if _tensor_cores(d0) and len(main) < 2:
         # tensor cores: 16 rows per warp and row tile, two row tiles per warp when the contractions
         # are narrow (d <= 64) and the block has at most 4 warps, else one (measured on an H100);
-        # one for 3xTF32 (four times the fragment registers: spills at two, ptxas)
-        warps = max(1, T // 32)
-        one = _widest(d0, axis) > 64 or warps > 4 or kernel_dtype(d0) == "f32"
+        # one for 3xTF32 (four times the fragment registers: spills at two, ptxas); two on 8 warps
+        warps = max(1, T // 32)    # for the warpgroup forward (wgmma_plan.warpgroup_forward)
+        one = (_widest(d0, axis) > 64 or warps > 4 or kernel_dtype(d0) == "f32") \
+            and not (T == 256 and warpgroup_forward(d0, simulate, planner.WGMMA))
         return min(n, 16 * warps * (1 if one else 2))
     return min(n, 128 if len(main) >= 2 else 64)
 
@@ -333,11 +333,11 @@ def _tensor_cores(d0: Diagram) -> bool:
 
 def _tensor_core_threads(d0: Diagram) -> int | None:
     """Threads of a tensor-core kernel: 4 warps with a normalisation (row statistics in
-    registers), 8 for the rest; None for fp32 on CUDA cores."""
+    registers) but for the warpgroup forward, 8 for the rest; None for fp32 on CUDA cores."""
     if not _tensor_cores(d0):
         return None
     norm = any(e.box.kind in ("softmax", "normalize", "softmax_contract") for e in d0.eqns)
-    return 128 if norm else GPU_THREADS
+    return 128 if norm and not warpgroup_forward(d0, False, planner.WGMMA) else GPU_THREADS
 
 
 def _row_tiles(d0: Diagram, free: list[str], tileable: list[str], given: dict, simulate: bool, T: int) -> dict:

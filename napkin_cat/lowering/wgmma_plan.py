@@ -100,12 +100,15 @@ def auto_why_not(T: int, accs) -> str | None:
     - an accumulator rescaled every chunk (an online softmax's output) ran slower on two
       warpgroups too (0.604 against 0.543 ms, 128 rows and 256 threads): it is waited for and
       rescaled on the CUDA cores every chunk.  With a copying warpgroup (``producer.SWITCH``) it
-      wins (0.427 ms at 256 rows), which ``planner.WGMMA = True`` and the switch ask for."""
+      wins (0.427 ms at 256 rows against 0.459), so it moves where one joins
+      (:func:`.producer.joins`; where the kernel then gets none, :func:`napkin_cat.lower` plans
+      it again without, :func:`without_copying_warpgroup`)."""
     if T < AUTO_MIN_THREADS:
         return f"{T} threads, one warpgroup: measured slower than mma.sync (planner.WGMMA = True forces it)"
-    if any(p.stat is not None for p in accs):
+    from . import producer
+    if producer.rescaled(accs) and not producer.joins(T):
         return ("an accumulator rescaled every chunk (online softmax): measured slower than mma.sync unless a "
-                "separate warpgroup issues the copies (planner.WGMMA = True with producer.SWITCH)")
+                "copying warpgroup joins 256 computing threads or more (producer.SWITCH)")
     return None
 
 
@@ -213,3 +216,51 @@ def assign_offsets(bufs: dict) -> dict:
         out[key] = replace(b, offset=off)
         off += -(-b.size // 4) * 4
     return out
+
+
+def awaited_copying_warpgroup(plan, extra_threads: int, mode) -> bool:
+    """Whether ``plan`` moved an accumulator rescaled every chunk to warpgroup MMAs under
+    ``"auto"`` (``mode``: ``planner.WGMMA``) counting on a copying warpgroup that its kernel did
+    not get (``extra_threads``)."""
+    from . import producer
+    from .wgmma import uses_wgmma
+    return mode == "auto" and not extra_threads and uses_wgmma(plan) and producer.rescaled(plan.accs)
+
+
+def warpgroup_forward(d0, simulate: bool, mode) -> bool:
+    """Whether the schedule gives ``d0`` (unrelabelled) the blocks its warpgroup forward was
+    measured fastest at: a 16-bit softmax-contraction of head width at most
+    :data:`FORWARD_MAX_WIDTH` on a GPU with warpgroup MMAs gets 256 computing threads and 256 rows
+    (two warpgroups of 128 rows sharing each chunk, a copying warpgroup beside them: 0.426 ms
+    against 0.459 for ``mma.sync`` at 128 rows and 128 threads, d = 64; at d = 128 it was slower,
+    1.159 against 1.023; kernels/BENCHMARKS.md, "Fourth session of 2026-11-24").  Not with a mask
+    (causal, a window: the fragments are read again each chunk of a loop a mask bounds, and the
+    causal forward measured 0.263 ms against ``mma.sync``'s 0.257; kernels/BENCHMARKS.md, "Fifth
+    session of 2026-11-25").  ``mode``: ``planner.WGMMA``."""
+    from . import producer
+    from .plan import kernel_dtype
+    if simulate or mode != "auto" or not producer.joins(256) or kernel_dtype(d0) == "f32":
+        return False
+    from ..relabel.rules import fuse_softmax_contract
+    online = any(e.box.kind == "softmax_contract" for a in d0.axes if a.size not in (None, 1)
+                 for e in fuse_softmax_contract(d0, a.name).eqns)
+    if not online or any(e.box.kind == "mask" for e in d0.eqns) or not wgmma_capable():
+        return False
+    widths = [a.size for a in d0.axes if isinstance(a.size, int) and a.size <= 256]
+    return bool(widths) and max(widths) <= FORWARD_MAX_WIDTH
+
+
+FORWARD_MAX_WIDTH = 64
+"""The widest head a 16-bit attention forward takes warpgroups at by default (:func:`warpgroup_forward`)."""
+
+
+class without_copying_warpgroup:
+    """Within: no copying warpgroup (``producer.SWITCH = False``), so ``"auto"`` plans as without."""
+
+    def __enter__(self):
+        from . import producer
+        self.saved, producer.SWITCH = producer.SWITCH, False
+
+    def __exit__(self, *exc):
+        from . import producer
+        producer.SWITCH = self.saved

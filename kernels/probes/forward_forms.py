@@ -1,0 +1,84 @@
+"""Probe: the 16-bit attention forward in the forms the generator can give it, timed in one run
+beside FlexAttention.
+
+- ``default``: ``nc.lower``'s choice (on an H100: 256 computing threads of 256 rows on warpgroup
+  MMAs, a copying warpgroup, chunks handed over by named barriers);
+- ``block``: the same with ``producer.HAND_OVER = "block"`` (one block barrier per chunk);
+- ``mma.sync``: ``producer.SWITCH = False`` (what the schedule chose before: 128 rows, 128
+  threads, ``mma.sync``).
+
+Each kernel is checked against float64 on 128 random rows of 2 heads before it is timed (kernel
+ms by CUPTI), FlexAttention compiled, same inputs.  GPU only.
+
+    NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/forward_forms.py [--d 64] [--causal 0,1]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "kernels"))
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat.lowering import producer  # noqa: E402
+
+FORMS = {"default": {}, "block": {"HAND_OVER": "block"}, "mma.sync": {"SWITCH": False}}
+
+
+def lower(dia, form: str):
+    saved = {k: getattr(producer, k) for k in FORMS[form]}
+    for k, v in FORMS[form].items():
+        setattr(producer, k, v)
+    try:
+        return nc.lower(dia, prefetch="auto", verify=False)
+    finally:
+        for k, v in saved.items():
+            setattr(producer, k, v)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--forms", default=",".join(FORMS))
+    args = ap.parse_args()
+    import torch
+    from bench import checked_times, compiled_flex, reference_rows
+    N, B, H, D = args.n, 2, 16, args.d
+    rows = []
+    for causal in (bool(int(c)) for c in args.causal.split(",")):
+        q, x, d, h, b = nc.axes("q x d h b")
+        dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, causal=causal, dtype=nc.f16).bind(
+            {q: N, x: N, d: D, h: H, b: B})
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        Q, K, V = (torch.randn(B, H, N, D, device="cuda", generator=gen).half() for _ in range(3))
+        sel = torch.randperm(N, device="cuda", generator=gen)[:128].sort().values
+        ref = reference_rows(Q, K, V, causal, D ** -0.5, sel, 2)
+        flops = 4 * B * H * N * N * D / (2 if causal else 1)
+        for form in args.forms.split(","):
+            k = lower(dia, form)
+            O = torch.full_like(Q, float("nan"))
+            err, ms, kms = checked_times(k.prepare(Q, K, V, out=O), lambda: O[:, :2, sel], ref)
+            rows.append((causal, form, k.launch.block[0], k.schedule.diagram._sched_str(), err, kms,
+                         flops / kms / 1e9, k.compiled_info().get("registers")))
+            print(rows[-1], flush=True)
+        flex, fo = compiled_flex(), {}
+        from torch.nn.attention.flex_attention import create_block_mask
+        bm = create_block_mask(lambda b_, h_, i, j: i >= j, None, None, N, N) if causal else None
+        err, ms, kms = checked_times(lambda: fo.update(o=flex(Q, K, V, block_mask=bm)), lambda: fo["o"][:, :2, sel], ref)
+        rows.append((causal, "FlexAttention (compiled)", None, "", err, kms, flops / kms / 1e9, None))
+        print(rows[-1], flush=True)
+    print(f"| causal | form (f16, N = {N}, d = {D}, B*H = {B * H}) | threads | blocks | err | kernel ms | TFLOP/s | regs |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {int(r[0])} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1e} | {r[5]:.3f} | {r[6]:.0f} | {r[7]} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The 16-bit attention forward's default blocks on a GPU with warpgroup MMAs: two computing
+warpgroups of 128 rows sharing each chunk, a copying warpgroup beside them, chunks handed over by
+named barriers (``wgmma_plan.warpgroup_forward``, ``producer.SWITCH = "auto"``), measured faster
+than ``mma.sync`` on an H100 (kernels/BENCHMARKS.md).  Where the copying warpgroup cannot join,
+``nc.lower`` plans the kernel again without it, as before, and says why.
+
+The plans are made as for an H100 (the kernel source only, ``_gpu_present`` patched); the kernel
+itself runs in the simulator against the oracle in tests/test_producer.py.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat import lowering as lw  # noqa: E402
+from napkin_cat.lowering import planner, producer  # noqa: E402
+from napkin_cat.lowering.schedule import choose  # noqa: E402
+from napkin_cat.lowering.wgmma_plan import warpgroup_forward  # noqa: E402
+from napkin_cat.verify import kernelcheck  # noqa: E402
+
+q, x, d, h = nc.axes("q x d h")
+
+
+def _attention(dtype=nc.f16, width=64, causal=False, n=4096):
+    return nc.library.attention(q=q, x=x, d=d, heads=h, causal=causal, dtype=dtype).bind(
+        {q: n, x: n, d: width, h: 4})
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Plan as for the GPU (an H100 without one): the schedule's GPU rules, no simulator sizes."""
+    monkeypatch.setattr(lw, "_gpu_present", lambda runtime: True)
+
+
+@pytest.mark.parametrize("dtype,width,causal,expect", [
+    (nc.f16, 64, False, True), (nc.bf16, 32, False, True),
+    (nc.f16, 64, True, False),             # causal: a tie, 0.263 against mma.sync's 0.257 ms
+    (nc.f16, 128, False, False),           # measured slower at d = 128
+    (nc.f32, 64, False, False),            # fp32: CUDA cores or 3xTF32
+])
+def test_the_rule_follows_what_was_measured(dtype, width, causal, expect):
+    d0 = _attention(dtype, width, causal).unrelabelled()
+    assert warpgroup_forward(d0, False, "auto") is expect
+    assert warpgroup_forward(d0, True, "auto") is False          # the simulator keeps its small blocks
+    assert warpgroup_forward(d0, False, True) is False           # only the default "auto" chooses blocks
+    sched = choose(_attention(dtype, width, causal), simulate=False)
+    tile = {r.axis: r.size for r in sched.diagram.schedule if r.op == "tile"}
+    assert (sched.threads, tile["q"]) == ((256, 256) if expect else (sched.threads, tile["q"]))
+    if not expect and dtype != nc.f32:
+        assert (sched.threads, tile["q"]) == (128, 128 if width <= 64 else 64)
+
+
+def test_the_rule_needs_the_copying_warpgroup_and_an_online_softmax(monkeypatch):
+    d0 = _attention().unrelabelled()
+    monkeypatch.setattr(producer, "SWITCH", False)
+    assert not warpgroup_forward(d0, False, "auto")
+    monkeypatch.setattr(producer, "SWITCH", "auto")
+    assert warpgroup_forward(d0, False, "auto")
+    s, v = nc.axes("s v")
+    mm = nc.library.matmul(q, s, v, dtype=nc.f16).bind({q: 256, s: 64, v: 64})
+    assert not warpgroup_forward(mm.unrelabelled(), False, "auto")
+
+
+def test_the_default_forward_is_two_warpgroups_and_a_copying_one(gpu):
+    kernel = lw._lower_one(_attention(), prefetch="auto")
+    assert kernel.launch.block == (256 + producer.THREADS, 1, 1)
+    assert kernel.launch.grid[0] == 4096 // 256
+    assert any("chunks handed over by named barriers" in n for n in kernel.notes), kernel.notes
+    assert "wgmma_f16_n64" in kernel.source and "bar_arrive(" in kernel.source
+
+
+def test_without_the_copying_warpgroup_it_is_planned_again_as_before(gpu):
+    """``prefetch=False``: no double buffer for the copying warpgroup to fill.  The kernel is the
+    one planned with ``producer.SWITCH = False`` (128 rows, ``mma.sync``), and says why."""
+    kernel = lw._lower_one(_attention(), prefetch=False)
+    saved = producer.SWITCH
+    producer.SWITCH = False
+    try:
+        before = lw._lower_one(_attention(), prefetch=False)
+    finally:
+        producer.SWITCH = saved
+    assert kernel.launch == before.launch and kernel.launch.block == (128, 1, 1)
+    assert kernel.source == before.source and "wgmma" not in kernel.source
+    assert any(n.startswith("Copying warpgroup: none (prefetch is False") for n in kernel.notes), kernel.notes
+
+
+def test_forced_switches_keep_their_meaning(gpu, monkeypatch):
+    monkeypatch.setattr(planner, "WGMMA", False)
+    kernel = lw._lower_one(_attention(), prefetch="auto")
+    assert kernel.launch.block == (128, 1, 1) and "wgmma" not in kernel.source
+    monkeypatch.setattr(planner, "WGMMA", True)
+    monkeypatch.setattr(producer, "SWITCH", False)
+    kernel = lw._lower_one(_attention(), prefetch="auto", threads=256, tiles={"q": 256})
+    assert kernel.launch.block == (256, 1, 1) and "wgmma_f16_n64" in kernel.source
+
+
+def test_the_auto_forward_matches_the_oracle_in_the_simulator():
+    """What the GPU gets at 4096 rows, at the simulator's size: 256 computing threads, 256 rows,
+    the copying warpgroup by ``"auto"`` (not forced), ragged keys, huge logits."""
+    dia = nc.library.attention(q=q, x=x, d=d, causal=True, dtype=nc.f16).stream(x, 64).tile(q, 256) \
+        .bind({q: 256, x: 140, d: 16})
+    kernel = nc.lower(dia, threads=256, prefetch="double", verify=False)
+    assert kernel.launch.block == (384, 1, 1), kernel.notes
+    rng = np.random.default_rng(3)
+    ins = [(10.0 if arr.name == "Q" else 1.0) * rng.standard_normal(tuple(a.size for a in arr.axes))
+           for arr in dia.dom]
+    out = kernelcheck.kernel_outcome(dia.unrelabelled(), kernel, ins)
+    assert out.failure is None, kernelcheck.describe_failure(out.failure)
