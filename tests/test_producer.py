@@ -225,3 +225,29 @@ def test_the_decoupling_probe_still_edits_what_the_generator_writes():
         assert {int(w) // 2 * 2 for w in waits} <= {int(a) // 2 * 2 for a in arrives}, (flags, waits, arrives)
     with pytest.raises(ValueError, match="two computing warpgroups"):
         probe.decouple(src, 384)
+
+
+@pytest.mark.parametrize("causal", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_the_one_kernel_backward_takes_a_copying_warpgroup_by_default(causal):
+    """``producer.SWITCH = "auto"``: the one-kernel backward (dQ added across key tiles) gets the
+    copying warpgroup, its chunks handed over by named barriers; the barrier that publishes dS
+    among the computing threads, and the one that ends its chunk (dS is written again next
+    chunk), meet the computing threads only.  Ragged sizes, several chunks and key tiles."""
+    from napkin_cat.lowering.backward_forms import backward_plan
+    from test_frag_operands import _inputs
+    fl = L.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
+    sizes = {q: 140, x: 140, d: 32}
+    (part,) = backward_plan(fl, form="one kernel").at(nc.f16).parts[1:]
+    bound = part.bind(sizes)
+    kernel = nc.lower(bound, tiles={"g_x": 128, "s_q": 64}, threads=256, prefetch="double", verify=False)
+    assert any("chunks handed over by named barriers" in n for n in kernel.notes), kernel.notes
+    body = _body(kernel)
+    split = next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))
+    loop = next(i for i in range(split, len(body)) if body[i].startswith("    for q0 in range("))
+    end = next(i for i in range(loop + 1, len(body)) if body[i].strip() and not body[i].startswith(" " * 8))
+    in_loop = body[loop:end]
+    assert not any(ln.strip() == "cuda.syncthreads()" for ln in in_loop)
+    assert sum("bar_named(uint32(1), NTHREADS)" in ln for ln in in_loop) == 2
+    inputs = _inputs(sizes, causal, 4.0)
+    out = kernelcheck.kernel_outcome(bound.unrelabelled(), kernel, [inputs[a.name] for a in part.dom])
+    assert out.failure is None, kernelcheck.describe_failure(out.failure)

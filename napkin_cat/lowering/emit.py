@@ -90,6 +90,7 @@ class Emitter(Loads, Phases):
         self.plan = plan
         self.specialise = specialise            # the stream loop's copies to a copying warpgroup: its hand-over (.producer)
         self.producer_loop = None
+        self.consumers_only = False             # barriers meet the computing threads only (.producer, named)
         self.producer_threads = 0
         self.copy_threads = ("tid", "NTHREADS", plan.threads)   # who issues cp.async copies, how many
         self.notes = tuple(notes)
@@ -170,7 +171,7 @@ class Emitter(Loads, Phases):
             self.core_dirty = False
         if self.wgmma and fence:
             src("fence_proxy_async()")
-        src("cuda.syncthreads()")
+        src("bar_named(uint32(1), NTHREADS)  # the computing threads" if self.consumers_only else "cuda.syncthreads()")
 
     def wrote(self, key) -> None:
         """Shared buffer ``key`` was written (stored, or copied by ``cp.async``): the next barrier

@@ -39,15 +39,22 @@ the copying warpgroup (:data:`REGS`) to the multiplying ones (:func:`consumer_re
 from __future__ import annotations
 
 from ..relabel.loopnest import Load, Loop
+from ..relabel.split import split_axes
 
 SWITCH = "auto"
 """Give the copies of a qualifying stream loop to a copying warpgroup (:func:`why_not`): ``True``
-wherever it qualifies, ``False`` never, ``"auto"`` (the default) where it was measured faster: a
-stream loop whose accumulator is rescaled every chunk (an online softmax: the attention forward,
-0.426 against ``mma.sync``'s 0.459 ms at d = 64 and 256 computing threads on an H100), not the
-backward's plain sums (the dQ kernel 0.88 against 0.64 ms; kernels/BENCHMARKS.md).  Under
-``planner.WGMMA = "auto"`` such an accumulator goes to warpgroup MMAs only with this warpgroup
-(:func:`.wgmma_plan.auto_why_not`)."""
+wherever it qualifies, ``False`` never, ``"auto"`` (the default) where it was measured faster on
+an H100 (fp16, N = 4096, d = 64; kernels/BENCHMARKS.md, "Fifth session of 2026-11-25"):
+
+- a stream loop whose accumulator is rescaled every chunk (an online softmax: the attention
+  forward, 0.411 ms against ``mma.sync``'s 0.475 at 256 computing threads);
+- a kernel that adds an output across blocks (the one-kernel backward, dQ by atomics: 1.21
+  against 1.23 ms, causal 0.77 against 0.84).
+
+Not elsewhere: the two-kernel backward's dQ kernel measured slower with it (0.88 against 0.64 ms,
+128 computing threads), and plain sums on their own were not measured.  Under
+``planner.WGMMA = "auto"`` an accumulator rescaled every chunk goes to warpgroup MMAs only with
+this warpgroup (:func:`.wgmma_plan.auto_why_not`)."""
 
 THREADS = 128
 """Threads of the copying warpgroup (``setmaxnreg`` acts on whole warpgroups)."""
@@ -87,8 +94,9 @@ def why_not(plan) -> str | None:
         raise ValueError(f"producer.SWITCH must be True, False or 'auto', got {SWITCH!r}")
     if not SWITCH:
         return "producer.SWITCH is off"
-    if SWITCH == "auto" and not rescaled(plan.accs):
-        return "no accumulator rescaled every chunk (producer.SWITCH = 'auto': measured slower for plain sums)"
+    if SWITCH == "auto" and not (rescaled(plan.accs) or split_axes(plan.d)):
+        return ("no accumulator rescaled every chunk and no output added across blocks (producer.SWITCH = 'auto': "
+                "measured faster for those)")
     if not uses_wgmma(plan):
         return "no contraction on warpgroup MMAs"
     if plan.prefetch != "double":
@@ -111,7 +119,7 @@ def note(plan, why: str | None, threads: int) -> tuple[str, ...]:
     """What a kernel's notes say of its copying warpgroup where it got none or the block-barrier
     hand-over (``threads``: its copying threads; ``why``: the reason), when it would be asked for:
     :data:`SWITCH` on, and under ``"auto"`` an accumulator rescaled every chunk."""
-    if why is None or not SWITCH or (SWITCH == "auto" and not rescaled(plan.accs)):
+    if why is None or not SWITCH or (SWITCH == "auto" and not (rescaled(plan.accs) or split_axes(plan.d))):
         return ()
     return (f"Copying warpgroup: {'chunks handed over by block barriers' if threads else 'none'} ({why}).",)
 
@@ -200,12 +208,19 @@ def emit_loop(em, lp: Loop, src) -> None:
                 src(f"bar_named({k.u(full, f'U{full}')} + {par} * {k.u(groups, f'U{groups}')} + tid // "
                     f"{k.u(128, 'U128')}, {k.u(128 + THREADS, f'U{128 + THREADS}')})  # this warpgroup's chunk has landed")
         em.pending_sync = False
+        em.consumers_only = named     # the computing threads' own barriers: the copying warpgroup is not there
+        start = src.mark()
         empty = em._chunk_flags(lp, src)
         em._emit_guarded([n for n in lp.body if n not in loads], empty, src)
         if named:
-            if em.pending_sync or em.pending_async:
-                raise NotSpecialised("shared memory written in the stream loop: its chunks end at a block barrier")
-            src("fence_proxy_async()  # this chunk's reads are done")
+            if em.pending_async:
+                raise NotSpecialised("cp.async copies of the computing threads in the stream loop")
+            if em.pending_sync or any("bar_named(uint32(1)" in ln for ln in src.since(start)):
+                em.pending_sync = True   # shared memory they wrote this chunk: read by all before the next writes
+                em.sync(src)
+            else:
+                src("fence_proxy_async()  # this chunk's reads are done")
+            em.consumers_only = False
             with src.block(f"if {a.start} + {k.u(2, 'U2')} * {a.cap_c} < {hi}:"):
                 total = em.T + THREADS
                 src(f"bar_arrive({k.u(empty_id, f'U{empty_id}')} + {par}, {k.u(total, f'U{total}')})  "

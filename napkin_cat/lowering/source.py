@@ -42,6 +42,14 @@ class Source:
         self._items.append(s)
         return s
 
+    def mark(self) -> int:
+        """A place in the text, for :meth:`since` (slots filled later before it do not move it)."""
+        return len(self._items)
+
+    def since(self, mark: int) -> list[str]:
+        """The lines written after ``mark``."""
+        return [ln for item in self._items[mark:] for ln in (item.lines if isinstance(item, Source) else (item,))]
+
     @property
     def lines(self) -> list[str]:
         out = []
