@@ -204,7 +204,8 @@ EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, 
                      "library": {"micro"},
                      "tensor_core": {"fragments", "mma-registers", "ldmatrix", "ldmatrix-trans", "cp.async",
                                      "cp.async-pipeline", "packed-operand", "wgmma", "wgmma-scale-d-0",
-                                     "wgmma-accumulate", "copying-warpgroup", "hoisted-fragments", "tf32x3",
+                                     "wgmma-accumulate", "copying-warpgroup", "named-hand-over",
+                                     "hoisted-fragments", "tf32x3",
                                      "ldmatrix-b-pair", "ldmatrix-b-single"}}
 
 
@@ -304,6 +305,9 @@ def _features(kernel) -> set[str]:
         out.add("16-bit-operand")
     if "the copying warpgroup: copies every chunk" in body:   # lowering/producer.py
         out.add("copying-warpgroup")
+        out.add("named-hand-over" if "bar_arrive(" in body else "block-hand-over")
+    if "bar_named(uint32(1), NTHREADS)  # the computing threads" in body:   # ... their own barriers
+        out.add("computing-barrier")
     if "_z(smem16" in body:                        # wgmma.emit_wgmma: a fresh accumulator's first step
         out.add("wgmma-scale-d-0")
     if re.search(r"wgmma_b?f16_n\d+\(smem16", body):   # ... and the steps that add to it
@@ -342,6 +346,17 @@ def planner_switches(**values):
 
 
 @contextlib.contextmanager
+def hand_over(mode: str):
+    """napkin_cat.lowering.producer.HAND_OVER set for one lowering, then restored."""
+    from napkin_cat.lowering import producer
+    old, producer.HAND_OVER = producer.HAND_OVER, mode
+    try:
+        yield
+    finally:
+        producer.HAND_OVER = old
+
+
+@contextlib.contextmanager
 def producer_switch(on: bool):
     """napkin_cat.lowering.producer.SWITCH set for one lowering, then restored."""
     from napkin_cat.lowering import producer
@@ -373,14 +388,16 @@ def fuzz_one(family: str, data, stats: Counter):
     # lowering/producer.py: with two computing warpgroups and two cp.async buffers, mostly with one
     copying = warpgroups and threads[0] >= 256 and data.draw(st.sampled_from((True, True, False)),
                                                               label="copying warpgroup")
+    mode = "named"
     if copying:
         opts["prefetch"] = data.draw(st.sampled_from(("double", "auto")), label="prefetch (copying)")
+        mode = data.draw(st.sampled_from(("named", "named", "block")), label="hand-over")
     regime = data.draw(st.sampled_from(REGIME_NAMES), label="regime")
     seed = data.draw(st.integers(0, 2 ** 16), label="seed")
     bound = rel.bind(sizes)
     note(f"{label}: {bound}  lower({opts})")
     try:
-        with planner_switches(WGMMA=warpgroups), producer_switch(copying):
+        with planner_switches(WGMMA=warpgroups), producer_switch(copying), hand_over(mode):
             kernel = nc.lower(bound, verify=False, fp32="3xtf32" if label.startswith("f32") else "fma", **opts)
     except nc.LoweringError as err:
         stats["lowering refused"] += 1

@@ -38,6 +38,10 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   atomics among them (``tf32x3-atomic``), with or without ``prefetch="auto"``'s double buffers
   (``double-buffered``: staged through registers where an fp32 input's rows are not whole 16-byte
   groups, else by ``cp.async``, ``cp.async-f32``); ``column-values`` as above.
+* ``copying``: the f16 / bf16 one-kernel backward on two warpgroups with a copying warpgroup
+  (:mod:`napkin_cat.lowering.producer`), each example lowered with chunks handed over by named
+  barriers and by block barriers (``named-hand-over``, ``block-hand-over``), dS published among
+  the computing threads alone (``computing-barrier``).
 
 ``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
 """
@@ -53,7 +57,7 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from hypothesis import assume, given, note, strategies as st  # noqa: E402
+from hypothesis import assume, given, note, settings, strategies as st  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.core import Axis  # noqa: E402
@@ -61,7 +65,7 @@ from napkin_cat.ops import Builder, merge_box, slice_box, split_box  # noqa: E40
 from napkin_cat.verify import kernelcheck  # noqa: E402
 from napkin_cat.verify.check import REGIMES  # noqa: E402
 from test_kernel_fuzz import (FUZZ_EXAMPLES, MICRO, PREFETCH, REGIME_NAMES, SETTINGS, THREADS,  # noqa: E402
-                              _features, _unary_chain, planner_switches)
+                              _features, _unary_chain, hand_over, planner_switches)
 
 q, x, d, e, g, h, bb = nc.axes("q x d e g h bb")
 a, b, c, r, t, f = nc.axes("a b c r t f")
@@ -377,6 +381,26 @@ def tf32x3_family(draw):
     return draw(sixteen_bit_family(what="backward-tf32x3"))
 
 
+@st.composite
+def copying_family(draw):
+    """The one-kernel backward as ``nc.torch_op`` runs it on an H100: 256 computing threads on
+    warpgroups, a copying warpgroup (``producer.SWITCH = "auto"``: dQ added across key tiles),
+    chunks handed over by named barriers and by block barriers (both lowered and checked), dS
+    published among the computing threads;
+    several query chunks (of 64), one or two key tiles (of 128), ragged."""
+    from napkin_cat.lowering.torch_op import backward_plan
+    dt = draw(st.sampled_from((nc.f16, nc.bf16)))
+    causal = draw(st.booleans())
+    fl = L.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
+    part = backward_plan(fl, form="one kernel").at(dt).parts[-1]
+    sizes = {q: draw(st.integers(65, 100), label="q"), x: draw(st.sampled_from((20, 130)), label="x"), d: 16}
+    fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True)
+    options = {"threads": 256, "wgmma": True, "hand_over": "both", "prefetch": "double",
+               "tiles": {"g_x": 128, "s_q": 64}}
+    return Case(f"{dt.name} one-kernel attention backward, copying warpgroup (causal={causal})",
+                part, (), sizes, part.unrelabelled(), options, _residuals(fwd, sizes, part), SMALL_DATA)
+
+
 def _document_case(draw, dt, options):
     """A document mask reading its block table (four gathers per score: the fragment epilogue
     written out row by row, ``emit_acc.UNROLL_GATHERS``), ragged sizes, random documents."""
@@ -399,8 +423,12 @@ def _document_case(draw, dt, options):
 
 # --------------------------------------------------------------------------- one example
 
+COPYING_EXAMPLES = 5
+"""Examples of the ``copying`` family in the CI profile (each two kernels of 384 simulated threads)."""
+
 FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family,
-            "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family, "tf32x3": tf32x3_family}
+            "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family, "tf32x3": tf32x3_family,
+            "copying": copying_family}
 
 # what each family must reach across its examples (named by test_kernel_fuzz._features)
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
@@ -408,6 +436,8 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                      "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient",
                                      "register-copy", "frag-operand", "wgmma", "cp.async-f32", "paired-atomic",
                                      "column-values", "paired-store"},
+                     "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
+                                 "wgmma", "paired-atomic"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
                                 "paired-atomic", "column-values"}}
 
@@ -424,9 +454,15 @@ def fuzz_case(family: str, data, stats: Counter):
     seed = data.draw(st.integers(0, 2 ** 16), label="seed")
     note(f"{case.label}: {rel}  lower({case.options})")
     options = dict(case.options)
+    modes = options.pop("hand_over", "named")     # a copying warpgroup's hand-over, or both in turn
+    for mode in (("named", "block") if modes == "both" else (modes,)):
+        _lower_and_check(case, rel, options, mode, regime, seed, stats)
+
+
+def _lower_and_check(case, rel, options, mode, regime, seed, stats):
     try:
-        with planner_switches(WGMMA=options.pop("wgmma", False)):
-            kernel = nc.lower(rel, verify=False, **options)
+        with planner_switches(WGMMA=options.get("wgmma", False)), hand_over(mode):
+            kernel = nc.lower(rel, verify=False, **{k: v for k, v in options.items() if k != "wgmma"})
     except nc.LoweringError as err:
         stats["lowering refused"] += 1
         stats["refusal: " + str(err).split(":")[0][:60]] += 1
@@ -446,7 +482,7 @@ def fuzz_case(family: str, data, stats: Counter):
         feats.add("double-buffered")
     for feat in feats:
         stats["feature " + feat] += 1
-    assert diff.failure is None, (f"{case.label}: kernel differs from the oracle: "
+    assert diff.failure is None, (f"{case.label} (hand-over {mode}): kernel differs from the oracle: "
                                   f"{kernelcheck.describe_failure(diff.failure)}\n{kernel!r}\nsource:\n"
                                   + kernel.source)
 
@@ -454,18 +490,20 @@ def fuzz_case(family: str, data, stats: Counter):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_kernel_fuzz_reaches_generator_path(family):
-    if family in ("sixteen_bit", "tf32x3"):
+    if family in ("sixteen_bit", "tf32x3", "copying"):
         pytest.importorskip("torch")   # the backward parts come from napkin_cat.lowering.torch_op
     stats: Counter = Counter()
+    # a copying example lowers and runs two kernels of 384 simulated threads: fewer of them
+    examples = min(FUZZ_EXAMPLES, COPYING_EXAMPLES) if family == "copying" else FUZZ_EXAMPLES
 
-    @SETTINGS
+    @settings(SETTINGS, max_examples=examples)
     @given(st.data())
     def run(data):
         fuzz_case(family, data, stats)
 
     run()
     print(f"\nkernel fuzz {family}: {dict(stats)}")
-    assert stats["kernels"] >= FUZZ_EXAMPLES // 2, f"too few kernels generated for {family}: {dict(stats)}"
+    assert stats["kernels"] >= examples // 2, f"too few kernels generated for {family}: {dict(stats)}"
     reached = {k[len("feature "):] for k in stats if k.startswith("feature ")}
     missing = EXPECTED_FEATURES[family] - reached
     assert not missing, f"{family}: the fuzzer reached no {missing}: {dict(stats)}"
