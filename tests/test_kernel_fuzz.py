@@ -346,25 +346,25 @@ def planner_switches(**values):
 
 
 @contextlib.contextmanager
+def producer_setting(name: str, value):
+    """``napkin_cat.lowering.producer.<name>`` set for one lowering, then restored."""
+    from napkin_cat.lowering import producer
+    old = getattr(producer, name)
+    setattr(producer, name, value)
+    try:
+        yield
+    finally:
+        setattr(producer, name, old)
+
+
 def hand_over(mode: str):
-    """napkin_cat.lowering.producer.HAND_OVER set for one lowering, then restored."""
-    from napkin_cat.lowering import producer
-    old, producer.HAND_OVER = producer.HAND_OVER, mode
-    try:
-        yield
-    finally:
-        producer.HAND_OVER = old
+    """The copying warpgroup's hand-over (``producer.HAND_OVER``) for one lowering."""
+    return producer_setting("HAND_OVER", mode)
 
 
-@contextlib.contextmanager
 def producer_switch(on: bool):
-    """napkin_cat.lowering.producer.SWITCH set for one lowering, then restored."""
-    from napkin_cat.lowering import producer
-    old, producer.SWITCH = producer.SWITCH, on
-    try:
-        yield
-    finally:
-        producer.SWITCH = old
+    """``producer.SWITCH`` for one lowering."""
+    return producer_setting("SWITCH", on)
 
 
 def fuzz_one(family: str, data, stats: Counter):

@@ -32,6 +32,14 @@ among the multiplying threads through shared memory use a named barrier over the
 (``bar_named(1, NTHREADS)``), and the simulated tensor-core twins synchronise within a warp, so
 the simulator runs the same protocol (:func:`.tensorcore._group_barrier`).
 
+With ``HAND_OVER = "named"`` (the default) the per-chunk block barrier goes: the copying
+warpgroup arrives (``bar.arrive``) at "landed" barrier ``2 + b W + w`` for each computing
+warpgroup ``w`` once buffer ``b`` holds chunk c + 1, and waits at "released" barrier ``2 + 2W + b``
+before refilling it with chunk c + 2; computing warpgroup ``w`` waits at its "landed" barrier
+before each chunk but the first and arrives at "released" when done with the chunk
+(:func:`hand_over_ids`).  Their own barriers (a buffer they write and read, such as the backward's
+dS) meet at ``bar_named(1, NTHREADS)``, without the copying warpgroup.
+
 Registers: the block starts with ``65536 / (blocks x threads)`` each; ``setmaxnreg`` moves them from
 the copying warpgroup (:data:`REGS`) to the multiplying ones (:func:`consumer_registers`).
 """
@@ -67,10 +75,11 @@ HAND_OVER = "named"
 """How a chunk's buffer passes between the copying warpgroup and the computing ones: ``"named"``,
 per buffer and computing warpgroup by named barriers (:func:`hand_over_ids`), so that each
 warpgroup waits only for its own chunk and the two drift apart; ``"block"``, one block barrier per
-chunk, which also holds the computing warpgroups in step.  Measured on an H100 (fp16 forward,
-d = 64, 256 computing threads; kernels/BENCHMARKS.md): the named hand-over 0.412 ms against the
-block barrier's 0.425 as a text edit of this kernel (kernels/probes/wgmma_decoupled.py).  A kernel
-whose stream loop needs a block barrier of its own gets ``"block"``."""
+chunk, which also holds the computing warpgroups in step.  Measured on an H100 (fp16, d = 64,
+256 computing threads; kernels/BENCHMARKS.md, "Fifth session of 2026-11-25"): the forward 0.411
+ms against the block barriers' 0.425, the one-kernel backward 1.08 against 1.22.  A kernel that
+cannot (more than six computing warpgroups, ``cp.async`` copies of the computing threads in the
+loop) gets ``"block"``."""
 
 MIN_THREADS = 256
 """Computing threads a kernel needs for a copying warpgroup: measured on an H100 (fp16 forward,
