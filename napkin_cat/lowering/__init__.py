@@ -143,10 +143,10 @@ def _lower_one(d: Diagram, tiles=None, threads=None, name=None, micro=None, fast
 
 
 def _lower_planned(d: Diagram, tiles, threads, name, micro, fastmath, prefetch, hw) -> "Kernel":
-    from . import planner, runtime
+    from . import planner, producer, runtime
     from .codegen import generate
     from .schedule import choose
-    from .wgmma_plan import awaited_copying_warpgroup, without_copying_warpgroup
+    from .wgmma_plan import awaited_copying_warpgroup
 
     simulate = not _gpu_present(runtime)
     sched = choose(d, tiles, threads, simulate=simulate, hw=hw)
@@ -169,7 +169,7 @@ def _lower_planned(d: Diagram, tiles, threads, name, micro, fastmath, prefetch, 
                             f"of shared memory per block ({gen.buffers()}); the limit is {limit}: use smaller "
                             f"tiles or chunks")
     if awaited_copying_warpgroup(gen.plan, gen.extra_threads, planner.WGMMA):   # "auto" planned on one
-        with without_copying_warpgroup():
+        with producer.switched_off():
             kernel = _lower_planned(d, tiles, threads, name, micro, fastmath, prefetch, hw)
         kernel.notes += tuple(n for n in gen.notes if n.startswith("Copying warpgroup: none"))
         return kernel

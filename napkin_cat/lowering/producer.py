@@ -46,6 +46,8 @@ the copying warpgroup (:data:`REGS`) to the multiplying ones (:func:`consumer_re
 
 from __future__ import annotations
 
+import contextlib
+
 from ..relabel.loopnest import Load, Loop
 from ..relabel.split import split_axes
 
@@ -104,7 +106,7 @@ def why_not(plan) -> str | None:
         raise ValueError(f"producer.SWITCH must be True, False or 'auto', got {SWITCH!r}")
     if not SWITCH:
         return "producer.SWITCH is off"
-    if SWITCH == "auto" and not (rescaled(plan.accs) or split_axes(plan.d)):
+    if not asked_for(plan):
         return ("no accumulator rescaled every chunk and no output added across blocks (producer.SWITCH = 'auto': "
                 "measured faster for those)")
     if not uses_wgmma(plan):
@@ -130,9 +132,27 @@ def note(plan, why: str | None, threads: int) -> tuple[str, ...]:
     hand-over (``threads``: its copying threads; ``why``: the reason), when it would be asked for:
     :data:`SWITCH` on, and under ``"auto"`` an accumulator rescaled every chunk or an output
     added across blocks."""
-    if why is None or not SWITCH or (SWITCH == "auto" and not (rescaled(plan.accs) or split_axes(plan.d))):
+    if why is None or not SWITCH or not asked_for(plan):
         return ()
     return (f"Copying warpgroup: {'chunks handed over by block barriers' if threads else 'none'} ({why}).",)
+
+
+def asked_for(plan) -> bool:
+    """Whether :data:`SWITCH` asks for a copying warpgroup in ``plan``'s kernel (``"auto"``: an
+    accumulator rescaled every chunk, or an output added across blocks)."""
+    return SWITCH is True or (SWITCH == "auto" and (rescaled(plan.accs) or bool(split_axes(plan.d))))
+
+
+@contextlib.contextmanager
+def switched_off():
+    """Within: no copying warpgroup (``SWITCH = False``), so ``planner.WGMMA = "auto"`` plans as
+    without one."""
+    global SWITCH
+    saved, SWITCH = SWITCH, False
+    try:
+        yield
+    finally:
+        SWITCH = saved
 
 
 def rescaled(accs) -> bool:

@@ -102,7 +102,7 @@ def auto_why_not(T: int, accs) -> str | None:
       rescaled on the CUDA cores every chunk.  With a copying warpgroup (``producer.SWITCH``) it
       wins (0.427 ms at 256 rows against 0.459), so it moves where one joins
       (:func:`.producer.joins`; where the kernel then gets none, :func:`napkin_cat.lower` plans
-      it again without, :func:`without_copying_warpgroup`)."""
+      it again without, :func:`.producer.switched_off`)."""
     if T < AUTO_MIN_THREADS:
         return f"{T} threads, one warpgroup: measured slower than mma.sync (planner.WGMMA = True forces it)"
     from . import producer
@@ -253,14 +253,3 @@ def warpgroup_forward(d0, simulate: bool, mode) -> bool:
 FORWARD_MAX_WIDTH = 64
 """The widest head a 16-bit attention forward takes warpgroups at by default (:func:`warpgroup_forward`)."""
 
-
-class without_copying_warpgroup:
-    """Within: no copying warpgroup (``producer.SWITCH = False``), so ``"auto"`` plans as without."""
-
-    def __enter__(self):
-        from . import producer
-        self.saved, producer.SWITCH = producer.SWITCH, False
-
-    def __exit__(self, *exc):
-        from . import producer
-        producer.SWITCH = self.saved
