@@ -290,7 +290,6 @@ def attention(Q, K, V, O):
                 w = math.exp2(S_regs[i, j] * C_PRESCALE_LOG2E - shift2)
                 S_regs[i, j] = w
                 psum += w
-            psum = _group_sum(psum, tx, U8, smem, red_s, tid)
             O_z[i] = delta * O_z[i] + psum
             O_mu[i] = mu_new
             for j in range(U8):
@@ -389,6 +388,11 @@ def attention(Q, K, V, O):
                 for j in range(U8):
                     O_o[i, j] += fa2[i] * fb2[j]
         cuda.syncthreads()
+    # the row normalisers of O: each lane's part summed over the row's lanes
+    ty = tid // U8
+    tx = tid % U8
+    for i in range(U4):
+        O_z[i] = _group_sum(O_z[i], tx, U8, smem, red_s, tid)
     # O[b=2 h=8 q=4096 d=64] f32 = O: finalise online_softmax  (register micro-tiles 4x8 over (q, d) on 32x8 threads)
     ty = tid // U8
     tx = tid % U8

@@ -272,7 +272,6 @@ def l2_attention(Q, K, V, O):
                 sv = S_regs[i, j]
                 S_regs[i, j] = sv
                 zsum += sv * sv
-            zsum = _group_sum(zsum, tx, U16, smem, red_s, tid)
             O_z[i] = O_z[i] + zsum
         for j in range(U4):
             i_x11 = tx * U4 + j
@@ -368,6 +367,11 @@ def l2_attention(Q, K, V, O):
                 for j in range(U4):
                     O_o[i, j] += fa2[i] * fb2[j]
         cuda.syncthreads()
+    # the row normalisers of O: each lane's part summed over the row's lanes
+    ty = tid // U16
+    tx = tid % U16
+    for i in range(U4):
+        O_z[i] = _group_sum(O_z[i], tx, U16, smem, red_s, tid)
     # O[q=4096 d=64] f32 = O: finalise normalized  (register micro-tiles 4x4 over (q, d) on 16x16 threads)
     ty = tid // U16
     tx = tid % U16

@@ -40,6 +40,21 @@ def test_backward_sums_derive_the_causal_skip():
     assert _skips(_backward("kv", causal=False)[1]) == []
 
 
+def test_the_blocks_with_the_most_chunks_are_launched_first():
+    """Causal: the forward's later query tiles and the dK, dV kernel's earlier key tiles stream
+    the most chunks, and each kernel's first blocks take them (a light-first order left the
+    heaviest blocks for the last wave: the causal backward measured slower)."""
+    from napkin_cat.lowering import emit, planner
+    fwd = nc.library.attention(q=q, x=x, d=d, causal=True, logsumexp=True)
+    kv = nc.grad_with_residuals(fwd, wrt=["K", "V"]).tile(x, 8).stream(q, 8)
+    sizes = {q: 40, x: 40, d: 4}
+    for dia, tiled, heavy_last in ((fwd.stream(x, 8).tile(q, 8), "q", {"q"}), (kv, "x", set())):
+        plan = planner.plan_kernel(dia.bind(sizes), "k", 16)
+        assert plan.launch.heavy_last == heavy_last
+        decode = next(ln.strip() for ln in emit.render(plan)[0].splitlines() if ln.strip().startswith(f"{tiled}0 = "))
+        assert decode.startswith(f"{tiled}0 = (U4 - ") == bool(heavy_last), decode   # 5 tiles: the last first
+
+
 def test_row_support_transposes_causal_and_window():
     from napkin_cat.ops.index import IntAlgebra
     assert nc.causal().row_support(10, 16, IntAlgebra) == (10, None)

@@ -5,12 +5,17 @@ beside FlexAttention.
   MMAs, a copying warpgroup, chunks handed over by named barriers);
 - ``block``: the same with ``producer.HAND_OVER = "block"`` (one block barrier per chunk);
 - ``mma.sync``: ``producer.SWITCH = False`` (what the schedule chose before: 128 rows, 128
-  threads, ``mma.sync``).
+  threads, ``mma.sync``);
+- ``summed-each-chunk``: ``emit_states.DEFER_ROW_SUMS = False`` (each row's normaliser summed
+  over its lanes every chunk, as before the parts were kept per lane);
+- ``--form NAME=SPEC``: a comma list of tunables (``REGS=72``: an upper-case name of
+  ``producer`` or ``emit_states``), blocks (``q=128``, ``x=64``) and ``threads=256``.
 
 Each kernel is checked against float64 on 128 random rows of 2 heads before it is timed (kernel
 ms by CUPTI), FlexAttention compiled, same inputs.  GPU only.
 
     NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/forward_forms.py [--d 64] [--causal 0,1]
+        [--forms default,mma.sync] [--form "wg128=q=128,x=64,threads=256,REGS=72"]
 """
 from __future__ import annotations
 
@@ -25,20 +30,34 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "kernels"))
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import producer  # noqa: E402
+from napkin_cat.lowering import emit_states, producer  # noqa: E402
 
-FORMS = {"default": {}, "block": {"HAND_OVER": "block"}, "mma.sync": {"SWITCH": False}}
+FORMS = {"default": {}, "block": {"HAND_OVER": "block"}, "mma.sync": {"SWITCH": False},
+         "summed-each-chunk": {"DEFER_ROW_SUMS": False}}
 
 
-def lower(dia, form: str):
-    saved = {k: getattr(producer, k) for k in FORMS[form]}
-    for k, v in FORMS[form].items():
-        setattr(producer, k, v)
+def parse_form(spec: str) -> dict:
+    """``q=128,x=64,threads=256,REGS=72`` as a form: numbers as ints, other words as they are."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, value = item.split("=")
+        out[key] = int(value) if value.lstrip("-").isdigit() else {"False": False, "True": True}.get(value, value)
+    return out
+
+
+def lower(dia, form: dict):
+    switches = {k: v for k, v in form.items() if k.isupper()}
+    home = {k: producer if hasattr(producer, k) else emit_states for k in switches}
+    saved = {k: getattr(home[k], k) for k in switches}
+    for k, v in switches.items():
+        setattr(home[k], k, v)
+    axes = {a.name: a for a in dia.axes}
+    tiles = {axes[k]: v for k, v in form.items() if k in ("q", "x")} or None
     try:
-        return nc.lower(dia, prefetch="auto", verify=False)
+        return nc.lower(dia, tiles=tiles, threads=form.get("threads"), prefetch="auto", verify=False)
     finally:
         for k, v in saved.items():
-            setattr(producer, k, v)
+            setattr(home[k], k, v)
 
 
 def main():
@@ -47,7 +66,10 @@ def main():
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--forms", default=",".join(FORMS))
+    ap.add_argument("--form", action="append", default=[], help="NAME=SPEC: one more form (see above)")
     args = ap.parse_args()
+    forms = {name: FORMS[name] for name in filter(None, args.forms.split(","))}
+    forms.update({f.split("=", 1)[0]: parse_form(f.split("=", 1)[1]) for f in args.form})
     import torch
     from bench import checked_times, compiled_flex, reference_rows
     N, B, H, D = args.n, 2, 16, args.d
@@ -61,8 +83,8 @@ def main():
         sel = torch.randperm(N, device="cuda", generator=gen)[:128].sort().values
         ref = reference_rows(Q, K, V, causal, D ** -0.5, sel, 2)
         flops = 4 * B * H * N * N * D / (2 if causal else 1)
-        for form in args.forms.split(","):
-            k = lower(dia, form)
+        for form, spec in forms.items():
+            k = lower(dia, spec)
             O = torch.full_like(Q, float("nan"))
             err, ms, kms = checked_times(k.prepare(Q, K, V, out=O), lambda: O[:, :2, sel], ref)
             rows.append((causal, form, k.launch.block[0], k.schedule.diagram._sched_str(), err, kms,

@@ -106,6 +106,7 @@ class Emitter(Loads, Phases):
         self.bufs: dict[tuple, Buffer] = {}     # the plan's buffers with their identifiers
         self.cur: dict[tuple, str] = {}         # copy in use of a double-buffered chunk
         self.state_names: dict[int, dict] = {}  # accumulator -> state -> identifier
+        self.deferred_z: set[int] = set()  # online softmaxes whose z lanes hold parts (emit_acc)
         self.pending_sync = False               # a shared write not yet behind a barrier
         self.pending_async = False              # cp.async copies not yet waited for (.emit_loads)
         self.core_dirty = False                 # a descriptor-read buffer written, not yet fenced

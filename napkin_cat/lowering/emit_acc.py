@@ -16,6 +16,7 @@ from typing import Callable
 from ..relabel.accumulators import ACC_RULES
 from .emit_kinds import REDUCE_OPS, fn_expr, positive_scale
 from .emit_threads import Operand
+from .emit_states import defers_row_sum, state_names_of, state_ref, sum_deferred_z
 from .plan import AccPlan, Coop, Micro, Rows, acc_reduced_axes
 from .source import Source
 
@@ -41,29 +42,9 @@ def _shape(shape) -> str:
     return str(shape[0]) if len(shape) == 1 else f"({', '.join(map(str, shape))})"
 
 
-def _state_names(em, p: AccPlan):
-    names = em.state_names.setdefault(p.index, {})
-    if not names:
-        oname = p.acc.box.cod[0].name
-        for sname, _, _ in p.acc.states():
-            names[sname] = em.names.fresh(f"{oname}_{sname}")
-    return names
-
-
-def _state_ref(em, p: AccPlan, sname: str, env) -> str:
-    """Where state ``sname`` is at the element ``env`` of its mapping."""
-    role = {s: r for s, _, r in p.acc.states()}[sname]
-    regs = p.main_regs if role == "main" else p.stat_regs
-    if regs and role != "main" and isinstance(p.stat, Rows):
-        return f"{_state_names(em, p)[sname]}[{env['_row']}]"
-    if regs:
-        return f"{_state_names(em, p)[sname]}[{env['_slot']}]"
-    return em.sread(("state", p.index, sname), env)
-
-
 def _init_states(em, p: AccPlan, src: Source, values: dict):
     k = em.consts
-    names = _state_names(em, p)
+    names = state_names_of(em, p)
     src.comment(f"init {p.acc.box.cod[0].name} ({p.acc.rule}): "
                 + ", ".join(f"{s} @{'registers' if (p.main_regs if r == 'main' else p.stat_regs) else 'shared'}"
                             for s, _, r in p.acc.states()))
@@ -79,25 +60,25 @@ def _init_states(em, p: AccPlan, src: Source, values: dict):
         elif isinstance(m, Micro):
             with em.mapping_begin(m, src):
                 with em.micro_elements(m, src) as env:
-                    src(f"{_state_ref(em, p, sname, env)} = {init}")
+                    src(f"{state_ref(em, p, sname, env)} = {init}")
         elif isinstance(m, Coop):
             with em.coop_elements(m, src) as env:
-                src(f"{_state_ref(em, p, sname, env)} = {init}")
+                src(f"{state_ref(em, p, sname, env)} = {init}")
         else:
             with em.flat_elements(m, src) as env:
-                src(f"{_state_ref(em, p, sname, env)} = {init}")
+                src(f"{state_ref(em, p, sname, env)} = {init}")
 
 
 def _main_contraction(em, p: AccPlan, operands, red, src: Source, prescale=None):
     """``o (*= prescale) += contraction`` on the main mapping, state in registers or shared."""
     m = p.main
-    acc = _state_names(em, p)["o"]
+    acc = state_names_of(em, p)["o"]
     with em.mapping_begin(m, src):
         if not p.main_regs:   # a shared state is read into registers, updated, written back
             tmp = em.names.fresh("o_regs")
             src(f"{tmp} = cuda.local.array({_shape(m.shape)}, float32)")
             with em.elements(m, src) as env:
-                src(f"{tmp}[{env['_slot']}] = {_state_ref(em, p, 'o', env)}")
+                src(f"{tmp}[{env['_slot']}] = {state_ref(em, p, 'o', env)}")
             acc = tmp
         if isinstance(m, Micro):
             em.contract(p.engine, m, acc, operands, red, src, init=False, prescale=prescale)
@@ -106,7 +87,7 @@ def _main_contraction(em, p: AccPlan, operands, red, src: Source, prescale=None)
                 em.contract(p.engine, m, acc, operands, red, src, init=False, prescale=prescale, env=env)
         if not p.main_regs:
             with em.elements(m, src) as env:
-                src(f"{_state_ref(em, p, 'o', env)} = {acc}[{env['_slot']}]")
+                src(f"{state_ref(em, p, 'o', env)} = {acc}[{env['_slot']}]")
 
 
 def _red_of(em, p: AccPlan) -> list[str]:
@@ -132,7 +113,7 @@ def _no_publish(em, p, src):
 
 
 def _sc_final(em, p, env, src):
-    return _state_ref(em, p, "o", env)
+    return state_ref(em, p, "o", env)
 
 
 # reduce (sum, mean, max, min over a streamed axis) ----------------------------
@@ -151,7 +132,7 @@ def _reduce_update(em, p, src):
     ax = em.ax[p.acc.axis]
     src.comment(f"update {box.cod[0].name} ({op} over chunks of {ax.name})")
     with em.flat_elements(p.main, src) as env:
-        ref = _state_ref(em, p, "o", env)
+        ref = state_ref(em, p, "o", env)
         idx = em.names.fresh(ax.index)
         e2 = dict(env)
         e2[ax.name] = idx
@@ -168,7 +149,7 @@ def _reduce_update(em, p, src):
 
 
 def _reduce_final(em, p, env, src):
-    ref = _state_ref(em, p, "o", env)
+    ref = state_ref(em, p, "o", env)
     if p.acc.box.param("op") == "mean":
         n = em.sizes[p.acc.axis]
         return f"{ref} / {em.consts.f(float(n), comment=f'size of {p.acc.axis}')}"
@@ -194,7 +175,7 @@ def _lse_update(em, p, src):
     ax = em.ax[p.acc.axis]
     src.comment(f"update {p.acc.box.cod[0].name} (logsumexp over chunks of {ax.name})")
     with em.flat_elements(p.main, src) as env:
-        m_ref, z_ref = _state_ref(em, p, "m", env), _state_ref(em, p, "z", env)
+        m_ref, z_ref = state_ref(em, p, "m", env), state_ref(em, p, "z", env)
         idx = em.names.fresh(ax.index)
         e2 = dict(env)
         e2[ax.name] = idx
@@ -225,6 +206,7 @@ def _lse_publish(em, p, src):
         return
     o = em.accs[p.stats_of]
     ms, k = o.fused.ms, em.consts
+    sum_deferred_z(em, o, src)
     em.sync(src)
     src.comment(f"finalise {p.acc.box.cod[0].name} = mu + log z of {o.acc.box.cod[0].name}: lane 0 of "
                 f"each row publishes the row statistics")
@@ -234,8 +216,8 @@ def _lse_publish(em, p, src):
         with src.block(f"for i in range({k.u(ms.RY)}):"):
             env = {ms.row: em.names.fresh(em.ax[ms.row].index), "_row": "i"}
             src(f"{env[ms.row]} = {em.micro_rows(ms, 'i')}")
-            src(f"{em.sread(('mupub', o.index), env)} = {_state_ref(em, o, 'mu', env)}")
-            src(f"{em.sread(('zpub', o.index), env)} = {_state_ref(em, o, 'z', env)}")
+            src(f"{em.sread(('mupub', o.index), env)} = {state_ref(em, o, 'mu', env)}")
+            src(f"{em.sread(('zpub', o.index), env)} = {state_ref(em, o, 'z', env)}")
     em.pending_sync = True
 
 
@@ -244,7 +226,7 @@ def _lse_final(em, p, env, src):
     if p.stats_of is not None:
         m_ref, z_ref = em.sread(("mupub", p.stats_of), env), em.sread(("zpub", p.stats_of), env)
     else:
-        m_ref, z_ref = _state_ref(em, p, "m", env), _state_ref(em, p, "z", env)
+        m_ref, z_ref = state_ref(em, p, "m", env), state_ref(em, p, "z", env)
     mt, zt = em.names.fresh("m"), em.names.fresh("z")
     src(f"{mt} = {m_ref}")
     src(f"{zt} = {z_ref}")
@@ -284,7 +266,7 @@ def _stats_phase(em, p: AccPlan, src: Source, softmax: bool):
         active = env["_active"]
         if softmax:
             mx = em.lanes_reduce(m, env, (ax.name,), "max", term, src)
-            mu_ref, z_ref = _state_ref(em, p, "mu", env), _state_ref(em, p, "z", env)
+            mu_ref, z_ref = state_ref(em, p, "mu", env), state_ref(em, p, "z", env)
             mu_old, mu_new = em.names.fresh("mu_old"), em.names.fresh("mu_new")
             src(f"{mu_old} = {mu_ref}")
             src(f"{mu_new} = max({mu_old}, {mx})")
@@ -312,7 +294,7 @@ def _stats_phase(em, p: AccPlan, src: Source, softmax: bool):
                 src(f"{em.sread(('delta', p.index), env)} = {delta}")
         else:
             a1, a2 = box.param("a1"), box.param("a2")
-            z_ref = _state_ref(em, p, "z", env)
+            z_ref = state_ref(em, p, "z", env)
             ps = em.names.fresh("zsum")
             src(f"{ps} = {zero}")
             with src.block(f"for {idx} in range({env['_first']}, {ax.count}, {k.u(m.R)}):"):
@@ -373,7 +355,7 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
     kk = em.st.eqn_of[f.source]
     e = em.dd.eqns[kk]
     ax = em.ax[p.acc.axis]
-    names = _state_names(em, p)
+    names = state_names_of(em, p)
     box = p.acc.box
     oname = box.cod[0].name
     em.sync(src)
@@ -431,7 +413,7 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
                 w_mult = k.f(prescale[0] / math.log(2.0), "C_PRESCALE_LOG2E", comment="scale * log2(e)")
             else:
                 w_mult = log2e
-            mu_ref, z_ref = _state_ref(em, p, "mu", env), _state_ref(em, p, "z", env)
+            mu_ref, z_ref = state_ref(em, p, "mu", env), state_ref(em, p, "z", env)
             mu_old, mu_new, safe = em.names.fresh("mu_old"), em.names.fresh("mu_new"), em.names.fresh("safe")
             src(f"{mu_old} = {mu_ref}")
             src(f"{mu_new} = max({mu_old}, {mx})")
@@ -447,7 +429,7 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
                 src(f"{w} = math.exp2({sreg}[i, j] * {w_mult} - {shift})")
                 src(f"{sreg}[i, j] = {w}")
                 src(f"{ps} += {w}")
-            if ms.TX > 1:
+            if ms.TX > 1 and not defers_row_sum(em, p):
                 src(f"{ps} = _group_sum({ps}, tx, {lanes}, smem, {em.red_offset()}, tid)")
             src(f"{z_ref} = {delta} * {z_ref} + {ps}")
             src(f"{mu_ref} = {mu_new}")
@@ -456,7 +438,7 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
                 src(f"{o}[i, j] *= {delta}")
         else:
             a1, a2 = box.param("a1"), box.param("a2")
-            z_ref = _state_ref(em, p, "z", env)
+            z_ref = state_ref(em, p, "z", env)
             ps = em.names.fresh("zsum")
             src(f"{ps} = {zero}")
             with src.block(f"for j in range({k.u(ms.RX)}):"):
@@ -474,7 +456,7 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
                 else:
                     src(f"{sreg}[i, j] = {fn_expr(em.consts, a1, [sv])}")
                     src(f"{ps} += {fn_expr(em.consts, a2, [sv])}")
-            if ms.TX > 1:
+            if ms.TX > 1 and not defers_row_sum(em, p):
                 src(f"{ps} = _group_sum({ps}, tx, {lanes}, smem, {em.red_offset()}, tid)")
             src(f"{z_ref} = {z_ref} + {ps}")
     if p.p_buf is None:
@@ -533,7 +515,7 @@ def _norm_update(em, p, src):
 def _publish_z(em, p, src):
     """Statistics held in the lanes' registers are written where the main mapping reads them."""
     if p.fused is not None:
-        return None   # every lane of a row holds its statistics: nothing to publish
+        return sum_deferred_z(em, p, src)   # then every lane of a row holds its statistics
     if not p.stat_regs:
         em.pending_sync = True
         return
@@ -543,13 +525,13 @@ def _publish_z(em, p, src):
     with em.coop_elements(p.stat, src) as env:
         cond = f"{env['_lane']} == {k.u(0, 'U0')}" + (f" and {env['_active']}" if env["_active"] else "")
         with src.block(f"if {cond}:"):
-            src(f"{em.sread(('zpub', p.index), env)} = {_state_ref(em, p, 'z', env)}")
+            src(f"{em.sread(('zpub', p.index), env)} = {state_ref(em, p, 'z', env)}")
     em.pending_sync = True
 
 
 def _z_at(em, p, env) -> str:
     if p.fused is not None:
-        return _state_ref(em, p, "z", env)
+        return state_ref(em, p, "z", env)
     if p.stat_regs:
         return em.sread(("zpub", p.index), env)
     return em.sread(("state", p.index, "z"), env)
@@ -560,7 +542,7 @@ def _osc_final(em, p, env, src):
     zero = k.f(0.0, "ZERO")
     z = em.names.fresh("z")
     src(f"{z} = {_z_at(em, p, env)}")
-    o = _state_ref(em, p, "o", env)
+    o = state_ref(em, p, "o", env)
     return f"({o} / {z} if {z} != {zero} else {zero})"
 
 
@@ -571,7 +553,7 @@ def _norm_final(em, p, env, src):
     z = em.names.fresh("z")
     eps = k.f(box.param("eps"), comment=f"eps of {box.name}")
     src(f"{z} = {fn_expr(em.consts, box.param('b'), [_z_at(em, p, env)])} + {eps}")
-    o = _state_ref(em, p, "o", env)
+    o = state_ref(em, p, "o", env)
     return f"({o} / {z} if {z} != {zero} else {zero})"
 
 

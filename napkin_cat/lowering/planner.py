@@ -41,6 +41,7 @@ from .emit_kinds import CODEGEN_RULES, REDUCE_OPS
 from .frag_operands import frag_operands
 from .fuse import fuse_scores
 from .layouts import FRAG_PAD, plan_layouts
+from .producer import double_for_copies
 from .register_copies import register_copies
 from .reindex import check_axes as check_reindexed_axes, remaps
 from .sixteen_bit import sixteen_bit_buffer, sixteen_bit_targets
@@ -84,10 +85,9 @@ PREFETCH_MODES = (False, True, "double", "auto")
 
 AUTO_PREFETCH_REGISTERS = 255
 """``prefetch="auto"`` double-buffers a 16-bit kernel's streamed inputs (``"double"``: cp.async
-into a second shared buffer) only while :func:`register_estimate` stays at or below this, the
-registers a thread can have: measured on an H100, the dK, dV kernel at d = 128 (estimated 256)
-spilled 276 bytes with the second buffers and ran 2x slower, while the forward and the dQ kernel
-ran 3-22% faster with them (kernels/BENCHMARKS.md)."""
+into a second shared buffer) only while :func:`register_estimate` stays at or below this (on an
+H100 the dK, dV kernel at d = 128, estimated 256, spilled and ran 2x slower with them), or where
+a copying warpgroup takes their copies (:func:`.producer.double_for_copies`)."""
 
 ENGINE = "cuda_core"
 """The engine contractions are planned on (see :data:`.plan.ENGINES`)."""
@@ -101,12 +101,10 @@ faster than ``mma.sync``: several warpgroups, no accumulator rescaled every chun
 
 
 TF32X3 = False
-"""Multiply fp32 kernels' contractions on tensor cores by 3xTF32 (:data:`.tensorcore.TF32X3`:
-three tf32 products per product, fp32-level error, CUTLASS's "FastF32", which SDPA's fp32
-kernels use on sm_80+) where their shapes fit, instead of fp32 FMAs on CUDA cores.  Set for each
-lowering by ``lower(..., fp32="3xtf32")`` (:func:`tf32x3`); off by default: measured on an H100,
-a streamed softmax-contraction's forward + backward is 2.6x faster with it, a 4096^3 GEMM 1.4x
-slower (its blocks are the CUDA-core engine's; kernels/BENCHMARKS.md)."""
+"""Multiply fp32 contractions on tensor cores by 3xTF32 (:data:`.tensorcore.TF32X3`: fp32-level
+error, as SDPA's fp32 kernels on sm_80+) where their shapes fit; set per lowering by
+``lower(..., fp32="3xtf32")`` (:func:`tf32x3`).  Off by default: on an H100 a softmax-contraction's forward +
+backward ran 2.6x faster with it, a 4096^3 GEMM 1.4x slower (kernels/BENCHMARKS.md)."""
 
 
 @contextlib.contextmanager
@@ -147,7 +145,7 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
         if FRAG_OPERANDS and REGISTER_COPIES else (targets, accs, {})
     targets, copies = register_copies(ff, st, cls, targets, absorbed, fused, frag_ops) if REGISTER_COPIES \
         else (targets, {})
-    if prefetch == "auto":
+    if auto := prefetch == "auto":
         prefetch = auto_prefetch(ff, ax, targets, accs, threads, copies, threads_.dtype)
     sixteen = sixteen_bit_targets(ff, st, cls, targets, absorbed, accs, threads_.dtype)
     prefs, packed = plan_layouts(ff, st, targets, absorbed, accs, ax, sixteen)
@@ -158,11 +156,13 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
     launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch, copies)
-    return KernelPlan(name, d, ff, threads, fastmath, prefetch,
+    plan = KernelPlan(name, d, ff, threads, fastmath, prefetch,
                       CONTRACTION_UNROLL if unroll is None else int(unroll), frozen_map(ax), tuple(grid_loops),
                       tuple(inner), st, frozen_map(cls), frozen_map(targets), frozen_map(absorbed), tuple(accs),
                       frozen_map(fused), frozen_map(norm_stats), frozen_map(buffers), frozen_map(skips), launch,
                       (*threads_.notes, *wg_notes), threads_.dtype, frozen_map(copies), frozen_map(frag_ops))
+    return plan if not auto else double_for_copies(plan, lambda: plan_kernel(
+        d, name, threads, batch_axes, fastmath=fastmath, micro=micro, prefetch="double", unroll=unroll, ff=ff))
 
 
 # --------------------------------------------------------------------------- 1. axes
@@ -511,7 +511,7 @@ def plan_launch(ff: FinalForm, ax, grid_loops, targets, accs, bufs, skips, T: in
     batch = [lp.axis for lp in grid_loops if ax[lp.axis].role == "batch"]
     gx = math.prod(-(-ax[a].size // ax[a].cap) for a in grid)
     gy = math.prod(ax[a].size for a in batch)
-    heavy = frozenset(s.row for ss in skips.values() for s in ss if _grows_with_rows(s.pred))
+    heavy = frozenset(s.row for ss in skips.values() for s in ss if _grows_with_rows(s))
     if gy > 65535 or (heavy and batch):
         # one grid dimension, tiled axes slowest: with heavy_last, blocks are launched in
         # decreasing order of work (the longest first keeps the last wave short)
@@ -523,10 +523,11 @@ def plan_launch(ff: FinalForm, ax, grid_loops, targets, accs, bufs, skips, T: in
                       blocks_per_sm(4 * smem_floats, T, regs))
 
 
-def _grows_with_rows(pred) -> bool:
-    """The first column a tile of rows needs never moves (later tiles only stream more chunks)."""
+def _grows_with_rows(skip) -> bool:
+    """Later tiles of rows only stream more chunks (the first never moves), read through the
+    skip's support: transposed (keys tiled, the backward), later causal tiles stream fewer."""
     far = 2 ** 31
-    return pred.support(far, far + 1, IntAlgebra)[0] == 0
+    return skip.support(far, far + 1, IntAlgebra)[0] == 0
 
 
 def register_estimate(ff: FinalForm, ax, targets, accs, T: int, prefetch, copies=()) -> int:

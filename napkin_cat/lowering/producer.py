@@ -70,9 +70,12 @@ this warpgroup (:func:`.wgmma_plan.auto_why_not`)."""
 THREADS = 128
 """Threads of the copying warpgroup (``setmaxnreg`` acts on whole warpgroups)."""
 
-REGS = 40
-"""Registers per thread the copying warpgroup keeps (with 24 its address arithmetic spills:
-``ptxas -v`` on the probe kernel, kernels/probes/wgmma_pipeline.py)."""
+REGS = 24
+"""Registers per thread the copying warpgroup keeps, the fewest ``setmaxnreg`` allows: its copies
+step by constant offsets (``emit_loads.STRIDED_COPIES``), and the computing warpgroups get the
+rest (240 each at 256).  Measured on an H100 (fp16, N = 4096; kernels/BENCHMARKS.md, "Sixth
+session of 2026-11-25") against 40: the one-kernel backward 1.17 -> 1.05 ms at d = 64 (causal
+0.74 -> 0.71) and 2.48 -> 2.30 at d = 128 (1.56 -> 1.37)."""
 
 HAND_OVER = "named"
 """How a chunk's buffer passes between the copying warpgroup and the computing ones: ``"named"``,
@@ -153,6 +156,18 @@ def switched_off():
         yield
     finally:
         SWITCH = saved
+
+
+def double_for_copies(plan, double):
+    """``plan``, or where ``prefetch="auto"`` left it single-buffered (its register estimate over
+    a thread's registers) and the double-buffered plan (``double()``) gets a copying warpgroup, that
+    plan: the copying warpgroup fills the second buffers, not the computing threads' registers.
+    Measured on an H100 (fp16, d = 128, N = 4096; kernels/BENCHMARKS.md, "Sixth session of
+    2026-11-25"): the one-kernel backward 2.65 -> 2.30 ms, causal 1.50 -> 1.37."""
+    if plan.prefetch is not False or plan.dtype not in ("f16", "bf16") or not SWITCH or not asked_for(plan):
+        return plan
+    twin = double()
+    return twin if why_not(twin) is None else plan
 
 
 def rescaled(accs) -> bool:
