@@ -199,14 +199,15 @@ FAMILIES = {"attention": attention_family, "fused_attention": fused_attention_fa
 
 # mappings each family must reach across its examples (the generator's thread mappings:
 # napkin_cat.lowering.plan Micro / Flat / Coop / Rows and fused scores)
-EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, "fused_attention": {"fused-scores", "prescale"},
+EXPECTED_MAPPINGS = {"attention": {"micro", "group-reduction", "ragged-chunk"}, "fused_attention": {"fused-scores", "prescale", "deferred-row-sum"},
                      "score_chain": {"micro"}, "matmul": {"micro", "flat"}, "reduction": {"flat"},
                      "library": {"micro"},
                      "tensor_core": {"fragments", "mma-registers", "ldmatrix", "ldmatrix-trans", "cp.async",
                                      "cp.async-pipeline", "packed-operand", "wgmma", "wgmma-scale-d-0",
                                      "wgmma-accumulate", "copying-warpgroup", "named-hand-over",
                                      "hoisted-fragments", "tf32x3",
-                                     "ldmatrix-b-pair", "ldmatrix-b-single"}}
+                                     "ldmatrix-b-pair", "ldmatrix-b-single", "strided-copies",
+                                     "deferred-row-sum"}}
 
 
 # --------------------------------------------------------------------------- one example
@@ -324,6 +325,10 @@ def _features(kernel) -> set[str]:
         out.add("ldmatrix-b-pair")
     if re.search(r"b\w+, b\w+ = ldsm_x2", body):                 # ... or one by .x2 (an odd count of column tiles)
         out.add("ldmatrix-b-single")
+    if "# the same every step" in body:                         # emit_loads._decode_strided
+        out.add("strided-copies")
+    if "each lane's part summed over the row's lanes" in body:   # emit_states.sum_deferred_z
+        out.add("deferred-row-sum")
     if "per column of this thread" in body:                     # column_values.column_value
         out.add("column-values")
     if re.search(r"smem32\[.*\] = pack_b?f16\(\w+_pair\[0\]", body):   # paired_stores.stored_pair

@@ -317,7 +317,7 @@ def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: 
         # one for 3xTF32 (four times the fragment registers: spills at two, ptxas); two on 8 warps
         warps = max(1, T // 32)    # for the warpgroup forward (wgmma_plan.warpgroup_forward)
         one = (_widest(d0, axis) > 64 or warps > 4 or kernel_dtype(d0) == "f32") \
-            and not (T == 256 and warpgroup_forward(d0, simulate, planner.WGMMA))
+            and not (T == 256 and warpgroup_forward(d0, simulate, planner.WGMMA) == 256)
         return min(n, 16 * warps * (1 if one else 2))
     return min(n, 128 if len(main) >= 2 else 64)
 
@@ -332,12 +332,12 @@ def _tensor_cores(d0: Diagram) -> bool:
 
 
 def _tensor_core_threads(d0: Diagram) -> int | None:
-    """Threads of a tensor-core kernel: 4 warps with a normalisation (row statistics in
-    registers) but for the warpgroup forward, 8 for the rest; None for fp32 on CUDA cores."""
+    """Threads of a tensor-core kernel: the warpgroup forward's, 4 warps with a normalisation
+    (row statistics in registers), 8 for the rest; None for fp32 on CUDA cores."""
     if not _tensor_cores(d0):
         return None
     norm = any(e.box.kind in ("softmax", "normalize", "softmax_contract") for e in d0.eqns)
-    return 128 if norm and not warpgroup_forward(d0, False, planner.WGMMA) else GPU_THREADS
+    return (warpgroup_forward(d0, False, planner.WGMMA) or 128) if norm else GPU_THREADS
 
 
 def _row_tiles(d0: Diagram, free: list[str], tileable: list[str], given: dict, simulate: bool, T: int) -> dict:

@@ -227,29 +227,37 @@ def awaited_copying_warpgroup(plan, extra_threads: int, mode) -> bool:
     return mode == "auto" and not extra_threads and uses_wgmma(plan) and producer.rescaled(plan.accs)
 
 
-def warpgroup_forward(d0, simulate: bool, mode) -> bool:
-    """Whether the schedule gives ``d0`` (unrelabelled) the blocks its warpgroup forward was
-    measured fastest at: a 16-bit softmax-contraction of head width at most
-    :data:`FORWARD_MAX_WIDTH` on a GPU with warpgroup MMAs gets 256 computing threads and 256 rows
-    (two warpgroups of 128 rows sharing each chunk, a copying warpgroup beside them: 0.426 ms
-    against 0.459 for ``mma.sync`` at 128 rows and 128 threads, d = 64; at d = 128 it was slower,
-    1.159 against 1.023; kernels/BENCHMARKS.md, "Fourth session of 2026-11-24").  Not with a mask
-    (causal, a window: the fragments are read again each chunk of a loop a mask bounds, and the
-    causal forward measured 0.263 ms against ``mma.sync``'s 0.257; kernels/BENCHMARKS.md, "Fifth
-    session of 2026-11-25").  ``mode``: ``planner.WGMMA``."""
+def warpgroup_forward(d0, simulate: bool, mode) -> int:
+    """The computing threads of the blocks ``d0``'s (unrelabelled) warpgroup forward was measured
+    fastest at, or 0 (the schedule's other rules): a 16-bit softmax-contraction on a GPU with
+    warpgroup MMAs and a copying warpgroup (``mode``: ``planner.WGMMA``, ``"auto"``) gets
+
+    - at head widths up to :data:`FORWARD_MAX_WIDTH`, with no mask: 256 threads and 256 rows (two
+      warpgroups of 128 rows sharing each chunk: 0.411 ms against ``mma.sync``'s 0.475 at 128 rows
+      on 128 threads, d = 64).  Not with a mask: the causal forward measured 0.263 against 0.257
+      (kernels/BENCHMARKS.md, "Fifth session of 2026-11-25");
+    - at width :data:`FORWARD_WIDE`, masked or not: 384 threads and 192 rows (three warpgroups of 64
+      rows: 0.837 ms against ``mma.sync``'s 0.955 at 64 rows on 128 threads, causal 0.464 against
+      0.528; two warpgroups of 128 rows ran 1.11, of 64 rows with 128-key chunks 1.06;
+      kernels/BENCHMARKS.md, "Sixth session of 2026-11-25")."""
     from . import producer
     from .plan import kernel_dtype
     if simulate or mode != "auto" or not producer.joins(256) or kernel_dtype(d0) == "f32":
-        return False
+        return 0
     from ..relabel.rules import fuse_softmax_contract
     online = any(e.box.kind == "softmax_contract" for a in d0.axes if a.size not in (None, 1)
                  for e in fuse_softmax_contract(d0, a.name).eqns)
-    if not online or any(e.box.kind == "mask" for e in d0.eqns) or not wgmma_capable():
-        return False
     widths = [a.size for a in d0.axes if isinstance(a.size, int) and a.size <= 256]
-    return bool(widths) and max(widths) <= FORWARD_MAX_WIDTH
+    if not online or not widths or not wgmma_capable():
+        return 0
+    if max(widths) == FORWARD_WIDE:
+        return 384
+    return 256 if max(widths) <= FORWARD_MAX_WIDTH and not any(e.box.kind == "mask" for e in d0.eqns) else 0
 
 
 FORWARD_MAX_WIDTH = 64
-"""The widest head a 16-bit attention forward takes warpgroups at by default (:func:`warpgroup_forward`)."""
+"""The widest head a 16-bit attention forward takes two warpgroups of 128 rows at (:func:`warpgroup_forward`)."""
+
+FORWARD_WIDE = 128
+"""The head width a 16-bit attention forward takes three warpgroups of 64 rows at (:func:`warpgroup_forward`)."""
 
