@@ -86,20 +86,6 @@ def test_the_wide_forward_is_three_warpgroups_and_a_copying_one(gpu):
     assert "wgmma_f16_n128" in kernel.source and "bar_arrive(U4 +" in kernel.source   # warpgroup 2's
 
 
-def test_the_wide_forward_matches_the_oracle_in_the_simulator():
-    """Three computing warpgroups of 64 rows (the GPU's d = 128 blocks at the simulator's size):
-    ragged rows and keys, causal, huge logits."""
-    dia = nc.library.attention(q=q, x=x, d=d, causal=True, dtype=nc.f16).stream(x, 64).tile(q, 192) \
-        .bind({q: 200, x: 140, d: 32})
-    kernel = nc.lower(dia, threads=384, prefetch="double", verify=False)
-    assert kernel.launch.block == (512, 1, 1), kernel.notes
-    rng = np.random.default_rng(5)
-    ins = [(10.0 if arr.name == "Q" else 1.0) * rng.standard_normal(tuple(a.size for a in arr.axes))
-           for arr in dia.dom]
-    out = kernelcheck.kernel_outcome(dia.unrelabelled(), kernel, ins)
-    assert out.failure is None, kernelcheck.describe_failure(out.failure)
-
-
 def test_without_the_copying_warpgroup_it_is_planned_again_as_before(gpu):
     """``prefetch=False``: no double buffer for the copying warpgroup to fill.  The kernel is the
     one planned with ``producer.SWITCH = False`` (128 rows, ``mma.sync``), and says why."""
@@ -125,14 +111,19 @@ def test_forced_switches_keep_their_meaning(gpu, monkeypatch):
     assert kernel.launch.block == (256, 1, 1) and "wgmma_f16_n64" in kernel.source
 
 
-def test_the_auto_forward_matches_the_oracle_in_the_simulator():
-    """What the GPU gets at 4096 rows, at the simulator's size: 256 computing threads, 256 rows,
-    the copying warpgroup by ``"auto"`` (not forced), ragged keys, huge logits."""
-    dia = nc.library.attention(q=q, x=x, d=d, causal=True, dtype=nc.f16).stream(x, 64).tile(q, 256) \
-        .bind({q: 256, x: 140, d: 16})
-    kernel = nc.lower(dia, threads=256, prefetch="double", verify=False)
-    assert kernel.launch.block == (384, 1, 1), kernel.notes
-    rng = np.random.default_rng(3)
+@pytest.mark.parametrize("rows,threads,sizes,seed", [
+    pytest.param(256, 256, {q: 256, x: 140, d: 16}, 3, id="two-warpgroups"),
+    pytest.param(192, 384, {q: 200, x: 140, d: 32}, 5, id="three-warpgroups-ragged-rows"),
+])
+def test_the_auto_forward_matches_the_oracle_in_the_simulator(rows, threads, sizes, seed):
+    """What the GPU gets at 4096 rows, at the simulator's size: 256 computing threads of 256 rows
+    (d <= 64) or 384 of 192 (d = 128), the copying warpgroup by ``"auto"`` (not forced), ragged
+    keys (and rows), causal, huge logits."""
+    dia = nc.library.attention(q=q, x=x, d=d, causal=True, dtype=nc.f16).stream(x, 64).tile(q, rows) \
+        .bind(sizes)
+    kernel = nc.lower(dia, threads=threads, prefetch="double", verify=False)
+    assert kernel.launch.block == (threads + producer.THREADS, 1, 1), kernel.notes
+    rng = np.random.default_rng(seed)
     ins = [(10.0 if arr.name == "Q" else 1.0) * rng.standard_normal(tuple(a.size for a in arr.axes))
            for arr in dia.dom]
     out = kernelcheck.kernel_outcome(dia.unrelabelled(), kernel, ins)
