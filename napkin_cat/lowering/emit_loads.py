@@ -20,11 +20,10 @@ _CMP_CODE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=
 _TRANSPOSED_NOTES = ("later chunks are masked for every column of the tile (transposed support)",
                      "earlier chunks are masked for every column of the tile (transposed support)")
 
-
-
 STRIDED_COPIES = True
 """``cp.async`` copies decode each thread's element once and step by a constant (see
 :meth:`Loads._decode_strided`); False: every step decodes ``e = tid + u * T`` anew, as before."""
+
 
 class _CodeLogic:
     """:meth:`napkin_cat.ops.index.Predicate.chunk_state` as code: conditions on the bounds."""

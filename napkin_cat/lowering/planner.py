@@ -102,9 +102,9 @@ faster than ``mma.sync``: several warpgroups, no accumulator rescaled every chun
 
 TF32X3 = False
 """Multiply fp32 contractions on tensor cores by 3xTF32 (:data:`.tensorcore.TF32X3`: fp32-level
-error, as SDPA's fp32 kernels on sm_80+) where their shapes fit; set per lowering by
-``lower(..., fp32="3xtf32")`` (:func:`tf32x3`).  Off by default: on an H100 a softmax-contraction's forward +
-backward ran 2.6x faster with it, a 4096^3 GEMM 1.4x slower (kernels/BENCHMARKS.md)."""
+error, as SDPA's fp32 kernels on sm_80+) where their shapes fit; set per lowering by ``lower(...,
+fp32="3xtf32")`` (:func:`tf32x3`).  Off by default: on an H100 a softmax-contraction's forward
++ backward ran 2.6x faster with it, a 4096^3 GEMM 1.4x slower (kernels/BENCHMARKS.md)."""
 
 
 @contextlib.contextmanager
