@@ -565,7 +565,8 @@ class Loads:
         src(f"{inner} = {tid} % {k.u(span)}  # the same every step")
         self._decode(src, inner, names[1:], env, caps={a: k.u(r) for a, r in digits.items()})
         a = names[0]
-        idx = self.names.fresh(self.ax[a].index if a in self.ax else f"i{a}")
+        stem = self.ax[a].index if a in self.ax else f"i{a}"
+        idx = self.names.fresh(stem) if a in env or a not in self.ax else stem   # as _decode names it
         src(f"{idx} = {tid} // {k.u(span)} + u * {k.u(T // span)}")
         env[a] = idx
 
