@@ -236,10 +236,12 @@ def warpgroup_forward(d0, simulate: bool, mode) -> int:
       warpgroups of 128 rows sharing each chunk: 0.411 ms against ``mma.sync``'s 0.475 at 128 rows
       on 128 threads, d = 64).  Not with a mask: the causal forward measured 0.263 against 0.257
       (kernels/BENCHMARKS.md, "Fifth session of 2026-11-25");
-    - at width :data:`FORWARD_WIDE`, masked or not: 384 threads and 192 rows (three warpgroups of 64
-      rows: 0.837 ms against ``mma.sync``'s 0.955 at 64 rows on 128 threads, causal 0.464 against
-      0.528; two warpgroups of 128 rows ran 1.11, of 64 rows with 128-key chunks 1.06;
-      kernels/BENCHMARKS.md, "Sixth session of 2026-11-25")."""
+    - at width :data:`FORWARD_WIDE`, unmasked or masked from the first column on (causal): 384
+      threads and 192 rows (three warpgroups of 64 rows: 0.837 ms against ``mma.sync``'s 0.955 at
+      64 rows on 128 threads, causal 0.464 against 0.528, ALiBi 0.474 against 0.535; two warpgroups
+      of 128 rows ran 1.11, of 64 rows with 128-key chunks 1.06).  Not with a band (a sliding
+      window: 0.157 against 0.134, the taller tiles keeping a larger share of partial chunks) nor a
+      mask of unknown support (kernels/BENCHMARKS.md, "Sixth session of 2026-11-25")."""
     from . import producer
     from .plan import kernel_dtype
     if simulate or mode != "auto" or not producer.joins(256) or kernel_dtype(d0) == "f32":
@@ -250,9 +252,19 @@ def warpgroup_forward(d0, simulate: bool, mode) -> int:
     widths = [a.size for a in d0.axes if isinstance(a.size, int) and a.size <= 256]
     if not online or not widths or not wgmma_capable():
         return 0
+    masks = [e.box.param("pred") for e in d0.eqns if e.box.kind == "mask"]
     if max(widths) == FORWARD_WIDE:
-        return 384
-    return 256 if max(widths) <= FORWARD_MAX_WIDTH and not any(e.box.kind == "mask" for e in d0.eqns) else 0
+        return 384 if all(_from_first_column(p) for p in masks) else 0
+    return 256 if max(widths) <= FORWARD_MAX_WIDTH and not masks else 0
+
+
+def _from_first_column(pred) -> bool:
+    """Whether rows far down still keep the first column (causal: no lower bound), so a taller row
+    tile adds little to the chunks it streams; a band (a window) would add its height to each."""
+    from ..ops.index import IntAlgebra
+    far = 2 ** 31
+    support = pred.support(far, far + 1, IntAlgebra)
+    return support is not None and support[0] == 0
 
 
 FORWARD_MAX_WIDTH = 64
