@@ -329,6 +329,11 @@ def _features(kernel) -> set[str]:
         out.add("strided-copies")
     if "each lane's part summed over the row's lanes" in body:   # emit_states.sum_deferred_z
         out.add("deferred-row-sum")
+    if "stays in global memory: its gathers read it in place" in body:   # emit.Emitter.aux_read
+        out.add("aux-in-place")
+        tables = re.findall(r"# (\w+)\[[^\]]*\] \w+ stays in global memory", body)
+        if any(re.search(rf"(_entry = |if )(\w+\()?{t}\[", body) for t in tables):   # emit_loads._block_atom
+            out.add("aux-in-place-table")
     if "per column of this thread" in body:                     # column_values.column_value
         out.add("column-values")
     if re.search(r"smem32\[.*\] = pack_b?f16\(\w+_pair\[0\]", body):   # paired_stores.stored_pair

@@ -48,6 +48,7 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections import Counter
@@ -421,6 +422,75 @@ def _document_case(draw, dt, options):
                 SMALL_DATA)
 
 
+# --------------------------------------------------------------------------- auxiliary tensors in HBM
+
+@st.composite
+def aux_in_place_family(draw):
+    """Attention variants gathering from auxiliary tensors that stay in global memory, read in
+    place by their gathers (``place(name, "HBM")``, or the default for a large tensor,
+    ``loopnest.AUX_WHOLE_BYTES``, here lowered to 0): a document mask, an explicit block mask of
+    blocks of 2 to 5 tokens, a document mask reading its block table (its chunk test reading the
+    table in global memory), and a relative-bias table ``rb[i - j + n - 1]`` with a per-key bias;
+    fp32 (tiles of 1 to 16, non-powers of two, threads, micro-tiles) or f16 / bf16 on tensor
+    cores (tiles of 16), ragged sizes, random data and documents."""
+    what = draw(st.sampled_from(("document", "block_mask", "document_table", "relative_table")), label="variant")
+    dt = draw(st.sampled_from((nc.f32, nc.f32, nc.f16, nc.bf16)), label="dtype")
+    n = draw(st.integers(1, 40), label="n")
+    if what == "document" or what == "document_table":
+        doc = nc.aux("doc", nc.Axis("n", n))
+        m = nc.mask_mod(lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i))
+        blk = draw(st.sampled_from((4, 8, 16)), label="table block")
+        bt = nc.aux("bt", nc.Axis("rb", -(-n // blk)), nc.Axis("cb", -(-n // blk)))
+        kw = {"mask": m if what == "document" else nc.blocked(m, bt, blk, blk)}
+
+        def aux(rng):
+            ids = np.cumsum(rng.random(n) < 0.2).astype(np.float32)
+            return [ids] if what == "document" else [nc.block_table(m, n, n, blk, blk, {"doc": ids}), ids]
+    elif what == "block_mask":
+        blk = draw(st.integers(2, 5), label="mask block")
+        bm = nc.aux("bm", nc.Axis("rb", -(-n // blk)), nc.Axis("cb", -(-n // blk)))
+        kw = {"mask": nc.mask_mod(lambda b_, h_, i, j: bm[i // blk, j // blk] > 0)}
+
+        def aux(rng):
+            return [(rng.random((-(-n // blk),) * 2) < 0.6).astype(np.float32)]
+    else:
+        rb, tb = nc.aux("rb", nc.Axis("nr", 2 * n - 1)), nc.aux("tb", nc.Axis("n", n))
+        kw = {"bias": nc.bias_mod(lambda b_, h_, i, j: rb[i - j + (n - 1)] + tb[j]), "causal": draw(st.booleans())}
+
+        def aux(rng):
+            return [rng.standard_normal(2 * n - 1).astype(np.float32), rng.standard_normal(n).astype(np.float32)]
+    att = L.attention(q=q, x=x, d=d, dtype=dt, **kw)
+    names = [a.name for a in att.dom[3:]]
+    if dt == nc.f32:
+        tq, tx = (draw(st.integers(1, 16), label=lbl) for lbl in ("tile q", "chunk x"))
+        options = _fp32_options(draw)
+    else:
+        tq = tx = 16
+        options = {"threads": draw(st.sampled_from((32, 64)), label="threads")}
+    how = draw(st.sampled_from(("place", "default")), label="placement")
+    placed = tuple(("place", name, "HBM") for name in names) if how == "place" else ()
+    options["aux_whole_bytes"] = None if how == "place" else 0
+    steps = (("stream", "x", tx), ("tile", "q", tq), *placed)
+    sizes = {q: n, x: n, d: 16}
+
+    def inputs(rng, regime):
+        return [*(REGIMES[regime][0](rng, (n, 16)) for _ in range(3)), *aux(rng)]
+    return Case(f"{dt.name} {what}, auxiliary tensors in HBM ({how})", att, steps, sizes, att, options, inputs,
+                SMALL_DATA)
+
+
+@contextlib.contextmanager
+def aux_whole_bytes(limit):
+    """``loopnest.AUX_WHOLE_BYTES`` for one lowering (None: as it is), then restored."""
+    from napkin_cat.relabel import loopnest
+    old = loopnest.AUX_WHOLE_BYTES
+    loopnest.AUX_WHOLE_BYTES = old if limit is None else limit
+    try:
+        yield
+    finally:
+        loopnest.AUX_WHOLE_BYTES = old
+
+
 # --------------------------------------------------------------------------- one example
 
 COPYING_EXAMPLES = 5
@@ -430,7 +500,7 @@ COPYING_SETTINGS = settings(SETTINGS, max_examples=min(FUZZ_EXAMPLES, COPYING_EX
 
 FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family,
             "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family, "tf32x3": tf32x3_family,
-            "copying": copying_family}
+            "copying": copying_family, "aux_in_place": aux_in_place_family}
 
 # what each family must reach across its examples (named by test_kernel_fuzz._features)
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
@@ -438,6 +508,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                      "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient",
                                      "register-copy", "frag-operand", "wgmma", "cp.async-f32", "paired-atomic",
                                      "column-values", "paired-store"},
+                     "aux_in_place": {"aux-in-place", "aux-in-place-table", "fragments"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
                                  "wgmma", "paired-atomic"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
@@ -463,8 +534,10 @@ def fuzz_case(family: str, data, stats: Counter):
 
 def _lower_and_check(case, rel, options, mode, regime, seed, stats):
     try:
-        with planner_switches(WGMMA=options.get("wgmma", False)), hand_over(mode):
-            kernel = nc.lower(rel, verify=False, **{k: v for k, v in options.items() if k != "wgmma"})
+        with planner_switches(WGMMA=options.get("wgmma", False)), hand_over(mode), \
+                aux_whole_bytes(options.get("aux_whole_bytes")):
+            kernel = nc.lower(rel, verify=False, **{k: v for k, v in options.items()
+                                                    if k not in ("wgmma", "aux_whole_bytes")})
     except nc.LoweringError as err:
         stats["lowering refused"] += 1
         stats["refusal: " + str(err).split(":")[0][:60]] += 1

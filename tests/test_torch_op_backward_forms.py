@@ -28,8 +28,8 @@ from napkin_cat.lowering.devices import simulator_active  # noqa: E402
 from napkin_cat.lowering.schedule import choose  # noqa: E402
 from napkin_cat.lowering.torch_op import torch_op  # noqa: E402
 
-q, x, d, h = nc.axes("q x d h")
-SIZES = {"q": 5, "x": 7, "d": 4, "h": 2}
+q, x, d, h, g = nc.axes("q x d h g")
+SIZES = {"q": 5, "x": 7, "d": 4, "h": 2, "g": 3}
 TILES = {"g_x": 3, "s_q": 2, "g_q": 2, "s_x": 3}   # ragged: key tiles (3, 3, 1), query chunks (2, 2, 1)
 SC = nc.aux("sc", nc.Axis("nh", 2))
 VARIANTS = {
@@ -37,6 +37,7 @@ VARIANTS = {
     "causal_heads": {"causal": True, "heads": h},
     "window": {"window_size": 2},
     "head_scale": {"heads": h, "score_mod": lambda s, b, h_, i, j: s * SC[h_]},
+    "gqa": {"causal": True, "heads": h, "groups": g},   # 3 query heads per K, V head
 }
 needs_sim = pytest.mark.skipif(not simulator_active(), reason="numba.cuda is not its simulator here")
 
@@ -242,6 +243,21 @@ def test_none_without_a_choice_to_make():
     assert op.backward_choice.form == "two kernels" and "no sizes for d, q, x" in op.backward_choice.why
 
 
+def test_grouped_query_backward_is_split_on_the_query_axis_the_groups_whole_in_each_block():
+    """GQA's scores ``S[h g q x]`` have two row axes the values lack; the parts tile and stream
+    ``q`` (the innermost) and keep the groups ``g`` whole in every block, so the key-tile part
+    sums dK, dV over the groups in fast memory (no ``dK[h g x d]`` summed afterwards)."""
+    for form, scheds in (("two kernels", ["tile(q, 64), tile(h, 1)", "tile(x, g_x), stream(q, s_q), tile(h, 1)",
+                                          "tile(q, g_q), stream(x, s_x), tile(h, 1)"]),
+                         ("one kernel", ["tile(q, 64), tile(h, 1)",
+                                         "tile(x, g_x, partial=sum), stream(q, s_q), tile(h, 1)"])):
+        plan = torch_op(attention("gqa"), backward=form).backward_plan((0, 1, 2), _sizes(**SIZES), torch.float32)
+        assert [p._sched_str() for p in plan.parts] == scheds, form
+        key_part = plan.parts[1]
+        assert [a.axis_names for a in key_part.cod if a.name in ("dK", "dV")] == [("h", "x", "d")] * 2
+        assert key_part.dom[0].axis_names == ("h", "g", "q", "d")   # Q: every group read by each key tile
+
+
 # --------------------------------------------------------------------------- kernels (simulator)
 
 def _run(name, form, dtype=torch.float32, tol=1e-5):
@@ -280,6 +296,23 @@ def test_a_chosen_one_kernel_that_does_not_lower_gives_way_to_the_two(monkeypatc
 
 
 @needs_sim
+@pytest.mark.parametrize("form", FORMS)
+def test_grouped_query_gradients_are_kernels_summed_over_the_groups(form):
+    op = _run("gqa", form)
+    suffix = "-atomic" if form == "one kernel" else ""
+    assert (op.last_path, op.last_backward_path) == ("simulator", "simulator-fa2" + suffix), op.notes
+    assert not any("not split" in n for n in op.notes), op.notes
+
+
+@needs_sim
+def test_grouped_query_fp16_backward_on_tensor_cores():
+    op = _run("gqa", "one kernel", torch.float16, tol=4 * 2.0 ** -10)
+    assert op.last_backward_path == "simulator-fa2-atomic", op.notes
+    _, kernel = [k for key, k in op._cache.items() if key[0] == "backward kernel"]
+    assert "mma" in kernel.source and "cuda.atomic.add(dQ, " in kernel.source
+
+
+@needs_sim
 def test_one_kernel_fp16_adds_dq_in_fp32_and_returns_fp16():
     op = _run("plain", "one kernel", torch.float16, tol=4 * 2.0 ** -10)
     assert op.last_backward_path == "simulator-fa2-atomic", op.notes
@@ -298,7 +331,7 @@ def test_none_runs_the_form_it_predicted_faster():
 @pytest.mark.slow   # about 30 s: a forward and one or two backward kernels per case in the simulator
 @needs_sim
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("name", ["plain", "causal_heads", "window", "head_scale"])
+@pytest.mark.parametrize("name", ["plain", "causal_heads", "window", "head_scale", "gqa"])
 def test_both_forms_match_fp64_autograd(name, form):
     op = _run(name, form)
     suffix = "-atomic" if form == "one kernel" else ""

@@ -49,6 +49,7 @@ import sympy as sp
 from ..core.diagram import Diagram, DType, f32
 from ..core.errors import CostError
 from ..core.hierarchy import Hierarchy
+from ..ops.kinds import gather_expr
 from ..relabel.loopnest import Compute, Init, Load, Loop, Store, Update, param_vars
 from ..relabel.split import AddStore
 from .atomics import add_store_records, zero_fill_moves
@@ -113,10 +114,22 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None, data: dict | None = Non
         key = v_or_key if isinstance(v_or_key, tuple) else alias.get(("var", v_or_key), ("var", v_or_key))
         return key, ff.buffer(key, loops)
 
-    def move(kind, key, b, upper, lower, loops):
+    def move(kind, key, b, upper, lower, loops, size=None):
         name, dt, _ = ident(key)
         n, r = execs(loops, set(b.axes))
-        moves.append(Move(kind, name, dt, upper, lower, b.size, n, r, tuple(lp.axis for lp in loops)))
+        moves.append(Move(kind, name, dt, upper, lower, b.size if size is None else size, n, r,
+                          tuple(lp.axis for lp in loops)))
+
+    def gathers(e, loops) -> dict[int, sp.Expr]:
+        """``{input: entries}`` for the auxiliary tensors ``e``'s index expression gathers from:
+        the entries it can read over the loops' extents (:meth:`~napkin_cat.ops.index_expr.Ix.footprint`),
+        not the whole tensor."""
+        expr = gather_expr(e.box)
+        if expr is None:
+            return {}
+        names = {a for v in e.ins for a in types[v].axis_names}
+        fp = expr.footprint({a: ff.extent(a, loops) for a in names})
+        return {v: fp[types[v].name] for v in e.ins[1:] if types[v].name in fp}
 
     def above(a, b):
         return h.index(a) < h.index(b)
@@ -174,7 +187,12 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None, data: dict | None = Non
                 move("load", key, b, node.src, node.level, loops)
         elif isinstance(node, Compute):
             e = dd.eqns[node.eqn]
-            touch("read", e.ins, loops, clevel)
+            gathered = gathers(e, loops)
+            touch("read", [v for v in e.ins if v not in gathered], loops, clevel)
+            for v, entries in gathered.items():
+                key, b = buf(v, loops)
+                if above(b.level, clevel):
+                    move("read", key, b, b.level, clevel, loops, size=entries)
             touch("write", dd.eqn_outputs(node.eqn), loops, clevel)
             work(e.box, "apply", loops, e.box.name)
         else:

@@ -55,8 +55,15 @@ def has_scatter(d: Diagram) -> bool:
 
 
 def fa2_axes(aug: Diagram) -> tuple[str, str] | str:
-    """``(x, q)``: the normalised (key) axis of ``aug``'s one softmax-contraction and its one
-    query axis (a row axis of the scores the values lack); else the reason there are not."""
+    """``(x, q)``: the normalised (key) axis of ``aug``'s one softmax-contraction and its query
+    axis; else the reason there are not.
+
+    The query axis is a row axis of the scores that the values lack.  Grouped-query attention
+    has several (``S[h g q x]``: the groups ``g`` share one K, V head): the query axis is the
+    innermost of them (``q``, next to the key axis), the one the parts tile and stream; the
+    others stay whole inside every block, so the key-tile part sums dK, dV over them as it
+    sums over each query chunk (FlashAttention-2's group-summed dK, dV, added in fast memory
+    instead of through an expanded ``dK[h g x d]`` summed afterwards)."""
     saved = saved_softmaxes(aug)
     if len(saved) != 1:
         return (f"the backward of {aug.short()} is not split FlashAttention-2's way: it has "
@@ -64,9 +71,9 @@ def fa2_axes(aug: Diagram) -> tuple[str, str] | str:
     (sv,) = saved
     types = aug.var_types()
     rows = [n for n in types[sv.s].axis_names if n != sv.axis and not types[sv.v].has(n)]
-    if len(rows) != 1:
-        return f"the backward of {aug.short()} is not split: the scores' row axes {rows} are not one query axis"
-    return sv.axis, rows[0]
+    if not rows:
+        return f"the backward of {aug.short()} is not split: the scores have no row axis the values lack"
+    return sv.axis, rows[-1]
 
 
 def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=(),

@@ -112,13 +112,20 @@ def scaled_exponent(em, v: int):
     return None if scaled is None else (*scaled, m)
 
 
+def aux_read(em, v: int, idx: dict) -> str:
+    """Auxiliary tensor ``v`` at ``idx`` (``{axis: index code}``; its axes are never tiled) as
+    an fp32 value: from its shared buffer, or from global memory where the final form keeps it
+    there (:meth:`~napkin_cat.relabel.loopnest.FinalForm.in_place`)."""
+    return em.sread(("var", v), idx) if ("var", v) in em.bufs else em.gread(v, idx)
+
+
 def index_code(em, box, fn, args, env, as_float: bool = False) -> str:
     """An index expression (:mod:`napkin_cat.ops.index_expr`) as numba.cuda code, from its tree:
     axis indices as signed ints (``int64(q0 + i_q)``: differences may be negative; numba's
     ``int()`` keeps a uint32 unsigned, and ``i - j`` then wraps on the GPU), sizes as
     literals, gathers as reads of the auxiliary tensors' shared buffers (a whole tensor per
-    block: its axes are neither tiled nor streamed, so a local index is the global one) at
-    indices clamped into the tensor, the score as ``args[0]``.  Integer arithmetic that meets a
+    block: its axes are neither tiled nor streamed, so a local index is the global one), or of
+    global memory where the final form keeps the tensor there, at indices clamped into it, the score as ``args[0]``.  Integer arithmetic that meets a
     float, or that is compared, is computed in float32 where that is exact
     (:func:`exact_floats`); ``as_float``: the whole expression is converted to float32."""
     aux_vars = dict(zip((a.name for a in fn.auxes), args[1:]))
@@ -149,7 +156,7 @@ def index_code(em, box, fn, args, env, as_float: bool = False) -> str:
         idx = {a: (f"uint32({em.gidx(k.value, env)})" if in_range(k, em.sizes[a]) else
                    f"uint32(min(max({k.to_code(leaf, fconst, fn_code)}, 0), {em.sizes[a] - 1}))")
                for a, k in zip(axes_, n.args)}
-        read = em.sread(("var", v), idx)
+        read = aux_read(em, v, idx)
         if row is None or any(_reads(k, row.col) for k in n.args):
             return read
         key = ("gather", read)          # the same entry for every column of the row: read once

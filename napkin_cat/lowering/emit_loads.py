@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from ..relabel.loopnest import Load, Loop
 from . import producer
+from .emit_kinds import aux_read
 from .tensorcore import DTYPES
 from .source import Code, CodeAlgebra, Source, paren as _paren, render_code
 
@@ -396,7 +397,7 @@ class Loads:
             entries = self._chunk_entries     # read once per chunk, whichever comparisons use it
             if (v, one) not in entries:
                 entries[v, one] = self.names.fresh(stem + "entry")
-                src(f"{entries[v, one]} = {self.sread(('var', v), dict(zip(axes, one)))}")
+                src(f"{entries[v, one]} = {aux_read(self, v, dict(zip(axes, one)))}")
             src(f"{full} = {entries[v, one]} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}")
             src(f"{empty} = not {full}")
             return full, empty
@@ -413,7 +414,7 @@ class Loads:
             loops.append(f"for {var} in range(min({first}, {last}), min({end}, {last}) + {k.u(1, 'U1')}):")
         with src.block(loops[0]):
             with src.block(loops[1]):
-                test = f"{self.sread(('var', v), env)} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}"
+                test = f"{aux_read(self, v, env)} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}"
                 with src.block(f"if {test}:"):
                     src(f"{empty} = False")
                 with src.block("else:"):
@@ -444,6 +445,9 @@ class Loads:
     # ---- loads and stores
     def _emit_load(self, v: int, src: Source, from_regs: str | None = None):
         arr = self.types[v]
+        if self.ff.in_place(v):
+            src.comment(f"{arr} stays in global memory: its gathers read it in place")
+            return
         b = self.bufs[("var", v)]
         k = self.consts
         names, caps = self.plan.caps(arr.axis_names)

@@ -463,6 +463,29 @@ IO_DTYPES = ("f32", "f16", "bf16")
 fp32, multiplied on tensor cores where the shapes fit)."""
 
 
+def check_index_width(dd: Diagram) -> None:
+    """Every wire of ``dd`` has fewer than 2**32 elements (the kernels index with uint32)."""
+    for arr in list(dd.dom) + list(dd.cod):
+        n = math.prod(a.size for a in arr.axes)
+        if n >= 2 ** 32:
+            raise LoweringError(f"wire {arr} has {n} elements; the numba.cuda kernels index "
+                                f"arrays with 32-bit unsigned integers (fewer than 2**32 elements)")
+
+
+def in_place(ff, load, types) -> bool:
+    """``load`` (a final form's ``Load``) copies nothing: an auxiliary tensor that stays where
+    it lives and is read there by its gathers (:meth:`~napkin_cat.relabel.loopnest.FinalForm.in_place`).
+    Any other input placed at the top level is refused: the kernels read it from shared memory."""
+    if ff.in_place(load.var):
+        return True
+    name = types[load.var].name
+    if load.level == load.src and ff._placed(name) == load.level:
+        raise LoweringError(f"place({name}, {load.level!r}) cannot be lowered: only an auxiliary tensor "
+                            f"(an input read only by the gathers of index expressions) is read in place "
+                            f"from {load.level}; the numba.cuda kernels read {types[load.var]} from shared memory")
+    return False
+
+
 def kernel_dtype(dd: Diagram) -> str:
     """The kernel's compute family: the 16-bit dtype among its inputs and outputs, else ``f32``.
     One 16-bit dtype per kernel (fp32 arrays may sit beside it)."""

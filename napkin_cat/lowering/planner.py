@@ -48,8 +48,8 @@ from .sixteen_bit import sixteen_bit_buffer, sixteen_bit_targets
 from .threads import Threads, _check_micro
 from .wgmma_plan import assign_offsets, plan_wgmma
 from .plan import (AccPlan, AxisPlan, Buffer, Coop, Frag, KernelPlan, LaunchPlan, Micro, Rows,
-                   Structure, Target, acc_reduced_axes, axes_set, caps, frozen_map, kernel_dtype, load_plan,
-                   reduced_axes, storage, var_cls)
+                   Structure, Target, acc_reduced_axes, axes_set, caps, check_index_width, frozen_map, in_place,
+                   kernel_dtype, load_plan, reduced_axes, storage, var_cls)
 
 TRANSPOSE_PAD = 4
 """Floats added to each row of a shared buffer written transposed from global memory."""
@@ -223,7 +223,9 @@ def read_structure(ff: FinalForm, ax: dict) -> Structure:
         loops_of[id(n)] = loops
         scope = tuple(lp for lp in loops if lp.kind == "stream")
         scope_of[id(n)] = scope
-        if isinstance(n, Load):
+        if isinstance(n, Load) and in_place(ff, n, types):   # an auxiliary tensor its gathers read in HBM
+            def_node[n.var] = n
+        elif isinstance(n, Load):
             if n.var in load_of:
                 raise LoweringError(f"input {types[n.var]} is loaded twice")
             load_of[n.var] = n
@@ -251,11 +253,7 @@ def read_structure(ff: FinalForm, ax: dict) -> Structure:
     eqn_of = {v: k for k in range(len(dd.eqns)) for v in dd.eqn_outputs(k)}
     acc_of_var = {v: i for i, acc in enumerate(ff.accumulators) for v in dd.eqn_outputs(acc.eqn)}
     kernel_dtype(dd)
-    for arr in list(dd.dom) + list(dd.cod):
-        n = math.prod(a.size for a in arr.axes)
-        if n >= 2 ** 32:
-            raise LoweringError(f"wire {arr} has {n} elements; the numba.cuda kernels index "
-                                f"arrays with 32-bit unsigned integers (fewer than 2**32 elements)")
+    check_index_width(dd)
     return Structure(frozen_map(loops_of), frozen_map(scope_of), frozen_map(def_node), frozen_map(load_of),
                      frozen_map({v: tuple(c) for v, c in consumers.items()}), frozen_map(eqn_of),
                      frozen_map(acc_of_var))

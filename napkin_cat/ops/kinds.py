@@ -20,6 +20,8 @@ Traits
                 is what lets a stream skip chunks a mask removes (:mod:`napkin_cat.relabel`);
 ``zero_at_neg_inf(box, sizes)``  ``-inf`` in its first input gives exactly 0 in the output
                 (``exp``): a masked score becomes a zero weight;
+``gathers``     the parameter holding the index expression (:mod:`.index_expr`) whose gathers
+                read the box's inputs after the first (the auxiliary tensors), if any;
 ``keeps_zero(box, sizes)``  the inputs at which an exact 0 gives an exact 0 output when the
                 other inputs are finite (a product): a zero weight stays zero, so a sum over a
                 streamed axis gains nothing from a chunk a mask removes.
@@ -74,6 +76,7 @@ class KindSpec:
     keeps_neg_inf: Callable = _no
     zero_at_neg_inf: Callable = _no
     keeps_zero: Callable = _none
+    gathers: str | None = None
 
     def __post_init__(self):
         if self.shape not in ("elementwise", "reduction", "normaliser", "source", "reindex"):
@@ -122,9 +125,9 @@ SPECS: dict[str, KindSpec] = {s.name: s for s in (
     KindSpec("normalize", "normaliser", "a1(x_i) / b(sum_j a2(x_j)) over one axis (the streamable family)",
              axis="axis", softmax_like=_exp_normalised),
     KindSpec("mask", "elementwise", "where(pred(i, j), x, -inf) from global indices of two axes",
-             indexed=True, keeps_neg_inf=_yes),
+             indexed=True, keeps_neg_inf=_yes, gathers="pred"),
     KindSpec("index_bias", "elementwise", "x + bias(i, j) computed from global indices (ALiBi-like)",
-             indexed=True, keeps_neg_inf=_yes),
+             indexed=True, keeps_neg_inf=_yes, gathers="bias"),
     KindSpec("reindex", "reindex", "transpose, split, merge, slice, diagonal, rename, unfold (windows / pad)"),
     KindSpec("param", "source", "a named parameter (no inputs; value passed at evaluation)"),
     KindSpec("const", "source", "an array filled with a constant"),
@@ -134,7 +137,7 @@ SPECS: dict[str, KindSpec] = {s.name: s for s in (
     KindSpec("norm_contract", "reduction", "a normalisation along axis, then contraction over it (fused)",
              axis="axis", fused=True, softmax_like=_exp_normalised),
     KindSpec("index_map", "elementwise", "y = e(x, indices, aux gathers): an index expression whose score is x "
-             "(ops.aux_grad)", indexed=True, keeps_neg_inf=_index_map_keeps),
+             "(ops.aux_grad)", indexed=True, keeps_neg_inf=_index_map_keeps, gathers="fn"),
     KindSpec("scatter_aux", "reduction", "out[clamp(idx)] += w: the adjoint of one aux gather (ops.aux_grad)",
              indexed=True),
 )}
@@ -148,6 +151,26 @@ def spec(box_or_kind) -> KindSpec:
         return SPECS[kind]
     except KeyError:
         raise UnknownKindError(f"unknown box kind {kind!r}; known: {list(SPECS)}") from None
+
+
+def gather_expr(box: Box):
+    """The index expression (:class:`~.index_expr.Ix`) whose gathers read ``box``'s inputs after
+    the first, or None (a kind without gathers, or a custom Python index function)."""
+    name = spec(box).gathers
+    fn = box.param(name) if name is not None else None
+    return getattr(fn, "expr", None)
+
+
+def gathered_only(d) -> tuple[int, ...]:
+    """The inputs of ``d`` read only through gathers (the auxiliary tensors of its index
+    expressions), none read any other way."""
+    n = len(d.dom)
+    gathered, other = set(), set(d.outs)
+    for e in d.eqns:
+        own = spec(e.box).gathers is not None
+        for pos, v in enumerate(e.ins):
+            (gathered if own and pos > 0 else other).add(v)
+    return tuple(sorted(v for v in gathered - other if v < n))
 
 
 def axis_of(box: Box) -> str | None:

@@ -33,6 +33,7 @@ for q in tiles of g_q  (grid, SMEM)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -42,7 +43,7 @@ from .accumulators import Accumulator
 from ..core.diagram import Diagram
 from ..core.errors import RelabelError
 from ..core.hierarchy import DEVICES, FULL, Hierarchy, hierarchy
-from ..ops.kinds import spec
+from ..ops.kinds import gathered_only, spec
 from .rules import stream_plan
 from .nodes import Buffer, Column, Compute, Finalise, Init, Load, Loop, Store, Update  # noqa: F401 (re-exported)
 from .symbols import size_expr, size_symbol
@@ -94,6 +95,14 @@ class FinalForm:
             if n == name:
                 return lv
         return None
+
+    def in_place(self, var: int) -> bool:
+        """``var`` is an auxiliary tensor (an input read only by gathers) placed at the top level
+        (``place(name, "HBM")``, or by :data:`AUX_WHOLE_BYTES`): never loaded, each gather reads
+        its entries where it lives."""
+        d = self.diagram
+        return (var < len(d.dom) and self._placed(d.dom[var].name) == FULL.top
+                and var in d.memo("loopnest.gathered_only", lambda: gathered_only(d)))
 
     def _home(self, loops) -> str:
         if loops:
@@ -176,6 +185,8 @@ class FinalForm:
         d = self.diagram
         alias: dict[tuple, tuple] = {}
         for i, (n, loops) in enumerate(points):
+            if isinstance(n, Load) and self.in_place(n.var):
+                continue   # not copied anywhere: its gathers read it where it lives
             if (v := self.loaded(n)) is not None:
                 if n.src != FULL.top:
                     use(("copy", v, n.src), i, loops)
@@ -242,6 +253,9 @@ class FinalForm:
                     text = f"for {n.axis} in {what} of {self.extent(n.axis, loops + (n,))} over the devices  ({how}, {n.level})"
                 else:
                     text = f"for {n.axis} in {what} of {n.step}  ({n.kind}, {n.level}{loop_note(self, n)})"
+            elif isinstance(n, Load) and self.in_place(n.var):   # read where it lives
+                b = self.buffer(("var", n.var), loops)
+                text = f"{b.describe()} stays in {b.level}: gathered in place"
             elif (v := self.loaded(n)) is not None:
                 b = self.buffer(("var", v) if n.final else ("copy", v, n.level), loops)
                 src = "" if n.src == FULL.top else f"{n.src} "
@@ -305,6 +319,8 @@ def _final_form(d: Diagram) -> FinalForm:
         rank = {n: i for i, n in enumerate(order_r[-1].extra)}
         streams.sort(key=lambda r: rank.get(r.axis, len(rank)))
     placements = tuple((r.extra[0], r.level) for r in d.schedule if r.op == "place")
+    if tiles or streams:
+        placements += aux_in_place(d, {n for n, _ in placements})
     plain = d.unrelabelled()
     accs: list[Accumulator] = []
     body = _build(plain, tuple(range(len(plain.eqns))), tuple(streams), accs)
@@ -312,6 +328,29 @@ def _final_form(d: Diagram) -> FinalForm:
         body = (Loop(r.axis, r.size, "grid", r.level, body),)
     ff = FinalForm(plain, body, tuple(accs), placements)
     return FinalForm(plain, add_stores(d, _insert_moves(ff)), tuple(accs), placements)
+
+
+AUX_WHOLE_BYTES = 16 * 1024
+"""An auxiliary tensor (an input read only through the gathers of index expressions: a document
+id per token, a block mask, a bias table) at most this large is loaded whole into each block's
+fast memory, once; a larger one stays in HBM and each gather reads its entry there (through
+the caches), as ``place(name, "HBM")`` asks for any size.  16 KiB keeps the tables of the
+measured variants at N = 4096 (``doc[4096]``, a 64 x 64 block table) in shared memory, where
+they were measured; the block mask of 4 x 4 blocks at N = 4096 (4 MiB) could not be held by
+any block."""
+
+
+def aux_in_place(d: Diagram, placed) -> tuple[tuple[str, str], ...]:
+    """The default placement of ``d``'s large auxiliary tensors (:data:`AUX_WHOLE_BYTES`): in
+    HBM, read in place by their gathers; those already ``placed`` keep their placement."""
+    out = []
+    for v in gathered_only(d):
+        arr = d.dom[v]
+        if arr.name in placed or any(not isinstance(a.size, int) for a in arr.axes):
+            continue
+        if arr.dtype.bytes * math.prod(a.size for a in arr.axes) > AUX_WHOLE_BYTES:
+            out.append((arr.name, FULL.top))
+    return tuple(out)
 
 
 def _build(d: Diagram, eqns: tuple[int, ...], streams: tuple, accs: list, pending: tuple = ()) -> tuple:

@@ -1,0 +1,149 @@
+"""Auxiliary tensors read in place: an input read only by the gathers of index expressions (a
+document id per token, a block mask, a bias table) either loads whole into each block's shared
+memory or, when it is larger than ``loopnest.AUX_WHOLE_BYTES`` or placed there with
+``place(name, "HBM")``, stays in global memory and each gather reads its entry there.
+
+The final form says which (its pseudocode), the cost model counts what the gathers can read
+per tile and chunk (``Ix.footprint``), the kernel follows the final form (no shared buffer, the
+gathers and the block-table chunk test read global memory), and an input that is not a gather's
+(``place(K, "HBM")``) is refused by ``nc.lower`` rather than silently loaded anyway.  The random
+cases are the kernel fuzzer's ``aux_in_place`` family (slow tier)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # as the other kernel tests: one choice per process
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat.core.errors import LoweringError  # noqa: E402
+from napkin_cat.library.variant_gallery import GALLERY, build, reference_attention  # noqa: E402
+from napkin_cat.ops.index_expr import Aux, Ix  # noqa: E402
+from napkin_cat.relabel import loopnest  # noqa: E402
+
+q, x, d = nc.axes("q x d")
+VARIANTS = {v.name: v for v in GALLERY}
+
+
+def flash(name: str, n: int, dim: int = 64, tile: int = 64, **kw):
+    att = build(VARIANTS[name], q, x, d, n, **kw).bind({"q": n, "x": n, "d": dim})
+    return att.stream("x", tile).tile("q", tile)
+
+
+def _ix(name):
+    return Ix("idx", (), name)
+
+
+# --------------------------------------------------------------------------- footprints
+
+def test_footprint_bounds_each_index_by_interval_arithmetic():
+    i, j = _ix("q"), _ix("x")
+    rb = Aux("rb", (nc.Axis("nr", 8191),))
+    assert (rb[i - j + 4095] * 1.0).footprint({"q": 64, "x": 32}) == {"rb": 95}   # 64 + 32 - 1
+    assert (rb[(i * 3) % 10] * 1.0).footprint({"q": 64}) == {"rb": 10}
+    assert (rb[abs(i - 7)] * 1.0).footprint({"q": 5}) == {"rb": 5}
+    # an index it cannot bound (xor) spans the whole axis; a leaf without a width too
+    assert (rb[i ^ j] * 1.0).footprint({"q": 4, "x": 4}) == {"rb": 8191}
+    assert (rb[i] * 1.0).footprint({}) == {"rb": 8191}
+    # the gathers of one tensor add up, capped at its size
+    doc = Aux("doc", (nc.Axis("n", 100),))
+    assert (doc[i] == doc[j]).footprint({"q": 64, "x": 64}) == {"doc": 100}
+
+
+def test_footprint_takes_symbolic_widths():
+    import sympy as sp
+    g = sp.Symbol("g_q", positive=True, integer=True)
+    doc = Aux("doc", (nc.Axis("n", 4096),))
+    (fp,) = (doc[_ix("q")] == doc[_ix("x")]).footprint({"q": g, "x": 64}).values()
+    assert fp.subs(g, 64) == 128 and fp.subs(g, 8192) == 4096
+
+
+# --------------------------------------------------------------------------- the final form
+
+def test_a_block_mask_too_large_for_shared_memory_stays_in_hbm_and_lowers():
+    """FlashAttention's block-sparse mask at 4 x 4 blocks and N = 4096 is 4 MiB: loaded whole it
+    asked for 4.2 MB of shared memory per block and did not lower."""
+    f = flash("block_mask", 4096)
+    text = f.loop_nest().pseudocode(memory=False)
+    assert "bm[1024 1024] stays in HBM: gathered in place" in text and "load bm" not in text
+    kernel = nc.lower(f, verify=False)
+    assert "bm_s" not in kernel.source and "bm[rb=1024 cb=1024] f32 stays in global memory" in kernel.source
+    assert kernel.launch.dynamic_smem_bytes < 100_000
+
+
+def test_the_default_keeps_small_tables_whole_in_shared_memory():
+    n_whole = loopnest.AUX_WHOLE_BYTES // 4     # float32 document ids
+    for n, in_place in ((n_whole, False), (n_whole + 64, True)):
+        ff = flash("document", n).loop_nest()
+        (v,) = [k for k, a in enumerate(ff.diagram.dom) if a.name == "doc"]
+        assert ff.in_place(v) is in_place, n
+        assert ("load doc" in ff.pseudocode(memory=False)) is not in_place
+
+
+def test_place_keeps_a_small_table_in_hbm_and_smem_loads_a_large_one_whole():
+    small = flash("document", 64, tile=16).place("doc", "HBM")
+    assert "doc[64] stays in HBM" in small.loop_nest().pseudocode(memory=False)
+    big = flash("document", 8192).place("doc", "SMEM")
+    assert "load doc[8192] -> SMEM" in big.loop_nest().pseudocode(memory=False)
+
+
+def test_in_place_tables_are_not_counted_as_memory_the_kernel_holds():
+    c = nc.cost(flash("block_mask", 4096))
+    assert "HBM" not in c.memory or c.memory["HBM"] == 0
+
+
+def test_place_of_an_input_that_is_not_gathered_is_refused_not_ignored():
+    f = flash("document", 64, tile=16).place("K", "HBM")
+    before = f.loop_nest().pseudocode(memory=False)
+    with pytest.raises(LoweringError) as info:
+        nc.lower(f, verify=False)
+    msg = str(info.value)
+    assert "place(K, 'HBM')" in msg and "auxiliary tensor" in msg and "K[x=64 d=64] f32" in msg
+    assert f.loop_nest().pseudocode(memory=False) == before
+
+
+# --------------------------------------------------------------------------- the cost model
+
+def test_cost_counts_what_the_gathers_can_read_per_chunk_not_the_whole_table():
+    n, t = 4096, 64
+    c = nc.cost(flash("block_mask", n, tile=t))
+    (bm,) = [m for m in c.moves if m.array == "bm"]
+    assert (bm.upper, bm.kind) == ("HBM", "read")
+    assert bm.per_exec == 17 * 17 and bm.execs == (n // t) ** 2     # 64 // 4 + 1 block rows and columns
+    qkv = 2 * n * 64 + 2 * n * 64 * (n // t)     # Q, O once; K, V once per query tile
+    assert c.transfers["HBM"] == qkv + 17 * 17 * (n // t) ** 2
+    # a table in shared memory: one load per block, then per chunk what the mask reads of it
+    c = nc.cost(flash("document", 4096))
+    loads = {(m.kind, m.upper): (m.per_exec, m.execs) for m in c.moves if m.array == "doc"}
+    assert loads[("load", "HBM")] == (4096, 64) and loads[("read", "SMEM")][0] == 128
+
+
+# --------------------------------------------------------------------------- kernels (simulator)
+
+@pytest.mark.parametrize("name", ["block_mask", "document", "gathered_biases"])
+def test_in_place_kernels_match_the_gallery_reference(name):
+    """The kernel with every auxiliary tensor in HBM against the variant's independent NumPy
+    reference (ragged: 19 tokens in tiles of 8)."""
+    v, n = VARIANTS[name], 19
+    heads = {"gathered_biases": 4}.get(name)
+    h, b = (nc.Axis("h", 4), nc.Axis("b", 2)) if heads else (None, None)
+    att = build(v, q, x, d, n, heads=h, batch=b).bind({"q": n, "x": n, "d": 8})
+    f = att.stream("x", 8).tile("q", 8)
+    if heads:
+        f = f.tile("h", 1).tile("b", 1)
+    for a in att.dom[3:]:
+        f = f.place(a.name, "HBM")
+    kernel = nc.lower(f)     # its own self-check first
+    assert kernel.source.count("stays in global memory") == len(att.dom) - 3
+    rng = np.random.default_rng(0)
+    shape = lambda arr: tuple(a.size for a in arr.axes)   # noqa: E731
+    qkv = [rng.standard_normal(shape(a)).astype(np.float32) for a in att.dom[:3]]
+    aux = v.aux(n, heads or 1, 2, rng)
+    got = kernel(*qkv, *(aux[a.name] for a in att.dom[3:]))
+    lead = (2, 4, 1) if heads else (1, 1, 1)       # reference_attention: Q[b kvh g q d]
+    want = reference_attention(v, qkv[0].reshape(*lead, n, 8), qkv[1].reshape(*lead[:2], n, 8),
+                               qkv[2].reshape(*lead[:2], n, 8), aux, 8 ** -0.5)
+    np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want, atol=2e-5, rtol=2e-5)
