@@ -329,7 +329,11 @@ def _features(kernel) -> set[str]:
         out.add("strided-copies")
     if "each lane's part summed over the row's lanes" in body:   # emit_states.sum_deferred_z
         out.add("deferred-row-sum")
-    if "stays in global memory: its gathers read it in place" in body:   # emit.Emitter.aux_read
+    if re.search(r"_(end|begin) = .*// U\d+(, U1\) - U1| \+ U1)?\) \* U\d+", body):   # index_support._quotients
+        out.add("quotient-bound")
+    if "the mask keeps the whole chunk: its arithmetic is skipped" in body:   # emit_loads._chunk_flags
+        out.add("skipped-arithmetic")
+    if "stays in global memory: its gathers read it in place" in body:   # emit_kinds.aux_read
         out.add("aux-in-place")
         tables = re.findall(r"# (\w+)\[[^\]]*\] \w+ stays in global memory", body)
         if any(re.search(rf"(_entry = |if )(\w+\()?{t}\[", body) for t in tables):   # emit_loads._block_atom

@@ -479,6 +479,37 @@ def aux_in_place_family(draw):
                 SMALL_DATA)
 
 
+@st.composite
+def index_mask_family(draw):
+    """Masks whose block sparsity is derived from comparisons of the block quotients ``i // b``,
+    ``j // b`` (``index_support._quotients``): block-causal, NATTEN on an image ``b`` wide with a
+    radius of 0 to 2, a band of blocks, and each joined with a comparison of ``i`` and ``j``
+    (``&`` causal, ``|`` a window); fp32 (tiles and chunks of 1 to 9, threads, micro-tiles) or
+    f16 / bf16 on tensor cores (16), ragged sizes of up to 40 tokens, so chunks are skipped,
+    kept whole and partial at block edges that fall inside chunks."""
+    kind = draw(st.sampled_from(("block_causal", "natten", "block_band", "natten_causal", "block_or_window")),
+                label="mask")
+    b, k = draw(st.integers(1, 6), label="block"), draw(st.integers(0, 2), label="radius")
+    masks = {
+        "block_causal": lambda b_, h_, i, j: i // b >= j // b,
+        "natten": lambda b_, h_, i, j: (abs(i // b - j // b) <= k) & (abs(i % b - j % b) <= k),
+        "block_band": lambda b_, h_, i, j: (j // b <= i // b) & (i // b - j // b <= k),
+        "natten_causal": lambda b_, h_, i, j: (abs(i // b - j // b) <= k) & (abs(i % b - j % b) <= k) & (j <= i),
+        "block_or_window": lambda b_, h_, i, j: (i // b == j // b + k) | (abs(i - j) <= 1),
+    }
+    dt = draw(st.sampled_from((nc.f32, nc.f32, nc.f16, nc.bf16)), label="dtype")
+    att = L.attention(q=q, x=x, d=d, mask=nc.mask_mod(masks[kind]), dtype=dt)
+    if dt == nc.f32:
+        tq, tx = (draw(st.integers(1, 9), label=lbl) for lbl in ("tile q", "chunk x"))
+        options = _fp32_options(draw)
+    else:
+        tq = tx = 16
+        options = {"threads": draw(st.sampled_from((32, 64)), label="threads")}
+    n = draw(st.integers(1, 40), label="n")
+    return Case(f"{dt.name} {kind} (b={b}, k={k})", att, (("stream", "x", tx), ("tile", "q", tq)),
+                {q: n, x: n, d: 16}, att, options, None, SMALL_DATA)
+
+
 @contextlib.contextmanager
 def aux_whole_bytes(limit):
     """``loopnest.AUX_WHOLE_BYTES`` for one lowering (None: as it is), then restored."""
@@ -500,7 +531,7 @@ COPYING_SETTINGS = settings(SETTINGS, max_examples=min(FUZZ_EXAMPLES, COPYING_EX
 
 FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family,
             "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family, "tf32x3": tf32x3_family,
-            "copying": copying_family, "aux_in_place": aux_in_place_family}
+            "copying": copying_family, "aux_in_place": aux_in_place_family, "index_masks": index_mask_family}
 
 # what each family must reach across its examples (named by test_kernel_fuzz._features)
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
@@ -509,6 +540,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                      "register-copy", "frag-operand", "wgmma", "cp.async-f32", "paired-atomic",
                                      "column-values", "paired-store"},
                      "aux_in_place": {"aux-in-place", "aux-in-place-table", "fragments"},
+                     "index_masks": {"quotient-bound", "skipped-arithmetic", "fragments", "ragged-chunk"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
                                  "wgmma", "paired-atomic"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",

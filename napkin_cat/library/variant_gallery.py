@@ -47,6 +47,7 @@ def _ids(n):
 
 
 W, P, BLK, CAP = 3, 4, 4, 2.0   # window, prefix length, block, soft-cap (tiny shapes)
+IMG, NB = 4, 1                  # NATTEN: image width, neighbourhood radius
 
 GALLERY: tuple[Variant, ...] = (
     Variant("causal", "keys up to the query", "mask_mod(lambda b, h, i, j: j <= i)",
@@ -68,6 +69,17 @@ GALLERY: tuple[Variant, ...] = (
             f"mask_mod(lambda b, h, i, j: i // {BLK} == j // {BLK})",
             lambda n: dict(mask=mask_mod(lambda b, h, i, j: i // BLK == j // BLK)),
             lambda s, b, h, i, j, a: np.where(i // BLK == j // BLK, s, -np.inf), block_sparse=True),
+    Variant("block_causal", f"causal over blocks of {BLK}: each block sees itself whole and every earlier block "
+            "(chunked prefill)", f"mask_mod(lambda b, h, i, j: i // {BLK} >= j // {BLK})",
+            lambda n: dict(mask=mask_mod(lambda b, h, i, j: i // BLK >= j // BLK)),
+            lambda s, b, h, i, j, a: np.where(i // BLK >= j // BLK, s, -np.inf), block_sparse=True),
+    Variant("natten", f"2-D neighbourhood attention (NATTEN): tokens are the pixels of an image {IMG} wide, "
+            f"row by row; each sees the pixels at most {NB} away in both directions",
+            f"mask_mod(lambda b, h, i, j: (abs(i // {IMG} - j // {IMG}) <= {NB}) & (abs(i % {IMG} - j % {IMG}) <= {NB}))",
+            lambda n: dict(mask=mask_mod(lambda b, h, i, j: (abs(i // IMG - j // IMG) <= NB)
+                                         & (abs(i % IMG - j % IMG) <= NB))),
+            lambda s, b, h, i, j, a: np.where((np.abs(i // IMG - j // IMG) <= NB) & (np.abs(i % IMG - j % IMG) <= NB),
+                                              s, -np.inf), block_sparse=True),
     Variant("document", "packed documents (ids in an auxiliary tensor), causal inside each",
             "doc = aux('doc', n)\nmask_mod(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i))",
             lambda n: dict(mask=(lambda doc: mask_mod(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i)))(

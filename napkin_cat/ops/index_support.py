@@ -4,7 +4,9 @@
 :mod:`napkin_cat.ops.index` (ints for the tiled executor, sympy for the cost model, code for
 the kernel's chunk bounds): comparisons linear in ``(i, j)`` (``j <= i + c``, ``i - j < w``,
 ``abs(i - j) <= w``, ``j < P``), blocks ``i // b == j // b``, joined by ``&`` (intersection),
-``|`` (hull) and ``~`` (pushed onto the comparisons).  Anything else (a gather, a head index,
+``|`` (hull) and ``~`` (pushed onto the comparisons); the same comparisons of the block
+quotients ``i // b`` and ``j // b`` (block-causal, NATTEN's ``abs(i // W - j // W) <= K``)
+bound whole blocks of ``b`` columns.  Anything else (a gather, a head index,
 a non-linear term) may keep every column: the bound stays open and nothing is skipped.
 :func:`keeps_neg_inf` says whether a score modification keeps a masked score masked.
 """
@@ -102,6 +104,11 @@ def _compare(cmp, x, y, r0, r1, al, i, j):
             names = {(x.args[0].op, x.args[0].value), (y.args[0].op, y.args[0].value)}
             if names == {("idx", i), ("idx", j)}:
                 return r0 // bsz * bsz, (r1 + (bsz - 1)) // bsz * bsz
+    blocks = _quotients(x, y, i, j)
+    if blocks is not None:    # linear in i // b and j // b: bounds on blocks of b columns
+        xq, yq, bsz = blocks
+        lo, hi = _compare(cmp, xq, yq, r0 // bsz, (r1 + (bsz - 1)) // bsz, al, _QI, _QJ)
+        return lo * bsz, None if hi is None else hi * bsz
     norm = _normalize(cmp, x, y, i, j)
     if norm is None:
         return (0, None)
@@ -112,6 +119,41 @@ def _compare(cmp, x, y, r0, r1, al, i, j):
     if cmp in ("ge", "eq"):     # j >= k i + m: the smallest over the rows
         lo = _affine(r0, k, m, al) if k else max(m, 0)
     return (0 if lo is None else lo), hi
+
+
+_QI, _QJ = "i // b", "j // b"   # the block quotients' leaves (names no diagram axis has)
+
+
+def _quotients(x, y, i: str, j: str):
+    """``(x', y', b)``: ``x`` and ``y`` with every ``i // b`` and ``j // b`` (one constant ``b >
+    0``) as the leaves :data:`_QI`, :data:`_QJ`, where ``i`` and ``j`` appear only so and ``j``
+    does (block-causal ``i // b >= j // b``, neighbourhoods ``abs(i // W - j // W) <= K``);
+    None otherwise.  A comparison linear in the quotients bounds blocks of ``b`` columns."""
+    found: set[int] = set()
+
+    def sub(e):
+        if e.op == "floordiv" and e.args[0].op == "idx" and e.args[0].value in (i, j):
+            k = e.args[1]
+            if k.op != "const" or not isinstance(k.value, int) or isinstance(k.value, bool) or k.value <= 0:
+                return None
+            found.add(k.value)
+            return Ix("idx", (), _QI if e.args[0].value == i else _QJ)
+        if e.op == "idx" and e.value in (i, j):
+            return None
+        args = []
+        for a in e.args:
+            a2 = sub(a)
+            if a2 is None:
+                return None
+            args.append(a2)
+        return Ix(e.op, tuple(args), e.value)
+
+    xq, yq = sub(x), sub(y)
+    if xq is None or yq is None or len(found) != 1:
+        return None
+    if not any(n.op == "idx" and n.value == _QJ for t in (xq, yq) for n in t.walk()):
+        return None
+    return xq, yq, found.pop()
 
 
 def _normalize(cmp, x, y, i, j):
@@ -303,6 +345,11 @@ def _kept_compare(cmp, x, y, r0, r1, al, i, j):
             if names == {("idx", i), ("idx", j)}:
                 # every row in one block: that block; rows in two blocks: an empty range
                 return al.sat_sub(r1, 1) // bsz * bsz, r0 // bsz * bsz + bsz
+    blocks = _quotients(x, y, i, j)
+    if blocks is not None:    # the blocks of b columns every block of b rows in [r0, r1) keeps
+        xq, yq, bsz = blocks
+        lo, hi = _kept_compare(cmp, xq, yq, r0 // bsz, (r1 + (bsz - 1)) // bsz, al, _QI, _QJ)
+        return lo * bsz, None if hi is None else hi * bsz
     norm = _normalize(cmp, x, y, i, j)
     if norm is None:
         return 0, 0
