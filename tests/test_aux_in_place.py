@@ -147,3 +147,31 @@ def test_in_place_kernels_match_the_gallery_reference(name):
     want = reference_attention(v, qkv[0].reshape(*lead, n, 8), qkv[1].reshape(*lead[:2], n, 8),
                                qkv[2].reshape(*lead[:2], n, 8), aux, 8 ** -0.5)
     np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want, atol=2e-5, rtol=2e-5)
+
+
+def test_torch_op_backward_reads_the_document_ids_in_place(monkeypatch):
+    """Every part of the FlashAttention-2 backward gathers ``doc`` too: with the threshold at 0
+    each kernel (forward, D, dK dV, dQ) reads it in global memory; gradients against torch
+    autograd of the float64 oracle (ragged: 13 tokens in tiles of 4 and 8)."""
+    import torch
+    from napkin_cat.lowering.torch_op import torch_op
+    monkeypatch.setattr(loopnest, "AUX_WHOLE_BYTES", 0)
+    n = 13
+    doc = nc.aux("doc", nc.Axis("n", n))
+    att = nc.library.attention(q=q, x=x, d=d, mask=nc.mask_mod(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i)))
+    op = torch_op(att.stream(x, "s_x").tile(q, "g_q"), simulate=True, backward="two kernels",
+                  tiles={"g_x": 8, "s_q": 4, "g_q": 4, "s_x": 8})
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(n, 8, generator=g, requires_grad=True) for _ in range(3)]
+    ids = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 3, 3, 3], dtype=torch.float32)
+    out = op(*qkv, ids)
+    cot = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, qkv, cot)
+    wide = [t.detach().double().requires_grad_() for t in qkv]
+    want = torch.autograd.grad(nc.to_torch(op.diagram)(*wide, ids.double()), wide, cot.double())
+    for name, a, b in zip("QKV", got, want):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+    assert op.last_backward_path == "simulator-fa2", op.notes
+    kernels = [k for key, k in op._cache.items() if key[0] in ("backward kernel",)]
+    gathering = [k for k in kernels if "doc" in k.source]
+    assert len(gathering) == 2 and all("doc[n=13] f32 stays in global memory" in k.source for k in gathering)
