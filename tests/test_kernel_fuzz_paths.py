@@ -480,6 +480,35 @@ def aux_in_place_family(draw):
 
 
 @st.composite
+def gqa_backward_family(draw):
+    """The FlashAttention-2 backward of grouped-query attention as ``nc.torch_op`` splits it
+    (``backward_parts.fa2_parts``): a key-tile part streaming the groups one at a time around the
+    query chunks (dK, dV summed over both in registers; in the one kernel dQ added across key
+    tiles too), a query-tile part with a block per group, or ``D``; 1 to 3 groups, causal or
+    not, fp32 (blocks of 3 to 8) or f16 / bf16 on tensor cores (16), ragged sizes."""
+    from napkin_cat.lowering.torch_op import backward_plan
+    dt = draw(st.sampled_from((nc.f32, nc.f16, nc.bf16)), label="dtype")
+    causal = draw(st.booleans(), label="causal")
+    fl = L.attention(q=q, x=x, d=d, groups=g, causal=causal).stream(x, "s_x").tile(q, "g_q")
+    which = draw(st.sampled_from((0, 1, 2, "one", "one")), label="part")
+    part = (backward_plan(fl, form="one kernel").at(dt).parts[-1] if which == "one"
+            else backward_plan(fl).at(dt).parts[which])
+    if dt == nc.f32:
+        blocks = {n: draw(st.integers(3, 8), label=n) for n in ("g_x", "s_q", "g_q", "s_x") if n in part._sched_str()}
+        options = _fp32_options(draw)
+    else:
+        blocks = {n: 16 for n in ("g_x", "s_q", "g_q", "s_x") if n in part._sched_str()}
+        options = {"threads": draw(st.sampled_from((32, 64)), label="threads")}
+    sizes = {q: draw(st.integers(1, 20), label="q"), x: draw(st.integers(1, 20), label="x"), d: 16,
+             g: draw(st.integers(1, 3), label="groups")}
+    fwd = L.attention(q=q, x=x, d=d, groups=g, causal=causal, logsumexp=True)
+    mine = {a.name for a in part.axes}
+    return Case(f"{dt.name} GQA backward ({', '.join(a.name for a in part.cod)}, causal={causal})", part, (),
+                {a: n for a, n in sizes.items() if a.name in mine}, part.unrelabelled(), {**options, "tiles": blocks},
+                _residuals(fwd, sizes, part), SMALL_DATA)
+
+
+@st.composite
 def index_mask_family(draw):
     """Masks whose block sparsity is derived from comparisons of the block quotients ``i // b``,
     ``j // b`` (``index_support._quotients``): block-causal, NATTEN on an image ``b`` wide with a
@@ -531,7 +560,8 @@ COPYING_SETTINGS = settings(SETTINGS, max_examples=min(FUZZ_EXAMPLES, COPYING_EX
 
 FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family,
             "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family, "tf32x3": tf32x3_family,
-            "copying": copying_family, "aux_in_place": aux_in_place_family, "index_masks": index_mask_family}
+            "copying": copying_family, "aux_in_place": aux_in_place_family, "index_masks": index_mask_family,
+            "gqa_backward": gqa_backward_family}
 
 # what each family must reach across its examples (named by test_kernel_fuzz._features)
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
@@ -541,6 +571,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                      "column-values", "paired-store"},
                      "aux_in_place": {"aux-in-place", "aux-in-place-table", "fragments"},
                      "index_masks": {"quotient-bound", "skipped-arithmetic", "fragments", "ragged-chunk"},
+                     "gqa_backward": {"nested-streams", "atomic", "fragments", "ragged-chunk"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
                                  "wgmma", "paired-atomic"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",

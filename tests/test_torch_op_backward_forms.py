@@ -243,19 +243,24 @@ def test_none_without_a_choice_to_make():
     assert op.backward_choice.form == "two kernels" and "no sizes for d, q, x" in op.backward_choice.why
 
 
-def test_grouped_query_backward_is_split_on_the_query_axis_the_groups_whole_in_each_block():
+def test_grouped_query_backward_streams_the_groups_in_key_tiles_and_tiles_them_elsewhere():
     """GQA's scores ``S[h g q x]`` have two row axes the values lack; the parts tile and stream
-    ``q`` (the innermost) and keep the groups ``g`` whole in every block, so the key-tile part
-    sums dK, dV over the groups in fast memory (no ``dK[h g x d]`` summed afterwards)."""
-    for form, scheds in (("two kernels", ["tile(q, 64), tile(h, 1)", "tile(x, g_x), stream(q, s_q), tile(h, 1)",
-                                          "tile(q, g_q), stream(x, s_x), tile(h, 1)"]),
-                         ("one kernel", ["tile(q, 64), tile(h, 1)",
-                                         "tile(x, g_x, partial=sum), stream(q, s_q), tile(h, 1)"])):
+    ``q`` (the innermost).  The key-tile part streams the groups ``g`` one at a time around the
+    query chunks, so dK, dV are summed over both in registers (no ``dK[h g x d]`` summed
+    afterwards); the query-tile parts take a block per group."""
+    for form, scheds in (("two kernels", ["tile(q, 64), tile(g, 1), tile(h, 1)",
+                                          "tile(x, g_x), stream(g, 1), stream(q, s_q), tile(h, 1)",
+                                          "tile(q, g_q), tile(g, 1), stream(x, s_x), tile(h, 1)"]),
+                         ("one kernel", ["tile(q, 64), tile(g, 1), tile(h, 1)",
+                                         "tile(x, g_x, partial=sum), stream(g, 1), stream(q, s_q), tile(h, 1)"])):
         plan = torch_op(attention("gqa"), backward=form).backward_plan((0, 1, 2), _sizes(**SIZES), torch.float32)
         assert [p._sched_str() for p in plan.parts] == scheds, form
         key_part = plan.parts[1]
         assert [a.axis_names for a in key_part.cod if a.name in ("dK", "dV")] == [("h", "x", "d")] * 2
-        assert key_part.dom[0].axis_names == ("h", "g", "q", "d")   # Q: every group read by each key tile
+        text = key_part.loop_nest().pseudocode(memory=False)
+        # one dK accumulator, initialised before both loops and updated in the inner one
+        assert text.index("init dK") < text.index("for g in chunks of 1") < text.index("for q in chunks of s_q") \
+            < text.index("update dK") < text.index("finalise dK")
 
 
 # --------------------------------------------------------------------------- kernels (simulator)

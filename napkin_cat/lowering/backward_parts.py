@@ -54,16 +54,17 @@ def has_scatter(d: Diagram) -> bool:
     return any(e.box.kind == "scatter_aux" for e in d.eqns)
 
 
-def fa2_axes(aug: Diagram) -> tuple[str, str] | str:
-    """``(x, q)``: the normalised (key) axis of ``aug``'s one softmax-contraction and its query
-    axis; else the reason there are not.
+def fa2_axes(aug: Diagram) -> tuple[str, str, tuple[str, ...]] | str:
+    """``(x, q, groups)``: the normalised (key) axis of ``aug``'s one softmax-contraction, its
+    query axis and the other row axes; else the reason there are not.
 
     The query axis is a row axis of the scores that the values lack.  Grouped-query attention
     has several (``S[h g q x]``: the groups ``g`` share one K, V head): the query axis is the
     innermost of them (``q``, next to the key axis), the one the parts tile and stream; the
-    others stay whole inside every block, so the key-tile part sums dK, dV over them as it
-    sums over each query chunk (FlashAttention-2's group-summed dK, dV, added in fast memory
-    instead of through an expanded ``dK[h g x d]`` summed afterwards)."""
+    others (``groups``) are streamed one at a time around the query chunks in the key-tile part,
+    so dK, dV are summed over the groups in registers (FlashAttention-2's group-summed dK, dV,
+    without an expanded ``dK[h g x d]`` summed afterwards), and tiled one at a time in the
+    query-tile parts (a block per query head, as without groups)."""
     saved = saved_softmaxes(aug)
     if len(saved) != 1:
         return (f"the backward of {aug.short()} is not split FlashAttention-2's way: it has "
@@ -73,7 +74,7 @@ def fa2_axes(aug: Diagram) -> tuple[str, str] | str:
     rows = [n for n in types[sv.s].axis_names if n != sv.axis and not types[sv.v].has(n)]
     if not rows:
         return f"the backward of {aug.short()} is not split: the scores have no row axis the values lack"
-    return sv.axis, rows[-1]
+    return sv.axis, rows[-1], tuple(rows[:-1])
 
 
 def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=(),
@@ -92,7 +93,7 @@ def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=(),
         if form == "one kernel":
             raise RelabelError(axes_)
         return (), (axes_,)
-    x, qn = axes_
+    x, qn, extra = axes_
     aux = [i for i in wrt if i in aux_inputs(aug)]
     if form == "one kernel":
         idx = [i for i in wrt if i not in aux]
@@ -101,7 +102,7 @@ def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=(),
         groups = [([i for i in wrt if aug.dom[i].has(x) and i not in aux], x, "g_" + x, qn, "s_" + qn, False),
                   ([i for i in wrt if not aug.dom[i].has(x) and i not in aux], qn, "g_" + qn, x, "s_" + x, False)]
     parts, notes = [], []
-    others = [r for r in schedule if r.op == "tile" and r.axis not in (x, qn)]
+    others = [r for r in schedule if r.op == "tile" and r.axis not in (x, qn, *extra)]
     grads = [(read_only(grad_with_residuals(aug, g[0], cotangents=cts), keep=cts), *g[1:])
              for g in groups if g[0]]
     pre, cut = row_terms([g[0] for g in grads], x)
@@ -110,7 +111,8 @@ def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=(),
         rows = ROW_TERM_TILE if not isinstance(size, int) else min(ROW_TERM_TILE, size)
         try:
             names = {a.name for a in pre.axes}
-            parts.append(relabel_like(pre.tile(qn, rows), [r for r in others if r.axis in names]))
+            parts.append(relabel_like(_by_group(pre.tile(qn, rows), extra, "tile"),
+                                      [r for r in others if r.axis in names]))
             grads = [(c, *g[1:]) for c, g in zip(cut, grads)]
         except NapkinError as e:   # the terms stay where they are
             notes.append(f"{', '.join(a.name for a in pre.cod)} not computed before the parts "
@@ -118,8 +120,9 @@ def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=(),
     for part, tiled, g, streamed, s_, added in grads:
         try:
             names = {a.name for a in part.axes}
-            parts.append(relabel_like(part.tile(tiled, g, partial="sum" if added else None).stream(streamed, s_),
-                                      [r for r in others if r.axis in names]))
+            blocks = part.tile(tiled, g, partial="sum" if added else None)
+            blocks = _by_group(blocks, extra, "stream" if tiled == x else "tile")   # groups around the chunks
+            parts.append(relabel_like(blocks.stream(streamed, s_), [r for r in others if r.axis in names]))
         except NapkinError as e:
             if form == "one kernel":
                 raise RelabelError(f"the backward -> {', '.join(a.name for a in part.cod)} is not relabelled "
@@ -130,6 +133,16 @@ def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=(),
     if aux:
         parts.append(read_only(grad_with_residuals(aug, aux, cotangents=cts), keep=cts))
     return tuple(parts), tuple(notes)
+
+
+def _by_group(d: Diagram, groups, how: str) -> Diagram:
+    """``d`` tiled (a block each) or streamed (one after another) one group at a time over each
+    axis of ``groups`` it has."""
+    names = {a.name for a in d.axes}
+    for ga in groups:
+        if ga in names:
+            d = d.tile(ga, 1) if how == "tile" else d.stream(ga, 1)
+    return d
 
 
 ROW_TERM_KINDS = ("contract",)

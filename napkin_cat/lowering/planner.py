@@ -202,9 +202,9 @@ def plan_axes(ff: FinalForm, batch_axes: tuple) -> tuple[dict, tuple, tuple]:
         if isinstance(n, Update):
             acc = ff.accumulators[n.acc]
             for lp in loops[len(init_loops.get(n.acc, ())):]:
-                if lp.kind == "stream" and lp.axis != acc.axis:
+                if lp.kind == "stream" and lp.axis != acc.axis and any(lp.axis in a for _, a, _ in acc.states()):
                     # every buffer has one extent per axis (tile, chunk or whole): a state of
-                    # the whole axis updated a chunk at a time has two
+                    # the whole axis updated a chunk at a time has two (one without it adds whole)
                     raise LoweringError(
                         f"stream {lp.axis} nests inside stream {acc.axis} and updates "
                         f"{acc.box.name}'s accumulator one {lp.axis}-chunk slice at a time; the "

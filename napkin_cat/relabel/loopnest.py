@@ -410,7 +410,17 @@ def _build(d: Diagram, eqns: tuple[int, ...], streams: tuple, accs: list, pendin
 
 
 def _updates_per_chunk(acc: Accumulator, axis: str) -> bool:
-    return acc.axis == axis or all(axis in axes_ for _, axes_, _ in acc.states())
+    """An accumulator of an enclosing stream updates inside a loop over ``axis`` when the loop
+    streams its own axis (a sub-stream), every state carries ``axis`` (each chunk its slice), or
+    it sums a contraction over ``axis`` as well (``sum_contract``, a monoid: the chunks of the two
+    loops partition the summed indices, so each pair of chunks adds its part; the backward of
+    grouped-query attention sums dK over the groups and the queries so)."""
+    if acc.axis == axis or all(axis in axes_ for _, axes_, _ in acc.states()):
+        return True
+    if acc.rule != "sum_contract":
+        return False
+    summed = {a for t in acc.box.dom for a in t.axis_names} - set(acc.box.cod[0].axis_names)
+    return axis in summed
 
 
 def _downstream(d: Diagram, acc_eqns: set[int], candidates) -> set[int]:
