@@ -34,6 +34,9 @@ MASKS = {
     "sliding, signed": lambda b, h, i, j: (i - j >= -2) & (i - j <= 3),
     "prefix or causal": lambda b, h, i, j: (j < 4) | (j <= i),
     "block diagonal": lambda b, h, i, j: (i // 3) == (j // 3),
+    # FlexAttention's spellings: a neighbourhood clamped to a 3 x 3 canvas, Morton-order bits
+    "clamped neighbourhood": lambda b, h, i, j: ((i // 3).clamp(1, 1) - j // 3).abs() + ((i % 3) - (j % 3)).abs() <= 1,
+    "shifts and bit masks": lambda b, h, i, j: ((i >> 1) & 0x55) == (((j << 2) | 1) >> 3),
 }
 
 

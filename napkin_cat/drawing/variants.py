@@ -75,6 +75,9 @@ from FlexAttention's own functions, then times them against FlexAttention: the H
 Semantics worth knowing: `window_size=0` keeps only the diagonal `j == i` (`None` is no window);
 gathers from `nc.aux` tensors clamp their indices into the tensor; a fully masked row gives 0;
 the roles are `i` query, `j` key, `b` batch, `h` query head (`kv_head * G + group` under GQA).
+Torch's spellings trace too (`.clamp(min, max)`, `.abs()`, shifts by a constant: `x >> k` is
+`x // 2**k`), so FlexAttention's examples (NATTEN clamped to the canvas, tiled or in Morton order,
+sliding tile attention, sink tokens) are traced unchanged: `tests/test_flex_examples.py`.
 
 """
 

@@ -218,8 +218,35 @@ class Ix:
                 f"nc.ix.square or a product")
 
     __rpow__ = __pow__
-    __lshift__ = __rshift__ = __rlshift__ = __rrshift__ = lambda self, o: _refuse(
-        "shifts are not in the index vocabulary: multiply or floor-divide by a power of two")
+
+    # torch's spellings, as FlexAttention's mask_mod / score_mod examples write them
+    def abs(self) -> "Ix":
+        return Ix("abs", (self,))
+
+    def clamp(self, min=None, max=None) -> "Ix":   # noqa: A002 (torch.Tensor.clamp's names)
+        """``min(max(self, min), max)``; either bound may be omitted (not both), as in torch."""
+        if min is None and max is None:
+            _refuse(f"{self}.clamp() needs a min or a max")
+        out = self if min is None else Ix("max", (self, lift(min)))
+        return out if max is None else Ix("min", (out, lift(max)))
+
+    def _shift(self, o, left: bool, swap: bool = False):
+        """``x << k`` is ``x * 2**k``, ``x >> k`` is ``x // 2**k`` (an arithmetic shift is floor
+        division, negative ``x`` included) for a constant ``k >= 0``: no new operation."""
+        if swap:
+            _refuse(f"{o} {'<<' if left else '>>'} {self}: shifts by an index expression are not in the "
+                    f"index vocabulary (only by a constant)")
+        k = lift(o)
+        if self.dtype != "int" or k.op != "const" or not isinstance(k.value, int) or isinstance(k.value, bool) \
+                or k.value < 0:
+            _refuse(f"{self} {'<<' if left else '>>'} {o}: shifts take an integer expression and a "
+                    f"constant number of bits >= 0")
+        return self._bin("mul" if left else "floordiv", 1 << k.value)
+
+    def __lshift__(self, o): return self._shift(o, True)
+    def __rshift__(self, o): return self._shift(o, False)
+    def __rlshift__(self, o): return self._shift(o, True, swap=True)
+    def __rrshift__(self, o): return self._shift(o, False, swap=True)
 
     # ------------------------------------------------------------------ text
     def __str__(self) -> str:
