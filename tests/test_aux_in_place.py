@@ -175,3 +175,77 @@ def test_torch_op_backward_reads_the_document_ids_in_place(monkeypatch):
     kernels = [k for key, k in op._cache.items() if key[0] in ("backward kernel",)]
     gathering = [k for k in kernels if "doc" in k.source]
     assert len(gathering) == 2 and all("doc[n=13] f32 stays in global memory" in k.source for k in gathering)
+
+
+# --------------------------------------------------------------------------- tables of each batch or head
+
+def _batch_documents(B=2, n=37, seed=0):
+    rng = np.random.default_rng(seed)
+    return np.stack([np.cumsum(rng.random(n) < p) for p in np.linspace(0.1, 0.4, B)]).astype(np.float32)
+
+
+def test_block_table_of_each_batch_is_each_sequences_own():
+    B, n, blk = 3, 37, 8
+    ids = _batch_documents(B, n)
+    doc = nc.aux("doc", nc.Axis("nb", B), nc.Axis("n", n))
+    m = nc.mask_mod(lambda b, h, i, j: (doc[b, i] == doc[b, j]) & (j <= i))
+    table = nc.block_table(m, n, n, blk, blk, {"doc": ids}, batch=B)
+    assert table.shape == (B, 5, 5)
+    one = nc.aux("one", nc.Axis("n", n))
+    m1 = nc.mask_mod(lambda b, h, i, j: (one[i] == one[j]) & (j <= i))
+    for k in range(B):
+        np.testing.assert_array_equal(table[k], nc.block_table(m1, n, n, blk, blk, {"one": ids[k]}))
+    import torch
+    got = nc.block_table(m, n, n, blk, blk, {"doc": torch.tensor(ids)}, batch=B)
+    np.testing.assert_array_equal(got.numpy(), table)
+    # per head: a window of each head's own width
+    wh = nc.aux("wh", nc.Axis("nh", 2))
+    mh = nc.mask_mod(lambda b, h, i, j: (j <= i) & (i - j <= wh[h]))
+    th = nc.block_table(mh, n, n, blk, blk, {"wh": np.array([3.0, 20.0], np.float32)}, heads=2)
+    assert th.shape == (2, 5, 5) and (th[0] == 0).sum() > (th[1] == 0).sum()
+
+
+@pytest.mark.parametrize("kw, why", [({}, "pass batch="), ({"batch": 0}, "pass batch="),
+                                     ({"batch": 2, "heads": 2}, "heads=2 would be ignored")])
+def test_block_table_refuses_a_missing_or_ignored_count(kw, why):
+    doc = nc.aux("doc", nc.Axis("nb", 2), nc.Axis("n", 8))
+    m = nc.mask_mod(lambda b, h, i, j: doc[b, i] == doc[b, j])
+    with pytest.raises(nc.NapkinError) as info:
+        nc.block_table(m, 8, 8, 4, 4, {"doc": np.zeros((2, 8), np.float32)}, **kw)
+    assert why in str(info.value)
+
+
+def test_blocked_wants_a_table_axis_for_each_index_the_mask_reads():
+    doc = nc.aux("doc", nc.Axis("nb", 2), nc.Axis("n", 8))
+    m = nc.mask_mod(lambda b, h, i, j: doc[b, i] == doc[b, j])
+    flat = nc.aux("bt", nc.Axis("rb", 2), nc.Axis("cb", 2))
+    with pytest.raises(nc.NapkinError) as info:
+        nc.blocked(m, flat, 4, 4)
+    assert "needs 3 axes (batch, row blocks, column blocks)" in str(info.value)
+
+
+@pytest.mark.parametrize("batch_tile, in_place", [(1, False), (1, True), (2, False)])
+def test_kernels_skip_by_each_batchs_table(batch_tile, in_place):
+    """A block holding one sequence reads that sequence's table (its chunks masked there are
+    skipped); one holding two cannot, and evaluates the mask; both match the oracle."""
+    B, n, blk = 2, 37, 8
+    ids = _batch_documents(B, n)
+    b = nc.Axis("b")
+    doc = nc.aux("doc", nc.Axis("nb", B), nc.Axis("n", n))
+    m = nc.mask_mod(lambda b_, h_, i, j: (doc[b_, i] == doc[b_, j]) & (j <= i))
+    bt = nc.aux("bt", nc.Axis("tb", B), nc.Axis("rb", 5), nc.Axis("cb", 5))
+    att = nc.library.attention(q=q, x=x, d=d, batch=b, mask=nc.blocked(m, bt, blk, blk))
+    bound = att.bind({"q": n, "x": n, "d": 8, "b": B})
+    f = bound.stream("x", 8).tile("q", 8).tile("b", batch_tile)
+    if in_place:
+        f = f.place("bt", "HBM").place("doc", "HBM")
+    table = nc.block_table(m, n, n, blk, blk, {"doc": ids}, batch=B)
+    kernel = nc.lower(f, verify=False)
+    skips = "the block table masks the whole chunk: skipped" in kernel.source
+    assert skips is (batch_tile == 1), kernel.source
+    rng = np.random.default_rng(1)
+    Q, K, V = (rng.standard_normal((B, n, 8)).astype(np.float32) for _ in range(3))
+    from napkin_cat.verify import kernelcheck
+    assert kernelcheck.kernel_outcome(bound, kernel, [Q, K, V, table, ids]).failure is None
+    # the cost model with the tables' values counts the chunks every sequence masks as skipped
+    assert nc.cost(f, data={"bt": table}).flops["tensor"] < nc.cost(f).flops["tensor"]

@@ -340,6 +340,8 @@ def _features(kernel) -> set[str]:
         tables = re.findall(r"# (\w+)\[[^\]]*\] \w+ stays in global memory", body)
         if any(re.search(rf"(_entry = |if )(\w+\()?{t}\[", body) for t in tables):   # emit_loads._block_atom
             out.add("aux-in-place-table")
+    if re.search(r"(_entry = |if ).*\(uint32\(min\(\w+0, U\d+\)\) \* N_", body):   # emit_loads._lead_entry
+        out.add("batch-table")
     if "per column of this thread" in body:                     # column_values.column_value
         out.add("column-values")
     if re.search(r"smem32\[.*\] = pack_b?f16\(\w+_pair\[0\]", body):   # paired_stores.stored_pair

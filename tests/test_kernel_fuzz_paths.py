@@ -433,10 +433,24 @@ def aux_in_place_family(draw):
     table in global memory), and a relative-bias table ``rb[i - j + n - 1]`` with a per-key bias;
     fp32 (tiles of 1 to 16, non-powers of two, threads, micro-tiles) or f16 / bf16 on tensor
     cores (tiles of 16), ragged sizes, random data and documents."""
-    what = draw(st.sampled_from(("document", "block_mask", "document_table", "relative_table")), label="variant")
+    what = draw(st.sampled_from(("document", "block_mask", "document_table", "relative_table", "batch_table")),
+                label="variant")
     dt = draw(st.sampled_from((nc.f32, nc.f32, nc.f16, nc.bf16)), label="dtype")
     n = draw(st.integers(1, 40), label="n")
-    if what == "document" or what == "document_table":
+    nb = draw(st.integers(1, 3), label="batch") if what == "batch_table" else 1
+    extra = {}
+    if what == "batch_table":     # documents packed differently in each sequence, a table each
+        doc = nc.aux("doc", nc.Axis("nb", nb), nc.Axis("n", n))
+        m = nc.mask_mod(lambda b_, h_, i, j: (doc[b_, i] == doc[b_, j]) & (j <= i))
+        blk = draw(st.sampled_from((4, 8, 16)), label="table block")
+        bt = nc.aux("bt", nc.Axis("tb", nb), nc.Axis("rb", -(-n // blk)), nc.Axis("cb", -(-n // blk)))
+        kw = {"mask": nc.blocked(m, bt, blk, blk), "batch": bb}
+        extra = {bb: nb}
+
+        def aux(rng):
+            ids = np.cumsum(rng.random((nb, n)) < 0.2, axis=1).astype(np.float32)
+            return [nc.block_table(m, n, n, blk, blk, {"doc": ids}, batch=nb), ids]
+    elif what == "document" or what == "document_table":
         doc = nc.aux("doc", nc.Axis("n", n))
         m = nc.mask_mod(lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i))
         blk = draw(st.sampled_from((4, 8, 16)), label="table block")
@@ -470,11 +484,13 @@ def aux_in_place_family(draw):
     how = draw(st.sampled_from(("place", "default")), label="placement")
     placed = tuple(("place", name, "HBM") for name in names) if how == "place" else ()
     options["aux_whole_bytes"] = None if how == "place" else 0
-    steps = (("stream", "x", tx), ("tile", "q", tq), *placed)
-    sizes = {q: n, x: n, d: 16}
+    batches = (("tile", "bb", draw(st.sampled_from((1, 1, nb)), label="batch tile")),) if extra else ()
+    steps = (("stream", "x", tx), ("tile", "q", tq), *batches, *placed)
+    sizes = {q: n, x: n, d: 16, **extra}
+    lead = (nb,) if extra else ()
 
     def inputs(rng, regime):
-        return [*(REGIMES[regime][0](rng, (n, 16)) for _ in range(3)), *aux(rng)]
+        return [*(REGIMES[regime][0](rng, (*lead, n, 16)) for _ in range(3)), *aux(rng)]
     return Case(f"{dt.name} {what}, auxiliary tensors in HBM ({how})", att, steps, sizes, att, options, inputs,
                 SMALL_DATA)
 
@@ -569,7 +585,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                      "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient",
                                      "register-copy", "frag-operand", "wgmma", "cp.async-f32", "paired-atomic",
                                      "column-values", "paired-store"},
-                     "aux_in_place": {"aux-in-place", "aux-in-place-table", "fragments"},
+                     "aux_in_place": {"aux-in-place", "aux-in-place-table", "fragments", "batch-table"},
                      "index_masks": {"quotient-bound", "skipped-arithmetic", "fragments", "ragged-chunk"},
                      "gqa_backward": {"nested-streams", "atomic", "fragments", "ragged-chunk"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",

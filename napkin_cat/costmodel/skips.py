@@ -63,6 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+import numpy as np
 import sympy as sp
 
 from ..core.hierarchy import DEVICES
@@ -183,10 +184,12 @@ def _table_atom(data: dict, r0, r1, c0, c1):
         t = data.get(a.table.name)
         if t is None:
             return False, False
-        R, C = len(t), len(t[0])
-        vals = [t[rb][cb] for rb in range(min(r0 // a.rows, R - 1), min((r1 - 1) // a.rows, R - 1) + 1)
-                for cb in range(min(c0 // a.cols, C - 1), min((c1 - 1) // a.cols, C - 1) + 1)]
-        hold = [a.holds(float(v)) for v in vals]
+        # a table of each batch or head (a.lead): every slice alike, so a chunk counts as masked
+        # (kept) only where every batch and head masks (keeps) it
+        R, C = t.shape[-2:]
+        vals = t[..., min(r0 // a.rows, R - 1):min((r1 - 1) // a.rows, R - 1) + 1,
+                 min(c0 // a.cols, C - 1):min((c1 - 1) // a.cols, C - 1) + 1]
+        hold = [a.holds(float(v)) for v in vals.ravel()]
         return all(hold), not any(hold)
     return atom
 
@@ -197,7 +200,8 @@ def chunk_states(skips, N: int, steps: list[int], n: int, s: int, data: dict | N
     and for each mask whether it keeps it whole (:meth:`~napkin_cat.ops.index.Predicate.chunk_state`)."""
     out = []
     last = -(-n // s)
-    data = {k: [list(map(float, row)) for row in v] for k, v in (data or {}).items()}
+    data = {k: np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=float)
+            for k, v in (data or {}).items()}
     for r0, r1 in _tiles(0, N, steps):
         lo, hi = visited(skips, {skips[0].row: (r0, r1)}, n, IntAlgebra)
         for k in range(lo // s, min(-(-hi // s), last)):

@@ -389,21 +389,25 @@ class Loads:
         k = self.consts
         e = self.dd.eqns[eqn]
         v = dict(zip((t.name for t in pred.auxes), e.ins[1:]))[at.table.name]
-        axes = self.types[v].axis_names
+        lead_axes, axes = self.types[v].axis_names[:len(at.lead)], self.types[v].axis_names[len(at.lead):]
+        lead = self._lead_entry(lead_axes, at.lead)
+        if lead is None:     # the block spans several batches or heads: no one slice to read
+            return False, False
         stem = f"{at.table.name}_"
         full, empty = self.names.fresh(stem + "full"), self.names.fresh(stem + "empty")
         one = self._one_entry(axes, at, over, (r0, c0))
         if one is not None:    # the tile and the chunk each inside one table block: one entry
             entries = self._chunk_entries     # read once per chunk, whichever comparisons use it
+            one = (*lead, *one)
             if (v, one) not in entries:
                 entries[v, one] = self.names.fresh(stem + "entry")
-                src(f"{entries[v, one]} = {aux_read(self, v, dict(zip(axes, one)))}")
+                src(f"{entries[v, one]} = {aux_read(self, v, dict(zip(lead_axes + axes, one)))}")
             src(f"{full} = {entries[v, one]} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}")
             src(f"{empty} = not {full}")
             return full, empty
         src(f"{full} = True")
         src(f"{empty} = True")
-        env = {}
+        env = dict(zip(lead_axes, lead))
         loops = []
         for ax_, blk, lo, hi in ((axes[0], at.rows, r0, r1), (axes[1], at.cols, c0, c1)):
             last = k.u(self.sizes[ax_] - 1)
@@ -420,6 +424,16 @@ class Loads:
                 with src.block("else:"):
                     src(f"{full} = False")
         return full, empty
+
+    def _lead_entry(self, axes, leads):
+        """The leading indices of a table of each batch or head (``axes``, read by the diagram
+        axes ``leads``) as code, where the block holds one index of each (tiled by 1), else None."""
+        out = []
+        for ax_, leaf in zip(axes, leads):
+            if leaf not in self.ax or self.ax[leaf].cap != 1:
+                return None
+            out.append(f"uint32(min({self.gidx(leaf, {})}, {self.consts.u(self.sizes[ax_] - 1)}))")
+        return tuple(out)
 
     def _one_entry(self, axes, at, over, starts):
         """The table indices of the one entry a tile x chunk reads (``over``: the tile's and the

@@ -47,25 +47,57 @@ def _as_mask(mask) -> Predicate:
     return mask_mod(mask)
 
 
-def block_table(mask, n_rows: int, n_cols: int, rows: int, cols: int, aux: dict | None = None):
+def block_table(mask, n_rows: int, n_cols: int, rows: int, cols: int, aux: dict | None = None, *,
+                batch: int | None = None, heads: int | None = None):
     """The ``(ceil(n_rows / rows), ceil(n_cols / cols))`` float32 table of ``mask`` (a
     :class:`~.index.Predicate` or a ``fn(b, h, i, j)``): 0 masked, 1 partial, 2 kept, per
     block; ``aux`` the auxiliary arrays by name (NumPy arrays, or torch tensors: then the table
-    is a torch tensor on their device)."""
+    is a torch tensor on their device).  A mask that reads the batch index ``b`` (documents
+    packed differently in each sequence: ``doc[b, i] == doc[b, j]``) or the head ``h`` has a
+    table per batch and head: ``batch`` and ``heads`` give their counts, and the table has
+    those leading axes, batch first (FlexAttention's block mask of shape ``(B, H, ...)``)."""
     m = _as_mask(mask)
     e = m.expr
     if m.args[1] is not None:       # bound to a diagram's axes: back to the roles
         from .index_expr import Ix
         e = e.subst({m.args[1]: Ix("idx", (), "i"), m.args[2]: Ix("idx", (), "j")})
-    for role in ("b", "h"):
-        if role in e.leaves("idx"):
-            raise TypingError(f"block_table: {m!r} reads the index {role}; a block table is one per "
-                              f"(row block, column block), shared by every batch and head")
+    counts = {"b": batch, "h": heads}
+    leads = table_leads(e)
+    for role, opt in (("b", "batch"), ("h", "heads")):
+        n = counts[role]
+        if role in leads and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+            raise TypingError(f"block_table: {m!r} reads the index {role}: its table has one slice per "
+                              f"{opt[:-1] if role == 'b' else 'head'}; pass {opt}= (their count, >= 1), got {n!r}")
+        if role not in leads and n is not None:
+            raise TypingError(f"block_table: {opt}={n!r} would be ignored: {m!r} does not read {role}, so "
+                              f"one table serves every {opt[:-1] if role == 'b' else 'head'}")
     aux = dict(aux or {})
     missing = [a.name for a in e.auxes() if a.name not in aux]
     if missing:
         raise TypingError(f"block_table: {m!r} gathers from {missing}; pass their values in aux")
     xp, like = _namespace(aux)
+    if leads:    # one table per batch (and head), stacked batch first
+        import itertools
+        slices = [_table(e, n_rows, n_cols, rows, cols, {**aux, **dict(zip(leads, at))}, xp, like)
+                  for at in itertools.product(*(range(counts[r]) for r in leads))]
+        if like is not None:
+            import torch
+            out = torch.stack(slices)
+        else:
+            import numpy as np
+            out = np.stack(slices)
+        return out.reshape(*(counts[r] for r in leads), *out.shape[1:])
+    return _table(e, n_rows, n_cols, rows, cols, aux, xp, like)
+
+
+def table_leads(e) -> tuple[str, ...]:
+    """The roles among ``b``, ``h`` that mask expression ``e`` reads: the leading axes of its
+    block table, in this order."""
+    return tuple(r for r in ("b", "h") if r in e.leaves("idx"))
+
+
+def _table(e, n_rows, n_cols, rows, cols, env, xp, like):
+    aux = env
     R, C = -(-n_rows // rows), -(-n_cols // cols)
     band = max(1, MAX_ENTRIES // max(1, rows * C * cols))
     parts = []
@@ -89,11 +121,15 @@ def blocked(mask, table, rows: int, cols: int) -> Predicate:
     if m.args[1] is not None:
         raise TypingError(f"blocked: {m!r} is already placed on a diagram's axes; block the mask "
                           f"before passing it to nc.library.attention")
-    if len(table.axes) != 2:
-        raise TypingError(f"blocked: the block table {table!r} needs two axes (row blocks, column blocks)")
+    leads = table_leads(m.expr)
+    if len(table.axes) != 2 + len(leads):
+        what = " and ".join(("batch", "head")[("b", "h").index(r)] for r in leads)
+        raise TypingError(f"blocked: the block table {table!r} needs {2 + len(leads)} axes "
+                          f"({what + ', ' if leads else ''}row blocks, column blocks): {m!r} reads "
+                          f"{', '.join(leads) if leads else 'neither b nor h'}")
     from .index_expr import leaves
     lv = leaves()
-    t = table[lv["i"] // rows, lv["j"] // cols]
+    t = table[(*(lv[r] for r in leads), lv["i"] // rows, lv["j"] // cols)]
     return Predicate("expr", (((t >= 2) | ((t >= 1) & m.expr)), None, None))
 
 

@@ -199,13 +199,17 @@ def _affine(r, k, m, al):
 class BlockAtom:
     """A comparison ``table[i // rows, j // cols] (cmp) c``: constant on each block of
     ``rows x cols`` entries, so a block table (:mod:`.block_table`, or an explicit block mask)
-    says per block whether it holds; its value is data, known when the kernel runs."""
+    says per block whether it holds; its value is data, known when the kernel runs.  A table of
+    each batch or head (``table[b, i // rows, j // cols]``) has its leading indices in ``lead``:
+    the index names that select its slice (a kernel reads them where a block holds one batch
+    and one head)."""
 
     table: object       # the Aux gathered from
     rows: int
     cols: int
     cmp: str
     c: object
+    lead: tuple = ()
 
     def holds(self, v) -> bool:
         return _PYCMP[self.cmp](v, self.c)
@@ -229,10 +233,13 @@ def _block_of(k: Ix, name: str):
 def block_atom(cmp: str, x: Ix, y: Ix, i: str = "i", j: str = "j") -> BlockAtom | None:
     """``x (cmp) y`` as a :class:`BlockAtom`, or None."""
     for g, c, op in ((x, y, cmp), (y, x, _FLIP[cmp])):
-        if g.op == "gather" and len(g.args) == 2 and c.op == "const" and not isinstance(c.value, bool):
-            bq, bk = _block_of(g.args[0], i), _block_of(g.args[1], j)
+        if g.op == "gather" and len(g.args) >= 2 and c.op == "const" and not isinstance(c.value, bool):
+            *lead, ri, ci = g.args
+            if not all(k.op == "idx" and isinstance(k.value, str) and k.value not in (i, j, "score") for k in lead):
+                continue
+            bq, bk = _block_of(ri, i), _block_of(ci, j)
             if bq and bk:
-                return BlockAtom(g.value, bq, bk, op, c.value)
+                return BlockAtom(g.value, bq, bk, op, c.value, tuple(k.value for k in lead))
     return None
 
 
