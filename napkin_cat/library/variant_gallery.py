@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from ..core import Axis
-from ..ops import bias_mod, ix, mask_mod
+from ..ops import bias_mod, blocked, ix, mask_mod
 from . import attention
 from .variants import aux, score_mod
 
@@ -34,7 +34,7 @@ class Variant:
     build: Callable
     reference: Callable
     aux: Callable = field(default=lambda n, heads, batch, rng: {})
-    block_sparse: bool = False      # the derived support skips tiles
+    block_sparse: bool = False      # the derived support skips tiles (a block table's data: when it runs)
 
 
 def _tok(n):
@@ -44,6 +44,18 @@ def _tok(n):
 def _ids(n):
     # three documents of uneven length
     return np.repeat(np.arange(3), [n // 3, n // 2, n - n // 3 - n // 2]).astype(np.float32)
+
+
+def _batch_doc_mask(n, B):
+    doc = aux("doc", Axis("nb", B), _tok(n))
+    return mask_mod(lambda b, h, i, j: (doc[b, i] == doc[b, j]) & (j <= i))
+
+
+def _batch_doc_aux(n, batch, rng):
+    """Each sequence its own documents (ids), and the block table of each."""
+    from ..ops.block_table import block_table
+    ids = np.cumsum(rng.random((batch, n)) < np.linspace(0.15, 0.4, batch)[:, None], axis=1).astype(np.float32)
+    return {"doc": ids, "bt": block_table(_batch_doc_mask(n, batch), n, n, BLK, BLK, {"doc": ids}, batch=batch)}
 
 
 W, P, BLK, CAP = 3, 4, 4, 2.0   # window, prefix length, block, soft-cap (tiny shapes)
@@ -86,6 +98,15 @@ GALLERY: tuple[Variant, ...] = (
                 aux("doc", _tok(n)))),
             lambda s, b, h, i, j, a: np.where((a["doc"][i] == a["doc"][j]) & (j <= i), s, -np.inf),
             lambda n, heads, batch, rng: {"doc": _ids(n)}, block_sparse=True),
+    Variant("batch_documents", "documents packed differently in each sequence of the batch, causal inside "
+            f"each, a block table of {BLK} x {BLK} per sequence",
+            "doc, bt = aux('doc', nb, n), aux('bt', nb, rb, cb)\n"
+            "m = mask_mod(lambda b, h, i, j: (doc[b, i] == doc[b, j]) & (j <= i))\n"
+            f"blocked(m, bt, {BLK}, {BLK})  # bt = block_table(m, n, n, {BLK}, {BLK}, {{'doc': ids}}, batch=nb)",
+            lambda n, B=2: dict(mask=blocked(_batch_doc_mask(n, B), aux("bt", Axis("nb", B), Axis("rb", -(-n // BLK)),
+                                                                        Axis("cb", -(-n // BLK))), BLK, BLK)),
+            lambda s, b, h, i, j, a: np.where((a["doc"][b, i] == a["doc"][b, j]) & (j <= i), s, -np.inf),
+            lambda n, heads, batch, rng: _batch_doc_aux(n, batch, rng)),
     Variant("relative_bias", "score + (i - j) / 4", "score_mod(lambda s, b, h, i, j: s + (i - j) / 4)",
             lambda n: dict(score_mod=score_mod(lambda s, b, h, i, j: s + (i - j) / 4)),
             lambda s, b, h, i, j, a: s + (i - j) / 4),
