@@ -83,7 +83,8 @@ def fa2_parts(aug: Diagram, wrt: tuple[int, ...], cts, schedule=(),
     inputs with the normalised axis ``x`` (K, V) on key tiles streaming the queries, the others
     (Q) on query tiles streaming the keys, the auxiliary tensors unrelabelled; the forward's
     tilings of other axes (``schedule``: heads, batch) kept where a part has the axis.
-    One softmax-contraction, and one row axis the other operand lacks (``q``), or no split
+    One softmax-contraction and its query axis (the innermost row axis the values lack; other
+    such axes, GQA's groups, streamed or tiled one at a time: :func:`fa2_axes`), or no split
     (``()``, the reason in the notes).  ``form="one kernel"``: the gradients of Q, K and V in one
     part on key tiles streaming the queries, ``tile(x, g_x, partial="sum")`` when a gradient
     sums over ``x`` (dQ: added across the key tiles, :mod:`napkin_cat.relabel.split`); where
