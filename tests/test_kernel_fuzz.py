@@ -364,15 +364,20 @@ def planner_switches(**values):
 
 
 @contextlib.contextmanager
-def producer_setting(name: str, value):
-    """``napkin_cat.lowering.producer.<name>`` set for one lowering, then restored."""
-    from napkin_cat.lowering import producer
-    old = getattr(producer, name)
-    setattr(producer, name, value)
+def module_setting(module, name: str, value):
+    """``module.<name>`` set for one lowering, then restored."""
+    old = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        setattr(producer, name, old)
+        setattr(module, name, old)
+
+
+def producer_setting(name: str, value):
+    """``napkin_cat.lowering.producer.<name>`` set for one lowering, then restored."""
+    from napkin_cat.lowering import producer
+    return module_setting(producer, name, value)
 
 
 def hand_over(mode: str):

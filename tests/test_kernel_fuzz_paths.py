@@ -48,7 +48,6 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from collections import Counter
@@ -66,7 +65,7 @@ from napkin_cat.ops import Builder, merge_box, slice_box, split_box  # noqa: E40
 from napkin_cat.verify import kernelcheck  # noqa: E402
 from napkin_cat.verify.check import REGIMES  # noqa: E402
 from test_kernel_fuzz import (FUZZ_EXAMPLES, MICRO, PREFETCH, REGIME_NAMES, SETTINGS, THREADS,  # noqa: E402
-                              _features, _unary_chain, hand_over, planner_switches)
+                              _features, _unary_chain, hand_over, module_setting, planner_switches)
 
 q, x, d, e, g, h, bb = nc.axes("q x d e g h bb")
 a, b, c, r, t, f = nc.axes("a b c r t f")
@@ -109,6 +108,15 @@ def _apply(diagram, steps):
     for op, what, arg in steps:
         diagram = diagram.tile(what, arg, partial="sum") if op == "split" else getattr(diagram, op)(what, arg)
     return diagram
+
+
+def _blocks(draw, dt, top: int) -> tuple[int, int, dict]:
+    """(query tile, key chunk, ``lower`` options): fp32 tiles and chunks of 1 to ``top`` with
+    drawn threads, micro-tiles and prefetch; 16-bit ones of 16 (tensor cores) on 32 or 64 threads."""
+    if dt == nc.f32:
+        tq, tx = (draw(st.integers(1, top), label=lbl) for lbl in ("tile q", "chunk x"))
+        return tq, tx, _fp32_options(draw)
+    return 16, 16, {"threads": draw(st.sampled_from((32, 64)), label="threads")}
 
 
 def _fp32_options(draw) -> dict:
@@ -475,12 +483,7 @@ def aux_in_place_family(draw):
             return [rng.standard_normal(2 * n - 1).astype(np.float32), rng.standard_normal(n).astype(np.float32)]
     att = L.attention(q=q, x=x, d=d, dtype=dt, **kw)
     names = [a.name for a in att.dom[3:]]
-    if dt == nc.f32:
-        tq, tx = (draw(st.integers(1, 16), label=lbl) for lbl in ("tile q", "chunk x"))
-        options = _fp32_options(draw)
-    else:
-        tq = tx = 16
-        options = {"threads": draw(st.sampled_from((32, 64)), label="threads")}
+    tq, tx, options = _blocks(draw, dt, 16)
     how = draw(st.sampled_from(("place", "default")), label="placement")
     placed = tuple(("place", name, "HBM") for name in names) if how == "place" else ()
     options["aux_whole_bytes"] = None if how == "place" else 0
@@ -544,27 +547,16 @@ def index_mask_family(draw):
     }
     dt = draw(st.sampled_from((nc.f32, nc.f32, nc.f16, nc.bf16)), label="dtype")
     att = L.attention(q=q, x=x, d=d, mask=nc.mask_mod(masks[kind]), dtype=dt)
-    if dt == nc.f32:
-        tq, tx = (draw(st.integers(1, 9), label=lbl) for lbl in ("tile q", "chunk x"))
-        options = _fp32_options(draw)
-    else:
-        tq = tx = 16
-        options = {"threads": draw(st.sampled_from((32, 64)), label="threads")}
+    tq, tx, options = _blocks(draw, dt, 9)
     n = draw(st.integers(1, 40), label="n")
     return Case(f"{dt.name} {kind} (b={b}, k={k})", att, (("stream", "x", tx), ("tile", "q", tq)),
                 {q: n, x: n, d: 16}, att, options, None, SMALL_DATA)
 
 
-@contextlib.contextmanager
 def aux_whole_bytes(limit):
     """``loopnest.AUX_WHOLE_BYTES`` for one lowering (None: as it is), then restored."""
     from napkin_cat.relabel import loopnest
-    old = loopnest.AUX_WHOLE_BYTES
-    loopnest.AUX_WHOLE_BYTES = old if limit is None else limit
-    try:
-        yield
-    finally:
-        loopnest.AUX_WHOLE_BYTES = old
+    return module_setting(loopnest, "AUX_WHOLE_BYTES", loopnest.AUX_WHOLE_BYTES if limit is None else limit)
 
 
 # --------------------------------------------------------------------------- one example

@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from ..core import Axis
-from ..ops import bias_mod, blocked, ix, mask_mod
+from ..ops import bias_mod, block_table, blocked, ix, mask_mod
 from . import attention
 from .variants import aux, score_mod
 
@@ -53,7 +53,6 @@ def _batch_doc_mask(n, B):
 
 def _batch_doc_aux(n, batch, rng):
     """Each sequence its own documents (ids), and the block table of each."""
-    from ..ops.block_table import block_table
     ids = np.cumsum(rng.random((batch, n)) < np.linspace(0.15, 0.4, batch)[:, None], axis=1).astype(np.float32)
     return {"doc": ids, "bt": block_table(_batch_doc_mask(n, batch), n, n, BLK, BLK, {"doc": ids}, batch=batch)}
 

@@ -35,18 +35,18 @@ from ..core.diagram import Diagram, Eqn
 from ..core.errors import NapkinError, RelabelError
 from ..core.hierarchy import DEVICES
 from ..core.types import Ty
+from ..ops.kinds import spec
 from ..ops.residuals import grad_with_residuals, saved_softmaxes
 
 __all__ = ["fa2_parts", "fa2_axes", "relabel_like", "read_only", "aux_inputs", "has_scatter", "run_torch_part"]
 
-_INDEX_KINDS = ("mask", "index_bias", "index_map")
 
 
 def aux_inputs(d: Diagram) -> tuple[int, ...]:
     """The inputs of ``d`` that index expressions gather from (their boxes' inputs after the first)."""
     d = d.unrelabelled() if d.schedule else d
     n = len(d.dom)
-    return tuple(sorted({v for e in d.eqns if e.box.kind in _INDEX_KINDS for v in e.ins[1:] if v < n}))
+    return tuple(sorted({v for e in d.eqns if spec(e.box).gathers is not None for v in e.ins[1:] if v < n}))
 
 
 def has_scatter(d: Diagram) -> bool:

@@ -125,8 +125,9 @@ def index_code(em, box, fn, args, env, as_float: bool = False) -> str:
     ``int()`` keeps a uint32 unsigned, and ``i - j`` then wraps on the GPU), sizes as
     literals, gathers as reads of the auxiliary tensors' shared buffers (a whole tensor per
     block: its axes are neither tiled nor streamed, so a local index is the global one), or of
-    global memory where the final form keeps the tensor there, at indices clamped into it, the score as ``args[0]``.  Integer arithmetic that meets a
-    float, or that is compared, is computed in float32 where that is exact
+    global memory where the final form keeps the tensor there, at indices clamped into it; the
+    score as ``args[0]``.  Integer arithmetic that meets a float, or that is compared, is
+    computed in float32 where that is exact
     (:func:`exact_floats`); ``as_float``: the whole expression is converted to float32."""
     aux_vars = dict(zip((a.name for a in fn.auxes), args[1:]))
     row = env.get("_hoist")    # a micro-tile's row slot: reads without its column axis go there

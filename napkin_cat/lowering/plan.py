@@ -479,7 +479,7 @@ def in_place(ff, load, types) -> bool:
     if ff.in_place(load.var):
         return True
     name = types[load.var].name
-    if load.level == load.src and ff._placed(name) == load.level:
+    if load.level == load.src and ff.placed(name) == load.level:
         raise LoweringError(f"place({name}, {load.level!r}) cannot be lowered: only an auxiliary tensor "
                             f"(an input read only by the gathers of index expressions) is read in place "
                             f"from {load.level}; the numba.cuda kernels read {types[load.var]} from shared memory")

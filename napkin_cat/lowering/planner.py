@@ -202,7 +202,7 @@ def plan_axes(ff: FinalForm, batch_axes: tuple) -> tuple[dict, tuple, tuple]:
         if isinstance(n, Update):
             acc = ff.accumulators[n.acc]
             for lp in loops[len(init_loops.get(n.acc, ())):]:
-                if lp.kind == "stream" and lp.axis != acc.axis and any(lp.axis in a for _, a, _ in acc.states()):
+                if lp.kind == "stream" and acc.slice_updates(lp.axis):
                     # every buffer has one extent per axis (tile, chunk or whole): a state of
                     # the whole axis updated a chunk at a time has two (one without it adds whole)
                     raise LoweringError(

@@ -253,9 +253,8 @@ def slice_streams(d: Diagram, ff: FinalForm | None = None) -> list[tuple[str, st
             continue
         outer = init_at.get(n.acc, ())
         acc = ff.accumulators[n.acc]
-        for lp in loops[len(outer):]:   # a loop over an axis no state carries adds whole states
-            if lp.kind == "stream" and lp.axis != acc.axis and any(lp.axis in a for _, a, _ in acc.states()) \
-                    and (lp.axis, acc.axis) not in found:
+        for lp in loops[len(outer):]:
+            if lp.kind == "stream" and acc.slice_updates(lp.axis) and (lp.axis, acc.axis) not in found:
                 found.append((lp.axis, acc.axis))
     return found
 

@@ -63,14 +63,14 @@ def block_table(mask, n_rows: int, n_cols: int, rows: int, cols: int, aux: dict 
         e = e.subst({m.args[1]: Ix("idx", (), "i"), m.args[2]: Ix("idx", (), "j")})
     counts = {"b": batch, "h": heads}
     leads = table_leads(e)
-    for role, opt in (("b", "batch"), ("h", "heads")):
+    for role, (opt, one) in _ROLES.items():
         n = counts[role]
         if role in leads and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
             raise TypingError(f"block_table: {m!r} reads the index {role}: its table has one slice per "
-                              f"{opt[:-1] if role == 'b' else 'head'}; pass {opt}= (their count, >= 1), got {n!r}")
+                              f"{one}; pass {opt}= (their count, >= 1), got {n!r}")
         if role not in leads and n is not None:
             raise TypingError(f"block_table: {opt}={n!r} would be ignored: {m!r} does not read {role}, so "
-                              f"one table serves every {opt[:-1] if role == 'b' else 'head'}")
+                              f"one table serves every {one}")
     aux = dict(aux or {})
     missing = [a.name for a in e.auxes() if a.name not in aux]
     if missing:
@@ -90,14 +90,17 @@ def block_table(mask, n_rows: int, n_cols: int, rows: int, cols: int, aux: dict 
     return _table(e, n_rows, n_cols, rows, cols, aux, xp, like)
 
 
+_ROLES = {"b": ("batch", "batch"), "h": ("heads", "head")}
+"""The roles a block table can have a slice for: ``block_table``'s option, and one of them."""
+
+
 def table_leads(e) -> tuple[str, ...]:
     """The roles among ``b``, ``h`` that mask expression ``e`` reads: the leading axes of its
     block table, in this order."""
-    return tuple(r for r in ("b", "h") if r in e.leaves("idx"))
+    return tuple(r for r in _ROLES if r in e.leaves("idx"))
 
 
-def _table(e, n_rows, n_cols, rows, cols, env, xp, like):
-    aux = env
+def _table(e, n_rows, n_cols, rows, cols, aux, xp, like):
     R, C = -(-n_rows // rows), -(-n_cols // cols)
     band = max(1, MAX_ENTRIES // max(1, rows * C * cols))
     parts = []
@@ -123,7 +126,7 @@ def blocked(mask, table, rows: int, cols: int) -> Predicate:
                           f"before passing it to nc.library.attention")
     leads = table_leads(m.expr)
     if len(table.axes) != 2 + len(leads):
-        what = " and ".join(("batch", "head")[("b", "h").index(r)] for r in leads)
+        what = " and ".join(_ROLES[r][1] for r in leads)
         raise TypingError(f"blocked: the block table {table!r} needs {2 + len(leads)} axes "
                           f"({what + ', ' if leads else ''}row blocks, column blocks): {m!r} reads "
                           f"{', '.join(leads) if leads else 'neither b nor h'}")

@@ -68,9 +68,7 @@ def _span(k: Ix, widths: dict):
         x, y = _span(a[0], widths), _span(a[1], widths)
         if x is None or y is None:
             return None
-        return x + y - 1 if op in ("add", "sub") else (x if x == y else
-                                                       max(x, y) if isinstance(x, int) and isinstance(y, int)
-                                                       else _greatest(x, y))
+        return x + y - 1 if op in ("add", "sub") else _most(x, y)
     const = a[1] if len(a) == 2 and a[1].op == "const" and isinstance(a[1].value, int) else None
     if op == "mul":
         c, e = (a[1], a[0]) if const is not None else (a[0], a[1])
@@ -87,6 +85,9 @@ def _span(k: Ix, widths: dict):
     return None
 
 
-def _greatest(a, b):
+def _most(a, b):
+    """max of two spans (ints, or sympy expressions: then sympy's Max)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return max(a, b)
     import sympy
     return sympy.Max(a, b)

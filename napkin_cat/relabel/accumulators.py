@@ -57,6 +57,11 @@ class Accumulator:
     def states(self):
         return self.spec.states(self.box, self.axis)
 
+    def slice_updates(self, axis: str) -> bool:
+        """Inside a stream loop over ``axis`` (not its own), each chunk updates a slice of a state
+        that carries ``axis``; a loop over an axis no state carries adds to whole states."""
+        return axis != self.axis and any(axis in axes_ for _, axes_, _ in self.states())
+
 
 
 # --------------------------------------------------------------------------- helpers

@@ -90,7 +90,9 @@ class FinalForm:
         return size_expr(self.diagram.axis(axis).size)
 
     # ---- levels
-    def _placed(self, name: str) -> str | None:
+    def placed(self, name: str) -> str | None:
+        """The level ``place(name, level)`` puts wire ``name`` at (or the default placement of a
+        large auxiliary tensor), else None."""
         for n, lv in self.placements:
             if n == name:
                 return lv
@@ -101,7 +103,7 @@ class FinalForm:
         (``place(name, "HBM")``, or by :data:`AUX_WHOLE_BYTES`): never loaded, each gather reads
         its entries where it lives."""
         d = self.diagram
-        return (var < len(d.dom) and self._placed(d.dom[var].name) == FULL.top
+        return (var < len(d.dom) and self.placed(d.dom[var].name) == FULL.top
                 and var in d.memo("loopnest.gathered_only", lambda: gathered_only(d)))
 
     def _home(self, loops) -> str:
@@ -116,7 +118,7 @@ class FinalForm:
         """Inputs and outputs live at the level of the innermost loop around them; other
         intermediates one level lower (registers), unless placed."""
         d = self.diagram
-        placed = self._placed(d.var_types()[var].name)
+        placed = self.placed(d.var_types()[var].name)
         if placed:
             return placed
         home = self._home(loops)
@@ -126,7 +128,7 @@ class FinalForm:
 
     def state_level(self, acc: Accumulator, role: str, loops) -> str:
         home = self._home(loops)
-        placed = self._placed(acc.box.cod[0].name)
+        placed = self.placed(acc.box.cod[0].name)
         if role == "main":
             return placed or home
         return self.hierarchy.below(home) if home != FULL.top else home
