@@ -3,8 +3,9 @@
     NUMBA_ENABLE_CUDASIM=0 python kernels/bench_fwd_bwd.py --cases "f16,4096,64,0;f16,4096,64,1" --out DIR
         [--backward auto|one|two|both]
 
-Each case ``dtype,N,d,causal`` (dtype f16, bf16 or f32; B*H heads merged into one axis ``h``,
-``--bh``, default 32 for N <= 4096 and 16 above, the forward table's sizes) runs
+Each case ``dtype,N,d,causal[,gG]`` (dtype f16, bf16 or f32; B*H heads merged into one axis ``h``,
+``--bh``, default 32 for N <= 4096 and 16 above, the forward table's sizes; ``gG``: grouped-query
+attention, B*H query heads sharing B*H / G key/value heads, the peers through ``enable_gqa``) runs
 
     op = nc.torch_op(attention(heads=h, causal=...).stream(x, "s_x").tile(q, "g_q").tile(h, 1))
     O = op(Q, K, V); dQ, dK, dV = torch.autograd.grad(O, (Q, K, V), dO)
@@ -60,23 +61,27 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 
-def flash(causal: bool):
-    q, x, d, h = nc.axes("q x d h")
-    att = nc.library.attention(q=q, x=x, d=d, heads=h, causal=causal)
+def flash(causal: bool, groups: int = 1):
+    """Attention on heads ``h`` (key/value heads, each shared by ``groups`` query heads ``g``
+    where ``groups > 1``: grouped-query attention, ``Q[h g q d]``), relabelled as FlashAttention."""
+    q, x, d, h, g = nc.axes("q x d h g")
+    att = nc.library.attention(q=q, x=x, d=d, heads=h, causal=causal, **({"groups": g} if groups > 1 else {}))
     return att.stream(x, "s_x").tile(q, "g_q").tile(h, 1)
 
 
 def reference(Q, K, V, dO, causal, chunk=4):
-    """float64 O and gradients, ``chunk`` heads at a time (N x N scores per head)."""
+    """float64 O and gradients, ``chunk`` key/value heads at a time (N x N scores per head);
+    ``Q``, ``dO`` ``[h q d]``, or ``[h g q d]`` with ``g`` query heads per key/value head."""
     outs = [[], [], [], []]
     scale = 1 / math.sqrt(Q.shape[-1])
+    grouped = Q.dim() == 4
     for s in range(0, Q.shape[0], chunk):
         q, k, v = (t[s:s + chunk].double().requires_grad_() for t in (Q, K, V))
-        sc = (q @ k.transpose(1, 2)) * scale
+        sc = torch.einsum("hgqd,hxd->hgqx" if grouped else "hqd,hxd->hqx", q, k) * scale
         if causal:
             n = sc.shape[-1]
             sc = sc.masked_fill(torch.ones(n, n, dtype=torch.bool, device=sc.device).triu(1), -math.inf)
-        o = torch.softmax(sc, -1) @ v
+        o = torch.einsum("hgqx,hxd->hgqd" if grouped else "hqx,hxd->hqd", torch.softmax(sc, -1), v)
         g = torch.autograd.grad(o, (q, k, v), dO[s:s + chunk].double())
         for lst, t in zip(outs, (o.detach(),) + g):
             lst.append(t)
@@ -97,30 +102,38 @@ STEADY = 10
 """Back-to-back calls per timing of the steady-state columns (``*_steady_ms``, ``--steady``)."""
 
 
+def heads4(Q, K, V, dO):
+    """``[1, heads, N, d]`` tensors for the peers, the query heads of a group next to each other
+    (query head ``h * G + g`` uses key/value head ``h``, as ``enable_gqa`` reads them); the groups."""
+    G = Q.shape[1] if Q.dim() == 4 else 1
+    q4, k4, v4 = (t.detach().reshape(1, -1, *t.shape[-2:]).requires_grad_() for t in (Q, K, V))
+    return q4, k4, v4, dO.reshape(1, -1, *dO.shape[-2:]), G
+
+
 def peers(Q, K, V, dO, causal) -> dict:
     """Forward and forward + backward times of SDPA, FlexAttention and naive torch (an isolated
-    call, and back-to-back calls: ``*_steady_ms``)."""
+    call, and back-to-back calls: ``*_steady_ms``); grouped heads through their ``enable_gqa``."""
     F = torch.nn.functional
-    q4, k4, v4 = (t.detach().unsqueeze(0).requires_grad_() for t in (Q, K, V))
-    d4 = dO.unsqueeze(0)
+    q4, k4, v4, d4, G = heads4(Q, K, V, dO)
+    gqa = {"enable_gqa": True} if G > 1 else {}
     res = {}
 
     def sdpa():
-        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)
+        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal, **gqa)
 
     def naive():
-        s = (q4 @ k4.transpose(-1, -2)) / math.sqrt(Q.shape[-1])
+        s = (q4 @ k4.repeat_interleave(G, 1).transpose(-1, -2)) / math.sqrt(Q.shape[-1])
         if causal:
             n = s.shape[-1]
             s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -math.inf)
-        return torch.softmax(s, -1) @ v4
+        return torch.softmax(s, -1) @ v4.repeat_interleave(G, 1)
 
     fns = {"sdpa": sdpa, "naive": naive}
     try:
         fn, make_mask = flex_fn()
-        N = Q.shape[1]
+        N = Q.shape[-2]
         bm = make_mask(lambda b, h, i, j: i >= j, None, None, N, N, device="cuda") if causal else None
-        fns["flex"] = lambda: fn(q4, k4, v4, block_mask=bm)
+        fns["flex"] = lambda: fn(q4, k4, v4, block_mask=bm, **gqa)
     except Exception as e:  # noqa: BLE001 - a peer that cannot run is recorded, not fatal
         res["flex_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     for name, f in fns.items():
@@ -163,20 +176,23 @@ def kernel_breakdown(fn, calls: int = 5) -> dict:
 
 
 def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: str = "auto",
-         prefetch: str = "auto", tiles: dict | None = None, with_peers: bool = True, fp32: str = "fma") -> dict:
+         prefetch: str = "auto", tiles: dict | None = None, with_peers: bool = True, fp32: str = "fma",
+         groups: int = 1) -> dict:
     t0 = time.perf_counter()
     g = torch.Generator(device="cuda").manual_seed(0)
-    Q, K, V, dO = (torch.randn(BH, N, D, device="cuda", generator=g).to(DTYPES[dt]) for _ in range(4))
+    rows = (BH // groups, groups) if groups > 1 else (BH,)      # BH query heads, BH / groups key/value heads
+    Q, K, V, dO = (torch.randn(*(rows if k in (0, 3) else rows[:1]), N, D, device="cuda", generator=g).to(DTYPES[dt])
+                   for k in range(4))
     Q, K, V = (t.requires_grad_() for t in (Q, K, V))
     tiles = dict(tiles or {})
     threads = tiles.pop("threads", None)
-    op = nc.torch_op(flash(causal), tiles=tiles or None, threads=threads, verify=False, backward=FORMS[backward],
+    op = nc.torch_op(flash(causal, groups), tiles=tiles or None, threads=threads, verify=False, backward=FORMS[backward],
                      prefetch=PREFETCH[prefetch], fp32=fp32)
     O = op(Q, K, V)
     grads = torch.autograd.grad(O, (Q, K, V), dO)
     torch.cuda.synchronize()
     choice = op.backward_choice
-    res = {"dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH, "prefetch": prefetch, "tiles": tiles or {}, "threads": threads,
+    res = {"dtype": dt, "N": N, "d": D, "causal": causal, "BH": BH, "groups": groups, "prefetch": prefetch, "tiles": tiles or {}, "threads": threads,
            "path": op.last_path,
            "backward_path": op.last_backward_path, "notes": list(getattr(op, "notes", [])),
            "backward_form": choice and choice.form, "backward_why": choice and choice.why,
@@ -188,10 +204,11 @@ def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: 
         want = reference(Q.detach(), K.detach(), V.detach(), dO, causal)
         res["errs"] = {n: rel(a, b) for n, a, b in zip(("O", "dQ", "dK", "dV"), (O,) + grads, want)}
         res["err"] = max(res["errs"].values())
-        q4, k4, v4 = (t.detach().unsqueeze(0).requires_grad_() for t in (Q, K, V))   # SDPA's own error, same data
-        s_out = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)
-        s_grads = torch.autograd.grad(s_out, (q4, k4, v4), dO.unsqueeze(0))
-        res["sdpa_err"] = max(rel(a.squeeze(0), b) for a, b in zip((s_out,) + s_grads, want))
+        q4, k4, v4, d4, _ = heads4(Q, K, V, dO)   # SDPA's own error, same data
+        s_out = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=causal,
+                                                                 **({"enable_gqa": True} if groups > 1 else {}))
+        s_grads = torch.autograd.grad(s_out, (q4, k4, v4), d4)
+        res["sdpa_err"] = max(rel(a.reshape(b.shape), b) for a, b in zip((s_out,) + s_grads, want))
         del want, q4, k4, v4, s_out, s_grads
     del O, grads
     res["ours_fwd_ms"] = cuda_time(lambda: op(Q, K, V))
@@ -205,7 +222,7 @@ def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: 
         res["ours_kernels"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     if backward == "both":   # each form forced, timed the same way
         for key, form in (("one", "one kernel"), ("two", "two kernels")):
-            forced = nc.torch_op(flash(causal), tiles=tiles or None, threads=threads, verify=False, backward=form,
+            forced = nc.torch_op(flash(causal, groups), tiles=tiles or None, threads=threads, verify=False, backward=form,
                                  prefetch=PREFETCH[prefetch], fp32=fp32)
             res[f"ours_{key}_ms"] = cuda_time(lambda: torch.autograd.grad(forced(Q, K, V), (Q, K, V), dO))
             res[f"backward_path_{key}"] = forced.last_backward_path
@@ -233,7 +250,8 @@ def switch_value(old, v):
 def main(argv=None):
     global STEADY
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="f16,4096,64,0;f16,4096,64,1")
+    ap.add_argument("--cases", default="f16,4096,64,0;f16,4096,64,1",
+                    help="semicolon list of dtype,N,d,causal[,gG] (gG: G query heads per key/value head)")
     ap.add_argument("--bh", type=int, default=0, help="B*H (0: 32 for N <= 4096, else 16)")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--backward", choices=sorted(FORMS), default="auto",
@@ -263,8 +281,9 @@ def main(argv=None):
     results = {"environment": environment(), "cases": []}
     print(json.dumps(results["environment"]), flush=True)
     for spec in args.cases.split(";"):
-        dt, N, D, c = spec.split(",")
+        dt, N, D, c, *grp = spec.split(",")
         N, D, causal = int(N), int(D), c.strip() in ("1", "yes", "true", "causal")
+        groups = int(grp[0].lstrip("g")) if grp else 1
         BH = args.bh or (32 if N <= 4096 else 16)
         for n, tiles in enumerate(choices):
             switches = {k: v for k, v in tiles.items() if k.isupper()}
@@ -275,9 +294,9 @@ def main(argv=None):
             try:
                 for k, v in switches.items():
                     setattr(home[k], k, switch_value(saved[k], v))
-                r = case(dt, N, D, causal, BH, not args.no_check, args.backward, args.prefetch, blocks, n == 0, fp32)
+                r = case(dt, N, D, causal, BH, not args.no_check, args.backward, args.prefetch, blocks, n == 0, fp32, groups)
             except Exception as e:  # noqa: BLE001 - recorded with the case, the run goes on
-                r = {"dtype": dt, "N": N, "d": D, "causal": causal, "tiles": blocks,
+                r = {"dtype": dt, "N": N, "d": D, "causal": causal, "groups": groups, "tiles": blocks,
                      "error": f"{type(e).__name__}: {str(e)[:300]}"}
             finally:
                 for k, v in saved.items():
@@ -290,10 +309,11 @@ def main(argv=None):
     print("\n| dtype | N | d | causal | blocks | paths | err (SDPA's) | ours fwd+bwd ms | TFLOP/s | SDPA | Flex | naive "
           "| vs Flex | vs SDPA | extra MiB ours / SDPA / Flex | kernels ms | steady ms ours / SDPA / Flex "
           "| steady vs Flex |")
+    grp = lambda r: f" (GQA {r['groups']})" if r.get("groups", 1) > 1 else ""  # noqa: E731
     f = lambda r, k: f"{r[k]:.3f}" if isinstance(r.get(k), float) else r.get(k.replace("_ms", "_error"), "-")  # noqa: E731
     for r in results["cases"]:
         if "error" in r:
-            print(f"| {r['dtype']} | {r['N']} | {r['d']} | {r['causal']} | {r['error']} |")
+            print(f"| {r['dtype']} | {r['N']} | {r['d']}{grp(r)} | {r['causal']} | {r['error']} |")
             continue
         ratio = lambda k: f"{r[k] / r['ours_ms']:.2f}x" if isinstance(r.get(k), float) else "-"  # noqa: E731
         mem = " / ".join(f"{r[k]:.0f}" if isinstance(r.get(k), float) else "-"
@@ -302,7 +322,7 @@ def main(argv=None):
         kms = " / ".join(f"{v:.2f}" for k, v in r.get("ours_kernels", {}).items()
                          if "generated" in k and isinstance(v, float))
         steady = " / ".join(f(r, f"{k}_steady_ms") for k in ("ours", "sdpa", "flex"))
-        print(f"| {r['dtype']} | {r['N']} | {r['d']} | {r['causal']} | {blocks} | {r['path']}/{r['backward_path']} "
+        print(f"| {r['dtype']} | {r['N']} | {r['d']}{grp(r)} | {r['causal']} | {blocks} | {r['path']}/{r['backward_path']} "
               f"| {r.get('err', float('nan')):.1e} (SDPA {r.get('sdpa_err', float('nan')):.1e}) | {r['ours_ms']:.3f} | {r['ours_tflops']:.0f} | {f(r, 'sdpa_ms')} "
               f"| {f(r, 'flex_ms')} | {f(r, 'naive_ms')} | {ratio('flex_ms')} | {ratio('sdpa_ms')} | {mem} | {kms} "
               f"| {steady} | {steady_ratio(r)} |")

@@ -6,7 +6,7 @@ Each variant is (diagram, tiles, prefetch, planner switches); every kernel is ch
 float64 reference on random inputs before it is timed, and PyTorch's SDPA / cuBLAS are timed in
 the same run.  Prints a table last and writes variants.json to ``--out`` (``$OUT`` on the device).
 
-``--only flex``: attention variants written as data (issue 11: relative bias, per-head ALiBi,
+``--only flex``: attention variants written as data (issue 11: relative bias, per-head ALiBi, block-causal, prefix-LM, NATTEN, GQA,
 sliding window, block-diagonal, document mask, the document mask with its block table
 (``nc.blocked`` / ``nc.block_table``: data-dependent tile skipping), soft-cap; ``FLEX`` below),
 N = 4096, d = 64, B * H = 32, each in fp32 (CUDA cores) and in fp16 (tensor cores, the mma
@@ -134,6 +134,7 @@ def matmul_variant(M, tiles, pf, sw, gen):
 # --------------------------------------------------------------------------- variants as data vs FlexAttention
 
 FLEX_N, FLEX_D, FLEX_B, FLEX_H, WINDOW, BLOCK = 4096, 64, 2, 16, 256, 64
+CHUNK, PREFIX, IMAGE, RADIUS, GROUPS = 256, 1024, 64, 3, 4   # block-causal chunk, prefix-LM prefix, NATTEN 64 x 64 image 7 x 7, GQA groups
 TABLE_BLOCK = 128     # FlexAttention's default block size
 FLEX_TILES = {"f32": ({"q": 128, "x": 64}, 256, False), "f16": ({"q": 128, "x": 64}, 128, "auto")}
 """dtype -> (tiles, threads, prefetch): 16-bit kernels take ``prefetch="auto"`` (two cp.async buffers
@@ -183,11 +184,30 @@ def flex_variants(gen):
     cap = 20.0
     out["softcap"] = (dict(softcap=cap, causal=True), lambda s, b, h, i, j: torch.tanh(s / cap) * cap,
                       lambda b, h, i, j: j <= i, {})
+    # tiles skipped from the mask's definition alone (block quotients, no table)
+    chunked = lambda b, h, i, j: i // CHUNK >= j // CHUNK
+    out["block_causal"] = (dict(mask=chunked), None, chunked, {})
+    prefix = lambda b, h, i, j: (j <= i) | (j < PREFIX)
+    out["prefix_lm"] = (dict(mask=prefix), None, prefix, {})
+    natten = lambda b, h, i, j: (abs(i // IMAGE - j // IMAGE) <= RADIUS) & (abs(i % IMAGE - j % IMAGE) <= RADIUS)
+    out["natten"] = (dict(mask=natten), None, natten, {})
+    # documents packed differently in each sequence: a block table per sequence
+    docs = torch.stack([_doc_ids(FLEX_N, gen) for _ in range(FLEX_B)]).to(DEV)
+    bd = nc.aux("doc", nc.Axis("nb", FLEX_B), n_ax)
+    bdoc = nc.mask_mod(lambda b, h, i, j: (bd[b, i] == bd[b, j]) & (j <= i))
+    bbt = nc.aux("bt", nc.Axis("nb", FLEX_B), nc.Axis("rb", nb), nc.Axis("cb", nb))
+    btable = nc.block_table(bdoc, FLEX_N, FLEX_N, TABLE_BLOCK, TABLE_BLOCK, {"doc": docs.float()}, batch=FLEX_B)
+    out["batch_documents"] = (dict(mask=nc.blocked(bdoc, bbt, TABLE_BLOCK, TABLE_BLOCK)), None,
+                              lambda b, h, i, j: (docs[b, i] == docs[b, j]) & (j <= i),
+                              {"doc": docs.float(), "bt": btable}, {"B": FLEX_B})
+    # grouped-query heads: FLEX_H query heads share FLEX_H // GROUPS key/value heads
+    out["gqa_causal"] = (dict(causal=True), None, lambda b, h, i, j: j <= i, {}, {"groups": GROUPS})
     return out
 
 
 def _flex_reference(Q, K, V, score, mask, rows, heads):
-    """float64 reference on some rows of some heads, from FlexAttention's own functions."""
+    """float64 reference on some rows of some heads, from FlexAttention's own functions (``K``,
+    ``V`` with as many heads as ``Q``)."""
     q = Q[:, :heads, rows].double()
     k, v = K[:, :heads].double(), V[:, :heads].double()
     S = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(Q.shape[-1])
@@ -204,35 +224,42 @@ def _flex_reference(Q, K, V, score, mask, rows, heads):
 
 def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=None):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    kw, score, mask, aux_tensors = spec
+    kw, score, mask, aux_tensors, flex_kw = (*spec, {})[:5]
     N, D, B, H = FLEX_N, FLEX_D, FLEX_B, FLEX_H
-    q, x, d, h, b = nc.axes("q x d h b")
+    G = flex_kw.get("groups", 1)      # query heads per key/value head
+    q, x, d, h, b, g = nc.axes("q x d h b g")
     ndt = {"f32": nc.f32, "f16": nc.f16, "bf16": nc.bf16}[dt]
-    dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, dtype=ndt, **kw).bind(
-        {q: N, x: N, d: D, h: H, b: B})
+    grouped = dict(groups=g) if G > 1 else {}
+    dia = nc.library.attention(q=q, x=x, d=d, heads=h, batch=b, dtype=ndt, **grouped, **kw).bind(
+        {q: N, x: N, d: D, h: H // G, b: B, **({g: G} if G > 1 else {})})
     t, th, pf = FLEX_TILES.get(dt, FLEX_TILES["f16"])
     tiles, threads, prefetch = tiles or t, threads or th, pf if prefetch is None else prefetch
     kernel = nc.lower(dia, tiles=tiles, threads=threads, prefetch=prefetch, verify=False)
-    Q, K, V = (torch.randn(B, H, N, D, device=DEV, generator=gen).to(TORCH_DT[dt]) for _ in range(3))
+    Q = torch.randn(B, H, N, D, device=DEV, generator=gen).to(TORCH_DT[dt])
+    K, V = (torch.randn(B, H // G, N, D, device=DEV, generator=gen).to(TORCH_DT[dt]) for _ in range(2))
     # auxiliary inputs in the dtype the diagram declares for them (16-bit in a 16-bit kernel)
     extra = [aux_tensors[a.name].to(TORCH_DT.get(a.dtype.name, torch.float32)).contiguous() for a in dia.dom[3:]]
     O = torch.full_like(Q, float("nan"))
-    run = kernel.prepare(Q, K, V, *extra, out=O)
+    # query head kvh * G + g is Q[b, kvh, g]: a view, as napkin_cat's grouped diagram takes it
+    run = kernel.prepare(*((Q.view(B, H // G, G, N, D),) if G > 1 else (Q,)), K, V, *extra,
+                         out=O.view(B, H // G, G, N, D) if G > 1 else O)
     run()
     torch.cuda.synchronize()
     rows = torch.randperm(N, device=DEV, generator=gen)[:128].sort().values
-    ref = _flex_reference(Q, K, V, score, mask, rows, 2)
+    ref = _flex_reference(Q, K.repeat_interleave(G, 1), V.repeat_interleave(G, 1), score, mask, rows, 2)
     err = rel_err(O[:, :2, rows], ref)
     assert not torch.isnan(O).any()
     ms = cuda_time(run)
-    bm = create_block_mask(mask, B=None, H=None, Q_LEN=N, KV_LEN=N, device=DEV) if mask is not None else None
+    bm = (create_block_mask(mask, B=flex_kw.get("B"), H=None, Q_LEN=N, KV_LEN=N, device=DEV)
+          if mask is not None else None)
     flex = compiled_flex()
-    fo = flex(Q, K, V, score_mod=score, block_mask=bm)
+    gqa = dict(enable_gqa=True) if G > 1 else {}
+    fo = flex(Q, K, V, score_mod=score, block_mask=bm, **gqa)
     flex_err = rel_err(fo[:, :2, rows], ref)
-    flex_ms = cuda_time(lambda: flex(Q, K, V, score_mod=score, block_mask=bm))
+    flex_ms = cuda_time(lambda: flex(Q, K, V, score_mod=score, block_mask=bm, **gqa))
     # kernel time alone (CUPTI), both sides: FlexAttention's host work per call (guards, the block
     # mask's arguments) can outlast a short kernel, and then the events above time the host
-    kernel_ms, flex_kernel_ms = device_ms(run), device_ms(lambda: flex(Q, K, V, score_mod=score, block_mask=bm))
+    kernel_ms, flex_kernel_ms = device_ms(run), device_ms(lambda: flex(Q, K, V, score_mod=score, block_mask=bm, **gqa))
     dense = 4 * B * H * N * N * D
     data = {"bt": aux_tensors["bt"].cpu().numpy()} if "bt" in aux_tensors else None
     share = float(nc.cost(dia.stream("x", tiles["x"]).tile("q", tiles["q"]), data=data).flops["tensor"]) / dense
@@ -240,7 +267,7 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
          "threads": threads, "prefetch": prefetch, "mma": "mma_" in kernel.source, "ms": ms,
          "rel_err": err, "flex_ms": flex_ms, "flex_rel_err": flex_err, "kept_share": share,
          "kernel_ms": kernel_ms, "flex_kernel_ms": flex_kernel_ms,
-         "sdpa_dense_ms": cuda_time(lambda: torch.nn.functional.scaled_dot_product_attention(Q, K, V)),
+         "sdpa_dense_ms": cuda_time(lambda: torch.nn.functional.scaled_dot_product_attention(Q, K, V, **gqa)),
          "smem": kernel.launch.dynamic_smem_bytes, "mappings": kernel.mappings}
     r.update(kernel.compiled_info())
     return r

@@ -3,7 +3,8 @@ oracle on a real GPU, over attention variants and 16-bit dtypes.
 
     NUMBA_ENABLE_CUDASIM=0 python kernels/verify_backward_gpu.py [--n 320] [--d 64] [--backward auto|one|two]
 
-Each variant (dense, causal, a window, ALiBi, grouped-query heads, d_v != d, a soft-cap) is built
+Each variant (dense, causal, a window, ALiBi, grouped-query heads, d_v != d, a soft-cap, and
+index functions: block-causal, prefix-LM, NATTEN, a relative bias, GQA with a window) is built
 with ``nc.library.attention`` on heads, relabelled as ``nc.torch_op`` is used
 (``stream(x).tile(q).tile(h, 1)``), run on CUDA tensors (fp16 and bf16; ``N`` not a multiple of the
 blocks, so tiles are ragged), and O, dQ, dK, dV are compared with ``nc.to_torch`` of the same
@@ -41,6 +42,13 @@ def variants():
         "GQA (2 groups)": L.attention(q=q, x=x, d=d, heads=h, groups=g, causal=True),
         "d_v = 32": L.attention(**base, dv=e),
         "soft-cap 20": L.attention(**base, softcap=20.0),
+        # index functions (issue 11): tiles skipped from the definition, score modifications
+        "block-causal 64": L.attention(**base, mask=nc.mask_mod(lambda b, h, i, j: i // 64 >= j // 64)),
+        "prefix-LM 100": L.attention(**base, mask=nc.mask_mod(lambda b, h, i, j: (j <= i) | (j < 100))),
+        "NATTEN radius 2": L.attention(**base, mask=nc.mask_mod(
+            lambda b, h, i, j: (abs(i // 16 - j // 16) <= 2) & (abs(i % 16 - j % 16) <= 2))),
+        "relative bias": L.attention(**base, score_mod=nc.score_mod(lambda s, b, h, i, j: s + (i - j) * 0.01)),
+        "GQA (4 groups) window 48": L.attention(q=q, x=x, d=d, heads=h, groups=g, window_size=48),
     }
 
 
@@ -56,7 +64,7 @@ def check(name: str, dtype: str, n: int, dim: int, backward: str | None = None) 
     """One variant at one dtype: (variant, dtype, verdict, largest error, backward path, kernels
     on wgmma), and the error of each output."""
     dia, dt = variants()[name], DTYPES[dtype]
-    sizes = {"q": n, "x": n, "d": dim, "h": 2, "g": 2, "e": 32}
+    sizes = {"q": n, "x": n, "d": dim, "h": 2, "g": 4 if "4 groups" in name else 2, "e": 32}
     gen = torch.Generator(device="cuda").manual_seed(0)
     tensors = [torch.randn(*(sizes[a.name] for a in arr.axes), device="cuda", generator=gen).to(dt)
                .requires_grad_() for arr in dia.dom]
@@ -68,7 +76,7 @@ def check(name: str, dtype: str, n: int, dim: int, backward: str | None = None) 
     except nc.NapkinError as err:
         lines = str(err).splitlines()
         why = [ln.strip() for ln in lines if ln.strip().startswith(("kernel:", "first difference"))]
-        return (name, dtype, "refused", lines[0][:100], "", ""), {"refusal": " / ".join(why)[:900]}
+        return (name, dtype, "refused", lines[0][:100], "", ""), {"refusal": " / ".join([lines[0]] + why)[:1500]}
     ts = [t.detach().cpu().double().requires_grad_() for t in tensors]
     want_out = nc.to_torch(op.diagram)(*ts)
     want = torch.autograd.grad(want_out, ts, cot.cpu().double())
