@@ -93,14 +93,17 @@ def hoisted_fragments(em, m: Frag, key, kax: str, steps: int):
     None when there is no such loop, the buffer changes in it, or the fragments would take the
     kernel past :data:`HOIST_REGISTERS` or its register estimate past :data:`HOIST_CEILING`.
 
-    Nor for warpgroup MMAs in a loop whose bounds a mask sets: measured wrong on an H100 (causal
-    and windowed forwards, every row past the first chunk; the same kernels are right with the
-    fragments read per chunk, with ``mma.sync``, and without a mask; the simulator cannot tell).
-    The cause is not found (kernels/BENCHMARKS.md, "Fourth session of 2026-11-24")."""
+    Nor for warpgroup MMAs in a kernel with a mask: measured wrong on an H100 where the mask set
+    the loop's bounds (causal and windowed forwards, every row past the first chunk), and on an
+    H200 where it did not (grouped-query heads' causal dK, dV kernel, which streams the groups
+    around the query chunks and skips none; with a window too).  The same kernels are right with
+    the fragments read per chunk, with ``mma.sync``, and without a mask; re-converging each warp
+    before the ``wgmma`` fence does not help; the simulator cannot tell.  The cause is not found
+    (kernels/BENCHMARKS.md, "Fourth session of 2026-11-24", "Session of 2026-11-28 (H200)")."""
     if not em.frag_hoists or key[0] != "var" or key[1] >= em.n_in:
         return None
     h = em.frag_hoists[-1]
-    if key[1] in h.varying or (m.wg and em.plan.skips.get(h.axis)):
+    if key[1] in h.varying or (m.wg and any(e.box.kind == "mask" for e in em.dd.eqns)):
         return None
     want = {(mt, ks): (key, m, kax, mt, ks) for mt in range(m.MT) for ks in range(steps)}
     new = [w for w in want.values() if w not in h.names]
