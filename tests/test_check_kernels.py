@@ -244,3 +244,66 @@ def test_a_16_bit_kernel_may_err_as_much_as_a_plain_implementation_with_16_bit_w
         if regime == "normal":
             assert check(dropped) is not None, seed
     assert refused_before >= 1
+
+
+def test_the_plain_implementation_truncates_tensor_core_products_toward_zero():
+    """``toward_zero``: a contraction of 16-bit operands moves its fp32 result one unit in the
+    last place toward zero (tensor cores add with truncation); fp32 contractions are left alone."""
+    from napkin_cat.verify.executor import evaluate_operands_rounded
+    a, b, c = nc.axes("a b c")
+    rng = np.random.default_rng(0)
+    A, B = rng.standard_normal((5, 7)), rng.standard_normal((7, 3))
+    for dtype, moved in ((nc.f16, True), (nc.f32, False)):
+        mm = nc.library.matmul(a=a, b=b, c=c, dtype=dtype).bind({a: 5, b: 7, c: 3})
+        near, = evaluate_operands_rounded(mm, A, B)
+        trunc, = evaluate_operands_rounded(mm, A, B, toward_zero=True)
+        want = np.nextafter(near.astype(np.float32), np.float32(0)).astype(np.float64) if moved else near
+        np.testing.assert_array_equal(trunc, want)
+        assert moved == bool(np.all(np.abs(trunc) < np.abs(near)))
+
+
+def test_a_tensor_core_kernel_may_err_as_much_as_truncated_products_do():
+    """Measured on an H200 (kernels/BENCHMARKS.md, "Session of 2026-11-28 (H200)"): GQA's f16
+    dK, dV kernel, self-checked at N = 320 in regime 'jumps', gave dK 478.75 where the exact answer
+    is 414.33 (``tests/data``: the run's inputs and outputs, head 1).  Every row of group 1 has
+    ``dP - D`` cancel from 8.7e5 to below 0.1, and the tensor cores' truncating adds err by half an
+    fp32 unit with one sign in all of them; rounded to nearest the plain implementation is within
+    1 of the exact answer and the kernel was refused as a code generation bug.  With the truncated
+    implementation in the slack it passes; in regime 'normal' a kernel that drops one chunk of
+    group 1 still fails."""
+    import torch
+
+    from napkin_cat.lowering.backward_forms import residual_inputs
+    from napkin_cat.verify.data import REGIMES
+    from napkin_cat.verify.executor import evaluate_operands_rounded
+    from napkin_cat.verify.kernelcheck import FASTMATH_FACTOR, KERNEL_TOLERANCES, compare_outputs, oracle_outputs
+    from napkin_cat.verify.kernelcheck import packed_operand_outputs as packed_outputs
+    q, x, d, h, g = nc.axes("q x d h g")
+    att = nc.library.attention(q=q, x=x, d=d, heads=h, groups=g)
+    op = nc.torch_op(att.stream(x, "s_x").tile(q, "g_q").tile(h, 1), verify=False, backward="two kernels")
+    plan = op.backward_plan((0, 1, 2), (("d", 64), ("g", 2), ("h", 1), ("q", 320), ("x", 320)), torch.float16)
+    part = plan.parts[1]
+    oracle = part.unrelabelled()
+    rtol, atol = KERNEL_TOLERANCES["f16"]
+    run = np.load(os.path.join(os.path.dirname(__file__), "data", "gqa_dkdv_jumps_h200.npz"))
+    x32 = [run["in_" + a.name].astype(np.float32) for a in oracle.dom]
+    got = tuple(run["out_" + a.name].astype(np.float64) for a in oracle.cod)
+    exact, low = oracle_outputs(oracle, x32, {}, "f16")
+
+    def failure(got, packed):
+        return compare_outputs(oracle.cod, exact, low, got, rtol, atol, FASTMATH_FACTOR, half=True,
+                               packed=packed).failure
+    nearest = (evaluate_operands_rounded(oracle, *x32),)
+    assert failure(got, nearest)["coordinates"] == {"h": 0, "x": 1, "d": 0}
+    assert failure(got, packed_outputs(oracle, x32, {})) is None
+
+    x32 = residual_inputs(plan, part)(np.random.default_rng(0), REGIMES["normal"][0])
+    x32 = [np.asarray(v, np.float32) for v in x32]
+    exact, low = oracle_outputs(oracle, x32, {}, "f16")
+    packed = packed_outputs(oracle, x32, {})
+    assert failure(packed[0], packed) is None                  # a plain implementation passes
+    Q, K, V, L, dO, D = (v.astype(np.float64) for v in x32)
+    S = np.einsum("hgqd,hxd->hgqx", Q, K) / 8
+    dS = np.exp(S - L[..., None]) * (np.einsum("hgqd,hxd->hgqx", dO, V) - D[..., None]) / 8
+    dropped = exact[0] - np.einsum("hqx,hqd->hxd", dS[:, 1, :64], Q[:, 1, :64])
+    assert failure((dropped, exact[1]), packed) is not None

@@ -70,11 +70,22 @@ class Fp32Ctx(Ctx):
         return np.float32 if dt.kind == "float" else super().dtype(dt)
 
 
-def evaluate_operands_rounded(d: Diagram, *arrays, sizes: dict | None = None) -> tuple:
+SIXTEEN = ("f16", "bf16")
+
+
+def evaluate_operands_rounded(d: Diagram, *arrays, sizes: dict | None = None, toward_zero: bool = False) -> tuple:
     """``d`` (unrelabelled) in float32, every computed 16-bit wire a ``contract`` box reads rounded
     to its dtype: what a tensor-core kernel does with the operands it packs (a backward's ``P``
     and ``dS``), its other intermediates kept in fp32 registers.  The 16-bit kernel check's plain
-    implementation in the kernel's precision (:mod:`.kernelcheck`)."""
+    implementation in the kernel's precision (:mod:`.kernelcheck`).
+
+    ``toward_zero``: each contraction of 16-bit operands (a tensor-core product) also moves its
+    fp32 result one unit in the last place toward zero.  Tensor cores add their products with
+    truncation, not rounding to nearest (Fasi, Higham, Mikaitis, Pranesh: "Numerical behavior of
+    NVIDIA tensor cores", PeerJ CS 2021), so their error has a sign: where a difference cancels
+    (the backward's ``dP - D`` with both near 1e6), a one-sided error of half an fp32 unit summed
+    over every row moves dK far more than errors of both signs do (kernels/BENCHMARKS.md,
+    "Session of 2026-11-28 (H200)")."""
     from ..ops.arrays import round_to_dtype
     d = d.unrelabelled()
     arrays = tuple(_as_numpy(x, a) for x, a in zip(arrays, d.dom))
@@ -82,11 +93,14 @@ def evaluate_operands_rounded(d: Diagram, *arrays, sizes: dict | None = None) ->
     ctx = Fp32Ctx(resolve_sizes(d, arrays, sizes), {}, False, {})
     types = d.var_types()
     packed = {v for e in d.eqns if e.box.kind == "contract" for v in e.ins
-              if v >= len(arrays) and types[v].dtype.name in ("f16", "bf16")}
+              if v >= len(arrays) and types[v].dtype.name in SIXTEEN}
     env: list = [x.astype(ctx.dtype(a.dtype)) for x, a in zip(arrays, d.dom)] + [None] * (len(types) - len(arrays))
     for k, e in enumerate(d.eqns):
         run_eqns(d, env, ctx, (k,))
+        truncated = toward_zero and e.box.kind == "contract" and all(types[v].dtype.name in SIXTEEN for v in e.ins)
         for v in d.eqn_outputs(k):
+            if truncated:
+                env[v] = np.nextafter(np.asarray(env[v], np.float32), np.float32(0))
             if v in packed:
                 env[v] = np.asarray(round_to_dtype(env[v], types[v].dtype.name), dtype=np.float32)
     return tuple(np.asarray(env[v], dtype=np.float64) for v in d.outs)

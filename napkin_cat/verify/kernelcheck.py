@@ -166,17 +166,23 @@ def oracle_outputs(oracle: Diagram, inputs32, sizes: dict, dtype: str = "f32") -
     return exact, low
 
 
-def packed_operand_outputs(oracle: Diagram, inputs32, sizes: dict) -> tuple:
+def packed_operand_outputs(oracle: Diagram, inputs32, sizes: dict) -> tuple[tuple, ...]:
     """A 16-bit kernel's plain implementation in its own precision: fp32 arithmetic with every
     computed 16-bit operand of a contraction rounded to its dtype, as tensor cores take them
     (:func:`~.executor.evaluate_operands_rounded`).  A kernel that
     packs ``P`` or ``dS`` into 16 bits for its tensor cores differs from the float64 answer by at
     least that rounding, which a sum that cancels (``dQ = sum_x dS K`` with ``sum_x dS = 0``)
     magnifies: measured on an H100, the bf16 dQ kernel's self-check at N = 320, regime 'jumps'
-    (kernels/BENCHMARKS.md, "Third session of 2026-11-25")."""
+    (kernels/BENCHMARKS.md, "Third session of 2026-11-25").
+
+    Two implementations: rounding every fp32 result to nearest, and with the tensor cores'
+    products truncated toward zero (:func:`~.executor.evaluate_operands_rounded`): measured on an
+    H200, GQA's f16 dK, dV kernel at N = 320, regime 'jumps', is 64 off an exact 414 where
+    ``dP - D`` cancels from 8.7e5 in every row; rounded to nearest the plain implementation is
+    within 1 of it, truncated 92 off (kernels/BENCHMARKS.md, "Session of 2026-11-28 (H200)")."""
     from .executor import evaluate_operands_rounded
     with np.errstate(all="ignore"):
-        return evaluate_operands_rounded(oracle, *inputs32, sizes=sizes)
+        return tuple(evaluate_operands_rounded(oracle, *inputs32, sizes=sizes, toward_zero=tz) for tz in (False, True))
 
 
 @dataclass
@@ -191,7 +197,7 @@ def compare_outputs(arrays, exact, low, got, rtol: float, atol: float,
     """The kernel rule of the module docstring, output by output; the first failing entry.
     ``arrays``: the output types (names and axes for the report); ``half``: a kernel with 16-bit
     wires, which may give NaN where the float64 answer is infinite (module docstring); ``packed``:
-    a 16-bit kernel's plain implementation with its contractions' operands rounded
+    a 16-bit kernel's plain implementations with its contractions' operands rounded
     (:func:`packed_operand_outputs`), whose largest finite error joins ``low``'s in the slack."""
     from .compare import note_difference
     out = KernelDiff()
@@ -202,8 +208,8 @@ def compare_outputs(arrays, exact, low, got, rtol: float, atol: float,
         diff = np.where(both, np.abs(np.where(both, r, 0.0) - np.where(both, k, 0.0)), 0.0)
         with np.errstate(invalid="ignore", over="ignore"):   # lo - r where either is not finite: masked
             slack = float(np.max(np.abs(np.where(fr & fl, lo - r, 0.0)), initial=0.0))   # fp32's own error
-            if packed is not None:   # ... and a plain implementation's with 16-bit operands
-                w = packed[i]
+            for impl in packed or ():   # ... and the plain implementations' with 16-bit operands
+                w = impl[i]
                 slack = max(slack, float(np.max(np.abs(np.where(fr & np.isfinite(w), w - r, 0.0)), initial=0.0)))
         allowed = atol * scale + rtol * np.abs(np.where(fr, r, 0.0)) + factor * slack
         same = (k == r) | (np.isnan(k) & np.isnan(r))
