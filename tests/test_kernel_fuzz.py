@@ -335,6 +335,8 @@ def _features(kernel) -> set[str]:
         out.add("skipped-arithmetic")
     if len(re.findall(r"# stream \w+ in chunks of", body)) >= 2:   # loopnest._updates_per_chunk: GQA's dK
         out.add("nested-streams")
+        if "chunks are masked for every" in body:   # skipping.chunk_skips: a sum over both streams' axes
+            out.add("nested-skip")
     if "stays in global memory: its gathers read it in place" in body:   # emit_kinds.aux_read
         out.add("aux-in-place")
         tables = re.findall(r"# (\w+)\[[^\]]*\] \w+ stays in global memory", body)

@@ -579,7 +579,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                      "column-values", "paired-store"},
                      "aux_in_place": {"aux-in-place", "aux-in-place-table", "fragments", "batch-table"},
                      "index_masks": {"quotient-bound", "skipped-arithmetic", "fragments", "ragged-chunk"},
-                     "gqa_backward": {"nested-streams", "atomic", "fragments", "ragged-chunk"},
+                     "gqa_backward": {"nested-streams", "nested-skip", "atomic", "fragments", "ragged-chunk"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
                                  "wgmma", "paired-atomic"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",

@@ -76,6 +76,16 @@ def _summing(acc) -> bool:
     return acc.rule in SUM_RULES or (acc.rule == "reduce" and acc.box.param("op") == "sum")
 
 
+def _sums_over(ff: FinalForm, acc, axis: str) -> bool:
+    """A summing accumulator whose box also reduces ``axis`` (an input carries it, the state does not)."""
+    if not _summing(acc):
+        return False
+    e = ff.diagram.eqns[acc.eqn]
+    types = ff.diagram.var_types()
+    return (any(axis in types[v].axis_names for v in e.ins)
+            and not any(axis in axes for _, axes, _ in acc.states()))
+
+
 class _Paths:
     """The masks a value descends from along boxes with a trait (ordered sets: dicts)."""
 
@@ -124,7 +134,9 @@ class _Paths:
 
 def chunk_skips(ff: FinalForm, loop: Loop) -> tuple[Skip, ...]:
     """The masks that bound the chunks ``loop`` (a stream loop) must visit: those that every
-    accumulator along the loop's axis derives (one that derives none: nothing is skipped)."""
+    accumulator along the loop's axis derives (one that derives none: nothing is skipped).  A sum
+    along an enclosing stream's axis that also sums over this loop's (grouped-query heads' dK, dV:
+    one sum over the groups and, inside each, the query chunks) counts as along this loop too."""
     if loop.kind != "stream":
         return ()
     grid_rows = set()
@@ -138,7 +150,7 @@ def chunk_skips(ff: FinalForm, loop: Loop) -> tuple[Skip, ...]:
         if not isinstance(n, Update) or loop not in loops:
             continue
         acc = ff.accumulators[n.acc]
-        if acc.axis != loop.axis or n.acc in seen:
+        if (acc.axis != loop.axis and not _sums_over(ff, acc, loop.axis)) or n.acc in seen:
             continue
         seen.add(n.acc)
         ins = ff.diagram.eqns[acc.eqn].ins
