@@ -249,3 +249,31 @@ def test_kernels_skip_by_each_batchs_table(batch_tile, in_place):
     assert kernelcheck.kernel_outcome(bound, kernel, [Q, K, V, table, ids]).failure is None
     # the cost model with the tables' values counts the chunks every sequence masks as skipped
     assert nc.cost(f, data={"bt": table}).flops["tensor"] < nc.cost(f).flops["tensor"]
+
+
+@pytest.mark.parametrize("group_tile", [1, 2])
+def test_grouped_heads_read_the_table_of_their_query_head(group_tile):
+    """Under grouped-query heads a mask's head index is the query head ``h * G + g``: a table of
+    each query head (``block_table(..., heads=H * G)``) is read at that index where a block holds
+    one key/value head and one group (its masked chunks skipped); a block holding two groups
+    evaluates the mask.  Both match the oracle, with each head's own window."""
+    H, G, n, blk = 2, 2, 37, 8
+    h, g = nc.axes("h g")
+    widths = np.array([3.0, 20.0, 9.0, 40.0], np.float32)      # one per query head
+    wh = nc.aux("wh", nc.Axis("nh", H * G))
+    m = nc.mask_mod(lambda b_, h_, i, j: (j <= i) & (i - j <= wh[h_]))
+    bt = nc.aux("bt", nc.Axis("th", H * G), nc.Axis("rb", 5), nc.Axis("cb", 5))
+    att = nc.library.attention(q=q, x=x, d=d, heads=h, groups=g, mask=nc.blocked(m, bt, blk, blk))
+    bound = att.bind({"q": n, "x": n, "d": 8, "h": H, "g": G})
+    f = bound.stream("x", 8).tile("q", 8).tile("h", 1).tile("g", group_tile)
+    table = nc.block_table(m, n, n, blk, blk, {"wh": widths}, heads=H * G)
+    assert (table == 0).sum() > 0
+    kernel = nc.lower(f, verify=False)
+    skips = "the block table masks the whole chunk: skipped" in kernel.source
+    assert skips is (group_tile == 1), kernel.source
+    rng = np.random.default_rng(2)
+    Q = rng.standard_normal((H, G, n, 8)).astype(np.float32)
+    K, V = (rng.standard_normal((H, n, 8)).astype(np.float32) for _ in range(2))
+    ins = {"Q": Q, "K": K, "V": V, "bt": table, "wh": widths}
+    from napkin_cat.verify import kernelcheck
+    assert kernelcheck.kernel_outcome(bound, kernel, [ins[a.name] for a in bound.dom]).failure is None

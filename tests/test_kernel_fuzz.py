@@ -344,6 +344,8 @@ def _features(kernel) -> set[str]:
             out.add("aux-in-place-table")
     if re.search(r"(_entry = |if ).*\(uint32\(min\(\w+0, U\d+\)\) \* N_", body):   # emit_loads._lead_entry
         out.add("batch-table")
+    if re.search(r"(_entry = |if ).*\(uint32\(min\(max\(\(\(int64\(h0\) \* \d+\) \+ int64\(g0\)\)", body):
+        out.add("grouped-table")                  # ... a lead expression: the query head h * G + g
     if "per column of this thread" in body:                     # column_values.column_value
         out.add("column-values")
     if re.search(r"smem32\[.*\] = pack_b?f16\(\w+_pair\[0\]", body):   # paired_stores.stored_pair

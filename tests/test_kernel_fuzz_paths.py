@@ -553,6 +553,35 @@ def index_mask_family(draw):
                 {q: n, x: n, d: 16}, att, options, None, SMALL_DATA)
 
 
+@st.composite
+def grouped_table_family(draw):
+    """Grouped-query heads with a block table of each query head (``h * G + g``: a window of
+    each query head's own width, ``block_table(..., heads=H * G)``): a block holding one
+    key/value head and one group reads its slice of the table and skips the chunks it masks
+    (``emit_loads._lead_entry``), one holding several groups evaluates the mask; 1 to 2 heads,
+    1 to 3 groups, fp32 (tiles of 1 to 9) or f16 / bf16 on tensor cores, ragged sizes."""
+    H, G = draw(st.integers(1, 2), label="heads"), draw(st.integers(1, 3), label="groups")
+    n = draw(st.integers(1, 40), label="n")
+    blk = draw(st.sampled_from((4, 8, 16)), label="table block")
+    dt = draw(st.sampled_from((nc.f32, nc.f32, nc.f16, nc.bf16)), label="dtype")
+    wh = nc.aux("wh", nc.Axis("nh", H * G))
+    m = nc.mask_mod(lambda b_, h_, i, j: (j <= i) & (i - j <= wh[h_]))
+    bt = nc.aux("bt", nc.Axis("th", H * G), nc.Axis("rb", -(-n // blk)), nc.Axis("cb", -(-n // blk)))
+    att = L.attention(q=q, x=x, d=d, heads=h, groups=g, dtype=dt, mask=nc.blocked(m, bt, blk, blk))
+    tq, tx, options = _blocks(draw, dt, 9)
+    group_tile = draw(st.sampled_from((1, 1, G)), label="group tile")
+    steps = (("stream", "x", tx), ("tile", "q", tq), ("tile", "h", 1), ("tile", "g", group_tile))
+
+    def inputs(rng, regime):
+        widths = rng.integers(0, n + 1, H * G).astype(np.float32)
+        ins = {"Q": REGIMES[regime][0](rng, (H, G, n, 16)), "K": REGIMES[regime][0](rng, (H, n, 16)),
+               "V": REGIMES[regime][0](rng, (H, n, 16)), "wh": widths,
+               "bt": nc.block_table(m, n, n, blk, blk, {"wh": widths}, heads=H * G)}
+        return [ins[a.name] for a in att.dom]
+    return Case(f"{dt.name} GQA ({H} x {G}) with a table of each query head (block {blk}, groups tiled by "
+                f"{group_tile})", att, steps, {q: n, x: n, d: 16, h: H, g: G}, att, options, inputs, SMALL_DATA)
+
+
 def aux_whole_bytes(limit):
     """``loopnest.AUX_WHOLE_BYTES`` for one lowering (None: as it is), then restored."""
     from napkin_cat.relabel import loopnest
@@ -569,7 +598,7 @@ COPYING_SETTINGS = settings(SETTINGS, max_examples=min(FUZZ_EXAMPLES, COPYING_EX
 FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family,
             "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family, "tf32x3": tf32x3_family,
             "copying": copying_family, "aux_in_place": aux_in_place_family, "index_masks": index_mask_family,
-            "gqa_backward": gqa_backward_family}
+            "gqa_backward": gqa_backward_family, "grouped_table": grouped_table_family}
 
 # what each family must reach across its examples (named by test_kernel_fuzz._features)
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
@@ -580,6 +609,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                      "aux_in_place": {"aux-in-place", "aux-in-place-table", "fragments", "batch-table"},
                      "index_masks": {"quotient-bound", "skipped-arithmetic", "fragments", "ragged-chunk"},
                      "gqa_backward": {"nested-streams", "nested-skip", "atomic", "fragments", "ragged-chunk"},
+                     "grouped_table": {"grouped-table", "fragments", "ragged-chunk"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
                                  "wgmma", "paired-atomic"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",

@@ -426,13 +426,22 @@ class Loads:
         return full, empty
 
     def _lead_entry(self, axes, leads):
-        """The leading indices of a table of each batch or head (``axes``, read by the diagram
-        axes ``leads``) as code, where the block holds one index of each (tiled by 1), else None."""
+        """The leading indices of a table of each batch or head (``axes``, selected by the index
+        expressions ``leads`` over the diagram's axes: ``b``, or ``h * G + g`` under grouped-query
+        heads) as code, where the block holds one index of each axis they read (tiled by 1), else
+        None; clamped into the table, as the gather reads it."""
+        k = self.consts
         out = []
-        for ax_, leaf in zip(axes, leads):
-            if leaf not in self.ax or self.ax[leaf].cap != 1:
+        for ax_, lead in zip(axes, leads):
+            names = lead.leaves("idx")
+            if any(n not in self.ax or self.ax[n].cap != 1 for n in names):
                 return None
-            out.append(f"uint32(min({self.gidx(leaf, {})}, {self.consts.u(self.sizes[ax_] - 1)}))")
+            if lead.op == "idx":
+                code = self.gidx(lead.value, {})
+            else:
+                leaf = lambda n: f"int64({self.gidx(n.value, {})})" if n.op == "idx" else str(self.sizes[n.value])
+                code = f"max({lead.to_code(leaf, lambda v: str(int(v)), None)}, 0)"
+            out.append(f"uint32(min({code}, {k.u(self.sizes[ax_] - 1)}))")
         return tuple(out)
 
     def _one_entry(self, axes, at, over, starts):

@@ -14,7 +14,7 @@ a non-linear term) may keep every column: the bound stays open and nothing is sk
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .index_expr import COMPARISONS, NEG_INF, Ix
 
@@ -201,15 +201,16 @@ class BlockAtom:
     ``rows x cols`` entries, so a block table (:mod:`.block_table`, or an explicit block mask)
     says per block whether it holds; its value is data, known when the kernel runs.  A table of
     each batch or head (``table[b, i // rows, j // cols]``) has its leading indices in ``lead``:
-    the index names that select its slice (a kernel reads them where a block holds one batch
-    and one head)."""
+    the index expressions that select its slice, over indices other than the rows' and
+    columns' (``b``; or under grouped-query heads the query head ``h * G + g``); a kernel reads
+    them where a block holds one index of each axis they read."""
 
     table: object       # the Aux gathered from
     rows: int
     cols: int
     cmp: str
     c: object
-    lead: tuple = ()
+    lead: tuple = field(default=(), compare=False)   # of Ix (whose == builds a comparison)
 
     def holds(self, v) -> bool:
         return _PYCMP[self.cmp](v, self.c)
@@ -230,16 +231,26 @@ def _block_of(k: Ix, name: str):
     return None
 
 
+_LEAD_OPS = frozenset({"idx", "size", "const", "add", "sub", "mul"})
+
+
+def _lead_index(k: Ix, exclude: tuple) -> bool:
+    """Whether ``k`` can select a block table's slice: integer arithmetic (+ - *) of indices
+    other than ``exclude`` (the rows', the columns', the score), sizes and constants."""
+    return (k.dtype == "int" and all(n.op in _LEAD_OPS for n in k.walk())
+            and all(isinstance(n, str) and n not in exclude for n in k.leaves("idx")))
+
+
 def block_atom(cmp: str, x: Ix, y: Ix, i: str = "i", j: str = "j") -> BlockAtom | None:
     """``x (cmp) y`` as a :class:`BlockAtom`, or None."""
     for g, c, op in ((x, y, cmp), (y, x, _FLIP[cmp])):
         if g.op == "gather" and len(g.args) >= 2 and c.op == "const" and not isinstance(c.value, bool):
             *lead, ri, ci = g.args
-            if not all(k.op == "idx" and isinstance(k.value, str) and k.value not in (i, j, "score") for k in lead):
+            if not all(_lead_index(k, (i, j, "score")) for k in lead):
                 continue
             bq, bk = _block_of(ri, i), _block_of(ci, j)
             if bq and bk:
-                return BlockAtom(g.value, bq, bk, op, c.value, tuple(k.value for k in lead))
+                return BlockAtom(g.value, bq, bk, op, c.value, tuple(lead))
     return None
 
 
