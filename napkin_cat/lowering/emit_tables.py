@@ -1,0 +1,91 @@
+"""Block-table reads of :class:`.emit.Emitter` (:class:`~napkin_cat.ops.index_support.BlockAtom`):
+per tile and chunk, whether a block table's entries over them all keep or all mask, read from
+the table's slice of the block's batch or head (``b``, or the query head ``h * G + g`` of
+grouped-query heads) where the block holds one, so the stream loop skips the chunk or the mask's
+arithmetic (:meth:`.emit_loads.Loads._chunk_flags`).
+"""
+
+from __future__ import annotations
+
+from .emit_kinds import aux_read
+from .source import CodeAlgebra, Source, render_code
+
+_CMP_CODE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+
+class TableReads:
+    """The block-table part of the renderer (see the module docstring)."""
+
+    def _block_atom(self, at, eqn: int, pred, over, r0, r1, c0, c1, src: Source):
+        """``(full, empty)`` identifiers of a block-table comparison over the tile x chunk
+        (``over``: their axes): its entries (indices clamped into the table, as the gather reads
+        it) all hold / all fail."""
+        k = self.consts
+        e = self.dd.eqns[eqn]
+        v = dict(zip((t.name for t in pred.auxes), e.ins[1:]))[at.table.name]
+        lead_axes, axes = self.types[v].axis_names[:len(at.lead)], self.types[v].axis_names[len(at.lead):]
+        lead = self._lead_entry(lead_axes, at.lead)
+        if lead is None:     # the block spans several batches or heads: no one slice to read
+            return False, False
+        stem = f"{at.table.name}_"
+        full, empty = self.names.fresh(stem + "full"), self.names.fresh(stem + "empty")
+        one = self._one_entry(axes, at, over, (r0, c0))
+        if one is not None:    # the tile and the chunk each inside one table block: one entry
+            entries = self._chunk_entries     # read once per chunk, whichever comparisons use it
+            one = (*lead, *one)
+            if (v, one) not in entries:
+                entries[v, one] = self.names.fresh(stem + "entry")
+                src(f"{entries[v, one]} = {aux_read(self, v, dict(zip(lead_axes + axes, one)))}")
+            src(f"{full} = {entries[v, one]} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}")
+            src(f"{empty} = not {full}")
+            return full, empty
+        src(f"{full} = True")
+        src(f"{empty} = True")
+        env = dict(zip(lead_axes, lead))
+        loops = []
+        for ax_, blk, lo, hi in ((axes[0], at.rows, r0, r1), (axes[1], at.cols, c0, c1)):
+            last = k.u(self.sizes[ax_] - 1)
+            first = render_code(lo // blk, k.u)
+            end = render_code(CodeAlgebra.sat_sub(hi, 1) // blk, k.u)
+            var = self.names.fresh(f"i_{ax_}")
+            env[ax_] = var
+            loops.append(f"for {var} in range(min({first}, {last}), min({end}, {last}) + {k.u(1, 'U1')}):")
+        with src.block(loops[0]):
+            with src.block(loops[1]):
+                test = f"{aux_read(self, v, env)} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}"
+                with src.block(f"if {test}:"):
+                    src(f"{empty} = False")
+                with src.block("else:"):
+                    src(f"{full} = False")
+        return full, empty
+
+    def _lead_entry(self, axes, leads):
+        """The leading indices of a table of each batch or head (``axes``, selected by the index
+        expressions ``leads`` over the diagram's axes: ``b``, or ``h * G + g`` under grouped-query
+        heads) as code, where the block holds one index of each axis they read (tiled by 1), else
+        None; clamped into the table, as the gather reads it."""
+        k = self.consts
+        out = []
+        for ax_, lead in zip(axes, leads):
+            names = lead.leaves("idx")
+            if any(n not in self.ax or self.ax[n].cap != 1 for n in names):
+                return None
+            if lead.op == "idx":
+                code = self.gidx(lead.value, {})
+            else:
+                leaf = lambda n: f"int64({self.gidx(n.value, {})})" if n.op == "idx" else str(self.sizes[n.value])
+                code = f"max({lead.to_code(leaf, lambda v: str(int(v)), None)}, 0)"
+            out.append(f"uint32(min({code}, {k.u(self.sizes[ax_] - 1)}))")
+        return tuple(out)
+
+    def _one_entry(self, axes, at, over, starts):
+        """The table indices of the one entry a tile x chunk reads (``over``: the tile's and the
+        chunk's axes, ``starts``: their first indices), when each lies inside one table block
+        (its extent divides the block; it starts at a multiple of its extent), else None."""
+        k = self.consts
+        out = []
+        for ax_, blk, axis, lo in zip(axes, (at.rows, at.cols), over, starts):
+            if self.ax[axis].role not in ("grid", "stream") or blk % self.ax[axis].cap:
+                return None
+            out.append(f"uint32(min({render_code(lo // blk, k.u)}, {k.u(self.sizes[ax_] - 1)}))")
+        return tuple(out)
