@@ -24,7 +24,7 @@ N_COST, TILE = 4096, 64
 
 
 def _reads_heads(v) -> bool:
-    return any(role in v.code for role in ("h + 1", "hb[h]", "bb[b]", "[b, "))
+    return any(role in v.code for role in ("h + 1", "hb[h]", "w[h]", "bb[b]", "[b, "))
 
 
 def entry(v, out: Path) -> str:
@@ -75,9 +75,10 @@ rows are derived from the expression (`napkin_cat/ops/index_support.py`), so the
 the cost model and the kernel skip them alike.  `tests/test_variants.py` checks each against an
 independent NumPy reference (`napkin_cat/library/variant_gallery.py`), tiled, and (slow tier)
 its kernel under the CUDA simulator.  On a GPU, `kernels/variants.py --only flex` checks the
-kernels of seven of them (fp32 and, on tensor cores, fp16) against float64 references computed
-from FlexAttention's own functions, then times them against FlexAttention: the H100 table is in
-`kernels/BENCHMARKS.md`.  Regenerate with `python -m napkin_cat.drawing.variants`.
+kernels of thirteen variants like these (fp32 and, on tensor cores, fp16) against float64
+references computed from FlexAttention's own functions, then times them against FlexAttention:
+the H100 and H200 tables are in `kernels/BENCHMARKS.md`.  Regenerate with
+`python -m napkin_cat.drawing.variants`.
 
 Semantics worth knowing: `window_size=0` keeps only the diagonal `j == i` (`None` is no window);
 gathers from `nc.aux` tensors clamp their indices into the tensor; a fully masked row gives 0;

@@ -57,6 +57,17 @@ def _batch_doc_aux(n, batch, rng):
     return {"doc": ids, "bt": block_table(_batch_doc_mask(n, batch), n, n, BLK, BLK, {"doc": ids}, batch=batch)}
 
 
+def _head_window_mask(H):
+    w = aux("w", Axis("nh", H))
+    return mask_mod(lambda b, h, i, j: (j <= i) & (i - j <= w[h]))
+
+
+def _head_window_aux(n, heads, rng):
+    """A window width of each query head (0 to n), and the block table of each."""
+    widths = rng.integers(0, n + 1, heads).astype(np.float32)
+    return {"w": widths, "bt": block_table(_head_window_mask(heads), n, n, BLK, BLK, {"w": widths}, heads=heads)}
+
+
 W, P, BLK, CAP = 3, 4, 4, 2.0   # window, prefix length, block, soft-cap (tiny shapes)
 IMG, NB = 4, 1                  # NATTEN: image width, neighbourhood radius
 
@@ -106,6 +117,15 @@ GALLERY: tuple[Variant, ...] = (
                                                                         Axis("cb", -(-n // BLK))), BLK, BLK)),
             lambda s, b, h, i, j, a: np.where((a["doc"][b, i] == a["doc"][b, j]) & (j <= i), s, -np.inf),
             lambda n, heads, batch, rng: _batch_doc_aux(n, batch, rng)),
+    Variant("head_windows", "each query head its own causal window (widths in an auxiliary tensor), a block "
+            f"table of {BLK} x {BLK} per query head (under grouped-query heads the query head is h * G + g)",
+            "w, bt = aux('w', nh), aux('bt', nh, rb, cb)\n"
+            "m = mask_mod(lambda b, h, i, j: (j <= i) & (i - j <= w[h]))\n"
+            f"blocked(m, bt, {BLK}, {BLK})  # bt = block_table(m, n, n, {BLK}, {BLK}, {{'w': widths}}, heads=nh)",
+            lambda n, H=4: dict(mask=blocked(_head_window_mask(H), aux("bt", Axis("nh", H), Axis("rb", -(-n // BLK)),
+                                                                       Axis("cb", -(-n // BLK))), BLK, BLK)),
+            lambda s, b, h, i, j, a: np.where((j <= i) & (i - j <= a["w"][h]), s, -np.inf),
+            lambda n, heads, batch, rng: _head_window_aux(n, heads, rng)),
     Variant("relative_bias", "score + (i - j) / 4", "score_mod(lambda s, b, h, i, j: s + (i - j) / 4)",
             lambda n: dict(score_mod=score_mod(lambda s, b, h, i, j: s + (i - j) / 4)),
             lambda s, b, h, i, j, a: s + (i - j) / 4),
