@@ -81,8 +81,9 @@ def evaluate_operands_rounded(d: Diagram, *arrays, sizes: dict | None = None, to
 
     ``toward_zero``: each contraction of 16-bit operands (a tensor-core product) also moves its
     fp32 result one unit in the last place toward zero.  Tensor cores add their products with
-    truncation, not rounding to nearest (Fasi, Higham, Mikaitis, Pranesh: "Numerical behavior of
-    NVIDIA tensor cores", PeerJ CS 2021), so their error has a sign: where a difference cancels
+    truncation, not rounding to nearest (measured on V100, T4 and A100 by Fasi, Higham, Mikaitis,
+    Pranesh: "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021; an H200 kernel's error
+    had one sign as well), so their error has a sign: where a difference cancels
     (the backward's ``dP - D`` with both near 1e6), a one-sided error of half an fp32 unit summed
     over every row moves dK far more than errors of both signs do (kernels/BENCHMARKS.md,
     "Session of 2026-11-28 (H200)")."""
