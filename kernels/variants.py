@@ -6,7 +6,7 @@ Each variant is (diagram, tiles, prefetch, planner switches); every kernel is ch
 float64 reference on random inputs before it is timed, and PyTorch's SDPA / cuBLAS are timed in
 the same run.  Prints a table last and writes variants.json to ``--out`` (``$OUT`` on the device).
 
-``--only flex``: attention variants written as data (issue 11: relative bias, per-head ALiBi, block-causal, prefix-LM, NATTEN, GQA,
+``--only flex``: attention variants written as data (issue 11: relative bias, per-head ALiBi, block-causal, prefix-LM, NATTEN, GQA (causal, and with a window of each query head read from a table of each query head),
 sliding window, block-diagonal, document mask, the document mask with its block table
 (``nc.blocked`` / ``nc.block_table``: data-dependent tile skipping), soft-cap; ``FLEX`` below),
 N = 4096, d = 64, B * H = 32, each in fp32 (CUDA cores) and in fp16 (tensor cores, the mma
@@ -202,6 +202,16 @@ def flex_variants(gen):
                               {"doc": docs.float(), "bt": btable}, {"B": FLEX_B})
     # grouped-query heads: FLEX_H query heads share FLEX_H // GROUPS key/value heads
     out["gqa_causal"] = (dict(causal=True), None, lambda b, h, i, j: j <= i, {}, {"groups": GROUPS})
+    # ... and a causal window of each query head's own width, a block table of each query head
+    # (the query head h * G + g indexes it)
+    widths = torch.arange(1, H + 1, device=DEV, dtype=torch.float32) * (FLEX_N // H)   # exact in 16 bits
+    wq = nc.aux("wq", nh)
+    head_win = nc.mask_mod(lambda b, h, i, j: (j <= i) & (i - j <= wq[h]))
+    hbt = nc.aux("bt", nh, nc.Axis("rb", nb), nc.Axis("cb", nb))
+    htable = nc.block_table(head_win, FLEX_N, FLEX_N, TABLE_BLOCK, TABLE_BLOCK, {"wq": widths}, heads=H)
+    out["gqa_head_windows"] = (dict(mask=nc.blocked(head_win, hbt, TABLE_BLOCK, TABLE_BLOCK)), None,
+                               lambda b, h, i, j: (j <= i) & (i - j <= widths[h]), {"wq": widths, "bt": htable},
+                               {"groups": GROUPS, "H": H})
     return out
 
 
@@ -250,7 +260,7 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
     err = rel_err(O[:, :2, rows], ref)
     assert not torch.isnan(O).any()
     ms = cuda_time(run)
-    bm = (create_block_mask(mask, B=flex_kw.get("B"), H=None, Q_LEN=N, KV_LEN=N, device=DEV)
+    bm = (create_block_mask(mask, B=flex_kw.get("B"), H=flex_kw.get("H"), Q_LEN=N, KV_LEN=N, device=DEV)
           if mask is not None else None)
     flex = compiled_flex()
     gqa = dict(enable_gqa=True) if G > 1 else {}
