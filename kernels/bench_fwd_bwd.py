@@ -181,8 +181,8 @@ def case(dt: str, N: int, D: int, causal: bool, BH: int, check: bool, backward: 
     t0 = time.perf_counter()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = (BH // groups, groups) if groups > 1 else (BH,)      # BH query heads, BH / groups key/value heads
-    Q, K, V, dO = (torch.randn(*(rows if k in (0, 3) else rows[:1]), N, D, device="cuda", generator=g).to(DTYPES[dt])
-                   for k in range(4))
+    Q, K, V, dO = (torch.randn(*heads, N, D, device="cuda", generator=g).to(DTYPES[dt])
+                   for heads in (rows, rows[:1], rows[:1], rows))
     Q, K, V = (t.requires_grad_() for t in (Q, K, V))
     tiles = dict(tiles or {})
     threads = tiles.pop("threads", None)

@@ -31,7 +31,7 @@ TOL = 2e-2
 
 
 def variants():
-    q, x, d, h, g, e = nc.axes("q x d h g e")
+    q, x, d, h, g, g4, e = nc.axes("q x d h g g4 e")     # g4: four groups (SIZES)
     L = nc.library
     base = dict(q=q, x=x, d=d, heads=h)
     return {
@@ -48,7 +48,7 @@ def variants():
         "NATTEN radius 2": L.attention(**base, mask=nc.mask_mod(
             lambda b, h, i, j: (abs(i // 16 - j // 16) <= 2) & (abs(i % 16 - j % 16) <= 2))),
         "relative bias": L.attention(**base, score_mod=nc.score_mod(lambda s, b, h, i, j: s + (i - j) * 0.01)),
-        "GQA (4 groups) window 48": L.attention(q=q, x=x, d=d, heads=h, groups=g, window_size=48),
+        "GQA (4 groups) window 48": L.attention(q=q, x=x, d=d, heads=h, groups=g4, window_size=48),
     }
 
 
@@ -58,13 +58,15 @@ def relabelled(dia):
 
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
+SIZES = {"h": 2, "g": 2, "g4": 4, "e": 32}
+"""Every variant's sizes beside ``q = x = --n`` and ``d = --d``, by axis name."""
 
 
 def check(name: str, dtype: str, n: int, dim: int, backward: str | None = None) -> tuple:
     """One variant at one dtype: (variant, dtype, verdict, largest error, backward path, kernels
     on wgmma), and the error of each output."""
     dia, dt = variants()[name], DTYPES[dtype]
-    sizes = {"q": n, "x": n, "d": dim, "h": 2, "g": 4 if "4 groups" in name else 2, "e": 32}
+    sizes = {"q": n, "x": n, "d": dim, **SIZES}
     gen = torch.Generator(device="cuda").manual_seed(0)
     tensors = [torch.randn(*(sizes[a.name] for a in arr.axes), device="cuda", generator=gen).to(dt)
                .requires_grad_() for arr in dia.dom]

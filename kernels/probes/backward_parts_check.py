@@ -29,13 +29,11 @@ def check_form(name: str, spec: str, groups: int, n: int, dim: int, dtype: str, 
                causal: bool, dump: Path | None = None) -> list[tuple]:
     import torch
     import napkin_cat as nc
-    from bench_fwd_bwd import DTYPES, PREFETCH, flash, switch_value
+    from bench_fwd_bwd import DTYPES, flash, switch_value
     from napkin_cat.lowering.backward_forms import residual_inputs
-    from probes.op_forms import MODULES
-    items = dict(item.split("=") for item in filter(None, spec.split(",")))
-    prefetch = PREFETCH[items.pop("prefetch", "auto")]
-    home = {k: next(m for m in MODULES if hasattr(m, k)) for k in items}
-    for k, v in items.items():
+    from probes.op_forms import parse_form
+    prefetch, items, home = parse_form(spec)
+    for k, v in items.items():   # this process builds this form only: nothing to restore
         setattr(home[k], k, switch_value(getattr(home[k], k), v))
     op = nc.torch_op(flash(causal, groups), prefetch=prefetch, backward=backward)
     sizes = {"q": n, "x": n, "d": dim, "h": 2, **({"g": groups} if groups > 1 else {})}

@@ -36,11 +36,17 @@ from napkin_cat.lowering import (column_values, emit, emit_loads, emit_mma, emit
 MODULES = (planner, emit_mma, producer, emit, emit_loads, emit_states, column_values, paired_stores, wgmma, wgmma_plan)
 
 
-def build(spec: str, causal: bool, Q, K, V, dO):
-    """The op of one form, planned and compiled under its tunables (first call)."""
+def parse_form(spec: str):
+    """``(prefetch, items, home)`` of a form ``"NAME=VALUE,...,prefetch=MODE"``: the op's prefetch,
+    the tunables' values as written, and the module of :data:`MODULES` each tunable lives in."""
     items = dict(item.split("=") for item in filter(None, spec.split(",")))
     prefetch = PREFETCH[items.pop("prefetch", "auto")]
-    home = {k: next(m for m in MODULES if hasattr(m, k)) for k in items}
+    return prefetch, items, {k: next(m for m in MODULES if hasattr(m, k)) for k in items}
+
+
+def build(spec: str, causal: bool, Q, K, V, dO):
+    """The op of one form, planned and compiled under its tunables (first call)."""
+    prefetch, items, home = parse_form(spec)
     saved = {k: getattr(home[k], k) for k in items}
     try:
         for k, v in items.items():

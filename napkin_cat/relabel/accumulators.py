@@ -57,6 +57,12 @@ class Accumulator:
     def states(self):
         return self.spec.states(self.box, self.axis)
 
+    def reduces(self, axis: str) -> bool:
+        """Whether the box sums ``axis`` away: an input carries it, the output does not (a
+        contraction over the queries, updated inside a stream over the groups)."""
+        return (any(axis in t.axis_names for t in self.box.dom)
+                and axis not in self.box.cod[0].axis_names)
+
     def slice_updates(self, axis: str) -> bool:
         """Inside a stream loop over ``axis`` (not its own), each chunk updates a slice of a state
         that carries ``axis``; a loop over an axis no state carries adds to whole states."""

@@ -419,10 +419,7 @@ def _updates_per_chunk(acc: Accumulator, axis: str) -> bool:
     grouped-query attention sums dK over the groups and the queries so)."""
     if acc.axis == axis or all(axis in axes_ for _, axes_, _ in acc.states()):
         return True
-    if acc.rule != "sum_contract":
-        return False
-    summed = {a for t in acc.box.dom for a in t.axis_names} - set(acc.box.cod[0].axis_names)
-    return axis in summed
+    return acc.rule == "sum_contract" and acc.reduces(axis)
 
 
 def _downstream(d: Diagram, acc_eqns: set[int], candidates) -> set[int]:

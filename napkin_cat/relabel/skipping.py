@@ -76,16 +76,6 @@ def _summing(acc) -> bool:
     return acc.rule in SUM_RULES or (acc.rule == "reduce" and acc.box.param("op") == "sum")
 
 
-def _sums_over(ff: FinalForm, acc, axis: str) -> bool:
-    """A summing accumulator whose box also reduces ``axis`` (an input carries it, the state does not)."""
-    if not _summing(acc):
-        return False
-    e = ff.diagram.eqns[acc.eqn]
-    types = ff.diagram.var_types()
-    return (any(axis in types[v].axis_names for v in e.ins)
-            and not any(axis in axes for _, axes, _ in acc.states()))
-
-
 class _Paths:
     """The masks a value descends from along boxes with a trait (ordered sets: dicts)."""
 
@@ -150,7 +140,7 @@ def chunk_skips(ff: FinalForm, loop: Loop) -> tuple[Skip, ...]:
         if not isinstance(n, Update) or loop not in loops:
             continue
         acc = ff.accumulators[n.acc]
-        if (acc.axis != loop.axis and not _sums_over(ff, acc, loop.axis)) or n.acc in seen:
+        if (acc.axis != loop.axis and not (_summing(acc) and acc.reduces(loop.axis))) or n.acc in seen:
             continue
         seen.add(n.acc)
         ins = ff.diagram.eqns[acc.eqn].ins
