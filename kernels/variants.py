@@ -136,8 +136,9 @@ def matmul_variant(M, tiles, pf, sw, gen):
 FLEX_N, FLEX_D, FLEX_B, FLEX_H, WINDOW, BLOCK = 4096, 64, 2, 16, 256, 64
 CHUNK, PREFIX, IMAGE, RADIUS, GROUPS = 256, 1024, 64, 3, 4   # block-causal chunk, prefix-LM prefix, NATTEN 64 x 64 image 7 x 7, GQA groups
 TABLE_BLOCK = 128     # FlexAttention's default block size
-FLEX_TILES = {"f32": ({"q": 128, "x": 64}, 256, False), "f16": ({"q": 128, "x": 64}, 128, "auto")}
-"""dtype -> (tiles, threads, prefetch): 16-bit kernels take ``prefetch="auto"`` (two cp.async buffers
+FLEX_TILES = {"f32": ({"q": 128, "x": 64}, 256, False), "f16": (None, None, "auto")}
+"""dtype -> (tiles, threads, prefetch): 16-bit kernels take ``nc.lower``'s own blocks and threads
+(None: what a user gets; ``--tiles`` forces others) and ``prefetch="auto"`` (two cp.async buffers
 per streamed input where registers and shared memory allow: ``planner.auto_prefetch``), as
 ``nc.torch_op`` does."""
 TORCH_DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -245,6 +246,8 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
     t, th, pf = FLEX_TILES.get(dt, FLEX_TILES["f16"])
     tiles, threads, prefetch = tiles or t, threads or th, pf if prefetch is None else prefetch
     kernel = nc.lower(dia, tiles=tiles, threads=threads, prefetch=prefetch, verify=False)
+    tiles = {r.axis: r.size for r in kernel.diagram.schedule if r.op in ("tile", "stream") and r.axis in ("q", "x")}
+    threads = kernel.options["threads"]   # the blocks and computing threads it was lowered with
     Q = torch.randn(B, H, N, D, device=DEV, generator=gen).to(TORCH_DT[dt])
     K, V = (torch.randn(B, H // G, N, D, device=DEV, generator=gen).to(TORCH_DT[dt]) for _ in range(2))
     # auxiliary inputs in the dtype the diagram declares for them (16-bit in a 16-bit kernel)

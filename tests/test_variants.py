@@ -331,6 +331,32 @@ def test_block_table_masks_equal_the_mask_and_skip_by_data():
     assert "for i_rb" in halves and "bt_entry" not in halves
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_table_of_each_head_is_counted_head_by_head(grouped):
+    """A causal window of each query head's own width, read from a table of each query head
+    (``bt[h, ...]``; under GQA ``bt[h * G + g, ...]``): the cost counts each head's chunks and
+    adds them up, not the chunks every head masks (the widest window's: an upper bound)."""
+    n, blk, H, G = 32, 4, 4, 2
+    widths = np.array([0, 4, 12, 32], dtype=np.float32)
+    wq = nc.aux("wq", nc.Axis("nh", H))
+    m = nc.mask_mod(lambda b_, h_, i, j: (j <= i) & (i - j <= wq[h_]))
+    table = nc.block_table(m, n, n, blk, blk, {"wq": widths}, heads=H)
+    bt = nc.aux("bt", nc.Axis("nh", H), nc.Axis("rb", n // blk), nc.Axis("cb", n // blk))
+    heads = dict(heads=h, groups=g) if grouped else dict(heads=h)
+    sizes = {q: n, x: n, d: D, h: H // G, g: G} if grouped else {q: n, x: n, d: D, h: H}
+
+    def flops(mask, data=None):
+        dia = nc.library.attention(q=q, x=x, d=d, mask=mask, **heads).bind(sizes)
+        return nc.cost(dia.stream("x", blk).tile("q", blk), data=data).flops["tensor"]
+
+    per_head = []
+    for k in range(H):   # one head alone, its window a constant: the count the table must give
+        w = int(widths[k])
+        per_head.append(flops(nc.mask_mod(lambda b_, h_, i, j: (j <= i) & (i - j <= w))) / H)
+    assert flops(nc.blocked(m, bt, blk, blk), {"bt": table}) == sum(per_head)
+    assert sum(per_head) < flops(nc.causal())
+
+
 def test_block_table_refuses_what_it_cannot_tabulate():
     with pytest.raises(TypingError, match="reads the index h"):
         nc.block_table(lambda b_, h_, i, j: h_ == 0, 8, 8, 4, 4)

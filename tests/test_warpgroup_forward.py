@@ -69,6 +69,31 @@ def test_the_wide_forward_takes_masks_from_the_first_column_only():
     assert wide(nc.predicate(lambda i, j: j != i)) == 0
 
 
+@pytest.mark.parametrize("name,mask,rows", [
+    ("window 256", nc.window(256, 0), 64),          # 320 of 384 columns per row: 0.069 against 0.079 ms
+    ("block-diagonal 64", nc.block_diagonal(64), 64),   # 64 of 128: 0.043 against 0.050
+    ("NATTEN 7 x 7", nc.mask_mod(lambda b, h, i, j: (abs(i // 64 - j // 64) <= 3) & (abs(i % 64 - j % 64) <= 3)),
+     64),                                           # 448 of 512: 0.120 against 0.140
+    ("window 4096", nc.window(4096, 0), 128),       # 4160 of 4224: the taller tiles' cost per entry wins
+    ("causal", nc.causal(), 128),                   # keeps the first column: no band
+    ("block-causal 256", nc.mask_mod(lambda b, h, i, j: i // 256 >= j // 256), 128),
+    ("custom", nc.predicate(lambda i, j: j != i), 128),   # no support
+])
+def test_a_band_mask_halves_the_row_tiles_of_the_16_bit_forward(name, mask, rows):
+    """relabel.skipping.shorter_rows_pay, measured on an H200 (kernels/BENCHMARKS.md, "Session of
+    2026-11-28 (H200), second"): at d = 64 on 4 warps, tiles of 64 rows cost 5-8% more per entry
+    than 128, so they are taken where a band keeps at most 90% of the taller tiles' entries."""
+    from napkin_cat.relabel.skipping import band_span, shorter_rows_pay
+    dia = _attention(mask=mask)
+    sched = choose(dia, simulate=False)
+    tile = {r.axis: r.size for r in sched.diagram.schedule if r.op == "tile"}
+    assert (sched.threads, tile["q"]) == (128, rows), name
+    assert shorter_rows_pay(dia.unrelabelled(), "q", 128) == (rows == 64)
+    assert shorter_rows_pay(dia.unrelabelled(), "x", 128) is False     # no mask has x as its rows
+    if rows == 64 and name.startswith("window"):
+        assert band_span(dia.unrelabelled(), "q", 64) == 256 + 64
+
+
 def test_the_rule_needs_the_copying_warpgroup_and_an_online_softmax(monkeypatch):
     d0 = _attention().unrelabelled()
     monkeypatch.setattr(producer, "SWITCH", False)

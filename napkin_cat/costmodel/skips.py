@@ -155,9 +155,12 @@ class SkipCounter:
                                       if a.table.name not in self.data))
         if all(v.is_Integer for v in sizes) and int(N) // int(steps[-1]) <= MAX_TILES:
             key = tuple(map(id, loops[:i + 1]))
-            if key not in self._chunks:
-                self._chunks[key] = chunk_states(skips, int(N), [int(v) for v in steps], int(n), int(s), self.data)
-            e, r, partial = exact_counts(self._chunks[key], skips, int(steps[-1]), int(s), row_in, col_in)
+            if key not in self._chunks:   # one list of chunks per slice of the tables' leads
+                memo: dict = {}
+                self._chunks[key] = [chunk_states(skips, int(N), [int(v) for v in steps], int(n), int(s), dd, memo)
+                                     for dd in lead_slices(self.data, skips)]
+            e, r, partial = mean_counts([exact_counts(c, skips, int(steps[-1]), int(s), row_in, col_in)
+                                         for c in self._chunks[key]])
             return SkippedTrips(frozenset(rows + (i,)), e, r, partial, unknown)
         e = approximate_visits(skips, N, steps[-1], n, s)
         if e is None:
@@ -165,6 +168,33 @@ class SkipCounter:
         T = N / steps[-1]
         r = e if row_in else e * sp.ceiling(T) / T
         return SkippedTrips(frozenset(rows + (i,)), e, r, (), unknown)
+
+
+def lead_slices(data: dict, skips) -> list[dict]:
+    """``data`` once per slice of the block tables read with a lead (a table of each batch or
+    head: ``table[b, i // r, j // c]``, ``table[h * G + g, ...]``), each such table replaced by
+    its slice, so that the chunks are counted head by head and averaged (:func:`mean_counts`):
+    the leads name each slice equally often (a batch, a head, a query head of a group).  Tables
+    with different leading shapes are counted together, a chunk masked only where every slice
+    masks it (an upper bound)."""
+    names = {a.table.name for sk in skips for a in sk.pred.block_atoms() if a.lead}
+    led = {k: np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=float)
+           for k, v in data.items() if k in names}
+    led = {k: v for k, v in led.items() if v.ndim > 2}
+    shapes = {v.shape[:-2] for v in led.values()}
+    if len(shapes) != 1:
+        return [data]
+    return [{**data, **{k: v[at] for k, v in led.items()}} for at in np.ndindex(*shapes.pop())]
+
+
+def mean_counts(counts: list) -> tuple:
+    """The mean of :func:`exact_counts`' ``(E, ragged E, partial)`` over the slices of
+    :func:`lead_slices`."""
+    k = len(counts)
+    e = sum(c[0] for c in counts) / k
+    r = sum(c[1] for c in counts) / k
+    partial = tuple((pred, sum(c[2][m][1] for c in counts) / k) for m, (pred, _) in enumerate(counts[0][2]))
+    return e, r, partial
 
 
 def _tiles(r0: int, r1: int, steps: list[int]):
@@ -176,38 +206,50 @@ def _tiles(r0: int, r1: int, steps: list[int]):
         yield from _tiles(a, min(a + steps[0], r1), steps[1:])
 
 
-def _table_atom(data: dict, r0, r1, c0, c1):
+def _table_atom(data: dict, held: dict, r0, r1, c0, c1):
     """``atom(block_atom) -> (full, empty)`` from the block tables' values in ``data``
     (indices clamped into the table, as the gather reads it); ``(False, False)`` (partial,
-    visited) for a table whose values are not given."""
+    visited) for a table whose values are not given.  ``held``: each atom's comparison over
+    its whole table, computed once per table and comparison."""
     def atom(a):
         t = data.get(a.table.name)
         if t is None:
             return False, False
-        # a table of each batch or head (a.lead): every slice alike, so a chunk counts as masked
-        # (kept) only where every batch and head masks (keeps) it
+        key = (a.table.name, a.cmp, a.c)
+        if key not in held:
+            held[key] = np.asarray(a.holds(t), dtype=bool)
+        # a table of each batch or head (a.lead) not sliced by lead_slices: a chunk counts as
+        # masked (kept) only where every batch and head masks (keeps) it
         R, C = t.shape[-2:]
-        vals = t[..., min(r0 // a.rows, R - 1):min((r1 - 1) // a.rows, R - 1) + 1,
-                 min(c0 // a.cols, C - 1):min((c1 - 1) // a.cols, C - 1) + 1]
-        hold = [a.holds(float(v)) for v in vals.ravel()]
-        return all(hold), not any(hold)
+        hold = held[key][..., min(r0 // a.rows, R - 1):min((r1 - 1) // a.rows, R - 1) + 1,
+                         min(c0 // a.cols, C - 1):min((c1 - 1) // a.cols, C - 1) + 1]
+        return bool(hold.all()), not bool(hold.any())
     return atom
 
 
-def chunk_states(skips, N: int, steps: list[int], n: int, s: int, data: dict | None = None) -> list:
+def chunk_states(skips, N: int, steps: list[int], n: int, s: int, data: dict | None = None,
+                 memo: dict | None = None) -> list:
     """Every (row tile, visited chunk) as ``(rows, cols, empty, full by mask)``: the tile's
     rows, the chunk's columns, whether a mask masks it whole (its block table's data says so),
-    and for each mask whether it keeps it whole (:meth:`~napkin_cat.ops.index.Predicate.chunk_state`)."""
+    and for each mask whether it keeps it whole (:meth:`~napkin_cat.ops.index.Predicate.chunk_state`).
+    ``memo``: the masks' states by chunk and by what the tables say of it, shared by the calls
+    for the slices of one table (:func:`lead_slices`)."""
+    memo = {} if memo is None else memo
+    atoms = tuple(dict.fromkeys(a for sk in skips for a in sk.pred.block_atoms()))
     out = []
     last = -(-n // s)
     data = {k: np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=float)
             for k, v in (data or {}).items()}
+    held: dict = {}
     for r0, r1 in _tiles(0, N, steps):
         lo, hi = visited(skips, {skips[0].row: (r0, r1)}, n, IntAlgebra)
         for k in range(lo // s, min(-(-hi // s), last)):
             c0, c1 = k * s, min(k * s + s, n)
-            atom = _table_atom(data, r0, r1, c0, c1)
-            states = [sk.chunk_state(r0, r1, c0, c1, IntAlgebra, BoolLogic, atom) for sk in skips]
+            atom = _table_atom(data, held, r0, r1, c0, c1)
+            key = (r0, r1, c0, c1, tuple(atom(a) for a in atoms))
+            if key not in memo:
+                memo[key] = [sk.chunk_state(r0, r1, c0, c1, IntAlgebra, BoolLogic, atom) for sk in skips]
+            states = memo[key]
             out.append((r1 - r0, c1 - c0, any(e for _, e in states), tuple(f for f, _ in states)))
     return out
 

@@ -58,7 +58,7 @@ def entry(v, out: Path) -> str:
         lines += ["Bound to the diagram's axes (`q` query, `x` key, `h` head, `b` batch):", "", "```"]
         lines += exprs + ["```", ""]
     why = ("the chunks its block table masks are skipped as the kernel runs; counted with the gallery's "
-           "random data, every batch and head alike" if tables else
+           "random data, each batch and head by its own slice of the table" if tables else
            "tiles skipped by the derived block sparsity" if share < 1 else "no tile can be skipped")
     lines += [f"Tensor work at N = {N_COST}, tiles of {TILE} x {TILE}: **{float(share):.3f}** of dense ({why}).",
               "", "<details><summary>pseudocode (loop nest)</summary>", "", "```", pseudo, "```", "", "</details>", ""]

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from ..core.diagram import Axis, Diagram
 from ..core.errors import LoweringError, NapkinError
 from ..relabel.loopnest import FinalForm
+from ..relabel.skipping import shorter_rows_pay
 from ..relabel.rules import (check_blocks, fuse_norm_contract, fuse_softmax_contract, requirements, stream_plan,
                        tile_problem)
 from . import planner
@@ -313,9 +314,10 @@ def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: 
         # tensor cores: 16 rows per warp and row tile, two row tiles per warp when the contractions
         # are narrow (d <= 64) and the block has at most 4 warps, else one (measured on an H100);
         # one for 3xTF32 (four times the fragment registers: spills at two, ptxas); two on 8 warps
-        warps = max(1, T // 32)    # for the warpgroup forward (wgmma_plan.warpgroup_forward)
-        one = (_widest(d0, axis) > 64 or warps > 4 or kernel_dtype(d0) == "f32") \
-            and not (T == 256 and warpgroup_forward(d0, simulate, planner.WGMMA) == 256)
+        # for the warpgroup forward; one under a band mask keeping few entries (shorter_rows_pay)
+        warps = max(1, T // 32)
+        one = (_widest(d0, axis) > 64 or warps > 4 or kernel_dtype(d0) == "f32" or shorter_rows_pay(
+            d0, axis, 32 * warps)) and not (T == 256 and warpgroup_forward(d0, simulate, planner.WGMMA) == 256)
         return min(n, 16 * warps * (1 if one else 2))
     return min(n, 128 if len(main) >= 2 else 64)
 
