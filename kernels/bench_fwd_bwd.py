@@ -327,14 +327,16 @@ def main(argv=None):
               f"| {f(r, 'flex_ms')} | {f(r, 'naive_ms')} | {ratio('flex_ms')} | {ratio('sdpa_ms')} | {mem} | {kms} "
               f"| {steady} | {steady_ratio(r)} |")
     both = [r for r in results["cases"] if "ours_one_ms" in r]
-    if both:   # --backward both: the cost model's pick against the measured faster form
+    if both:   # --backward both: the cost model's pick and the op's (a measured rule may overrule
+        # the model: backward_forms.WARPGROUP_ONE_KERNEL) against the measured faster form
         print("\n| dtype | N | d | causal | predicted backward ms one / two | measured fwd+bwd ms one / two "
-              "| predicted faster | measured faster |")
+              "| predicted faster | the op takes | measured faster |")
         for r in both:
             pred = " / ".join(f(r, f"predicted_{k}_ms") for k in ("one", "two"))
+            model = "one kernel" if r["predicted_one_ms"] < r["predicted_two_ms"] else "two kernels"
             fast = "one kernel" if r["ours_one_ms"] < r["ours_two_ms"] else "two kernels"
             print(f"| {r['dtype']} | {r['N']} | {r['d']} | {r['causal']} | {pred} | {r['ours_one_ms']:.3f} / "
-                  f"{r['ours_two_ms']:.3f} | {r['backward_form']} | {fast} |")
+                  f"{r['ours_two_ms']:.3f} | {model} | {r['backward_form']} | {fast} |")
 
 
 if __name__ == "__main__":

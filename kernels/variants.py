@@ -6,7 +6,7 @@ Each variant is (diagram, tiles, prefetch, planner switches); every kernel is ch
 float64 reference on random inputs before it is timed, and PyTorch's SDPA / cuBLAS are timed in
 the same run.  Prints a table last and writes variants.json to ``--out`` (``$OUT`` on the device).
 
-``--only flex``: attention variants written as data (issue 11: relative bias, per-head ALiBi, block-causal, prefix-LM, NATTEN, GQA (causal, and with a window of each query head read from a table of each query head),
+``--only flex``: attention variants written as data (issue 11: relative bias, per-head ALiBi, block-causal, prefix-LM, NATTEN, GQA (causal, and with a window of each query head read from a table of each query head; the same windows without groups),
 sliding window, block-diagonal, document mask, the document mask with its block table
 (``nc.blocked`` / ``nc.block_table``: data-dependent tile skipping), soft-cap; ``FLEX`` below),
 N = 4096, d = 64, B * H = 32, each in fp32 (CUDA cores) and in fp16 (tensor cores, the mma
@@ -213,6 +213,10 @@ def flex_variants(gen):
     out["gqa_head_windows"] = (dict(mask=nc.blocked(head_win, hbt, TABLE_BLOCK, TABLE_BLOCK)), None,
                                lambda b, h, i, j: (j <= i) & (i - j <= widths[h]), {"wq": widths, "bt": htable},
                                {"groups": GROUPS, "H": H})
+    # the same windows and table without groups: what the grouped heads add
+    out["head_windows"] = (dict(mask=nc.blocked(head_win, hbt, TABLE_BLOCK, TABLE_BLOCK)), None,
+                           lambda b, h, i, j: (j <= i) & (i - j <= widths[h]), {"wq": widths, "bt": htable},
+                           {"H": H})
     return out
 
 

@@ -190,6 +190,21 @@ def test_shapes_that_do_not_fit_fragments_run_on_cuda_cores_and_say_why():
     assert "mma_" not in fp32.source and "tensorcore" not in fp32.source
 
 
+@pytest.mark.parametrize("tiles,threads,why", [
+    ((128, 128), 128, "takes at least 32 16x8 tiles per warp on 4 warps (128 fp32 accumulators per thread), "
+                      "more than the 16 a warp holds"),
+    ((16, 24), 64, "no split of 2 warps over its extents 16x24 gives whole 16x8 tiles"),
+])
+def test_scores_too_large_for_a_warps_fragments_say_so(tiles, threads, why):
+    """A forced tile whose scores fit no warp's fragments runs on CUDA cores (correct, and far
+    slower: 4.86 ms against 0.23 at 128 x 128 on 4 warps on an H200, kernels/BENCHMARKS.md), and the
+    note names the cause: the accumulators a warp would hold, or no whole split."""
+    rows, cols = tiles
+    att = L.attention(q=q, x=x, d=d, dtype=nc.f16).stream(x, cols).tile(q, rows).place("O", "registers")
+    kernel = nc.lower(att.bind({q: 2 * rows, x: 2 * cols, d: 16}), threads=threads, verify=False)
+    assert any("not tensor cores" in n and why in n for n in kernel.notes), kernel.notes
+
+
 def test_one_sixteen_bit_dtype_per_kernel():
     from napkin_cat.ops.builder import Builder
     bld = Builder(nc.f16)

@@ -88,18 +88,18 @@ def main():
             O = torch.full_like(Q, float("nan"))
             err, ms, kms = checked_times(k.prepare(Q, K, V, out=O), lambda: O[:, :2, sel], ref)
             rows.append((causal, form, k.launch.block[0], k.schedule.diagram._sched_str(), err, kms,
-                         flops / kms / 1e9, k.compiled_info().get("registers")))
+                         flops / kms / 1e9, k.compiled_info().get("registers"), k.compiled_info().get("local_bytes")))
             print(rows[-1], flush=True)
         flex, fo = compiled_flex(), {}
         from torch.nn.attention.flex_attention import create_block_mask
         bm = create_block_mask(lambda b_, h_, i, j: i >= j, None, None, N, N) if causal else None
         err, ms, kms = checked_times(lambda: fo.update(o=flex(Q, K, V, block_mask=bm)), lambda: fo["o"][:, :2, sel], ref)
-        rows.append((causal, "FlexAttention (compiled)", None, "", err, kms, flops / kms / 1e9, None))
+        rows.append((causal, "FlexAttention (compiled)", None, "", err, kms, flops / kms / 1e9, None, None))
         print(rows[-1], flush=True)
-    print(f"| causal | form (f16, N = {N}, d = {D}, B*H = {B * H}) | threads | blocks | err | kernel ms | TFLOP/s | regs |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| causal | form (f16, N = {N}, d = {D}, B*H = {B * H}) | threads | blocks | err | kernel ms | TFLOP/s | regs | local bytes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {int(r[0])} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1e} | {r[5]:.3f} | {r[6]:.0f} | {r[7]} |")
+        print(f"| {int(r[0])} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1e} | {r[5]:.3f} | {r[6]:.0f} | {r[7]} | {r[8]} |")
 
 
 if __name__ == "__main__":

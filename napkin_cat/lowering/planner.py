@@ -360,8 +360,7 @@ def _contraction_mapping(dd, what: str, out_axes, eqn: int, red, th: Threads):
         why = th.mma_refusal(out_axes, operands, red)
         m = th.frag_for(out_axes) if why is None else None
         if why is None and m is None:
-            why = (f"no split of {th.T // 32} warps over its extents "
-                   f"{'x'.join(map(str, caps(out_axes, th.ax)[1]))} gives whole 16x8 tiles")
+            why = th.frag_refusal(out_axes)
         if m is not None:
             return m, "mma"
         th.note(f"{what} on CUDA cores (fp32), not tensor cores: {why}.")

@@ -97,6 +97,19 @@ class Threads:
                             Wm=Wm, Wn=Wn, dtype=self.dtype)
         return best
 
+    def frag_refusal(self, out_axes) -> str:
+        """Why :meth:`frag_for` found no fragments over ``out_axes``: no split of the warps gives
+        whole 16x8 tiles, or every split that does holds more than :data:`MAX_FRAG_TILES` per warp."""
+        _, (cr, cc) = caps(out_axes, self.ax)
+        W = self.T // 32
+        fewest = min(((cr // (16 * m)) * (cc // (8 * (W // m))) for m in range(1, W + 1)
+                      if W % m == 0 and cr % (16 * m) == 0 and cc % (8 * (W // m)) == 0), default=None)
+        if fewest is None:
+            return f"no split of {W} warps over its extents {cr}x{cc} gives whole 16x8 tiles"
+        return (f"its {cr}x{cc} tile takes at least {fewest} 16x8 tiles per warp on {W} warps ({4 * fewest} "
+                f"fp32 accumulators per thread), more than the {MAX_FRAG_TILES} a warp holds "
+                f"(threads.MAX_FRAG_TILES); smaller tiles or more threads keep it on tensor cores")
+
     def joint_frag(self, r: str, x: str, dcol: str) -> tuple[Frag, Frag] | None:
         """Fragments over ``(r, x)`` (scores, reduced over their own axis) and ``(r, dcol)`` (the
         weighted sum, reduced over ``x``) with the same warps along ``r`` (``Wn == 1``): a lane's
