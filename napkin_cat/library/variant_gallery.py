@@ -116,7 +116,7 @@ GALLERY: tuple[Variant, ...] = (
             lambda n, B=2: dict(mask=blocked(_batch_doc_mask(n, B), aux("bt", Axis("nb", B), Axis("rb", -(-n // BLK)),
                                                                         Axis("cb", -(-n // BLK))), BLK, BLK)),
             lambda s, b, h, i, j, a: np.where((a["doc"][b, i] == a["doc"][b, j]) & (j <= i), s, -np.inf),
-            lambda n, heads, batch, rng: _batch_doc_aux(n, batch, rng)),
+            lambda n, heads, batch, rng: _batch_doc_aux(n, batch, rng), block_sparse=True),
     Variant("head_windows", "each query head its own causal window (widths in an auxiliary tensor), a block "
             f"table of {BLK} x {BLK} per query head (under grouped-query heads the query head is h * G + g)",
             "w, bt = aux('w', nh), aux('bt', nh, rb, cb)\n"
@@ -125,7 +125,7 @@ GALLERY: tuple[Variant, ...] = (
             lambda n, H=4: dict(mask=blocked(_head_window_mask(H), aux("bt", Axis("nh", H), Axis("rb", -(-n // BLK)),
                                                                        Axis("cb", -(-n // BLK))), BLK, BLK)),
             lambda s, b, h, i, j, a: np.where((j <= i) & (i - j <= a["w"][h]), s, -np.inf),
-            lambda n, heads, batch, rng: _head_window_aux(n, heads, rng)),
+            lambda n, heads, batch, rng: _head_window_aux(n, heads, rng), block_sparse=True),
     Variant("relative_bias", "score + (i - j) / 4", "score_mod(lambda s, b, h, i, j: s + (i - j) / 4)",
             lambda n: dict(score_mod=score_mod(lambda s, b, h, i, j: s + (i - j) / 4)),
             lambda s, b, h, i, j, a: s + (i - j) / 4),

@@ -366,15 +366,19 @@ class Loads(TableReads):
             # in the mask's (row, column) order: the tile's rows and the chunk's columns, or transposed
             (r0, r1), (c0, c1) = (chunk, tile) if transposed else (tile, chunk)
             over = (lp.axis, tiled) if transposed else (tiled, lp.axis)
-            atom = lambda at, eqn=eqn, pred=pred, over=over, r0=r0, r1=r1, c0=c0, c1=c1: self._block_atom(
-                at, eqn, pred, over, r0, r1, c0, c1, src)
+            read = []   # the table entries this block reads (none where it holds several of its slices)
+
+            def atom(at, eqn=eqn, pred=pred, over=over, r0=r0, r1=r1, c0=c0, c1=c1):
+                state = self._block_atom(at, eqn, pred, over, r0, r1, c0, c1, src)
+                read.append(state != (False, False))
+                return state
             full, empty = pred.chunk_state(r0, r1, c0, c1, CodeAlgebra, lg, atom)
             if full is not False:
                 name = self.names.fresh(f"{a.name}_full")
                 src(f"{name} = {full}  # the mask keeps the whole chunk: its arithmetic is skipped")
                 flags[(*over, pred)] = name
-            if (tiled, pred, transposed) in skipping and empty is not False:
-                empties.append(empty)
+            if (tiled, pred, transposed) in skipping and empty is not False and any(read):
+                empties.append(empty)   # the bounds alone are the loop's (relabel.skipping)
         if not empties:
             return None
         name = self.names.fresh(f"{a.name}_empty")

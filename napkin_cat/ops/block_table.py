@@ -133,7 +133,23 @@ def blocked(mask, table, rows: int, cols: int) -> Predicate:
     from .index_expr import leaves
     lv = leaves()
     t = table[(*(lv[r] for r in leads), lv["i"] // rows, lv["j"] // cols)]
-    return Predicate("expr", (((t >= 2) | ((t >= 1) & m.expr)), None, None))
+    e = (t >= 2) | ((t >= 1) & m.expr)
+    for c in bounds(m.expr):   # the mask's own bounds, which the table's data cannot show
+        e = e & c
+    return Predicate("expr", (e, None, None))
+
+
+def bounds(e) -> tuple:
+    """The conjuncts of mask expression ``e`` (its operands of ``&``, recursively) that gather
+    nothing and bound the columns themselves (``j <= i``): :func:`blocked` keeps them beside the
+    table, so that a kernel's loop stops where they do (the diagonal of a causal document mask)
+    instead of reading the table's masked entries up to the last column; where the table is
+    ``e``'s, ``table-read & conjunct`` is ``e`` still, since ``e`` implies each conjunct."""
+    if e.op == "and" and e.dtype == "bool":
+        return bounds(e.args[0]) + bounds(e.args[1])
+    if e.auxes():
+        return ()
+    return (e,) if Predicate("expr", (e, None, None)).skips_chunks() else ()
 
 
 def _namespace(aux: dict):
