@@ -6,10 +6,11 @@ the mask once, before the kernel runs, over blocks of ``rows x cols`` entries: `
 block is masked whole, ``2`` where it is kept whole, ``1`` otherwise (FlexAttention's block
 mask, with its full blocks).  :func:`blocked` writes the mask so that it reads the table::
 
-    (T[i // rows, j // cols] >= 2) | ((T[i // rows, j // cols] >= 1) & mask)
+    ((T[i // rows, j // cols] >= 2) | ((T[i // rows, j // cols] >= 1) & mask)) & bounds
 
-equal to ``mask`` when ``T`` is its table, so the NumPy meaning, the cost and the kernel all
-read the same definition; a comparison ``T[i // r, j // c] (cmp) v`` is a
+(``bounds``: the conjuncts of ``mask`` that bound the columns without data, such as ``j <= i``,
+so that a kernel's loop stops where they do), equal to ``mask`` when ``T`` is its table, so the
+NumPy meaning, the cost and the kernel all read the same definition; a comparison ``T[i // r, j // c] (cmp) v`` is a
 :class:`~.index_support.BlockAtom`: per chunk the kernel reads the entries over its tile and
 chunk, skips the chunk when they mask it whole and skips the mask's arithmetic when they keep
 it whole.  An explicit block mask (FlashAttention's block-sparse attention) is the same thing
