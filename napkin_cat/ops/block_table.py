@@ -10,10 +10,10 @@ mask, with its full blocks).  :func:`blocked` writes the mask so that it reads t
 
 (``bounds``: the conjuncts of ``mask`` that bound the columns without data, such as ``j <= i``,
 so that a kernel's loop stops where they do), equal to ``mask`` when ``T`` is its table, so the
-NumPy meaning, the cost and the kernel all read the same definition; a comparison ``T[i // r, j // c] (cmp) v`` is a
-:class:`~.index_support.BlockAtom`: per chunk the kernel reads the entries over its tile and
-chunk, skips the chunk when they mask it whole and skips the mask's arithmetic when they keep
-it whole.  An explicit block mask (FlashAttention's block-sparse attention) is the same thing
+NumPy meaning, the cost and the kernel all read the same definition; a comparison
+``T[i // r, j // c] (cmp) v`` is a :class:`~.index_support.BlockAtom`: per chunk the kernel
+reads the entries over its tile and chunk, skips the chunk when they mask it whole and skips the
+mask's arithmetic when they keep it whole.  An explicit block mask (FlashAttention's block-sparse attention) is the same thing
 written directly: ``mask_mod(lambda b, h, i, j: bm[i // 128, j // 128] > 0)``.
 
 The table is computed on the host (NumPy) or on the device (torch tensors: the mask's own
