@@ -75,7 +75,7 @@ rows are derived from the expression (`napkin_cat/ops/index_support.py`), so the
 the cost model and the kernel skip them alike.  `tests/test_variants.py` checks each against an
 independent NumPy reference (`napkin_cat/library/variant_gallery.py`), tiled, and (slow tier)
 its kernel under the CUDA simulator.  On a GPU, `kernels/variants.py --only flex` checks the
-kernels of fourteen variants like these (and the dense kernel) (fp32 and, on tensor cores, fp16) against float64
+kernels of fourteen variants like these and of dense attention (fp32 and, on tensor cores, fp16) against float64
 references computed from FlexAttention's own functions, then times them against FlexAttention:
 the H100 and H200 tables are in `kernels/BENCHMARKS.md`.  Regenerate with
 `python -m napkin_cat.drawing.variants`.
