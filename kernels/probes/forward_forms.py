@@ -9,7 +9,7 @@ beside FlexAttention.
 - ``summed-each-chunk``: ``emit_states.DEFER_ROW_SUMS = False`` (each row's normaliser summed
   over its lanes every chunk, as before the parts were kept per lane);
 - ``--form NAME=SPEC``: a comma list of tunables (``REGS=72``: an upper-case name of
-  ``producer`` or ``emit_states``), blocks (``q=128``, ``x=64``) and ``threads=256``.
+  ``producer``, ``emit_states`` or ``emit_mma``), blocks (``q=128``, ``x=64``) and ``threads=256``.
 
 Each kernel is checked against float64 on 128 random rows of 2 heads before it is timed (kernel
 ms by CUPTI), FlexAttention compiled, same inputs.  GPU only.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "kernels"))
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import emit_states, producer  # noqa: E402
+from napkin_cat.lowering import emit_mma, emit_states, producer  # noqa: E402
 
 FORMS = {"default": {}, "block": {"HAND_OVER": "block"}, "mma.sync": {"SWITCH": False},
          "summed-each-chunk": {"DEFER_ROW_SUMS": False}}
@@ -47,7 +47,7 @@ def parse_form(spec: str) -> dict:
 
 def lower(dia, form: dict):
     switches = {k: v for k, v in form.items() if k.isupper()}
-    home = {k: producer if hasattr(producer, k) else emit_states for k in switches}
+    home = {k: next(m for m in (producer, emit_states, emit_mma) if hasattr(m, k)) for k in switches}
     saved = {k: getattr(home[k], k) for k in switches}
     for k, v in switches.items():
         setattr(home[k], k, v)
