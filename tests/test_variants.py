@@ -498,7 +498,9 @@ def test_backward_skips_the_query_chunks_a_block_table_masks(prefetch):
     assert {a.name for a in dkdv.cod} == {"dK", "dV"}
     src = nc.lower(dkdv, tiles={"g_x": 8, "s_q": 8}, threads=16, verify=False, prefetch=prefetch).source
     assert re.search(r"q_empty\d* = .*# the block table masks the whole chunk: skipped", src)
-    assert re.search(r"q_full\d* = bt_full", src)
+    # kept whole where the table says so and the mask's own causal bound (ops.block_table.bounds)
+    # keeps the chunk: the bound also starts the stream at the key tile (q_begin), as causal's does
+    assert re.search(r"q_full\d* = \(bt_full\d* and ", src) and "q_begin = " in src
     assert bool(re.search(r"while q0 < ", src)) == bool(prefetch)     # fetching ahead: the kept chunks only
     causal = nc.library.attention(q=q, x=x, d=d, causal=True).bind({q: n, x: n, d: dd}).stream("x", 8).tile("q", 8)
     csrc = nc.lower(backward_plan(causal).parts[1], tiles={"g_x": 8, "s_q": 8}, threads=16, verify=False).source
