@@ -179,9 +179,10 @@ def choose_form(two, one, hw: Hardware, tiles_of, threads, fp32: str = "fma") ->
 WARPGROUP_ONE_KERNEL = (
     "16-bit kernels on warpgroup tensor cores take the one kernel: measured on an H100 (fp16, N = 4096, "
     "B*H = 32, forward + backward of one call), one kernel 2.064 against two 2.222 ms at d = 64, 1.552 / 1.659 "
-    "causal, 4.166 / 4.529 at d = 128, 2.599 / 2.732 causal, where the model predicts the two faster: it "
-    "charges dQ's fp32 atomic adds (read and written once per key tile) at HBM's rate "
-    "(kernels/BENCHMARKS.md, \"Fourth session of 2026-11-25\")")
+    "causal, 4.166 / 4.529 at d = 128, 2.599 / 2.732 causal, and on an H200 1.205 / 1.536 ms at d = 64 causal, "
+    "3.486 / 4.339 at d = 128, where the model predicts the two faster: it charges dQ's fp32 atomic adds "
+    "(read and written once per key tile) at HBM's rate (kernels/BENCHMARKS.md, \"Fourth session of "
+    "2026-11-25\" and \"Session of 2026-11-28 (H200), second\")")
 """Why the cost model's choice of two kernels is overruled for 16-bit kernels with warpgroup MMAs."""
 
 
