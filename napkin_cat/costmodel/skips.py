@@ -178,13 +178,17 @@ def lead_slices(data: dict, skips) -> list[dict]:
     with different leading shapes are counted together, a chunk masked only where every slice
     masks it (an upper bound)."""
     names = {a.table.name for sk in skips for a in sk.pred.block_atoms() if a.lead}
-    led = {k: np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=float)
-           for k, v in data.items() if k in names}
+    led = {k: _host(v) for k, v in data.items() if k in names}
     led = {k: v for k, v in led.items() if v.ndim > 2}
     shapes = {v.shape[:-2] for v in led.values()}
     if len(shapes) != 1:
         return [data]
     return [{**data, **{k: v[at] for k, v in led.items()}} for at in np.ndindex(*shapes.pop())]
+
+
+def _host(v):
+    """A table's values as a float NumPy array (a torch tensor copied off its device)."""
+    return np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=float)
 
 
 def mean_counts(counts: list) -> tuple:
@@ -238,8 +242,7 @@ def chunk_states(skips, N: int, steps: list[int], n: int, s: int, data: dict | N
     atoms = tuple(dict.fromkeys(a for sk in skips for a in sk.pred.block_atoms()))
     out = []
     last = -(-n // s)
-    data = {k: np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=float)
-            for k, v in (data or {}).items()}
+    data = {k: _host(v) for k, v in (data or {}).items()}
     held: dict = {}
     for r0, r1 in _tiles(0, N, steps):
         lo, hi = visited(skips, {skips[0].row: (r0, r1)}, n, IntAlgebra)

@@ -75,19 +75,22 @@ class Threads:
             return f"{self.T} threads is not a whole number of warps"
         return None
 
+    def _splits(self, cr: int, cc: int, warps_n: bool = True):
+        """``(Wm, Wn, MT, NT)`` for each split of the ``T // 32`` warps over ``cr x cc`` into whole
+        16x8 tiles (``MT x NT`` per warp; ``warps_n``: warps may also split the columns)."""
+        W = self.T // 32
+        for Wm in range(1, W + 1):
+            Wn = W // Wm
+            if W % Wm or (Wn > 1 and not warps_n) or cr % (16 * Wm) or cc % (8 * Wn):
+                continue
+            yield Wm, Wn, cr // (16 * Wm), cc // (8 * Wn)
+
     def frag_for(self, out_axes, warps_n: bool = True) -> Frag | None:
         """Fragments over the two output axes for all ``T // 32`` warps (``warps_n``: warps may
         also split the columns), the warp tiles as square as the extents allow."""
         names, (cr, cc) = caps(out_axes, self.ax)
-        W = self.T // 32
         best, best_score = None, None
-        for Wm in range(1, W + 1):
-            if W % Wm or (W // Wm > 1 and not warps_n):
-                continue
-            Wn = W // Wm
-            if cr % (16 * Wm) or cc % (8 * Wn):
-                continue
-            MT, NT = cr // (16 * Wm), cc // (8 * Wn)
+        for Wm, Wn, MT, NT in self._splits(cr, cc, warps_n):
             if MT * NT > MAX_FRAG_TILES:
                 continue
             score = (min(16 * MT, 8 * NT), MT)
@@ -102,8 +105,7 @@ class Threads:
         whole 16x8 tiles, or every split that does holds more than :data:`MAX_FRAG_TILES` per warp."""
         _, (cr, cc) = caps(out_axes, self.ax)
         W = self.T // 32
-        fewest = min(((cr // (16 * m)) * (cc // (8 * (W // m))) for m in range(1, W + 1)
-                      if W % m == 0 and cr % (16 * m) == 0 and cc % (8 * (W // m)) == 0), default=None)
+        fewest = min((MT * NT for _, _, MT, NT in self._splits(cr, cc)), default=None)
         if fewest is None:
             return f"no split of {W} warps over its extents {cr}x{cc} gives whole 16x8 tiles"
         return (f"its {cr}x{cc} tile takes at least {fewest} 16x8 tiles per warp on {W} warps ({4 * fewest} "
