@@ -279,13 +279,26 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
     kernel_ms, flex_kernel_ms = device_ms(run), device_ms(lambda: flex(Q, K, V, score_mod=score, block_mask=bm, **gqa))
     dense = 4 * B * H * N * N * D
     data = {"bt": aux_tensors["bt"].cpu().numpy()} if "bt" in aux_tensors else None
-    share = float(nc.cost(dia.stream("x", tiles["x"]).tile("q", tiles["q"]), data=data).flops["tensor"]) / dense
+    costed = dia.stream("x", tiles["x"]).tile("q", tiles["q"])
+    derived = {}
+    if hasattr(kernel, "tables"):   # a mask that reads data: its block table derived per launch (lowering/tabled.py)
+        inputs = (Q.view(B, H // G, G, N, D) if G > 1 else Q, K, V, *extra)
+        tables = kernel.derive(*inputs)
+        data, costed = {t.name: v.cpu().float().numpy() for t, v in zip(kernel.tables, tables)}, kernel.inner.diagram
+        # what a call that derives its table costs: the table alone, and the whole call
+        derived = {"table_ms": cuda_time(lambda: kernel.derive(*inputs)),
+                   "call_ms": cuda_time(lambda: kernel(*inputs, out=O.view(B, H // G, G, N, D) if G > 1 else O)),
+                   "table_blocks": [kernel.tables[0].rows, kernel.tables[0].cols],
+                   # the peer's own table, made the same way each call
+                   "flex_block_mask_ms": cuda_time(lambda: create_block_mask(
+                       mask, B=flex_kw.get("B"), H=flex_kw.get("H"), Q_LEN=N, KV_LEN=N, device=DEV))}
+    share = float(nc.cost(costed, data=data).flops["tensor"]) / dense
     r = {"kind": "flex", "variant": name, "dtype": dt, "N": N, "d": D, "BH": B * H, "tiles": tiles,
          "threads": threads, "prefetch": prefetch, "mma": "mma_" in kernel.source, "ms": ms,
          "rel_err": err, "flex_ms": flex_ms, "flex_rel_err": flex_err, "kept_share": share,
          "kernel_ms": kernel_ms, "flex_kernel_ms": flex_kernel_ms,
          "sdpa_dense_ms": cuda_time(lambda: torch.nn.functional.scaled_dot_product_attention(Q, K, V, **gqa)),
-         "smem": kernel.launch.dynamic_smem_bytes, "mappings": kernel.mappings}
+         "smem": kernel.launch.dynamic_smem_bytes, "mappings": kernel.mappings, **derived}
     r.update(kernel.compiled_info())
     return r
 
@@ -332,6 +345,11 @@ def main_flex(out: Path, gen, dtypes=("f32", "f16"), only=(), tilings=((None, No
               f"{r.get('registers')} | {r['kept_share']:.3f} | {r['ms']:.3f} | {r['flex_ms']:.3f} | "
               f"{r['flex_ms'] / r['ms']:.2f}x | {r['kernel_ms']:.3f} | {r['flex_kernel_ms']:.3f} | "
               f"{r['flex_kernel_ms'] / r['kernel_ms']:.2f}x | {r['sdpa_dense_ms']:.3f} | {r['rel_err']:.0e} |")
+    for r in res:
+        if "table_ms" in r:
+            print(f"{r['variant']} {r['dtype']}: block table derived per launch over {r['table_blocks']}: "
+                  f"table {r['table_ms']:.3f} ms, a call that derives it {r['call_ms']:.3f} ms; FlexAttention's "
+                  f"create_block_mask {r.get('flex_block_mask_ms', float('nan')):.3f} ms (not in its times)")
 
 
 def main(argv=None):

@@ -221,8 +221,11 @@ def test_generated_code_comes_from_the_expression():
     # the row's index converted once per row: no int64 arithmetic and conversion per score
     f_row = re.search(r"(f_row\d*) = float32\(uint32\(q0 \+ i_q\d+\)\)", src).group(1)
     assert re.search(rf"abs\(\({f_row} - float32\(uint32\(x0 \+ i_x\d+\)\)\)\) \* HALF", src)
-    assert re.search(rf"\(float32\(uint32\(x0 \+ i_x\d+\)\) <= {f_row}\)", src) and "int64(" not in src
+    per_score = [ln for ln in src.splitlines() if "else NEG_INF" in ln]
+    assert re.search(rf"\(float32\(uint32\(x0 \+ i_x\d+\)\) <= {f_row}\)", src)
+    assert per_score and not any("int64(" in ln for ln in per_score)
     assert "x_end = min(" in src     # chunks past the causal part are skipped (derived)
+    assert "bt_entry" in src         # and those the data masks, by the table derived per launch (lowering/tabled.py)
     # a ragged tile's padding rows index past the tensor: clamped into it, as NumPy reads them
     doc7 = nc.aux("doc", nc.Axis("n", 7))
     ragged = nc.library.attention(q=q, x=x, d=d, mask=lambda b_, h_, i, j: (doc7[i] == doc7[j]) & (j <= i))
@@ -456,20 +459,24 @@ def test_gallery_variant_on_tensor_cores_in_the_simulator(name, dtype):
 
 def test_fragment_epilogue_with_many_gathers_is_written_row_by_row():
     """On tensor cores a mask reading four auxiliary entries per score (the document mask with
-    its block table) has its fragment epilogue written out row by row, so the compiler keeps
-    the fragment in registers (``emit_acc.UNROLL_GATHERS``, measured with ptxas); the plain
-    document mask (two) keeps the loops.  Both match the float64 oracle in f16."""
+    its block table, written by the user or derived per launch: ``lowering/tabled.py``) has its
+    fragment epilogue written out row by row, so the compiler keeps the fragment in registers
+    (``emit_acc.UNROLL_GATHERS``, measured with ptxas); a bias reading two keeps the loops.  All
+    match the float64 oracle in f16."""
     from napkin_cat.lowering.emit_acc import UNROLL_GATHERS
     from napkin_cat.ops.arrays import round_to_dtype
     n, dd, blocks = 32, 16, 16
     ids = np.repeat([0.0, 1.0, 2.0], [9, 15, 8]).astype(np.float32)
     m, blocked = _document(n, blocks)
     table = nc.block_table(m, n, n, blocks, blocks, {"doc": ids})
+    tb = nc.aux("tb", nc.Axis("n", n))
+    two = nc.bias_mod(lambda b_, h_, i, j: tb[i] * tb[j])
     rng = np.random.default_rng(11)
     Q, K, V = (round_to_dtype(rng.standard_normal((n, dd)), "f16") for _ in range(3))
-    ref = nc.evaluate(nc.library.attention(q=q, x=x, d=d, mask=m).bind({q: n, x: n, d: dd}), Q, K, V, ids)
-    for mask, extra, rows in ((blocked, (table, ids), True), (m, (ids,), False)):
-        dia = nc.library.attention(q=q, x=x, d=d, mask=mask, dtype=nc.f16).bind({q: n, x: n, d: dd})
+    for kw, extra, rows in ((dict(mask=blocked), (table, ids), True), (dict(mask=m), (ids,), True),
+                            (dict(bias=two), (ids / 4,), False)):
+        ref = nc.evaluate(nc.library.attention(q=q, x=x, d=d, **kw).bind({q: n, x: n, d: dd}), Q, K, V, *extra)
+        dia = nc.library.attention(q=q, x=x, d=d, dtype=nc.f16, **kw).bind({q: n, x: n, d: dd})
         kernel = nc.lower(dia.stream("x", 16).tile("q", 16).place("O", "registers"), threads=32, verify=False)
         assert "mma_" in kernel.source
         assert ("written out row by row" in kernel.source) == rows, UNROLL_GATHERS

@@ -10,12 +10,8 @@ Launch(grid=(2, 1, 1), block=(16, 1, 1), dynamic_smem_bytes=...)
 True
 
 ``kernel(Q, K, V)`` runs it on numpy arrays (copied to and from the device), torch CUDA tensors
-or numba device arrays (zero copy, through ``__cuda_array_interface__``); outputs are
-allocated like the inputs unless ``out=`` is given.  Under ``NUMBA_ENABLE_CUDASIM=1`` the same
-source runs in numba's CUDA simulator on numpy arrays.
-
-What is generic and what is chosen: :mod:`napkin_cat.lowering.codegen` (one rule per box kind and
-per accumulator kind) and :mod:`napkin_cat.lowering.schedule` (tiles, chunks, threads).
+or numba device arrays (zero copy, through ``__cuda_array_interface__``); outputs are allocated
+like the inputs unless ``out=`` is given.  Under ``NUMBA_ENABLE_CUDASIM=1``: the simulator.
 
 Stages, imports pointing one way:
 ``schedule``  completes the relabelling and builds the final form once (:class:`~.schedule.Schedule`);
@@ -24,10 +20,10 @@ Stages, imports pointing one way:
               ``emit_kinds`` (one emitter per box kind) and ``emit_acc`` (one per accumulator
               kind); ``codegen.generate`` runs planner then emitter.
 
-Tensor cores: a contraction's plan names its engine (``Target.engine``, ``AccPlan.engine``;
-:data:`~.plan.ENGINES`): ``"cuda_core"``, or ``"mma"`` where the kernel's inputs are fp16 / bf16
-and the shapes fit ``mma.sync.m16n8k16`` (:mod:`.emit_mma`, primitives in :mod:`.tensorcore`);
-the kernel's docstring and ``notes`` say which contraction runs where, and why not.
+Tensor cores: a contraction's plan names its engine (:data:`~.plan.ENGINES`): ``"cuda_core"``, or
+``"mma"`` where the inputs are fp16 / bf16 and the shapes fit ``mma.sync.m16n8k16`` (:mod:`.emit_mma`);
+the kernel's ``notes`` say which contraction runs where, and why not.  A mask that reads data gets
+its block table derived at each launch (:mod:`.tabled`).
 """
 
 from __future__ import annotations
@@ -39,7 +35,7 @@ from ..core.diagram import Diagram
 from ..core.errors import LoweringError, RelabelError, ShapeError
 from . import io
 
-__all__ = ["lower", "Kernel", "Launch", "MultiKernel"]
+__all__ = ["lower", "Kernel", "Launch", "MultiKernel", "TabledKernel"]
 
 TARGETS = ("numba.cuda",)
 SELF_CHECK_RUNS = 2   # inputs every lowered kernel is run on against the oracle before lower() returns it
@@ -106,11 +102,8 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     check_fp32(d, fp32)
     opts = dict(tiles=tiles, threads=threads, name=name, micro=micro, fastmath=fastmath, prefetch=prefetch, hw=hw,
                 fp32=fp32)
-    from .multi import lower_split, wants_split   # several kernels where one does not do
-    try:
-        kernel = lower_split(d, opts, _lower_one) if wants_split(d) else _lower_one(d, **opts)
-    except (LoweringError, RelabelError) as e:
-        kernel = lower_split(d, opts, _lower_one, e)
+    from . import runtime, tabled   # a mask that reads data: its block table derived per launch
+    kernel = tabled.lower_with_tables(d, opts, _lower_any, lambda: _gpu_present(runtime))
     if runs:
         from ..verify.kernelcheck import self_check
         kernel.notes += (self_check(kernel, runs, check_inputs),)
@@ -118,6 +111,15 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     else:
         kernel.notes += ("Not verified: lower(..., verify=False); run nc.check_equivalent(oracle, kernel).",)
     return kernel
+
+
+def _lower_any(d: Diagram, opts: dict):
+    """One fused kernel for ``d``, or several in order where one does not do."""
+    from .multi import lower_split, wants_split
+    try:
+        return lower_split(d, opts, _lower_one) if wants_split(d) else _lower_one(d, **opts)
+    except (LoweringError, RelabelError) as e:
+        return lower_split(d, opts, _lower_one, e)
 
 
 def check_fp32(d: Diagram, fp32) -> None:
@@ -165,9 +167,8 @@ def _lower_planned(d: Diagram, tiles, threads, name, micro, fastmath, prefetch, 
         gen = make(False)
         smem = gen.plan.smem_bytes
     if smem > limit:
-        raise LoweringError(f"{d.short()} with {sched.diagram._sched_str()} needs {smem} bytes "
-                            f"of shared memory per block ({gen.buffers()}); the limit is {limit}: use smaller "
-                            f"tiles or chunks")
+        raise LoweringError(f"{d.short()} with {sched.diagram._sched_str()} needs {smem} bytes of shared memory per "
+                            f"block ({gen.buffers()}); the limit is {limit}: use smaller tiles or chunks")
     if awaited_copying_warpgroup(gen.plan, gen.extra_threads, planner.WGMMA):   # "auto" planned on one
         with producer.switched_off():
             kernel = _lower_planned(d, tiles, threads, name, micro, fastmath, prefetch, hw)
@@ -594,6 +595,6 @@ def _driver_present() -> bool:
 from ..verify import backend as _backend  # noqa: E402 -- the table verification reads kernels through
 
 from .multi import MultiKernel  # noqa: E402
-
-_backend.register(lower=lower, Kernel=Kernel, MultiKernel=MultiKernel, simulator_active=_simulator_active,
-                  driver_present=_driver_present, Launch=Launch)
+from .tabled import TabledKernel  # noqa: E402
+_backend.register(lower=lower, Kernel=Kernel, MultiKernel=MultiKernel, TabledKernel=TabledKernel,
+                  simulator_active=_simulator_active, driver_present=_driver_present, Launch=Launch)

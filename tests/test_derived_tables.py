@@ -1,0 +1,182 @@
+"""Block tables derived when a kernel runs (``lowering/tabled.py``): a mask that reads data
+(packed documents, a window of each head) lowers to a kernel that skips the chunks the data
+masks whole, with the diagram's own inputs, as if the user had written ``nc.blocked`` with
+``nc.block_table``; the table follows the data of each call."""
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")   # kernels run in the simulator without a GPU
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat.lowering.tabled import TabledKernel, with_tables  # noqa: E402
+
+q, x, d, h, g, b = nc.axes("q x d h g b")
+SKIPPED = "the block table masks the whole chunk: skipped"
+
+
+def _documents(n):
+    doc = nc.aux("doc", nc.Axis("n", n))
+    return nc.mask_mod(lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i))
+
+
+def _qkv(rng, *shape):
+    return [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+
+
+def test_a_mask_that_reads_data_gets_the_table_of_the_kernels_blocks():
+    """Documents of 5, 3 and 4 tokens, tiles and chunks of 4: the kernel takes (Q, K, V, doc),
+    derives the table of its own blocks (one entry per chunk), skips the chunks it masks and
+    matches the oracle; the table is ``nc.block_table``'s."""
+    n = 12
+    m = _documents(n)
+    att = nc.library.attention(q=q, x=x, d=d, mask=m).bind({q: n, x: n, d: 4})
+    kernel = nc.lower(att.stream("x", 4).tile("q", 4), threads=16)
+    assert isinstance(kernel, TabledKernel) and kernel.verified
+    assert [a.name for a in kernel.diagram.dom] == ["Q", "K", "V", "doc"]
+    assert [a.name for a in kernel.inner.diagram.dom] == ["Q", "K", "V", "doc", "bt"]
+    assert SKIPPED in kernel.source and "blocks of 4 x 4" in kernel.notes[-2]
+    ids = np.repeat([0.0, 1.0, 2.0], [5, 3, 4]).astype(np.float32)
+    (table,) = kernel.derive(*_qkv(np.random.default_rng(0), n, 4), ids)
+    np.testing.assert_array_equal(table, nc.block_table(m, n, n, 4, 4, {"doc": ids}))
+    np.testing.assert_array_equal(table, [[1, 0, 0], [1, 1, 0], [0, 0, 1]])
+    rng = np.random.default_rng(1)
+    for ids in (ids, np.arange(n, dtype=np.float32), np.zeros(n, np.float32)):   # each call its own table
+        Q, K, V = _qkv(rng, n, 4)
+        np.testing.assert_allclose(kernel(Q, K, V, ids), nc.evaluate(att, Q, K, V, ids), atol=1e-5)
+    assert nc.check_equivalent(att, kernel, examples=3)
+
+
+def test_tables_follow_ragged_blocks_and_the_kernels_own_choice():
+    """Sizes that are not multiples of the blocks, blocks nc.lower chooses itself: the table has
+    the kernel's blocks (rows by its tile, columns by its chunk)."""
+    n = 19
+    m = _documents(n)
+    att = nc.library.attention(q=q, x=x, d=d, mask=m).bind({q: n, x: n, d: 4})
+    kernel = nc.lower(att.stream("x", 3).tile("q", 5), threads=16)
+    (t,) = kernel.tables
+    assert (t.rows, t.cols) == (5, 3) and kernel.inner.diagram.dom[-1].axes[0].size == 4
+    ids = np.cumsum(np.random.default_rng(2).random(n) < 0.25).astype(np.float32)
+    Q, K, V = _qkv(np.random.default_rng(3), n, 4)
+    np.testing.assert_allclose(kernel(Q, K, V, ids), nc.evaluate(att, Q, K, V, ids), atol=1e-5)
+    chosen = nc.lower(att, threads=16)
+    assert isinstance(chosen, TabledKernel)
+    np.testing.assert_allclose(chosen(Q, K, V, ids), nc.evaluate(att, Q, K, V, ids), atol=1e-5)
+
+
+def test_prepare_derives_the_table_once_for_the_arrays_it_binds():
+    n = 8
+    att = nc.library.attention(q=q, x=x, d=d, mask=_documents(n)).bind({q: n, x: n, d: 4})
+    kernel = nc.lower(att.stream("x", 4).tile("q", 4), threads=16, verify=False)
+    Q, K, V = _qkv(np.random.default_rng(4), n, 4)
+    ids = np.repeat([0.0, 1.0], 4).astype(np.float32)
+    out = np.zeros((n, 4), np.float32)
+    run = kernel.prepare(Q, K, V, ids, out=out)
+    run()
+    np.testing.assert_allclose(out, nc.evaluate(att, Q, K, V, ids), atol=1e-5)
+
+
+def test_a_table_of_each_sequence_and_of_each_query_head():
+    """A mask reading the batch index (each sequence its documents) gets a table of each
+    sequence; one reading the query head under grouped heads (a window of each) a table of each
+    key/value head and group; a block holding one of each reads its slice and skips."""
+    B, n = 2, 13
+    doc = nc.aux("doc", nc.Axis("nb", B), nc.Axis("n", n))
+    m = nc.mask_mod(lambda b_, h_, i, j: (doc[b_, i] == doc[b_, j]) & (j <= i))
+    att = nc.library.attention(q=q, x=x, d=d, batch=b, mask=m).bind({q: n, x: n, d: 4, b: B})
+    kernel = nc.lower(att.stream("x", 4).tile("q", 4).tile("b", 1), threads=16)
+    assert kernel.tables[0].leads == (B,) and SKIPPED in kernel.source
+    ids = np.stack([np.repeat([0.0, 1.0], [3, 10]), np.repeat([0.0, 1.0, 2.0], [6, 4, 3])]).astype(np.float32)
+    Q, K, V = _qkv(np.random.default_rng(5), B, n, 4)
+    np.testing.assert_allclose(kernel(Q, K, V, ids), nc.evaluate(att, Q, K, V, ids), atol=1e-5)
+    H, G = 2, 2
+    w = nc.aux("w", nc.Axis("nh", H * G))
+    win = nc.mask_mod(lambda b_, h_, i, j: (j <= i) & (i - j <= w[h_]))
+    gqa = nc.library.attention(q=q, x=x, d=d, heads=h, groups=g, mask=win).bind({q: n, x: n, d: 4, h: H, g: G})
+    kernel = nc.lower(gqa.stream("x", 4).tile("q", 4).tile("h", 1).tile("g", 1), threads=16)
+    assert kernel.tables[0].leads == (H, G) and SKIPPED in kernel.source
+    widths = np.array([0.0, 3.0, 6.0, 12.0], np.float32)
+    rng = np.random.default_rng(6)
+    Q = rng.standard_normal((H, G, n, 4)).astype(np.float32)
+    K, V = (rng.standard_normal((H, n, 4)).astype(np.float32) for _ in range(2))
+    np.testing.assert_allclose(kernel(Q, K, V, widths), nc.evaluate(gqa, Q, K, V, widths), atol=1e-5)
+    (table,) = kernel.derive(Q, K, V, widths)
+    assert table.shape == (H, G, 4, 4) and (table[0, 0] == 0).sum() > (table[1, 1] == 0).sum()
+
+
+def test_masks_that_need_no_table_are_left_alone():
+    """A mask without data, one reading its table already (``nc.blocked``), a bias that reads
+    data: no table derived; a diagram's two masks that are the same mask share one."""
+    n = 8
+    causal = nc.library.attention(q=q, x=x, d=d, causal=True).bind({q: n, x: n, d: 4})
+    assert with_tables(nc.lower(causal.stream("x", 4).tile("q", 4), verify=False).diagram)[1] == ()
+    bias = nc.aux("tb", nc.Axis("n", n))
+    biased = nc.library.attention(q=q, x=x, d=d, bias=nc.bias_mod(lambda b_, h_, i, j: bias[j])).bind({q: n, x: n, d: 4})
+    assert not isinstance(nc.lower(biased.stream("x", 4).tile("q", 4), threads=16, verify=False), TabledKernel)
+    m = _documents(n)
+    bt = nc.aux("bt", nc.Axis("rb", 2), nc.Axis("cb", 2))
+    own = nc.library.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, 4, 4)).bind({q: n, x: n, d: 4})
+    assert not isinstance(nc.lower(own.stream("x", 4).tile("q", 4), threads=16, verify=False), TabledKernel)
+    from napkin_cat.lowering.torch_op import backward_plan
+    fl = nc.library.attention(q=q, x=x, d=d, mask=m).stream(x, 4).tile(q, 4)
+    part = next(p for p in backward_plan(fl, form="one kernel").parts if any(e.box.kind == "mask" for e in p.eqns))
+    part = part.bind({a: n for a, n in {q: n, x: n, d: 4}.items() if a.name in {ax.name for ax in part.axes}})
+    part = nc.lower(part, threads=16, verify=False).diagram
+    two, tables = with_tables(part)
+    assert sum(e.box.kind == "mask" for e in part.eqns) == 2 and len(tables) == 1
+    assert len(two.dom) == len(part.dom) + 1
+
+
+def test_a_tabled_kernel_refuses_what_it_cannot_read():
+    n = 8
+    att = nc.library.attention(q=q, x=x, d=d, mask=_documents(n)).bind({q: n, x: n, d: 4})
+    kernel = nc.lower(att.stream("x", 4).tile("q", 4), threads=16, verify=False)
+    Q, K, V = _qkv(np.random.default_rng(7), n, 4)
+    with pytest.raises(nc.NapkinError, match=r"takes 4 arrays \(Q, K, V, doc\), got 3"):
+        kernel(Q, K, V)
+    with pytest.raises(nc.NapkinError, match=r"input doc\[n=8\] f32: expected shape \(8,\), got \(7,\)"):
+        kernel(Q, K, V, np.zeros(7, np.float32))
+
+
+def test_torch_op_backward_reads_derived_tables():
+    """Training through ``nc.torch_op``: forward and backward kernels each derive their table
+    (the backward's key tiles by query chunks, one table for both of its masks); the gradients
+    match the float64 oracle's."""
+    import torch
+    n = 12
+    flash = nc.library.attention(q=q, x=x, d=d, mask=_documents(n)).stream(x, 4).tile(q, 4)
+    op = nc.torch_op(flash)
+    ids = torch.tensor(np.repeat([0.0, 1.0, 2.0], [5, 3, 4]), dtype=torch.float32)
+    qkv = [torch.randn(n, 4, generator=torch.Generator().manual_seed(k), requires_grad=True) for k in range(3)]
+    cot = torch.randn(n, 4, generator=torch.Generator().manual_seed(9))
+    got = torch.autograd.grad(op(*qkv, ids), qkv, cot)
+    wide = [t.detach().double().requires_grad_() for t in qkv]
+    want = torch.autograd.grad(nc.to_torch(op.diagram)(*wide, ids.double()), wide, cot.double())
+    for name, a, w in zip("QKV", got, want):
+        torch.testing.assert_close(a.double(), w, rtol=0, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+    tabled = [k for key, k in op._cache.items() if isinstance(k, TabledKernel)]
+    assert len(tabled) >= 2 and all(len(k.tables) == 1 for k in tabled), op.notes
+    assert any(k.tables[0].rows != k.tables[0].cols or "stream(q" in k.diagram._sched_str() for k in tabled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_derived_tables_on_tensor_cores_in_the_simulator(dtype):
+    """A 16-bit document mask (tiles and chunks of 16, one warp, mma fragments simulated):
+    the derived table is in the data's dtype, chunks are skipped, the result within rounding."""
+    from napkin_cat.ops.arrays import round_to_dtype
+    n, dd = 48, 16
+    m = _documents(n)
+    att = nc.library.attention(q=q, x=x, d=d, mask=m, dtype=getattr(nc, dtype)).bind({q: n, x: n, d: dd})
+    kernel = nc.lower(att.stream("x", 16).tile("q", 16), threads=32, verify=1)
+    assert isinstance(kernel, TabledKernel) and SKIPPED in kernel.source and "mma" in kernel.source
+    ids = np.repeat([0.0, 1.0, 2.0], [20, 9, 19]).astype(np.float32)
+    rng = np.random.default_rng(8)
+    Q, K, V = (round_to_dtype(rng.standard_normal((n, dd)), dtype) for _ in range(3))
+    ref = nc.evaluate(nc.library.attention(q=q, x=x, d=d, mask=m).bind({q: n, x: n, d: dd}), Q, K, V, ids)
+    import torch
+    t = {"f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    out = kernel(*(torch.tensor(a).to(t) for a in (Q, K, V, ids)))
+    assert (out.double().numpy() - ref).__abs__().max() < 1e-2
