@@ -110,10 +110,12 @@ def _table(e, n_rows, n_cols, rows, cols, aux, xp, like):
         r1 = min(R, r0 + band)
         i = _arange(xp, like, r0 * rows, r1 * rows)[:, None]
         keep = xp.broadcast_to(e.evaluate(xp, {"i": i, "j": j, **aux}), (i.shape[0], j.shape[1]))
-        valid = (i < n_rows) & (j < n_cols)
-        kept = _block_sum(keep & valid, r1 - r0, rows, C, cols)
-        total = _block_sum(valid, r1 - r0, rows, C, cols)
-        parts.append(xp.where(kept == 0, 0.0, xp.where(kept == total, 2.0, 1.0)))
+        some = every = keep
+        if r1 * rows > n_rows or C * cols > n_cols:   # ragged: the entries past the ends count for neither
+            valid = (i < n_rows) & (j < n_cols)
+            some, every = keep & valid, keep | ~valid
+        some, every = _blocks(some, r1 - r0, rows, C, cols, "any"), _blocks(every, r1 - r0, rows, C, cols, "all")
+        parts.append(xp.where(some, xp.where(every, 2.0, 1.0), 0.0))
     out = parts[0] if len(parts) == 1 else xp.concatenate(parts, 0)
     return out.astype(xp.float32) if hasattr(out, "astype") else out.float()
 
@@ -169,7 +171,7 @@ def _arange(xp, like, a, b=None):
     return np.arange(a, b) if b is not None else np.arange(a)
 
 
-def _block_sum(x, R: int, rows: int, C: int, cols: int):
+def _blocks(x, R: int, rows: int, C: int, cols: int, how: str):
+    """Whether ``any`` (or ``all``) of each ``rows x cols`` block of boolean ``x`` holds."""
     x = x.reshape(R, rows, C, cols)
-    x = x.sum(3) if hasattr(x, "astype") else x.int().sum(3)
-    return x.sum(1)
+    return getattr(getattr(x, how)(3), how)(1)

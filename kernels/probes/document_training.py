@@ -1,0 +1,119 @@
+"""Probe: forward + backward of packed-document attention through ``nc.torch_op``, the block
+tables derived per launch (``lowering/tabled.py``) or passed by the user (``nc.blocked`` with
+``nc.block_table`` made once), beside FlexAttention with its ``create_block_mask`` made once,
+in one run.
+
+The mask is written once, ``(doc[i] == doc[j]) & (j <= i)``, over 13 documents of random
+lengths (multiples of 64) per sequence.  Every form's output and gradients are checked against
+float64 on every head before it is timed (relative max error, as ``bench_fwd_bwd.py``).  Steady
+times: back-to-back calls of ``torch.autograd.grad(op(...), (Q, K, V), dO)``; the derived form
+pays its two tables (the forward's and the backward's blocks) in every call, the others none.
+GPU only.
+
+    NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/document_training.py [--n 4096] [--d 64] [--dtype f16]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "kernels"))
+
+import torch  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from bench import compiled_flex, cuda_time  # noqa: E402
+
+TABLE = 128   # the user's table blocks (FlexAttention's default)
+
+
+def doc_ids(n: int, gen) -> torch.Tensor:
+    cuts = torch.sort(torch.randperm(n // 64 - 1, generator=gen)[:12] + 1).values * 64
+    ids = torch.zeros(n, dtype=torch.int64)
+    ids[cuts] = 1
+    return torch.cumsum(ids, 0)
+
+
+def reference(Q, K, V, dO, doc):
+    """float64 O, dQ, dK, dV, one head at a time."""
+    outs = [[], [], [], []]
+    keep = (doc[:, None] == doc[None, :]) & torch.ones(len(doc), len(doc), dtype=torch.bool, device=doc.device).tril()
+    for hd in range(Q.shape[0]):
+        q, k, v = (t[hd].double().requires_grad_() for t in (Q, K, V))
+        s = (q @ k.T / math.sqrt(Q.shape[-1])).masked_fill(~keep, -math.inf)
+        o = torch.softmax(s, -1) @ v
+        grads = torch.autograd.grad(o, (q, k, v), dO[hd].double())
+        for lst, t in zip(outs, (o.detach(), *grads)):
+            lst.append(t)
+    return [torch.stack(lst) for lst in outs]
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b).abs().max() / b.abs().max())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--dtype", default="f16", choices=("f16", "bf16"))
+    args = ap.parse_args()
+    N, D, H = args.n, args.d, args.heads
+    dt = {"f16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    gen = torch.Generator().manual_seed(0)
+    doc = doc_ids(N, gen).cuda()
+    Q, K, V, dO = (torch.randn(H, N, D, generator=gen).to("cuda", dt) for _ in range(4))
+    q, x, d, h = nc.axes("q x d h")
+    dd = nc.aux("doc", nc.Axis("n", N))
+    mask = nc.mask_mod(lambda b, hh, i, j: (dd[i] == dd[j]) & (j <= i))
+    bt = nc.aux("bt", nc.Axis("rb", -(-N // TABLE)), nc.Axis("cb", -(-N // TABLE)))
+    table = nc.block_table(mask, N, N, TABLE, TABLE, {"doc": doc.float()}).to(dt)
+    docs = doc.to(dt)   # exact: at most 13 documents
+
+    def op_of(m):
+        att = nc.library.attention(q=q, x=x, d=d, heads=h, mask=m)
+        return nc.torch_op(att.stream(x, "s_x").tile(q, "g_q").tile(h, 1), verify=False)
+
+    derived, given = op_of(mask), op_of(nc.blocked(mask, bt, TABLE, TABLE))
+    flex = compiled_flex()
+    from torch.nn.attention.flex_attention import create_block_mask
+    bm = create_block_mask(lambda b, hh, i, j: (doc[i] == doc[j]) & (j <= i), None, None, N, N, device="cuda")
+    q4, k4, v4, d4 = (t[None] for t in (Q, K, V, dO))
+    forms = {
+        "derived tables (ids only)": lambda Q, K, V: derived(Q, K, V, docs),
+        f"user's table ({TABLE} x {TABLE}, made once)": lambda Q, K, V: given(Q, K, V, table, docs),
+        "FlexAttention (block mask made once)": lambda Q, K, V: flex(Q[None], K[None], V[None], block_mask=bm)[0],
+    }
+    want = reference(Q, K, V, dO, doc)
+    print(torch.cuda.get_device_name(0), torch.__version__, f"N={N} d={D} heads={H} {args.dtype}", flush=True)
+    rows = []
+    for name, f in forms.items():
+        leaves = [t.detach().clone().requires_grad_() for t in (Q, K, V)]
+        out = f(*leaves)
+        grads = torch.autograd.grad(out, leaves, dO)
+        errs = [rel(a, b) for a, b in zip((out.detach(), *grads), want)]
+        assert max(errs) < 5e-2, (name, errs)
+        fwd = cuda_time(lambda: f(*leaves))
+        step = cuda_time(lambda: torch.autograd.grad(f(*leaves), leaves, dO), inner=10)
+        rows.append((name, fwd, step, max(errs)))
+        print(name, fwd, step, errs, flush=True)
+    t_derive = cuda_time(lambda: nc.block_table(mask, N, N, 128, 64, {"doc": docs}))
+    t_flex_mask = cuda_time(lambda: create_block_mask(lambda b, hh, i, j: (doc[i] == doc[j]) & (j <= i), None, None,
+                                                      N, N, device="cuda"))
+    flex_step = rows[-1][2]
+    print(f"\none table over 128 x 64 blocks: {t_derive:.3f} ms; FlexAttention's create_block_mask: {t_flex_mask:.3f} ms")
+    print("\n| form | forward ms | forward + backward ms (steady) | vs Flex | max rel err (O, dQ, dK, dV) |")
+    print("|---|---|---|---|---|")
+    for name, fwd, step, err in rows:
+        print(f"| {name} | {fwd:.3f} | {step:.3f} | {flex_step / step:.2f}x | {err:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
