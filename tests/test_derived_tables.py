@@ -182,3 +182,50 @@ def test_derived_tables_on_tensor_cores_in_the_simulator(dtype):
     t = {"f16": torch.float16, "bf16": torch.bfloat16}[dtype]
     out = kernel(*(torch.tensor(a).to(t) for a in (Q, K, V, ids)))
     assert (out.double().numpy() - ref).__abs__().max() < 1e-2
+
+
+def test_tables_of_torch_tensors_are_kept_by_identity_and_version():
+    """The same tensor twice: one derivation; an in-place change (a new version) or another
+    tensor: a new table, so no call reads a table of other data."""
+    import torch
+    from napkin_cat.lowering import tabled
+    n = 8
+    att = nc.library.attention(q=q, x=x, d=d, mask=_documents(n)).bind({q: n, x: n, d: 4})
+    kernel = nc.lower(att.stream("x", 4).tile("q", 4), threads=16, verify=False)
+    Q, K, V = (torch.tensor(a) for a in _qkv(np.random.default_rng(9), n, 4))
+    ids = torch.tensor(np.repeat([0.0, 1.0], 4), dtype=torch.float32)
+    calls = []
+    spec = kernel.tables[0]
+    real = type(spec)._fill
+    try:
+        type(spec)._fill = lambda self, arrays: calls.append(1) or real(self, arrays)
+        first = kernel.derive(Q, K, V, ids)[0]
+        assert kernel.derive(Q, K, V, ids)[0] is first and len(calls) == 1
+        ids[4:] = 0.0        # one document now: the table must change
+        np.testing.assert_array_equal(kernel.derive(Q, K, V, ids)[0].numpy(), [[1, 0], [2, 1]])
+        assert len(calls) == 2
+        out = kernel(Q, K, V, ids)
+        torch.testing.assert_close(out.double(), torch.tensor(nc.evaluate(att, Q.numpy(), K.numpy(), V.numpy(),
+                                                                           ids.numpy())), atol=1e-5, rtol=0)
+        kernel.derive(Q, K, V, ids.clone())
+        assert len(calls) == 3
+    finally:
+        type(spec)._fill = real
+    assert len(tabled._TABLES) <= tabled.CACHED
+
+
+def test_a_kept_table_keeps_its_tensors_so_their_memory_is_not_reused():
+    """A tensor freed and another allocated at its address (torch's allocator reuses memory)
+    with version 0 again would name the same data: the kept entry holds the tensor, so that
+    address cannot be handed out while the entry lives."""
+    import torch
+    from napkin_cat.lowering import tabled
+    n = 8
+    att = nc.library.attention(q=q, x=x, d=d, mask=_documents(n)).bind({q: n, x: n, d: 4})
+    kernel = nc.lower(att.stream("x", 4).tile("q", 4), threads=16, verify=False)
+    Q, K, V = (torch.tensor(a) for a in _qkv(np.random.default_rng(10), n, 4))
+    kernel.derive(Q, K, V, torch.zeros(n))
+    held = [v[2] for v in tabled._TABLES.values()]
+    assert any(len(t) == 1 and t[0].shape == (n,) for t in held)
+    (table,) = kernel.derive(Q, K, V, torch.arange(n, dtype=torch.float32))
+    np.testing.assert_array_equal(table.numpy(), [[1, 0], [0, 1]])

@@ -16,14 +16,18 @@ A mask that reads an index other than its rows' and columns' (``doc[b, i] == doc
 window of each head ``w[h]``) gets a table of each value of those indices (the lead axes, in the
 diagram's axis order), read by a block that holds one of each.
 
-Cost per launch: the table is O(rows x columns) work on the inputs' device (FlexAttention's
-``create_block_mask``); :meth:`TabledKernel.prepare` derives it once for the arrays it binds.
-A user who reuses one table across calls passes it: ``nc.blocked(mask, bt, rows, cols)``.
+Cost: a table is O(rows x columns) work on the inputs' device (FlexAttention's
+``create_block_mask``).  Tables of torch tensors are kept by the tensors' identity and version
+(:meth:`DerivedTable.fill`): the layers of a training step that share its document ids derive
+each table once.  :meth:`TabledKernel.prepare` derives them once for the arrays it binds.  A
+user who makes one table for many calls passes it: ``nc.blocked(mask, bt, rows, cols)``.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..core.diagram import Diagram, Eqn
@@ -55,7 +59,25 @@ class DerivedTable:
 
     def fill(self, arrays):
         """The table (0 masked, 1 partial, 2 kept per block) of the mask on these arrays, in the
-        kind and dtype of the first array it reads (numpy, or torch on its device)."""
+        kind and dtype of the first array it reads (numpy, or torch on its device); for torch
+        tensors the last :data:`CACHED` tables are kept by the tensors' identity and version
+        (every in-place change through torch bumps it), so the layers of one training step
+        sharing its document ids derive their table once."""
+        data = [arrays[k] for _, k in self.aux]
+        key = _identity(data)
+        if key is not None:
+            hit = _TABLES.get((id(self), key))
+            if hit is not None and hit[0] is self:
+                _TABLES.move_to_end((id(self), key))
+                return hit[1]
+        table = self._fill(arrays)
+        if key is not None:   # the tensors kept too: no other tensor gets their memory while the entry lives
+            _TABLES[(id(self), key)] = (self, table, tuple(data))
+            while len(_TABLES) > CACHED:
+                _TABLES.popitem(last=False)
+        return table
+
+    def _fill(self, arrays):
         values = {name: _readable(arrays[k]) for name, k in self.aux}
         first = next(iter(values.values()))
         xp, like = _namespace(values)
@@ -70,6 +92,22 @@ class DerivedTable:
             return out.contiguous()
         import numpy as np
         return np.stack(slices).reshape(*self.leads, *slices[0].shape).astype(first.dtype)
+
+
+CACHED = 16
+"""Tables kept by the identity of the torch tensors they were derived from (:meth:`DerivedTable.fill`)."""
+_TABLES: OrderedDict = OrderedDict()
+
+
+def _identity(xs) -> tuple | None:
+    """What names the data of torch tensors ``xs`` now: storage, version (bumped by every
+    in-place change), shape, strides, dtype, device, and the stream the table would be made on;
+    None for other arrays (their tables are derived at each call)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not all(isinstance(x, torch.Tensor) for x in xs):
+        return None
+    stream = torch.cuda.current_stream(xs[0].device).cuda_stream if xs[0].is_cuda else 0
+    return (stream, *((x.data_ptr(), x._version, tuple(x.shape), x.stride(), str(x.dtype), str(x.device)) for x in xs))
 
 
 def _readable(x):
