@@ -42,6 +42,7 @@ from hypothesis import HealthCheck, assume, given, note, settings, strategies as
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.lowering.gather import is_gather  # noqa: E402
 from napkin_cat.lowering.multi import MultiKernel  # noqa: E402
+from napkin_cat.lowering.tabled import TabledKernel  # noqa: E402
 from napkin_cat.lowering.reindex import remaps  # noqa: E402
 from napkin_cat.verify import kernelcheck  # noqa: E402
 from napkin_cat.verify.check import REGIMES  # noqa: E402
@@ -269,9 +270,12 @@ def _features(kernel) -> set[str]:
     statistics, a materialised 16-bit operand buffer, a value kept in registers for a later
     epilogue (``register-copy``) or read from them as tensor-core A fragments (``frag-operand``),
     A fragments of a loop-invariant input read once before a stream loop (``hoisted-fragments``).
-    A multi-kernel: its kernels' features."""
+    A multi-kernel: its kernels' features; a kernel whose block tables are derived per launch
+    (``derived-table``): its inner kernel's."""
     if isinstance(kernel, MultiKernel):
         return {"multi-kernel"}.union(*(_features(k) for k in kernel.kernels))
+    if isinstance(kernel, TabledKernel):   # lowering/tabled.py: the kernel of the blocked mask, tables derived
+        return {"derived-table"} | _features(kernel.inner)
     if is_gather(kernel.diagram):
         return {"gather-kernel"}
     out = {feat for desc in kernel.mappings.values() for words, feat in MAPPING_WORDS.items() if words in desc}

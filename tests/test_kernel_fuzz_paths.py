@@ -38,6 +38,9 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   atomics among them (``tf32x3-atomic``), with or without ``prefetch="auto"``'s double buffers
   (``double-buffered``: staged through registers where an fp32 input's rows are not whole 16-byte
   groups, else by ``cp.async``, ``cp.async-f32``); ``column-values`` as above.
+* ``derived_table``: masks that read data with no table of the user's, their block tables derived
+  from the inputs at each launch (``derived-table``, :mod:`napkin_cat.lowering.tabled`), a table
+  of each sequence read where a block holds one (``batch-table``);
 * ``copying``: the f16 / bf16 one-kernel backward on two warpgroups with a copying warpgroup
   (:mod:`napkin_cat.lowering.producer`), each example lowered with chunks handed over by named
   barriers and by block barriers (``named-hand-over``, ``block-hand-over``), dS published among
@@ -582,6 +585,49 @@ def grouped_table_family(draw):
                 f"{group_tile})", att, steps, {q: n, x: n, d: 16, h: H, g: G}, att, options, inputs, SMALL_DATA)
 
 
+@st.composite
+def derived_table_family(draw):
+    """Masks that read data with no block table of the user's (``lowering/tabled.py``): the
+    kernel of the blocked mask over its own blocks, the tables derived from the inputs at each
+    launch: packed documents (ids), documents of each sequence (a table of each, read where a
+    block holds one sequence), a causal window of each query head under grouped heads (a table
+    of each head and group); fp32 (tiles of 1 to 9, non-powers of two) or f16 / bf16 on tensor
+    cores, ragged sizes, random documents and widths."""
+    what = draw(st.sampled_from(("documents", "batch_documents", "head_windows")), label="variant")
+    dt = draw(st.sampled_from((nc.f32, nc.f32, nc.f16, nc.bf16)), label="dtype")
+    n = draw(st.integers(1, 40), label="n")
+    tq, tx, options = _blocks(draw, dt, 9)
+    steps, sizes = (("stream", "x", tx), ("tile", "q", tq)), {q: n, x: n, d: 16}
+    if what == "head_windows":
+        H, G = draw(st.integers(1, 2), label="heads"), draw(st.integers(1, 3), label="groups")
+        wh = nc.aux("wh", nc.Axis("nh", H * G))
+        att = L.attention(q=q, x=x, d=d, heads=h, groups=g, dtype=dt,
+                          mask=nc.mask_mod(lambda b_, h_, i, j: (j <= i) & (i - j <= wh[h_])))
+        steps += (("tile", "h", 1), ("tile", "g", draw(st.sampled_from((1, 1, G)), label="group tile")))
+        sizes |= {h: H, g: G}
+        shapes = {"Q": (H, G, n, 16), "K": (H, n, 16), "V": (H, n, 16)}
+        data = lambda rng: {"wh": rng.integers(0, n + 1, H * G).astype(np.float32)}
+    else:
+        nb = draw(st.integers(1, 3), label="batch") if what == "batch_documents" else 1
+        lead = (nb,) if what == "batch_documents" else ()
+        doc = nc.aux("doc", *(nc.Axis("nb", nb),) * len(lead), nc.Axis("n", n))
+        same = (lambda b_, i, j: doc[b_, i] == doc[b_, j]) if lead else (lambda b_, i, j: doc[i] == doc[j])
+        causal = draw(st.booleans(), label="causal")
+        m = nc.mask_mod(lambda b_, h_, i, j: same(b_, i, j) & (j <= i) if causal else same(b_, i, j))
+        att = L.attention(q=q, x=x, d=d, dtype=dt, mask=m, **({"batch": bb} if lead else {}))
+        if lead:
+            steps += (("tile", "bb", draw(st.sampled_from((1, 1, nb)), label="batch tile")),)
+            sizes |= {bb: nb}
+        shapes = {k: (*lead, n, 16) for k in "QKV"}
+        data = lambda rng: {"doc": np.cumsum(rng.random((*lead, n)) < 0.2, axis=-1).astype(np.float32)}
+
+    def inputs(rng, regime):
+        ins = {k: REGIMES[regime][0](rng, s) for k, s in shapes.items()} | data(rng)
+        return [ins[a.name] for a in att.dom]
+    return Case(f"{dt.name} {what}, block tables derived per launch", att, steps, sizes, att, options, inputs,
+                SMALL_DATA)
+
+
 def aux_whole_bytes(limit):
     """``loopnest.AUX_WHOLE_BYTES`` for one lowering (None: as it is), then restored."""
     from napkin_cat.relabel import loopnest
@@ -598,7 +644,8 @@ COPYING_SETTINGS = settings(SETTINGS, max_examples=min(FUZZ_EXAMPLES, COPYING_EX
 FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family,
             "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family, "tf32x3": tf32x3_family,
             "copying": copying_family, "aux_in_place": aux_in_place_family, "index_masks": index_mask_family,
-            "gqa_backward": gqa_backward_family, "grouped_table": grouped_table_family}
+            "gqa_backward": gqa_backward_family, "grouped_table": grouped_table_family,
+            "derived_table": derived_table_family}
 
 # what each family must reach across its examples (named by test_kernel_fuzz._features)
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
@@ -610,6 +657,8 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                      "index_masks": {"quotient-bound", "skipped-arithmetic", "fragments", "ragged-chunk"},
                      "gqa_backward": {"nested-streams", "nested-skip", "atomic", "fragments", "ragged-chunk"},
                      "grouped_table": {"grouped-table", "fragments", "ragged-chunk"},
+                     "derived_table": {"derived-table", "batch-table", "fragments", "ragged-chunk",
+                                       "skipped-arithmetic"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
                                  "wgmma", "paired-atomic"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",

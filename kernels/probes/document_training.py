@@ -108,6 +108,20 @@ def main():
         rows.append((name, fwd, step, max(errs)))
         print(name, fwd, step, errs, flush=True)
     t_derive = cuda_time(lambda: nc.block_table(mask, N, N, 128, 64, {"doc": docs}))
+    # host time of a derived call beside its kernel's (the forward kernel of the op, tables kept)
+    import time
+    tk = next(k for k in derived._cache.values() if type(k).__name__ == "TabledKernel")
+    (tab,) = tk.derive(Q, K, V, docs)
+    for what, f in (("derive (kept)", lambda: tk.derive(Q, K, V, docs)), ("inner kernel call", lambda: tk.inner(Q, K, V, docs, tab)),
+                    ("tabled kernel call", lambda: tk(Q, K, V, docs))):
+        f()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            f()
+        host = (time.perf_counter() - t0) / 200 * 1e3
+        torch.cuda.synchronize()
+        print(f"host per call, {what}: {host * 1e3:.1f} us", flush=True)
     t_flex_mask = cuda_time(lambda: create_block_mask(lambda b, hh, i, j: (doc[i] == doc[j]) & (j <= i), None, None,
                                                       N, N, device="cuda"))
     flex_step = rows[-1][2]

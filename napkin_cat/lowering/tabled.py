@@ -104,10 +104,16 @@ def _identity(xs) -> tuple | None:
     in-place change), shape, strides, dtype, device, and the stream the table would be made on;
     None for other arrays (their tables are derived at each call)."""
     torch = sys.modules.get("torch")
-    if torch is None or not all(isinstance(x, torch.Tensor) for x in xs):
+    if torch is None:
         return None
-    stream = torch.cuda.current_stream(xs[0].device).cuda_stream if xs[0].is_cuda else 0
-    return (stream, *((x.data_ptr(), x._version, tuple(x.shape), x.stride(), str(x.dtype), str(x.device)) for x in xs))
+    key = []
+    for x in xs:
+        if not isinstance(x, torch.Tensor):
+            return None
+        key.append((x.data_ptr(), x._version, x.shape, x.stride(), x.dtype, x.device))
+    if xs[0].is_cuda:
+        key.append(torch.cuda.current_stream(xs[0].device.index).cuda_stream)
+    return tuple(key)
 
 
 def _readable(x):
