@@ -288,7 +288,7 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
         # what a call that derives its table costs (auxiliary tensors it has not seen: the tables
         # of tensors it has seen are kept, lowering/tabled.py): the tables alone, and the whole call
         out = O.view(B, H // G, G, N, D) if G > 1 else O
-        derived = {"table_ms": cuda_time(lambda: [t._fill(inputs) for t in kernel.tables]),
+        derived = {"table_ms": cuda_time(lambda: [t.values(inputs) for t in kernel.tables]),
                    "call_ms": cuda_time(lambda: kernel(*inputs[:3], *(a.clone() for a in inputs[3:]), out=out)),
                    "kept_call_ms": cuda_time(lambda: kernel(*inputs, out=out)),
                    "table_blocks": [kernel.tables[0].rows, kernel.tables[0].cols],

@@ -196,9 +196,9 @@ def test_tables_of_torch_tensors_are_kept_by_identity_and_version():
     ids = torch.tensor(np.repeat([0.0, 1.0], 4), dtype=torch.float32)
     calls = []
     spec = kernel.tables[0]
-    real = type(spec)._fill
+    real = type(spec).values
     try:
-        type(spec)._fill = lambda self, arrays: calls.append(1) or real(self, arrays)
+        type(spec).values = lambda self, arrays: calls.append(1) or real(self, arrays)
         first = kernel.derive(Q, K, V, ids)[0]
         assert kernel.derive(Q, K, V, ids)[0] is first and len(calls) == 1
         ids[4:] = 0.0        # one document now: the table must change
@@ -210,7 +210,7 @@ def test_tables_of_torch_tensors_are_kept_by_identity_and_version():
         kernel.derive(Q, K, V, ids.clone())
         assert len(calls) == 3
     finally:
-        type(spec)._fill = real
+        type(spec).values = real
     assert len(tabled._TABLES) <= tabled.CACHED
 
 
@@ -229,3 +229,22 @@ def test_a_kept_table_keeps_its_tensors_so_their_memory_is_not_reused():
     assert any(len(t) == 1 and t[0].shape == (n,) for t in held)
     (table,) = kernel.derive(Q, K, V, torch.arange(n, dtype=torch.float32))
     np.testing.assert_array_equal(table.numpy(), [[1, 0], [0, 1]])
+
+
+def test_the_cost_model_counts_what_a_derived_table_skips_given_the_data():
+    """``nc.cost(d, data={"doc": ids})`` counts the chunks the table a kernel derives masks (the
+    same count as the user's own table); without the ids it counts the mask's data-free bound
+    and says why."""
+    n = 12
+    m = _documents(n)
+    att = nc.library.attention(q=q, x=x, d=d, mask=m).bind({q: n, x: n, d: 4}).stream("x", 4).tile("q", 4)
+    ids = np.repeat([0.0, 1.0, 2.0], [5, 3, 4]).astype(np.float32)
+    blind, known = nc.cost(att), nc.cost(att, data={"doc": ids})
+    assert known.flops["tensor"] * 6 == blind.flops["tensor"] * 4 and not known.notes   # 4 of the 6 chunks
+    assert "a mask reads 'doc'" in blind.notes[0] and "data={'doc': values}" in blind.notes[0]
+    bt = nc.aux("bt", nc.Axis("rb", 3), nc.Axis("cb", 3))
+    own = nc.library.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, 4, 4)).bind({q: n, x: n, d: 4})
+    table = nc.block_table(m, n, n, 4, 4, {"doc": ids})
+    assert nc.cost(own.stream("x", 4).tile("q", 4), data={"bt": table}).flops["tensor"] == known.flops["tensor"]
+    symbolic = nc.library.attention(q=q, x=x, d=d, mask=m).stream(x, "s").tile(q, "t")
+    assert nc.cost(symbolic, data={"doc": ids}).flops["tensor"] is not None   # symbolic blocks: no table, no error

@@ -63,13 +63,16 @@ from .skips import SkipCounter
 def cost(d: Diagram, hierarchy: Hierarchy | None = None, data: dict | None = None) -> Cost:
     """The cost of ``d`` as relabelled (an unrelabelled diagram materialises every box's
     result at the top level).  ``hierarchy`` is kept for :meth:`Cost.multilevel`; ``data``:
-    values of block tables by input name (:func:`napkin_cat.block_table`), so that the chunks a
-    mask skips by its data are counted (without them they are counted as visited, and
-    :attr:`Cost.notes` says so)."""
+    values of block tables by input name (:func:`napkin_cat.block_table`), or of the data a mask
+    reads (``doc``: then the table a kernel derives from it, :mod:`napkin_cat.ops.derived_tables`),
+    so that the chunks a mask skips by its data are counted (without them they are counted as
+    visited, and :attr:`Cost.notes` says so)."""
     if not isinstance(d, Diagram):
         raise CostError(f"cost needs a Diagram, got {type(d).__name__}")
     if hierarchy is not None and not isinstance(hierarchy, Hierarchy):
         raise CostError(f"cost: hierarchy must be a Hierarchy (nc.hierarchy.hierarchy(l2=True)), got {hierarchy!r}")
+    from ..ops.derived_tables import for_cost   # a mask that reads data: the table a kernel derives from it
+    d, data, lacking = for_cost(d, data)
     ff = d.loop_nest()
     h = ff.hierarchy
     bottom = h.names[-1]
@@ -81,7 +84,9 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None, data: dict | None = Non
     alias: dict[tuple, tuple] = {}
 
     skipping = SkipCounter(ff, data)
-    notes: list[str] = []
+    notes: list[str] = [f"a mask reads {', '.join(map(repr, lacking))}: a kernel skips the chunks that data masks "
+                        f"(a block table derived at each launch); without its values (cost(..., data={{"
+                        f"{lacking[0]!r}: values}})) they are counted as visited"] if lacking else []
 
     def execs(loops, axes_=None):
         """Executions of a node inside ``loops`` (and, rounding repeats of a buffer with

@@ -18,84 +18,22 @@ diagram's axis order), read by a block that holds one of each.
 
 Cost: a table is O(rows x columns) work on the inputs' device (FlexAttention's
 ``create_block_mask``).  Tables of torch tensors are kept by the tensors' identity and version
-(:meth:`DerivedTable.fill`): the layers of a training step that share its document ids derive
+(:func:`fill`): the layers of a training step that share its document ids derive
 each table once.  :meth:`TabledKernel.prepare` derives them once for the arrays it binds.  A
 user who makes one table for many calls passes it: ``nc.blocked(mask, bt, rows, cols)``.
 """
 
 from __future__ import annotations
 
-import itertools
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass
 
-from ..core.diagram import Diagram, Eqn
+from ..core.diagram import Diagram
 from ..core.errors import ShapeError
-from ..core.types import Array, Axis
-from ..ops.block_table import _namespace, _table, bounds
-from ..ops.boxes import mask_box
-from ..ops.index import Predicate
-from ..ops.index_expr import Aux, Ix
-
-
-@dataclass(frozen=True)
-class DerivedTable:
-    """How one block table is filled from a call's arrays: ``expr`` (the mask over ``i``,
-    ``j`` and the lead names ``_l0``, ...), the mask's extents and blocks, the leads' sizes,
-    the positions of the auxiliary inputs it reads among the diagram's inputs, and the sizes
-    its ``size`` leaves read."""
-
-    name: str
-    expr: Ix
-    n_rows: int
-    n_cols: int
-    rows: int
-    cols: int
-    leads: tuple[int, ...]
-    aux: tuple[tuple[str, int], ...]
-    sizes: tuple[tuple[str, int], ...]
-    lead_names: tuple[str, ...] = ()   # the diagram's axes the leads are
-
-    def fill(self, arrays):
-        """The table (0 masked, 1 partial, 2 kept per block) of the mask on these arrays, in the
-        kind and dtype of the first array it reads (numpy, or torch on its device); for torch
-        tensors the last :data:`CACHED` tables are kept by the tensors' identity and version
-        (every in-place change through torch bumps it), so the layers of one training step
-        sharing its document ids derive their table once."""
-        data = [arrays[k] for _, k in self.aux]
-        key = _identity(data)
-        if key is not None:
-            hit = _TABLES.get((id(self), key))
-            if hit is not None and hit[0] is self:
-                _TABLES.move_to_end((id(self), key))
-                return hit[1]
-        table = self._fill(arrays)
-        if key is not None:   # the tensors kept too: no other tensor gets their memory while the entry lives
-            _TABLES[(id(self), key)] = (self, table, tuple(data))
-            while len(_TABLES) > CACHED:
-                _TABLES.popitem(last=False)
-        return table
-
-    def _fill(self, arrays):
-        values = {name: _readable(arrays[k]) for name, k in self.aux}
-        first = next(iter(values.values()))
-        xp, like = _namespace(values)
-        env = {**values, **{("size", n): s for n, s in self.sizes}}
-        slices = []
-        for at in itertools.product(*(range(n) for n in self.leads)):
-            env.update({f"_l{k}": v for k, v in enumerate(at)})
-            slices.append(_table(self.expr, self.n_rows, self.n_cols, self.rows, self.cols, env, xp, like))
-        if like is not None:
-            import torch
-            out = torch.stack(slices).reshape(*self.leads, *slices[0].shape).to(first.dtype)
-            return out.contiguous()
-        import numpy as np
-        return np.stack(slices).reshape(*self.leads, *slices[0].shape).astype(first.dtype)
-
+from ..ops.derived_tables import DerivedTable, NotInputs, derivable, with_tables
 
 CACHED = 16
-"""Tables kept by the identity of the torch tensors they were derived from (:meth:`DerivedTable.fill`)."""
+"""Tables kept by the identity of the torch tensors they were derived from (:func:`fill`)."""
 _TABLES: OrderedDict = OrderedDict()
 
 
@@ -116,117 +54,23 @@ def _identity(xs) -> tuple | None:
     return tuple(key)
 
 
-def _readable(x):
-    """An array the mask's NumPy / torch meaning can read: numba device arrays come to the host."""
-    if hasattr(x, "copy_to_host"):
-        return x.copy_to_host()
-    return x
-
-
-def derivable(d: Diagram) -> bool:
-    """Whether ``d`` has a mask that reads data and no block table (so one would be derived)."""
-    return any(_wants_table(e.box) for e in d.eqns)
-
-
-def _wants_table(box) -> bool:
-    if box.kind != "mask":
-        return False
-    pred = box.param("pred")
-    return pred.kind == "expr" and bool(pred.auxes) and not pred.block_atoms()
-
-
-def with_tables(d: Diagram) -> tuple[Diagram, tuple[DerivedTable, ...]]:
-    """``d`` (every block size an int) with each mask that reads data rewritten to read a block
-    table of ``d``'s blocks on its rows and columns, the tables new inputs after ``d``'s own;
-    and how to fill each.  Masks whose rows and columns are neither streamed nor tiled are left
-    alone (a table of one block skips nothing)."""
-    blocks = {}
-    for r in d.schedule:   # the outermost block of each axis: what one thread block holds
-        if r.op in ("tile", "stream") and isinstance(r.size, int):
-            blocks.setdefault(r.axis, r.size)
-    streamed = {r.axis for r in d.schedule if r.op == "stream"}
-    taken = {a.name for a in (*d.dom, *d.var_types())} | {a.name for a in d.axes}
-    n_in, tables, specs, rewritten, made, preds = len(d.dom), [], [], {}, {}, {}
-    for k, e in enumerate(d.eqns):
-        row, col = e.box.param("row", None), e.box.param("col", None)
-        if not _wants_table(e.box) or not ({row, col} & streamed):
-            continue
-        same = (e.box.param("pred").expr.key(), row, col)   # a backward's two masks share one table
-        if same not in made:
-            name = _fresh("bt", taken)
-            taken.add(name)
-            made[same] = len(tables), name
-            arr, spec = _table_of(d, e, name, blocks, taken)
-            tables.append(arr)
-            specs.append(spec)
-        at, name = made[same]
-        rewritten[k] = at, _tabled_mask(d, e, tables[at], specs[at], preds)
-    if not tables:
-        return d, ()
-    shift = len(tables)
-    moved = lambda v: v if v < n_in else v + shift
-    eqns = []
-    for k, e in enumerate(d.eqns):
-        if k in rewritten:
-            (at, box), (s, *aux_vars) = rewritten[k], e.ins
-            by_name = dict(zip((a.name for a in e.box.param("pred").auxes), aux_vars))
-            ins = [moved(s)] + [n_in + at if a.name == tables[at].name else moved(by_name[a.name])
-                                for a in box.param("pred").auxes]
-            eqns.append(Eqn(box, tuple(ins)))
-        else:
-            eqns.append(Eqn(e.box, tuple(map(moved, e.ins))))
-    out = Diagram((*d.dom, *tables), d.cod, eqns, tuple(map(moved, d.outs)), d.schedule)
-    return out, tuple(specs)
-
-
-def _fresh(stem: str, taken: set) -> str:
-    return next(n for n in (stem if k == 0 else f"{stem}{k}" for k in itertools.count()) if n not in taken)
-
-
-def _table_of(d: Diagram, e: Eqn, name: str, blocks: dict, taken: set) -> tuple[Array, DerivedTable]:
-    """The table input of mask equation ``e`` over ``d``'s blocks, and how to fill it."""
-    pred, row, col = e.box.param("pred"), e.box.param("row"), e.box.param("col")
-    n_rows, n_cols = d.axis(row).size, d.axis(col).size
-    rows, cols = blocks.get(row, n_rows), blocks.get(col, n_cols)
-    leads = [a.name for a in d.axes if a.name in pred.expr.leaves("idx") and a.name not in (row, col)]
-    positions = {a.name: k for k, a in enumerate(d.dom)}
-    missing = [a.name for a in pred.auxes if a.name not in positions]
-    if missing:   # data computed inside the diagram: the table cannot be filled before the launch
-        raise _NotInputs(missing)
-    roles = pred.expr.subst({row: Ix("idx", (), "i"), col: Ix("idx", (), "j"),
-                             **{n: Ix("idx", (), f"_l{k}") for k, n in enumerate(leads)}})
-    lead_axes = [Axis(_fresh(f"{name}_{n}", taken), d.axis(n).size) for n in leads]
-    grid = [Axis(_fresh(f"{name}_{r}", taken), -(-n // b)) for r, n, b in (("r", n_rows, rows), ("c", n_cols, cols))]
-    dtype = d.var_types()[e.ins[1]].dtype   # the table in the dtype of the data it comes from
-    spec = DerivedTable(name, roles, n_rows, n_cols, rows, cols, tuple(a.size for a in lead_axes),
-                        tuple((a.name, positions[a.name]) for a in pred.auxes),
-                        tuple((a.name, a.size) for a in d.axes), tuple(leads))
-    return Array((*lead_axes, *grid), dtype, name), spec
-
-
-def _tabled_mask(d: Diagram, e: Eqn, table: Array, spec: DerivedTable, preds: dict):
-    """Mask equation ``e``'s box reading ``table``: ``blocked``'s form (:mod:`..ops.block_table`)
-    on the box's own axes, with the mask's data-free bounds kept beside it; one predicate object
-    per table (``preds``), as the masks of one diagram share theirs."""
-    pred, row, col = e.box.param("pred"), e.box.param("row"), e.box.param("col")
-    if table.name not in preds:
-        at = lambda n: Ix("idx", (), n)
-        t = Aux(table.name, table.axes)[(*map(at, spec.lead_names), at(row) // spec.rows, at(col) // spec.cols)]
-        blocked = (t >= 2) | ((t >= 1) & pred.expr)
-        for c in bounds(spec.expr):   # the mask's own data-free bounds (j <= i): the loops stop where they do
-            blocked = blocked & c.subst({"i": at(row), "j": at(col)})
-        preds[table.name] = Predicate("expr", (blocked, row, col))
-    new = preds[table.name]
-    types = d.var_types()
-    arrays = {a.name: types[v] for a, v in zip(pred.auxes, e.ins[1:])} | {table.name: table}
-    return mask_box(types[e.ins[0]], d.axis(row), d.axis(col), new, e.box.cod[0].name,
-                    aux=[arrays[a.name] for a in new.auxes])
-
-
-class _NotInputs(Exception):
-    def __init__(self, names):
-        super().__init__(names)
-        self.names = names
+def fill(spec: DerivedTable, arrays):
+    """``spec.values(arrays)``: the table of the mask on these arrays; for torch tensors the last :data:`CACHED` tables are kept by the tensors' identity and version
+    (every in-place change through torch bumps it), so the layers of one training step
+    sharing its document ids derive their table once."""
+    data = [arrays[k] for _, k in spec.aux]
+    key = _identity(data)
+    if key is not None:
+        hit = _TABLES.get((id(spec), key))
+        if hit is not None and hit[0] is spec:
+            _TABLES.move_to_end((id(spec), key))
+            return hit[1]
+    table = spec.values(arrays)
+    if key is not None:   # the tensors kept too: no other tensor gets their memory while the entry lives
+        _TABLES[(id(spec), key)] = (spec, table, tuple(data))
+        while len(_TABLES) > CACHED:
+            _TABLES.popitem(last=False)
+    return table
 
 
 class TabledKernel:
@@ -268,7 +112,7 @@ class TabledKernel:
     def derive(self, *arrays) -> tuple:
         """The block tables of these arrays (the extra inputs of ``.inner``)."""
         self._check_call(arrays)
-        return tuple(t.fill(arrays) for t in self.tables)
+        return tuple(fill(t, arrays) for t in self.tables)
 
     def __call__(self, *arrays, out=None, stream=None):
         return self.inner(*arrays, *self.derive(*arrays), out=out, stream=stream)
@@ -289,7 +133,7 @@ def lower_with_tables(d: Diagram, opts: dict, lower_any, on_gpu):
     sched = choose(d, opts.get("tiles"), opts.get("threads"), simulate=not on_gpu(), hw=opts.get("hw"))
     try:
         d2, tables = with_tables(sched.diagram)
-    except _NotInputs:
+    except NotInputs:
         return lower_any(d, opts)
     if not tables:
         return lower_any(d, opts)
