@@ -18,6 +18,7 @@ from ..core import Axis, axes
 from ..costmodel.model import cost
 from ..library import attention
 from ..library.variant_gallery import GALLERY, build
+from ..ops.derived_tables import derivable
 from .diagram import draw
 
 N_COST, TILE = 4096, 64
@@ -47,10 +48,11 @@ def entry(v, out: Path) -> str:
     dense = attention(q=q, x=x, d=d, heads=heads, batch=batch).bind(sizes).stream("x", TILE).tile("q", TILE)
     share = cost(big).flops["tensor"] / cost(dense).flops["tensor"]
     tables = [a.table.name for e in big.eqns if e.box.kind == "mask" for a in e.box.param("pred").block_atoms()]
-    if tables:   # skipped by the table's data as the kernel runs: counted with the gallery's data
+    derived = derivable(big)   # a mask that reads data: a kernel derives its block table (ops/derived_tables.py)
+    if tables or derived:   # skipped by the data as the kernel runs: counted with the gallery's data
         import numpy as np
         data = v.aux(N_COST, sizes.get(heads, 1), sizes.get(batch, 1), np.random.default_rng(0))
-        share = cost(big, data={t: data[t] for t in tables}).flops["tensor"] / cost(dense).flops["tensor"]
+        share = cost(big, data=data).flops["tensor"] / cost(dense).flops["tensor"]
     pseudo = big.loop_nest().pseudocode(memory=False)
     lines = [f"## {v.name}", "", v.doc + ".", "", "```python", v.code, "```", "",
              f"![{v.name}](variants/{v.name}.png)", ""]
@@ -59,6 +61,8 @@ def entry(v, out: Path) -> str:
         lines += exprs + ["```", ""]
     why = ("the chunks its block table masks are skipped as the kernel runs; counted with the gallery's "
            "random data, each batch and head by its own slice of the table" if tables else
+           "the chunks its data masks are skipped by the block table a kernel derives from the data at each "
+           "launch; counted with the gallery's data" if derived else
            "tiles skipped by the derived block sparsity" if share < 1 else "no tile can be skipped")
     lines += [f"Tensor work at N = {N_COST}, tiles of {TILE} x {TILE}: **{float(share):.3f}** of dense ({why}).",
               "", "<details><summary>pseudocode (loop nest)</summary>", "", "```", pseudo, "```", "", "</details>", ""]
@@ -79,6 +83,12 @@ kernels of fourteen variants like these and of dense attention (fp32 and, on ten
 references computed from FlexAttention's own functions, then times them against FlexAttention:
 the H100 and H200 tables are in `kernels/BENCHMARKS.md`.  Regenerate with
 `python -m napkin_cat.drawing.variants`.
+
+Data-dependent sparsity: a mask that reads data (`doc[i] == doc[j]`) lowers to a kernel that
+derives its block table from the data at each launch, over its own tiles, and skips the chunks it
+masks whole (`napkin_cat/lowering/tabled.py`; tables of torch tensors are kept by the tensors'
+identity and version); `nc.block_table` with `nc.blocked` makes one table for many calls, as
+FlexAttention's `create_block_mask` does.
 
 Semantics worth knowing: `window_size=0` keeps only the diagonal `j == i` (`None` is no window);
 gathers from `nc.aux` tensors clamp their indices into the tensor; a fully masked row gives 0;
