@@ -248,3 +248,83 @@ def test_the_cost_model_counts_what_a_derived_table_skips_given_the_data():
     assert nc.cost(own.stream("x", 4).tile("q", 4), data={"bt": table}).flops["tensor"] == known.flops["tensor"]
     symbolic = nc.library.attention(q=q, x=x, d=d, mask=m).stream(x, "s").tile(q, "t")
     assert nc.cost(symbolic, data={"doc": ids}).flops["tensor"] is not None   # symbolic blocks: no table, no error
+
+
+# --------------------------------------------------------------------------- tables from bounds over blocks
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+def _atoms(doc, k):
+    from napkin_cat.ops.index_expr import ix
+    return [lambda i, j: doc[i] == doc[j], lambda i, j: doc[i] != doc[j], lambda i, j: j <= i + k,
+            lambda i, j: i - j <= k, lambda i, j: abs(i - j) < k, lambda i, j: i // 3 == j // (k % 4 + 1),
+            lambda i, j: i % (k % 5 + 1) < 2, lambda i, j: doc[i] < doc[j] + k / 2,
+            lambda i, j: ix.where(doc[j] > k, i, j) >= k, lambda i, j: ix.minimum(i, j * 2) > k,
+            lambda i, j: doc[i] * doc[j] >= k - 3, lambda i, j: -doc[j] <= doc[i] - k]
+
+
+@st.composite
+def _masks(draw, doc):
+    k = draw(st.integers(-3, 9), label="k")
+    atoms = _atoms(doc, k)
+    f = atoms[draw(st.integers(0, len(atoms) - 1), label="atom")]
+    for _ in range(draw(st.integers(0, 2), label="joins")):
+        g_ = atoms[draw(st.integers(0, len(atoms) - 1), label="atom")]
+        how = draw(st.sampled_from(("and", "or", "not-and")), label="join")
+        f = ((lambda f, g_: lambda i, j: f(i, j) & g_(i, j)) if how == "and" else
+             (lambda f, g_: lambda i, j: f(i, j) | g_(i, j)) if how == "or" else
+             (lambda f, g_: lambda i, j: ~f(i, j) & g_(i, j)))(f, g_)
+    return nc.mask_mod(lambda b_, h_, i, j: f(i, j))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.data())
+def test_tables_from_bounds_never_contradict_the_entries(data):
+    """A block the bounds call masked (kept) has every entry masked (kept), for masks built from
+    gathers, arithmetic, comparisons, ``where``, ``min`` and logic, on data in order, in no order,
+    with ties, NaN and infinities, ragged blocks; in order (document ids) a document mask's table
+    is the exact one."""
+    from napkin_cat.ops.block_table import _namespace, _table
+    from napkin_cat.ops.derived_tables import interval_table
+    nr, nc_ = data.draw(st.integers(1, 40), label="rows"), data.draw(st.integers(1, 40), label="cols")
+    rows, cols = data.draw(st.integers(1, 12), label="row block"), data.draw(st.integers(1, 12), label="col block")
+    size = max(nr, nc_) + data.draw(st.integers(-3, 3), label="doc length")
+    doc = nc.aux("doc", nc.Axis("n", max(size, 1)))
+    m = data.draw(_masks(doc), label="mask")
+    rng = np.random.default_rng(data.draw(st.integers(0, 1000), label="seed"))
+    kind = data.draw(st.sampled_from(("ordered", "ties", "floats", "special")), label="data")
+    n = max(size, 1)
+    ids = {"ordered": np.cumsum(rng.random(n) < 0.3), "ties": rng.integers(0, 3, n),
+           "floats": rng.standard_normal(n) * 4,
+           "special": np.where(rng.random(n) < 0.2, rng.choice([np.nan, np.inf, -np.inf], n), rng.integers(0, 4, n))}[kind]
+    ids = ids.astype(np.float32)
+    env = {"doc": ids}
+    xp, like = _namespace(env)
+    exact = _table(m.expr, nr, nc_, rows, cols, env, xp, like)
+    bounded = interval_table(m.expr, nr, nc_, rows, cols, env, xp, like)
+    assert bounded is not None, m
+    assert bounded.shape == exact.shape
+    assert np.all(exact[bounded == 0] == 0), (m, bounded, exact)
+    assert np.all(exact[bounded == 2] == 2), (m, bounded, exact)
+
+
+def test_tables_from_bounds_of_documents_and_windows_are_exact_and_fall_back_where_they_cannot_bound():
+    import torch
+    from napkin_cat.ops.block_table import _namespace, _table
+    from napkin_cat.ops.derived_tables import interval_table
+    n = 300
+    m = _documents(n)
+    ids = np.cumsum(np.random.default_rng(3).random(n) < 0.02).astype(np.float32)
+    for arr in (ids, torch.tensor(ids)):
+        xp, like = _namespace({"doc": arr})
+        got = interval_table(m.expr, n, n, 32, 24, {"doc": arr}, xp, like)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(_table(m.expr, n, n, 32, 24, {"doc": arr}, xp, like)))
+    doc = nc.aux("doc", nc.Axis("n", n))
+    xp, like = _namespace({"doc": ids})
+    bits = nc.mask_mod(lambda b_, h_, i, j: (i ^ j) < 8)   # no bounds for xor: the entries decide
+    assert interval_table(bits.expr, n, n, 32, 32, {}, xp, like) is None
+    atts = nc.library.attention(q=q, x=x, d=d, mask=bits).bind({q: n, x: n, d: 4})
+    k = nc.lower(atts.stream("x", 32).tile("q", 32), threads=16, verify=False)
+    assert not isinstance(k, TabledKernel)   # no data: a support of its own (or none), no table
+    assert doc is not None

@@ -57,7 +57,9 @@ class DerivedTable:
         slices = []
         for at in itertools.product(*(range(n) for n in self.leads)):
             env.update({f"_l{k}": v for k, v in enumerate(at)})
-            slices.append(_table(self.expr, self.n_rows, self.n_cols, self.rows, self.cols, env, xp, like))
+            args = (self.expr, self.n_rows, self.n_cols, self.rows, self.cols, env, xp, like)
+            t = interval_table(*args)   # O(rows + columns + blocks) where the mask's operations allow
+            slices.append(_table(*args) if t is None else t)
         if like is not None:
             import torch
             out = torch.stack(slices).reshape(*self.leads, *slices[0].shape).to(first.dtype)
@@ -197,3 +199,176 @@ def for_cost(d: Diagram, data: dict | None):
     names = [a.name for a in d.dom]
     arrays = [data.get(n) for n in names]
     return d2, {**data, **{t.name: t.values(arrays) for t in tables}}, ()
+
+
+# --------------------------------------------------------------------------- intervals over blocks
+
+class _Unsupported(Exception):
+    """An operation the interval evaluation does not bound: the table is evaluated entry by entry."""
+
+
+def interval_table(e: Ix, n_rows: int, n_cols: int, rows: int, cols: int, env: dict, xp, like):
+    """The block table of mask ``e`` from bounds over each block instead of its entries, or
+    None where ``e`` holds an operation it cannot bound.  Each value is an interval ``[lo, hi]``
+    over a block's entries (``i`` and ``j`` their block's index ranges, a gather of ``i`` or
+    ``j`` the least and greatest values the tensor holds over them), each condition a pair
+    ``(may, must)``: true for some entry, for every entry.  A block is masked (0) where the mask
+    cannot hold, kept (2) where it must, partial (1) otherwise: never 0 or 2 where the entries
+    say otherwise, so the table is one the mask agrees with; O(rows + columns + blocks) work
+    instead of O(rows x columns).  For data whose values run in order (document ids) the bounds
+    are tight and the table is the exact one; where they are not it keeps more blocks partial."""
+    R, C = -(-n_rows // rows), -(-n_cols // cols)
+    ev = _Intervals(xp, like, env, {"i": (R, rows, n_rows), "j": (C, cols, n_cols)})
+    try:
+        may, must = ev.cond(e)
+    except _Unsupported:
+        return None
+    may, must = xp.broadcast_to(ev.arr(may), (R, C)), xp.broadcast_to(ev.arr(must), (R, C))
+    out = xp.where(must, 2.0, xp.where(may, 1.0, 0.0))
+    for u in ev.unknown:   # a bound that is NaN (NaN data, inf - inf) bounds nothing: partial
+        out = xp.where(u, 1.0, out)
+    return out.astype(xp.float32) if hasattr(out, "astype") else out.float()
+
+
+class _Intervals:
+    def __init__(self, xp, like, env, grid):
+        self.xp, self.like, self.env, self.grid = xp, like, env, grid
+        self.unknown: list = []   # where a bound is NaN, per block (arrays that broadcast to the table)
+
+    def checked(self, lo, hi):
+        """``(lo, hi)``, noting the blocks where either is NaN."""
+        for v in (lo, hi):
+            if isinstance(v, float):
+                if v != v:
+                    self.unknown.append(self.arr(True))
+            elif not isinstance(v, (bool, int)) and (v.dtype.is_floating_point if self.like is not None
+                                                     else v.dtype.kind == "f"):
+                self.unknown.append(v != v)
+        return lo, hi
+
+    def arr(self, v):
+        if isinstance(v, (bool, int, float)):
+            if self.like is not None:
+                import torch
+                return torch.tensor(v, device=self.like.device)
+            import numpy as np
+            return np.asarray(v)
+        return v
+
+    def _range(self, role):
+        count, step, n = self.grid[role]
+        lo = self.arange(count) * step
+        hi = self.xp.minimum(lo + step, self.arr(n)) - 1
+        shape = (count, 1) if role == "i" else (1, count)
+        return lo.reshape(shape), hi.reshape(shape)
+
+    def arange(self, n):
+        if self.like is not None:
+            import torch
+            return torch.arange(n, device=self.like.device)
+        import numpy as np
+        return np.arange(n)
+
+    def scalar(self, e: Ix) -> bool:
+        return all(n.op != "gather" and not (n.op == "idx" and n.value in ("i", "j")) for n in e.walk())
+
+    def value(self, e: Ix):
+        """``(lo, hi)`` of numeric expression ``e`` over each block."""
+        return self.checked(*self._value(e))
+
+    def _value(self, e: Ix):
+        xp, op, a = self.xp, e.op, e.args
+        if self.scalar(e):
+            v = e.evaluate(xp, self.env)
+            return v, v
+        if op == "idx":
+            return self._range(e.value)
+        if op == "gather":
+            return self._gather(e)
+        if op in ("add", "sub", "mul", "min", "max"):
+            (al, ah), (bl, bh) = self.value(a[0]), self.value(a[1])
+            if op == "add":
+                return al + bl, ah + bh
+            if op == "sub":
+                return al - bh, ah - bl
+            if op in ("min", "max"):
+                f = xp.minimum if op == "min" else xp.maximum
+                return f(self.arr(al), self.arr(bl)), f(self.arr(ah), self.arr(bh))
+            ends = [self.arr(x * y) for x in (al, ah) for y in (bl, bh)]
+            lo, hi = ends[0], ends[0]
+            for v in ends[1:]:
+                lo, hi = xp.minimum(lo, v), xp.maximum(hi, v)
+            return lo, hi
+        if op == "neg":
+            lo, hi = self.value(a[0])
+            return -hi, -lo
+        if op == "abs":
+            lo, hi = (self.arr(v) for v in self.value(a[0]))
+            top = xp.maximum(-lo, hi)
+            return xp.where(lo >= 0, lo, xp.where(hi <= 0, -hi, 0 * lo)), xp.where(lo >= 0, hi, top)
+        if op in ("floordiv", "mod") and self.scalar(a[1]):
+            k = a[1].evaluate(xp, self.env)
+            if isinstance(k, (int, float)) and k > 0:
+                lo, hi = self.value(a[0])
+                if op == "floordiv":   # monotone for a positive divisor
+                    return lo // k, hi // k
+                one = self.arr(lo // k) == self.arr(hi // k)   # within one period: monotone there
+                return xp.where(one, self.arr(lo % k), 0 * self.arr(lo)), xp.where(one, self.arr(hi % k), 0 * self.arr(hi) + (k - 1))
+        if op == "where":
+            may, must = self.cond(a[0])
+            (bl, bh), (cl, ch) = self.value(a[1]), self.value(a[2])
+            lo, hi = self.xp.minimum(self.arr(bl), self.arr(cl)), self.xp.maximum(self.arr(bh), self.arr(ch))
+            must, never = self.arr(must), ~self.arr(may)
+            return (xp.where(must, self.arr(bl), xp.where(never, self.arr(cl), lo)),
+                    xp.where(must, self.arr(bh), xp.where(never, self.arr(ch), hi)))
+        raise _Unsupported(op)
+
+    def _gather(self, e: Ix):
+        """A gather whose indices are fixed but one, which is ``i`` or ``j``: the least and
+        greatest values over each block's range of it (indices clamped into the tensor, as
+        every gather reads them)."""
+        arr, xp = self.env[e.value.name], self.xp
+        free = [k for k, a in enumerate(e.args) if not self.scalar(a)]
+        if len(free) > 1 or (free and not (e.args[free[0]].op == "idx" and e.args[free[0]].value in ("i", "j"))):
+            raise _Unsupported("gather")
+        at = [None if k in free else min(max(int(a.evaluate(xp, self.env)), 0), arr.shape[k] - 1)
+              for k, a in enumerate(e.args)]
+        if not free:
+            v = arr[tuple(at)]
+            return v, v
+        k = free[0]
+        line = arr[tuple(slice(None) if m == k else v for m, v in enumerate(at))]
+        count, step, n = self.grid[e.args[k].value]
+        idx = self.arange(count * step)
+        idx = xp.minimum(xp.minimum(idx, self.arr(n - 1)), self.arr(line.shape[0] - 1))
+        vals = line[idx].reshape(count, step)
+        lo, hi = (vals.amin(1), vals.amax(1)) if self.like is not None else (vals.min(1), vals.max(1))
+        shape = (count, 1) if e.args[k].value == "i" else (1, count)
+        return lo.reshape(shape), hi.reshape(shape)
+
+    def cond(self, e: Ix):
+        """``(may, must)`` of condition ``e`` over each block."""
+        xp, op, a = self.xp, e.op, e.args
+        if self.scalar(e):
+            v = e.evaluate(xp, self.env)
+            return v, v
+        if op in ("and", "or") and e.dtype == "bool":
+            (am, au), (bm, bu) = self.cond(a[0]), self.cond(a[1])
+            if op == "and":
+                return self.arr(am) & self.arr(bm), self.arr(au) & self.arr(bu)
+            return self.arr(am) | self.arr(bm), self.arr(au) | self.arr(bu)
+        if op == "invert" and e.dtype == "bool":
+            may, must = self.cond(a[0])
+            return ~self.arr(must), ~self.arr(may)
+        if op in ("lt", "le", "gt", "ge", "eq", "ne"):
+            if op in ("gt", "ge"):   # b < a, b <= a
+                op, a = {"gt": "lt", "ge": "le"}[op], (a[1], a[0])
+            (al, ah), (bl, bh) = (tuple(self.arr(v) for v in self.value(x)) for x in a)
+            if op == "lt":
+                return al < bh, ah < bl
+            if op == "le":
+                return al <= bh, ah <= bl
+            meet = (al <= bh) & (bl <= ah)
+            same = (al == ah) & (bl == bh) & (al == bl)
+            return (meet, same) if op == "eq" else (~same, ~meet)
+        raise _Unsupported(op)
