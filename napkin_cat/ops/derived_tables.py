@@ -220,7 +220,8 @@ def interval_table(e: Ix, n_rows: int, n_cols: int, rows: int, cols: int, env: d
     R, C = -(-n_rows // rows), -(-n_cols // cols)
     ev = _Intervals(xp, like, env, {"i": (R, rows, n_rows), "j": (C, cols, n_cols)})
     try:
-        may, must = ev.cond(e)
+        with xp.quiet():   # inf * 0 and the like: NaN bounds, noted as unknown
+            may, must = ev.cond(e)
     except _Unsupported:
         return None
     may, must = xp.broadcast_to(ev.arr(may), (R, C)), xp.broadcast_to(ev.arr(must), (R, C))
