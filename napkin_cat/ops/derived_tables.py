@@ -231,10 +231,64 @@ def interval_table(e: Ix, n_rows: int, n_cols: int, rows: int, cols: int, env: d
     return out.astype(xp.float32) if hasattr(out, "astype") else out.float()
 
 
+_SCALARS = (bool, int, float)
+
+
+def _lo(a, b):
+    """The least of ``a`` and ``b`` (arrays or Python numbers; no device copy of a number)."""
+    if isinstance(a, _SCALARS) and isinstance(b, _SCALARS):
+        return min(a, b)
+    if isinstance(a, _SCALARS):
+        a, b = b, a
+    return a.clamp(max=b) if hasattr(a, "clamp") and isinstance(b, _SCALARS) else _np_or_torch(a).minimum(a, b)
+
+
+def _hi(a, b):
+    if isinstance(a, _SCALARS) and isinstance(b, _SCALARS):
+        return max(a, b)
+    if isinstance(a, _SCALARS):
+        a, b = b, a
+    return a.clamp(min=b) if hasattr(a, "clamp") and isinstance(b, _SCALARS) else _np_or_torch(a).maximum(a, b)
+
+
+def _np_or_torch(a):
+    if hasattr(a, "clamp"):
+        import torch
+        return torch
+    import numpy as np
+    return np
+
+
+def _not(a):
+    return (not a) if isinstance(a, bool) else ~a
+
+
+def _both(a, b):
+    return (a and b) if isinstance(a, bool) and isinstance(b, bool) else a & b
+
+
+def _either(a, b):
+    return (a or b) if isinstance(a, bool) and isinstance(b, bool) else a | b
+
+
 class _Intervals:
     def __init__(self, xp, like, env, grid):
         self.xp, self.like, self.env, self.grid = xp, like, env, grid
         self.unknown: list = []   # where a bound is NaN, per block (arrays that broadcast to the table)
+
+    def arr(self, v):
+        if isinstance(v, _SCALARS):
+            if self.like is not None:
+                import torch
+                return torch.tensor(v, device=self.like.device)
+            import numpy as np
+            return np.asarray(v)
+        return v
+
+    def where(self, c, a, b):
+        if isinstance(c, bool):
+            return a if c else b
+        return self.xp.where(c, a, b)
 
     def checked(self, lo, hi):
         """``(lo, hi)``, noting the blocks where either is NaN."""
@@ -247,28 +301,19 @@ class _Intervals:
                 self.unknown.append(v != v)
         return lo, hi
 
-    def arr(self, v):
-        if isinstance(v, (bool, int, float)):
-            if self.like is not None:
-                import torch
-                return torch.tensor(v, device=self.like.device)
-            import numpy as np
-            return np.asarray(v)
-        return v
-
-    def _range(self, role):
-        count, step, n = self.grid[role]
-        lo = self.arange(count) * step
-        hi = self.xp.minimum(lo + step, self.arr(n)) - 1
-        shape = (count, 1) if role == "i" else (1, count)
-        return lo.reshape(shape), hi.reshape(shape)
-
     def arange(self, n):
         if self.like is not None:
             import torch
             return torch.arange(n, device=self.like.device)
         import numpy as np
         return np.arange(n)
+
+    def _range(self, role):
+        count, step, n = self.grid[role]
+        lo = self.arange(count) * step
+        hi = _lo(lo + step, n) - 1
+        shape = (count, 1) if role == "i" else (1, count)
+        return lo.reshape(shape), hi.reshape(shape)
 
     def scalar(self, e: Ix) -> bool:
         return all(n.op != "gather" and not (n.op == "idx" and n.value in ("i", "j")) for n in e.walk())
@@ -278,9 +323,9 @@ class _Intervals:
         return self.checked(*self._value(e))
 
     def _value(self, e: Ix):
-        xp, op, a = self.xp, e.op, e.args
+        op, a = e.op, e.args
         if self.scalar(e):
-            v = e.evaluate(xp, self.env)
+            v = e.evaluate(self.xp, self.env)
             return v, v
         if op == "idx":
             return self._range(e.value)
@@ -293,46 +338,45 @@ class _Intervals:
             if op == "sub":
                 return al - bh, ah - bl
             if op in ("min", "max"):
-                f = xp.minimum if op == "min" else xp.maximum
-                return f(self.arr(al), self.arr(bl)), f(self.arr(ah), self.arr(bh))
-            ends = [self.arr(x * y) for x in (al, ah) for y in (bl, bh)]
-            lo, hi = ends[0], ends[0]
+                f = _lo if op == "min" else _hi
+                return f(al, bl), f(ah, bh)
+            ends = [x * y for x in (al, ah) for y in (bl, bh)]
+            lo = hi = ends[0]
             for v in ends[1:]:
-                lo, hi = xp.minimum(lo, v), xp.maximum(hi, v)
+                lo, hi = _lo(lo, v), _hi(hi, v)
             return lo, hi
         if op == "neg":
             lo, hi = self.value(a[0])
             return -hi, -lo
         if op == "abs":
-            lo, hi = (self.arr(v) for v in self.value(a[0]))
-            top = xp.maximum(-lo, hi)
-            return xp.where(lo >= 0, lo, xp.where(hi <= 0, -hi, 0 * lo)), xp.where(lo >= 0, hi, top)
+            lo, hi = self.value(a[0])
+            return (self.where(lo >= 0, lo, self.where(hi <= 0, -hi, 0 * lo)),
+                    self.where(lo >= 0, hi, _hi(-lo, hi)))
         if op in ("floordiv", "mod") and self.scalar(a[1]):
-            k = a[1].evaluate(xp, self.env)
+            k = a[1].evaluate(self.xp, self.env)
             if isinstance(k, (int, float)) and k > 0:
                 lo, hi = self.value(a[0])
                 if op == "floordiv":   # monotone for a positive divisor
                     return lo // k, hi // k
-                one = self.arr(lo // k) == self.arr(hi // k)   # within one period: monotone there
-                return xp.where(one, self.arr(lo % k), 0 * self.arr(lo)), xp.where(one, self.arr(hi % k), 0 * self.arr(hi) + (k - 1))
+                one = lo // k == hi // k   # within one period: monotone there
+                return self.where(one, lo % k, 0 * lo), self.where(one, hi % k, 0 * hi + (k - 1))
         if op == "where":
             may, must = self.cond(a[0])
             (bl, bh), (cl, ch) = self.value(a[1]), self.value(a[2])
-            lo, hi = self.xp.minimum(self.arr(bl), self.arr(cl)), self.xp.maximum(self.arr(bh), self.arr(ch))
-            must, never = self.arr(must), ~self.arr(may)
-            return (xp.where(must, self.arr(bl), xp.where(never, self.arr(cl), lo)),
-                    xp.where(must, self.arr(bh), xp.where(never, self.arr(ch), hi)))
+            never = _not(may)
+            return (self.where(must, bl, self.where(never, cl, _lo(bl, cl))),
+                    self.where(must, bh, self.where(never, ch, _hi(bh, ch))))
         raise _Unsupported(op)
 
     def _gather(self, e: Ix):
         """A gather whose indices are fixed but one, which is ``i`` or ``j``: the least and
         greatest values over each block's range of it (indices clamped into the tensor, as
         every gather reads them)."""
-        arr, xp = self.env[e.value.name], self.xp
+        arr = self.env[e.value.name]
         free = [k for k, a in enumerate(e.args) if not self.scalar(a)]
         if len(free) > 1 or (free and not (e.args[free[0]].op == "idx" and e.args[free[0]].value in ("i", "j"))):
             raise _Unsupported("gather")
-        at = [None if k in free else min(max(int(a.evaluate(xp, self.env)), 0), arr.shape[k] - 1)
+        at = [None if k in free else min(max(int(a.evaluate(self.xp, self.env)), 0), arr.shape[k] - 1)
               for k, a in enumerate(e.args)]
         if not free:
             v = arr[tuple(at)]
@@ -340,8 +384,7 @@ class _Intervals:
         k = free[0]
         line = arr[tuple(slice(None) if m == k else v for m, v in enumerate(at))]
         count, step, n = self.grid[e.args[k].value]
-        idx = self.arange(count * step)
-        idx = xp.minimum(xp.minimum(idx, self.arr(n - 1)), self.arr(line.shape[0] - 1))
+        idx = _lo(self.arange(count * step), min(n, line.shape[0]) - 1)
         vals = line[idx].reshape(count, step)
         lo, hi = (vals.amin(1), vals.amax(1)) if self.like is not None else (vals.min(1), vals.max(1))
         shape = (count, 1) if e.args[k].value == "i" else (1, count)
@@ -349,27 +392,26 @@ class _Intervals:
 
     def cond(self, e: Ix):
         """``(may, must)`` of condition ``e`` over each block."""
-        xp, op, a = self.xp, e.op, e.args
+        op, a = e.op, e.args
         if self.scalar(e):
-            v = e.evaluate(xp, self.env)
+            v = e.evaluate(self.xp, self.env)
             return v, v
         if op in ("and", "or") and e.dtype == "bool":
             (am, au), (bm, bu) = self.cond(a[0]), self.cond(a[1])
-            if op == "and":
-                return self.arr(am) & self.arr(bm), self.arr(au) & self.arr(bu)
-            return self.arr(am) | self.arr(bm), self.arr(au) | self.arr(bu)
+            f = _both if op == "and" else _either
+            return f(am, bm), f(au, bu)
         if op == "invert" and e.dtype == "bool":
             may, must = self.cond(a[0])
-            return ~self.arr(must), ~self.arr(may)
+            return _not(must), _not(may)
         if op in ("lt", "le", "gt", "ge", "eq", "ne"):
             if op in ("gt", "ge"):   # b < a, b <= a
                 op, a = {"gt": "lt", "ge": "le"}[op], (a[1], a[0])
-            (al, ah), (bl, bh) = (tuple(self.arr(v) for v in self.value(x)) for x in a)
+            (al, ah), (bl, bh) = self.value(a[0]), self.value(a[1])
             if op == "lt":
                 return al < bh, ah < bl
             if op == "le":
                 return al <= bh, ah <= bl
-            meet = (al <= bh) & (bl <= ah)
-            same = (al == ah) & (bl == bh) & (al == bl)
-            return (meet, same) if op == "eq" else (~same, ~meet)
+            meet = _both(al <= bh, bl <= ah)
+            same = _both(_both(al == ah, bl == bh), al == bl)
+            return (meet, same) if op == "eq" else (_not(same), _not(meet))
         raise _Unsupported(op)
