@@ -226,7 +226,10 @@ def interval_table(e: Ix, n_rows: int, n_cols: int, rows: int, cols: int, env: d
         return None
     may, must = xp.broadcast_to(ev.arr(may), (R, C)), xp.broadcast_to(ev.arr(must), (R, C))
     out = xp.where(must, 2.0, xp.where(may, 1.0, 0.0))
-    for u in ev.unknown:   # a bound that is NaN (NaN data, inf - inf) bounds nothing: partial
+    if ev.unknown:   # a bound that is NaN (NaN data, inf - inf) bounds nothing: partial
+        u = ev.unknown[0]
+        for v in ev.unknown[1:]:
+            u = u | v
         out = xp.where(u, 1.0, out)
     return out.astype(xp.float32) if hasattr(out, "astype") else out.float()
 
@@ -290,9 +293,10 @@ class _Intervals:
             return a if c else b
         return self.xp.where(c, a, b)
 
-    def checked(self, lo, hi):
-        """``(lo, hi)``, noting the blocks where either is NaN."""
-        for v in (lo, hi):
+    def checked(self, lo, hi, both: bool = True):
+        """``(lo, hi)``, noting the blocks where either is NaN (``both=False``: where ``lo`` is,
+        which a least and greatest value over the same entries are together)."""
+        for v in (lo, hi) if both else (lo,):
             if isinstance(v, float):
                 if v != v:
                     self.unknown.append(self.arr(True))
@@ -320,7 +324,7 @@ class _Intervals:
 
     def value(self, e: Ix):
         """``(lo, hi)`` of numeric expression ``e`` over each block."""
-        return self.checked(*self._value(e))
+        return self.checked(*self._value(e), both=e.op != "gather")
 
     def _value(self, e: Ix):
         op, a = e.op, e.args
