@@ -329,3 +329,31 @@ def test_tables_from_bounds_of_documents_and_windows_are_exact_and_fall_back_whe
     k = nc.lower(atts.stream("x", 32).tile("q", 32), threads=16, verify=False)
     assert not isinstance(k, TabledKernel)   # no data: a support of its own (or none), no table
     assert doc is not None
+
+
+@pytest.mark.slow
+def test_grouped_heads_backward_reads_a_table_of_each_head_and_group():
+    """A causal window of each query head under GQA, written with its widths only: the forward
+    and both backward kernels of ``nc.torch_op`` (the key-tile one streaming the groups one at a
+    time) derive a table of each key/value head and group; gradients match float64."""
+    import torch
+    H, G, n = 2, 2, 12
+    w = nc.aux("w", nc.Axis("nh", H * G))
+    win = nc.mask_mod(lambda b_, h_, i, j: (j <= i) & (i - j <= w[h_]))
+    flash = nc.library.attention(q=q, x=x, d=d, heads=h, groups=g, mask=win).stream(x, 4).tile(q, 4).tile(h, 1)
+    op = nc.torch_op(flash)
+    widths = torch.tensor([0.0, 3.0, 5.0, 11.0])
+    gen = torch.Generator().manual_seed(0)
+    Q = torch.randn(H, G, n, 4, generator=gen, requires_grad=True)
+    K, V = (torch.randn(H, n, 4, generator=gen, requires_grad=True) for _ in range(2))
+    cot = torch.randn(H, G, n, 4, generator=gen)
+    got = torch.autograd.grad(op(Q, K, V, widths), (Q, K, V), cot)
+    wide = [t.detach().double().requires_grad_() for t in (Q, K, V)]
+    want = torch.autograd.grad(nc.to_torch(op.diagram)(*wide, widths.double()), wide, cot.double())
+    for name, a, b_ in zip("QKV", got, want):
+        torch.testing.assert_close(a.double(), b_, rtol=0, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+    if not op.last_backward_path.startswith("simulator"):   # CPU tensors on a GPU machine: the executor
+        return
+    tabled = [k for k in op._cache.values() if isinstance(k, TabledKernel)]
+    assert len(tabled) == 3 and all(k.tables[0].leads == (H, G) for k in tabled)
+    assert any("stream(g, 1)" in k.diagram._sched_str() for k in tabled)
