@@ -138,6 +138,12 @@ def test_a_tabled_kernel_refuses_what_it_cannot_read():
         kernel(Q, K, V)
     with pytest.raises(nc.NapkinError, match=r"input doc\[n=8\] f32: expected shape \(8,\), got \(7,\)"):
         kernel(Q, K, V, np.zeros(7, np.float32))
+    with pytest.raises(nc.NapkinError, match=r"input doc\[n=8\] f32: expected a numpy array.*got list"):
+        kernel(Q, K, V, [0.0] * 8)
+    ids = np.zeros(8, bool)
+    with pytest.raises(nc.NapkinError, match=r"input doc\[n=8\] f32: expected a real .* got dtype bool"):
+        kernel(Q, K, V, ids)
+    assert not ids.any()   # nothing mutated
 
 
 def test_torch_op_backward_reads_derived_tables():

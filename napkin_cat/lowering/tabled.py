@@ -106,8 +106,13 @@ class TabledKernel:
             raise ShapeError(f"kernel {self.inner.name} takes {len(self.in_shapes)} arrays ({names}), "
                              f"got {len(arrays)}")
         for arr, x, shape in zip(self.diagram.dom, arrays, self.in_shapes):
-            if tuple(getattr(x, "shape", ())) != shape:
-                raise ShapeError(f"input {arr}: expected shape {shape}, got {tuple(getattr(x, 'shape', ()))}")
+            if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+                raise ShapeError(f"input {arr}: expected a numpy array, a torch tensor or a CUDA device array, "
+                                 f"got {type(x).__name__}")
+            if str(x.dtype).split(".")[-1].startswith(("bool", "complex")):
+                raise ShapeError(f"input {arr}: expected a real (float or integer) array, got dtype {x.dtype}")
+            if tuple(x.shape) != shape:
+                raise ShapeError(f"input {arr}: expected shape {shape}, got {tuple(x.shape)}")
 
     def derive(self, *arrays) -> tuple:
         """The block tables of these arrays (the extra inputs of ``.inner``)."""
