@@ -1,6 +1,6 @@
 """Probe: making the block table of a document mask, entry by entry (``block_table``'s evaluation)
 against bounds over blocks (``ops/derived_tables.interval_table``), on NumPy, torch CPU and (where
-there is one) a GPU; both tables compared.  Median of 5 after one warm-up; milliseconds.
+there is one) a GPU, there also the entries through ``torch.compile``; the tables compared.  Median of 5 after one warm-up; milliseconds.
 
     python3 kernels/probes/table_fill.py [--n 4096] [--rows 128] [--cols 64]
 """
@@ -58,6 +58,15 @@ def main():
         same = bool((np.asarray(_table(*args).cpu() if like is not None else _table(*args))
                      == np.asarray(interval_table(*args).cpu() if like is not None else interval_table(*args))).all())
         print(f"| {name} | {timed(lambda: _table(*args), sync):.2f} | {timed(lambda: interval_table(*args), sync):.2f} | {same} |")
+        if name == "torch cuda":   # the entries through torch.compile (one fused kernel, if it fuses)
+            import torch
+            fn = torch.compile(lambda v: _table(m.expr, n, n, a.rows, a.cols, {"doc": v}, xp, like), dynamic=False)
+            t0 = time.perf_counter()
+            got = fn(arr)
+            sync()
+            first = (time.perf_counter() - t0) * 1e3
+            ok = bool((got.cpu() == _table(*args).cpu()).all())
+            print(f"| {name}, torch.compile (first call {first:.0f} ms) | {timed(lambda: fn(arr), sync):.3f} | | {ok} |")
 
 
 if __name__ == "__main__":
