@@ -21,9 +21,15 @@ def canonical() -> dict:
     from .. import library as L
     from ..core import axes
 
+    from ..core import Axis
+    from ..library.variants import aux
+    from ..ops import mask_mod
+
     q, x, d, h, g, b = axes("q x d h g b")
     a, k, c, t = axes("a k c t")
     att = {q: 4096, x: 4096, d: 64}
+    doc = aux("doc", Axis("n", 4096))   # packed documents: a mask that reads data (its table derived per launch)
+    documents = mask_mod(lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i))
     return {
         "matmul": (L.matmul(a=a, b=k, c=c).bind({a: 4096, k: 4096, c: 4096}),
                    {"a": 128, "c": 128, "k": 16}, 256),
@@ -33,6 +39,8 @@ def canonical() -> dict:
                              {"q": 128, "x": 64}, 256),
         "gqa_attention": (L.attention(q=q, x=x, d=d, groups=g, heads=h, causal=True).bind({**att, g: 4, h: 2}),
                           {"q": 128, "x": 64}, 256),
+        "document_attention": (L.attention(q=q, x=x, d=d, heads=h, mask=documents).bind({**att, h: 8}),
+                               {"q": 128, "x": 64}, 256),
         "l2_attention": (L.normalized_attention(q=q, x=x, d=d).bind(att), {"q": 64, "x": 64}, 256),
         "layernorm": (L.layernorm(t=t, d=d).bind({t: 8192, d: 4096}), {"t": 1}, 256),
         "softmax": (L.softmax(r=t, c=x).bind({t: 8192, x: 4096}), {"t": 1}, 256),
