@@ -29,7 +29,7 @@ import sys
 from collections import OrderedDict
 
 from ..core.diagram import Diagram
-from ..core.errors import ShapeError
+from ..core.errors import LoweringError, RelabelError, ShapeError
 from ..ops.derived_tables import DerivedTable, NotInputs, derivable, with_tables
 
 CACHED = 16
@@ -135,10 +135,10 @@ def lower_with_tables(d: Diagram, opts: dict, lower_any, on_gpu):
     if not derivable(d):
         return lower_any(d, opts)
     from .schedule import choose
-    sched = choose(d, opts.get("tiles"), opts.get("threads"), simulate=not on_gpu(), hw=opts.get("hw"))
-    try:
+    try:   # one kernel's blocks; where there is none (a split into kernels), no table
+        sched = choose(d, opts.get("tiles"), opts.get("threads"), simulate=not on_gpu(), hw=opts.get("hw"))
         d2, tables = with_tables(sched.diagram)
-    except NotInputs:
+    except (LoweringError, RelabelError, NotInputs):
         return lower_any(d, opts)
     if not tables:
         return lower_any(d, opts)
