@@ -78,17 +78,23 @@ def block_table(mask, n_rows: int, n_cols: int, rows: int, cols: int, aux: dict 
         raise TypingError(f"block_table: {m!r} gathers from {missing}; pass their values in aux")
     xp, like = _namespace(aux)
     if leads:    # one table per batch (and head), stacked batch first
-        import itertools
-        slices = [_table(e, n_rows, n_cols, rows, cols, {**aux, **dict(zip(leads, at))}, xp, like)
-                  for at in itertools.product(*(range(counts[r]) for r in leads))]
-        if like is not None:
-            import torch
-            out = torch.stack(slices)
-        else:
-            import numpy as np
-            out = np.stack(slices)
-        return out.reshape(*(counts[r] for r in leads), *out.shape[1:])
+        return _slices(lambda at: _table(e, n_rows, n_cols, rows, cols, {**aux, **dict(zip(leads, at))}, xp, like),
+                       tuple(counts[r] for r in leads), like)
     return _table(e, n_rows, n_cols, rows, cols, aux, xp, like)
+
+
+def _slices(one, counts: tuple, like):
+    """``one(at)`` for every index ``at`` of ``counts``, stacked into leading axes of those sizes
+    (a torch tensor where ``like`` is one, else NumPy)."""
+    import itertools
+    parts = [one(at) for at in itertools.product(*(range(n) for n in counts))]
+    if like is not None:
+        import torch
+        out = torch.stack(parts)
+    else:
+        import numpy as np
+        out = np.stack(parts)
+    return out.reshape(*counts, *out.shape[1:])
 
 
 _ROLES = {"b": ("batch", "batch"), "h": ("heads", "head")}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..core.diagram import Diagram, Eqn
 from ..core.types import Array, Axis
-from .block_table import _namespace, _table, bounds
+from .block_table import _arange, _namespace, _slices, _table, bounds
 from .boxes import mask_box
 from .index import Predicate
 from .index_expr import Aux, Ix
@@ -54,21 +54,17 @@ class DerivedTable:
         first = next(iter(values.values()))
         xp, like = _namespace(values)
         env = {**values, **{("size", n): s for n, s in self.sizes}}
-        slices = []
-        for at in itertools.product(*(range(n) for n in self.leads)):
+
+        def one(at):
             env.update({f"_l{k}": v for k, v in enumerate(at)})
             args = (self.expr, self.n_rows, self.n_cols, self.rows, self.cols, env, xp, like)
             # on the host, bounds over blocks (O(rows + columns + blocks)) where the mask's
             # operations allow; on a GPU the entries, in few large operations (launches cost
             # more there than the work: 0.35 against 1.1 ms at N = 4096 on an H200, BENCHMARKS.md)
             t = None if on_device(like) else interval_table(*args)
-            slices.append(_table(*args) if t is None else t)
-        if like is not None:
-            import torch
-            out = torch.stack(slices).reshape(*self.leads, *slices[0].shape).to(first.dtype)
-            return out.contiguous()
-        import numpy as np
-        return np.stack(slices).reshape(*self.leads, *slices[0].shape).astype(first.dtype)
+            return _table(*args) if t is None else t
+        out = _slices(one, self.leads, like)
+        return out.to(first.dtype).contiguous() if like is not None else out.astype(first.dtype)
 
 
 def on_device(like) -> bool:
@@ -247,27 +243,25 @@ _SCALARS = (bool, int, float)
 
 def _lo(a, b):
     """The least of ``a`` and ``b`` (arrays or Python numbers; no device copy of a number)."""
-    if isinstance(a, _SCALARS) and isinstance(b, _SCALARS):
-        return min(a, b)
-    if isinstance(a, _SCALARS):
-        a, b = b, a
-    return a.clamp(max=b) if hasattr(a, "clamp") and isinstance(b, _SCALARS) else _np_or_torch(a).minimum(a, b)
+    return _bound(a, b, min, "max", "minimum")
 
 
 def _hi(a, b):
+    return _bound(a, b, max, "min", "maximum")
+
+
+def _bound(a, b, pick, clamp: str, ufunc: str):
     if isinstance(a, _SCALARS) and isinstance(b, _SCALARS):
-        return max(a, b)
+        return pick(a, b)
     if isinstance(a, _SCALARS):
         a, b = b, a
-    return a.clamp(min=b) if hasattr(a, "clamp") and isinstance(b, _SCALARS) else _np_or_torch(a).maximum(a, b)
-
-
-def _np_or_torch(a):
+    if hasattr(a, "clamp") and isinstance(b, _SCALARS):   # torch: a number bounds without becoming a tensor
+        return a.clamp(**{clamp: b})
     if hasattr(a, "clamp"):
-        import torch
-        return torch
-    import numpy as np
-    return np
+        import torch as xp
+    else:
+        import numpy as xp
+    return getattr(xp, ufunc)(a, b)
 
 
 def _not(a):
@@ -313,16 +307,9 @@ class _Intervals:
                 self.unknown.append(v != v)
         return lo, hi
 
-    def arange(self, n):
-        if self.like is not None:
-            import torch
-            return torch.arange(n, device=self.like.device)
-        import numpy as np
-        return np.arange(n)
-
     def _range(self, role):
         count, step, n = self.grid[role]
-        lo = self.arange(count) * step
+        lo = _arange(self.xp, self.like, count) * step
         hi = _lo(lo + step, n) - 1
         shape = (count, 1) if role == "i" else (1, count)
         return lo.reshape(shape), hi.reshape(shape)
@@ -396,7 +383,7 @@ class _Intervals:
         k = free[0]
         line = arr[tuple(slice(None) if m == k else v for m, v in enumerate(at))]
         count, step, n = self.grid[e.args[k].value]
-        idx = _lo(self.arange(count * step), min(n, line.shape[0]) - 1)
+        idx = _lo(_arange(self.xp, self.like, count * step), min(n, line.shape[0]) - 1)
         vals = line[idx].reshape(count, step)
         lo, hi = (vals.amin(1), vals.amax(1)) if self.like is not None else (vals.min(1), vals.max(1))
         shape = (count, 1) if e.args[k].value == "i" else (1, count)
