@@ -1,6 +1,8 @@
 """Probe: making the block table of a document mask, entry by entry (``block_table``'s evaluation)
 against bounds over blocks (``ops/derived_tables.interval_table``), on NumPy, torch CPU and (where
-there is one) a GPU, there also the entries through ``torch.compile``; the tables compared.  Median of 5 after one warm-up; milliseconds.
+there is one) a GPU, there also the entries through ``torch.compile`` and the generated table kernel
+(``lowering/table_kernel.py``: one launch; also its GPU time alone, by CUDA events over 200
+back-to-back launches); the tables compared.  Median of 5 after one warm-up; milliseconds.
 
     python3 kernels/probes/table_fill.py [--n 4096] [--rows 128] [--cols 64]
 """
@@ -67,6 +69,24 @@ def main():
             first = (time.perf_counter() - t0) * 1e3
             ok = bool((got.cpu() == _table(*args).cpu()).all())
             print(f"| {name}, torch.compile (first call {first:.0f} ms) | {timed(lambda: fn(arr), sync):.3f} | | {ok} |")
+            from napkin_cat.ops.derived_tables import DerivedTable
+            from napkin_cat.lowering.table_kernel import table_kernel
+            spec = DerivedTable("t", m.expr, n, n, a.rows, a.cols, (), (("doc", 0),), (), (), "f16")
+            t0 = time.perf_counter()
+            k = table_kernel(spec, (arr,))
+            got = k.torch([arr])
+            sync()
+            first = (time.perf_counter() - t0) * 1e3
+            ok = bool((got.float().cpu() == _table(*args).cpu()).all())
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            for _ in range(200):
+                k.torch([arr])
+            ev[1].record()
+            sync()
+            per = ev[0].elapsed_time(ev[1]) / 200
+            print(f"| {name}, the generated table kernel (first call {first:.0f} ms; back to back "
+                  f"{per:.4f} ms per table) | {timed(lambda: k.torch([arr]), sync):.3f} | | {ok} |")
 
 
 if __name__ == "__main__":

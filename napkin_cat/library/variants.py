@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from ..core import Axis
+from ..core.types import DType, f32
 from ..core.errors import TypingError
 from ..ops import IndexBias, Predicate
 from ..ops.aux_grad import index_map_box
@@ -49,10 +50,24 @@ def score_mod(fn) -> ScoreMod:
     return ScoreMod(e)
 
 
-def aux(name: str, *axes_: Axis) -> Aux:
+def aux(name: str, *axes_: Axis, dtype: DType | None = None) -> Aux:
     """An auxiliary tensor over ``axes`` that index functions gather from (``doc[i]``,
     ``slope[h]``); it becomes an input of the attention diagram named ``name``, after Q, K, V
-    (and B), in order of first use.  Its axes must differ from the attention's own axes."""
+    (and B), in order of first use.  Its axes must differ from the attention's own axes.
+
+    ``dtype``: its element type in the diagram (and the kernel).  Left out, it is the
+    attention's, except for a tensor whose values meet a comparison (document ids in
+    ``doc[i] == doc[j]``): that one is ``f32``, exact for integers up to 2**24, where a 16-bit
+    copy would merge ids above 2048 (f16) or 256 (bf16) and attend across documents.
+
+    >>> import napkin_cat as nc
+    >>> q, x, d, n = nc.axes("q x d n")
+    >>> doc = nc.aux("doc", n)
+    >>> m = nc.mask_mod(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i))
+    >>> att = nc.library.attention(q=q, x=x, d=d, mask=m, dtype=nc.bf16)
+    >>> [(a.name, a.dtype.name) for a in att.dom]
+    [('Q', 'bf16'), ('K', 'bf16'), ('V', 'bf16'), ('doc', 'f32')]
+    """
     if not isinstance(name, str) or not name.isidentifier():
         raise TypingError(f"aux name must be an identifier, got {name!r}")
     if not axes_:
@@ -60,7 +75,9 @@ def aux(name: str, *axes_: Axis) -> Aux:
     for a in axes_:
         if not isinstance(a, Axis):
             raise TypingError(f"aux {name}: axes must be nc.Axis values, got {a!r}")
-    return Aux(name, tuple(axes_))
+    if dtype is not None and not isinstance(dtype, DType):
+        raise TypingError(f"aux {name}: dtype must be one of nc.f32, nc.f16, nc.bf16, ..., got {dtype!r}")
+    return Aux(name, tuple(axes_), dtype)
 
 
 class Binding:
@@ -78,15 +95,16 @@ class Binding:
         elif heads is not None or groups is not None:
             self.roles["h"] = idx(heads if heads is not None else groups)
         self.taken = taken
+        self.exact: set[str] = set()   # auxes compared: read as f32 (:func:`aux`)
         self.aux: dict[str, tuple[Aux, object]] = {}
 
     def declare(self, *fns) -> None:
         """Declare the auxiliary inputs of the variants ``fns`` (a Builder takes its inputs
         before its first operation)."""
-        for f in fns:
-            e = getattr(f, "expr", None)
-            if isinstance(e, Ix):
-                self.wires(e)
+        exprs = [e for e in (getattr(f, "expr", None) for f in fns) if isinstance(e, Ix)]
+        self.exact = {n for e in exprs for n in e.compared_auxes()}
+        for e in exprs:
+            self.wires(e)
 
     def bind(self, e: Ix, what: str) -> Ix:
         for role in e.leaves("idx"):
@@ -109,7 +127,8 @@ class Binding:
                         raise TypingError(f"attention: auxiliary tensor {a!r} uses axis {ax.name}, an axis "
                                           f"of the attention itself; give it its own axis (its values are "
                                           f"gathered by index, never tiled or streamed)")
-                self.aux[a.name] = (a, self.g.input(a.name, *a.axes))
+                dtype = a.dtype or (f32 if a.name in self.exact else None)
+                self.aux[a.name] = (a, self.g.input(a.name, *a.axes, dtype=dtype))
             out.append(self.aux[a.name][1])
         return out
 

@@ -17,7 +17,7 @@ window of each head ``w[h]``) gets a table of each value of those indices (the l
 diagram's axis order), read by a block that holds one of each.
 
 Cost: a table is O(rows x columns) work on the inputs' device (FlexAttention's
-``create_block_mask``).  Tables of torch tensors are kept by the tensors' identity and version
+``create_block_mask``): on a GPU one launch of a generated kernel (:mod:`.table_kernel`).  Tables of torch tensors are kept by the tensors' identity and version
 (:func:`fill`): the layers of a training step that share its document ids derive
 each table once.  :meth:`TabledKernel.prepare` derives them once for the arrays it binds.  A
 user who makes one table for many calls passes it: ``nc.blocked(mask, bt, rows, cols)``.
@@ -65,12 +65,30 @@ def fill(spec: DerivedTable, arrays):
         if hit is not None and hit[0] is spec:
             _TABLES.move_to_end((id(spec), key))
             return hit[1]
-    table = spec.values(arrays)
+    table = _derive(spec, data, arrays)
     if key is not None:   # the tensors kept too: no other tensor gets their memory while the entry lives
         _TABLES[(id(spec), key)] = (spec, table, tuple(data))
         while len(_TABLES) > CACHED:
             _TABLES.popitem(last=False)
     return table
+
+
+def _derive(spec: DerivedTable, data, arrays):
+    """The table: by its generated kernel (:mod:`.table_kernel`, one launch) for torch tensors on
+    a GPU; else the mask's NumPy / torch meaning (:meth:`DerivedTable.values`)."""
+    torch = sys.modules.get("torch")
+    if (torch is not None and all(isinstance(x, torch.Tensor) and x.is_cuda for x in data)
+            and GENERATED and "numba.cuda" in sys.modules):
+        from .runtime import simulator_active
+        if not simulator_active():
+            from .table_kernel import make_table
+            return make_table(spec, arrays)
+    return spec.values(arrays)
+
+
+GENERATED = True
+"""Make tables of CUDA tensors by the generated table kernel (False: by torch operations, for
+measuring the two: ``kernels/probes/table_fill.py``)."""
 
 
 class TabledKernel:

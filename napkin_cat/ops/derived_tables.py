@@ -45,11 +45,12 @@ class DerivedTable:
     aux: tuple[tuple[str, int], ...]
     sizes: tuple[tuple[str, int], ...]
     lead_names: tuple[str, ...] = ()   # the diagram's axes the leads are
+    dtype: str = "f32"   # the table input's element type: the scores' (0, 1, 2 are exact in any)
 
     def values(self, arrays):
         """The table (0 masked, 1 partial, 2 kept per block) of the mask on these arrays (the
-        diagram's inputs), in the kind and dtype of the first array it reads (numpy, or torch on
-        its device)."""
+        diagram's inputs), in the kind of the first array it reads (numpy, or torch on its
+        device), in the table input's dtype (float32 for numpy's lack of bf16)."""
         values = {name: _readable(arrays[k]) for name, k in self.aux}
         first = next(iter(values.values()))
         xp, like = _namespace(values)
@@ -64,7 +65,11 @@ class DerivedTable:
             t = None if on_device(like) else interval_table(*args)
             return _table(*args) if t is None else t
         out = _slices(one, self.leads, like)
-        return out.to(first.dtype).contiguous() if like is not None else out.astype(first.dtype)
+        if like is not None:
+            import torch
+            want = {"f16": torch.float16, "bf16": torch.bfloat16}.get(self.dtype, torch.float32)
+            return out.to(want).contiguous()
+        return out.astype("float16" if self.dtype == "f16" else "float32")
 
 
 def on_device(like) -> bool:
@@ -153,10 +158,10 @@ def _table_of(d: Diagram, e: Eqn, name: str, blocks: dict, taken: set) -> tuple[
                              **{n: Ix("idx", (), f"_l{k}") for k, n in enumerate(leads)}})
     lead_axes = [Axis(_fresh(f"{name}_{n}", taken), d.axis(n).size) for n in leads]
     grid = [Axis(_fresh(f"{name}_{r}", taken), -(-n // b)) for r, n, b in (("r", n_rows, rows), ("c", n_cols, cols))]
-    dtype = d.var_types()[e.ins[1]].dtype   # the table in the dtype of the data it comes from
+    dtype = d.var_types()[e.ins[0]].dtype   # the scores': a 16-bit kernel keeps a 16-bit table
     spec = DerivedTable(name, roles, n_rows, n_cols, rows, cols, tuple(a.size for a in lead_axes),
                         tuple((a.name, positions[a.name]) for a in pred.auxes),
-                        tuple((a.name, a.size) for a in d.axes), tuple(leads))
+                        tuple((a.name, a.size) for a in d.axes), tuple(leads), dtype.name)
     return Array((*lead_axes, *grid), dtype, name), spec
 
 

@@ -57,6 +57,7 @@ class Aux:
 
     name: str
     axes: tuple
+    dtype: object = None   # a core.types.DType, or None: the diagram's, f32 where compared (library.variants)
 
     def __getitem__(self, idx) -> "Ix":
         idx = idx if isinstance(idx, tuple) else (idx,)
@@ -135,6 +136,15 @@ class Ix:
             if n.op == "gather":
                 out.setdefault(n.value.name, n.value)
         return tuple(out.values())
+
+    def compared_auxes(self) -> tuple[str, ...]:
+        """The auxiliary tensors whose gathered values meet a comparison (``doc[i] == doc[j]``):
+        their values decide which entries are kept, so they must be read exactly."""
+        out = {}
+        for n in self.walk():
+            if n.op in COMPARISONS:
+                out.update(dict.fromkeys(a.name for a in n.auxes()))
+        return tuple(out)
 
     def uses_score(self) -> bool:
         return "score" in self.leaves("idx")

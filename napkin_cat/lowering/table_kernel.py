@@ -1,0 +1,188 @@
+"""Block tables made on the GPU by a generated kernel, from the mask's own definition.
+
+A :class:`~napkin_cat.ops.derived_tables.DerivedTable` filled by torch operations costs about 15
+launches over the N x N entries: 0.3-0.7 ms at N = 4096 on an H200, several times the attention
+kernel that reads it (``kernels/BENCHMARKS.md``).  Here the same table is one launch: a block of
+threads per table entry (and per value of the mask's lead indices) evaluates the mask at every
+entry of its block, with the numba.cuda code :meth:`~napkin_cat.ops.index_expr.Ix.to_code`
+writes for it (the code the attention kernels evaluate it with), and reduces *some entry kept*
+and *every entry kept* over the block with ``syncthreads_or`` / ``syncthreads_and``.  Entries
+past the ends of a ragged block count for neither, as in the NumPy meaning
+(:func:`~napkin_cat.ops.block_table.block_table`).
+
+Gathered values are read as float32, as the kernels that read the table read them (the mask's
+auxiliary tensors are f32 inputs where compared: :func:`napkin_cat.aux`); 16-bit tensors are
+widened first.  The table is written in the dtype of the kernel's table input (16-bit tables as
+their bit patterns), so the attention kernel reads it without a conversion.
+
+:func:`make_table` is what :mod:`.tabled` calls for torch tensors on a GPU.  The first table a
+compiled kernel makes is checked against the torch evaluation of the same mask on the same data
+(:meth:`DerivedTable.values`); a difference is a :class:`LoweringError` naming both, never a
+wrong table.  Under the simulator the kernel runs on NumPy arrays (``tests/test_table_kernel.py``
+checks it against the NumPy meaning on random masks).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..core.errors import LoweringError
+from ..ops.derived_tables import DerivedTable
+from ..ops.index_expr import Ix
+from .emit_kinds import fn_expr
+from .source import Constants, Names, Source
+
+GPU_THREADS = 256
+"""Threads per table entry on a GPU (a 128 x 64 block: 32 entries each)."""
+SIM_THREADS = 8
+"""... under the simulator (each thread is a Python thread there)."""
+
+_BITS = {"f32": (0.0, 1.0, 2.0), "f16": (0, 0x3C00, 0x4000), "bf16": (0, 0x3F80, 0x4000)}
+"""The table's three values (masked, partial, kept) as the kernel writes them: float32, or the
+bit patterns of the 16-bit floats 0, 1 and 2."""
+
+
+def table_source(spec: DerivedTable, shapes: dict[str, tuple[int, ...]], threads: int,
+                 name: str = "napkin_table") -> str:
+    """numba.cuda source of the kernel that fills ``spec``'s table: ``name(T, *aux)`` with the
+    table flat (float32, or int16 bit patterns for a 16-bit table) and the auxiliary arrays flat,
+    in C order of ``shapes``; launched on the grid ``(column blocks, row blocks, lead values)``."""
+    if spec.dtype not in _BITS:
+        raise LoweringError(f"block table {spec.name}: no table kernel writes dtype {spec.dtype}")
+    names = Names(reserved=("T", "i", "j", "tid", "some", "every", "e", "lead", *(f"_l{k}" for k in range(len(spec.leads)))))
+    consts = Constants(names)
+    aux_vars = {a: names.fresh(f"A_{a}") for a, _ in spec.aux}
+    sizes = dict(spec.sizes)
+
+    def leaf(n: Ix) -> str:
+        if n.op == "idx":
+            return str(n.value)
+        if n.op == "size":
+            return str(sizes[n.value])
+        shape = shapes[n.value.name]
+        flat, stride = [], 1
+        for k, extent in reversed(list(zip(n.args, shape))):
+            code = k.to_code(leaf, fconst, fn_code)
+            flat.append(f"min(max({code}, 0), {extent - 1})" + (f" * {stride}" if stride != 1 else ""))
+            stride *= extent
+        return f"float32({aux_vars[n.value.name]}[{' + '.join(reversed(flat))}])"
+
+    fconst = lambda v: consts.f(v)
+    fn_code = lambda fn, x: fn_expr(consts, fn, [x])
+    keep = spec.expr.to_code(leaf, fconst, fn_code)
+    R, C = -(-spec.n_rows // spec.rows), -(-spec.n_cols // spec.cols)
+    masked, partial, kept = _BITS[spec.dtype]
+    value = (lambda v: f"float32({v!r})") if spec.dtype == "f32" else (lambda v: f"int16({v})")
+
+    body = Source(1)
+    body("tid = int64(cuda.threadIdx.x)")
+    body("c = int64(cuda.blockIdx.x)")
+    body("r = int64(cuda.blockIdx.y)")
+    body("lead = int64(cuda.blockIdx.z)")
+    for k in reversed(range(len(spec.leads))):   # the lead indices, the last fastest
+        body(f"_l{k} = lead % {spec.leads[k]}")
+        body(f"lead = lead // {spec.leads[k]}")
+    body("some = False")
+    body("every = True")
+    body("e = tid")
+    with body.block(f"while e < {spec.rows * spec.cols}:"):
+        body(f"i = r * {spec.rows} + e // {spec.cols}")
+        body(f"j = c * {spec.cols} + e % {spec.cols}")
+        with body.block(f"if i < {spec.n_rows} and j < {spec.n_cols}:"):
+            body(f"k = bool({keep})")
+            body("some = some or k")
+            body("every = every and k")
+        body(f"e += {threads}")
+    body("some = cuda.syncthreads_or(int32(some)) != 0")
+    body("every = cuda.syncthreads_and(int32(every)) != 0")
+    with body.block("if tid == 0:"):
+        body(f"T[(int64(cuda.blockIdx.z) * {R} + r) * {C} + c] = "
+             f"({value(kept)} if every else {value(partial)}) if some else {value(masked)}")
+    head = [f'"""{name}: the block table {spec.name} of the mask {spec.expr} over blocks of '
+            f'{spec.rows} x {spec.cols} (generated by napkin_cat.lowering.table_kernel; do not edit)."""',
+            "", "import math", "", "from numba import cuda, float32, int16, int32, int64  # noqa: F401", "",
+            *consts.header(), "", "", "@cuda.jit",
+            f"def {name}(T, {', '.join(aux_vars[a] for a, _ in spec.aux)}):"]
+    return "\n".join(head) + "\n" + body.text() + "\n"
+
+
+class TableKernel:
+    """The compiled kernel of one table, for auxiliary arrays of given shapes and dtypes."""
+
+    def __init__(self, spec: DerivedTable, shapes: dict, threads: int):
+        from .runtime import compile_kernel
+        self.spec, self.shapes, self.threads = spec, shapes, threads
+        self.source = table_source(spec, shapes, threads)
+        self.dispatcher = compile_kernel(self.source, "napkin_table")
+        R, C = -(-spec.n_rows // spec.rows), -(-spec.n_cols // spec.cols)
+        self.grid, self.shape = (C, R, math.prod(spec.leads)), (*spec.leads, R, C)
+        self.checked = False
+        self._launchers: dict = {}
+
+    def _launcher(self, key, stream):
+        lc = self._launchers.get(key)
+        if lc is None:
+            from .runtime import Launcher
+            lc = self._launchers[key] = Launcher(self.dispatcher, self.grid, self.threads, stream)
+        return lc
+
+    def torch(self, values: list):
+        """The table of torch CUDA tensors ``values`` (the spec's auxiliary arrays, in order), on
+        torch's current stream, in the table input's torch dtype."""
+        import torch
+
+        from .io import torch_dtype
+        from .runtime import as_device_array, stream_from_torch
+        flat = [(v if v.dtype not in (torch.float16, torch.bfloat16) else v.float()).contiguous().reshape(-1)
+                for v in values]
+        out = torch.empty(self.shape, dtype=torch_dtype(self.spec.dtype, torch), device=values[0].device)
+        handle = int(torch.cuda.current_stream(values[0].device).cuda_stream)
+        lc = self._launcher(handle, stream_from_torch() if handle else 0)
+        view = out if self.spec.dtype == "f32" else out.view(torch.int16)
+        lc(as_device_array(view.reshape(-1)), *map(as_device_array, flat))
+        return out
+
+    def numpy(self, values: list):
+        """The table of NumPy arrays ``values`` (the simulator's path; on a GPU, copied there
+        and back), float32."""
+        import numpy as np
+        flat = [np.ascontiguousarray(np.asarray(v, dtype=np.float32 if v.dtype == np.float16 else v.dtype)).reshape(-1)
+                for v in values]
+        out = np.empty(math.prod(self.shape), np.int16 if self.spec.dtype != "f32" else np.float32)
+        self._launcher(0, 0)(out, *flat)
+        if self.spec.dtype == "f32":
+            return out.reshape(self.shape)
+        return np.select([out == _BITS[self.spec.dtype][2], out == _BITS[self.spec.dtype][1]],
+                         [2.0, 1.0], 0.0).astype(np.float32).reshape(self.shape)
+
+
+_COMPILED: dict = {}
+
+
+def table_kernel(spec: DerivedTable, arrays, threads: int | None = None) -> TableKernel:
+    """The compiled kernel of ``spec`` for these arrays' shapes and dtypes (compiled once)."""
+    from .runtime import simulator_active
+    values = [arrays[k] for _, k in spec.aux]
+    shapes = {a: tuple(v.shape) for (a, _), v in zip(spec.aux, values)}
+    threads = threads or (SIM_THREADS if simulator_active() else GPU_THREADS)
+    key = (id(spec), tuple(shapes.items()), tuple(str(v.dtype) for v in values), threads)
+    found = _COMPILED.get(key)
+    if found is None or found.spec is not spec:
+        found = _COMPILED[key] = TableKernel(spec, shapes, threads)
+    return found
+
+
+def make_table(spec: DerivedTable, arrays):
+    """``spec``'s table of torch CUDA tensors by its generated kernel; the first table of each
+    compiled kernel is checked against :meth:`DerivedTable.values` on the same data."""
+    k = table_kernel(spec, arrays)
+    table = k.torch([arrays[p] for _, p in spec.aux])
+    if not k.checked:
+        import torch
+        want = spec.values(arrays)
+        if not torch.equal(table.float(), want.float()):
+            bad = (table.float() != want.float()).nonzero()[:3].tolist()
+            raise LoweringError(f"block table {spec.name}: the generated table kernel disagrees with the mask's torch "
+                                f"meaning ({spec.expr}) at blocks {bad}; source:\n{k.source}")
+        k.checked = True
+    return table
