@@ -68,12 +68,15 @@ def test_tables_of_each_sequence_from_the_kernel():
 
 def test_the_table_kernel_source_reads_the_masks_own_code():
     """One definition: the mask's code is :meth:`Ix.to_code`'s, the gathers clamped as the
-    kernels read them, the reductions ``syncthreads_or`` / ``syncthreads_and``."""
+    kernels read them, the reductions ``syncthreads_or`` / ``syncthreads_and``; the blocks the
+    mask's data-free bound masks are not evaluated."""
     doc = nc.aux("doc", nc.Axis("n", 8))
     m = nc.mask_mod(lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i))
     k = table_kernel(_spec(m.expr, 8, 8, 4, 4, "bf16"), (np.zeros(8, np.float32),))
     assert "A_doc[min(max(i, 0), 7)]" in k.source and "(j <= i)" in k.source
     assert "syncthreads_or" in k.source and "int16(16256)" in k.source   # bf16's 1.0
+    # the blocks above the diagonal are masked whatever the ids: written at once (a static table)
+    assert "if S[r * 2 + c] == 0.0:" in k.source and k.static.tolist() == [[1.0, 0.0], [2.0, 1.0]]
 
 
 # ---------------------------------------------------------------- the compared auxiliary tensors
@@ -139,3 +142,27 @@ def test_tables_of_cuda_tensors_come_from_the_kernel_checked_at_its_first_table(
     want = nc.evaluate(att, *(t.float().cpu().numpy() for t in (Q, K, V, ids)))
     got = kernel(Q, K, V, ids).float().cpu().numpy()
     assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+
+
+def test_torch_op_takes_integer_ids_and_keeps_them_exact_in_bf16():
+    """``nc.torch_op`` of a document mask: the ids may be an integer tensor beside bf16 Q, K, V
+    (every other input still has the op's one dtype); forward and backward kernels (simulator)
+    read them as f32, so ids 257, 258, ... stay apart; gradients match float64."""
+    import torch
+    n = 24
+    dd = nc.aux("doc", nc.Axis("n", n))
+    mask = nc.mask_mod(lambda b_, h_, i, j: (dd[i] == dd[j]) & (j <= i))
+    att = nc.library.attention(q=q, x=x, d=d, heads=h, mask=mask)
+    op = nc.torch_op(att.stream(x, 8).tile(q, 16).tile(h, 1), simulate=True)
+    ids = torch.arange(n) // 3 + 257
+    gen = torch.Generator().manual_seed(0)
+    Q, K, V, dO = (torch.randn(2, n, 16, generator=gen).to(torch.bfloat16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (Q, K, V)]
+    grads = torch.autograd.grad(op(*leaves, ids), leaves, dO)
+    assert (op.last_path, op.last_backward_path[:9]) == ("simulator", "simulator")
+    ref = [t.double().requires_grad_() for t in (Q, K, V)]
+    want = torch.autograd.grad(op(*ref, ids.double()), ref, dO.double())
+    for got, w in zip(grads, want):
+        assert (got.double() - w).abs().max() <= 3e-2 * w.abs().max()
+    with pytest.raises(nc.NapkinError, match=r"input K\[h x d\] f32 is torch.float32 but Q.* is torch.bfloat16"):
+        op(leaves[0], leaves[1].float(), leaves[2], ids)

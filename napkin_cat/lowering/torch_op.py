@@ -85,6 +85,7 @@ import torch
 from ..core.diagram import Diagram
 from ..core.errors import LoweringError, ShapeError, TypingError
 from ..core.types import DTYPES, Ty
+from ..ops.boxes import exact_inputs
 from ..ops.residuals import with_logsumexp
 from ..relabel.split import split_axes
 from .backward_forms import (FORMS, BackwardChoice, BackwardPlan, at_dtype, backward_plan, check_form,
@@ -183,9 +184,13 @@ class TorchOp:
         self.notes: list[str] = []
         self._cache: dict = {}   # (what, sizes, ...) -> kernel, schedule, bound plan, or an error text
         self._alive: dict = {}   # id -> backward part keyed by identity in _cache (kept alive)
+        # the inputs a mask compares (ops.boxes.exact_inputs): f32 in every dtype of the op,
+        # given as any float or integer tensor
+        self._exact = exact_inputs(self.diagram.unrelabelled())
 
     def __repr__(self) -> str:
         return f"torch_op({self.diagram})"
+
 
     def __call__(self, *tensors):
         sizes = self._check(tensors)
@@ -203,13 +208,18 @@ class TorchOp:
         for arr, t in zip(d.dom, tensors):
             if not isinstance(t, torch.Tensor):
                 raise ShapeError(f"{self!r}: input {arr}: expected a torch.Tensor, got {type(t).__name__}")
+        exact = self._exact
         for arr, t in zip(d.dom, tensors):
+            if arr.name in exact and (t.dtype in (KERNEL_DTYPE, REFERENCE_DTYPE, *HALF_DTYPES) or _integer(t)):
+                continue   # values a mask compares (ids): read as f32 whatever the op's dtype
             if t.dtype not in (KERNEL_DTYPE, REFERENCE_DTYPE, *HALF_DTYPES):
                 raise TypingError(f"{self!r}: input {arr} is {t.dtype}; torch_op takes torch.float32, "
-                                  f"torch.float16 or torch.bfloat16 (kernels) or torch.float64 (reference executor)")
+                                  f"torch.float16 or torch.bfloat16 (kernels) or torch.float64 (reference executor)"
+                                  + (f"; the values a mask compares ({', '.join(exact)}) may also be integers"
+                                     if exact else ""))
         first = tensors[0]
         for arr, t in zip(d.dom, tensors):
-            if t.dtype != first.dtype:
+            if t.dtype != first.dtype and arr.name not in exact:
                 raise TypingError(f"{self!r}: input {arr} is {t.dtype} but {d.dom[0]} is {first.dtype}; "
                                   f"every input must have one dtype")
             if t.device != first.device:
@@ -504,3 +514,7 @@ class _DiagramFunction(torch.autograd.Function):
 def _shape(arr) -> tuple[int, ...]:
     return tuple(a.size for a in arr.axes)
 
+
+
+def _integer(t: torch.Tensor) -> bool:
+    return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool

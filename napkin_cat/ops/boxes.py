@@ -12,8 +12,10 @@ from typing import Sequence
 
 from ..core.diagram import Array, Axis, Box, Diagram, DType, Eqn, Ty
 from ..core.errors import TypingError, UnknownKindError
+from ..core.types import f32
 from .functions import FUNCTIONS
 from .index import AxisPower, IndexBias, Predicate, bound_to, real_number
+from .index_expr import Ix
 from .kinds import KINDS, REDUCTIONS
 
 
@@ -339,9 +341,24 @@ def weave_box(box: Box, axis: Axis, has: Sequence[bool]) -> Box:
 
 # --------------------------------------------------------------------------- retyping
 
+def exact_inputs(d: Diagram) -> tuple[str, ...]:
+    """The inputs of ``d`` whose values an index function compares (document ids in
+    ``doc[i] == doc[j]``): they decide which entries are kept, so they travel in f32 (exact for
+    integers up to 2**24) whatever the diagram's dtype (:func:`napkin_cat.aux`, :func:`retype`)."""
+    names = {a.name for a in d.dom}
+    out: dict[str, None] = {}
+    for e in d.eqns:
+        for _, p in e.box.params:
+            expr = p if isinstance(p, Ix) else getattr(p, "expr", None)
+            if isinstance(expr, Ix):
+                out.update(dict.fromkeys(n for n in expr.compared_auxes() if n in names))
+    return tuple(out)
+
+
 def retype(d: Diagram, dtype: DType, fixed: dict | None = None) -> Diagram:
     """``d`` (unrelabelled) with every float wire in ``dtype``, except the inputs and outputs
-    named in ``fixed`` (``{name: dtype}``), which get theirs.  The boxes are the same kinds with
+    named in ``fixed`` (``{name: dtype}``), which get theirs, and the inputs an index function
+    compares (:func:`exact_inputs`), which stay f32.  The boxes are the same kinds with
     the same parameters (a cast's target follows its output); ``d`` is not changed, and is
     returned itself when no wire changes.  What the lowering reads: a kernel's inputs and
     outputs travel in their wires' dtypes and it computes in fp32 between them.
@@ -355,7 +372,7 @@ def retype(d: Diagram, dtype: DType, fixed: dict | None = None) -> Diagram:
     if not isinstance(d, Diagram):
         raise TypingError(f"retype needs a Diagram, got {type(d).__name__}")
     _check_dtype("retype", dtype)
-    fixed = dict(fixed or {})
+    fixed = {**{n: f32 for n in exact_inputs(d)}, **(fixed or {})}
     for name, dt in fixed.items():
         _check_dtype(f"retype: fixed {name}", dt)
     d = d.unrelabelled() if d.schedule else d
