@@ -142,6 +142,8 @@ def test_tables_of_cuda_tensors_come_from_the_kernel_checked_at_its_first_table(
     want = nc.evaluate(att, *(t.float().cpu().numpy() for t in (Q, K, V, ids)))
     got = kernel(Q, K, V, ids).float().cpu().numpy()
     assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+    again = kernel(Q, K, V, ids.clone())   # the packed launch, the int64 ids converted there; a new table
+    assert kernel.inner._fast is not None and np.array_equal(again.float().cpu().numpy(), got)
 
 
 def test_torch_op_takes_integer_ids_and_keeps_them_exact_in_bf16():
@@ -149,17 +151,20 @@ def test_torch_op_takes_integer_ids_and_keeps_them_exact_in_bf16():
     (every other input still has the op's one dtype); forward and backward kernels (simulator)
     read them as f32, so ids 257, 258, ... stay apart; gradients match float64."""
     import torch
+    sim = not _gpu()
+    where = "cpu" if sim else "cuda"   # the simulator here, the kernels on a GPU
     n = 24
     dd = nc.aux("doc", nc.Axis("n", n))
     mask = nc.mask_mod(lambda b_, h_, i, j: (dd[i] == dd[j]) & (j <= i))
     att = nc.library.attention(q=q, x=x, d=d, heads=h, mask=mask)
-    op = nc.torch_op(att.stream(x, 8).tile(q, 16).tile(h, 1), simulate=True)
-    ids = torch.arange(n) // 3 + 257
+    op = nc.torch_op(att.stream(x, 8).tile(q, 16).tile(h, 1), simulate=True if sim else None)
+    ids = (torch.arange(n) // 3 + 257).to(where)
     gen = torch.Generator().manual_seed(0)
-    Q, K, V, dO = (torch.randn(2, n, 16, generator=gen).to(torch.bfloat16) for _ in range(4))
+    Q, K, V, dO = (torch.randn(2, n, 16, generator=gen).to(where, torch.bfloat16) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (Q, K, V)]
     grads = torch.autograd.grad(op(*leaves, ids), leaves, dO)
-    assert (op.last_path, op.last_backward_path[:9]) == ("simulator", "simulator")
+    path = "simulator" if sim else "gpu"
+    assert (op.last_path, op.last_backward_path[:len(path)]) == (path, path)
     ref = [t.double().requires_grad_() for t in (Q, K, V)]
     want = torch.autograd.grad(op(*ref, ids.double()), ref, dO.double())
     for got, w in zip(grads, want):

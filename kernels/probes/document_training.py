@@ -76,7 +76,7 @@ def main():
     dd = nc.aux("doc", nc.Axis("n", N))
     mask = nc.mask_mod(lambda b, hh, i, j: (dd[i] == dd[j]) & (j <= i))
     bt = nc.aux("bt", nc.Axis("rb", -(-N // TABLE)), nc.Axis("cb", -(-N // TABLE)))
-    table = nc.block_table(mask, N, N, TABLE, TABLE, {"doc": doc.float()}).to(dt)
+    table = nc.block_table(mask, N, N, TABLE, TABLE, {"doc": doc.float()})   # float32: a mask compares it
     docs = doc.float()   # the ids: an f32 input, as nc.aux makes the values a mask compares
 
     def op_of(m):
@@ -91,6 +91,7 @@ def main():
     forms = {
         "derived tables, kept for the ids tensor": lambda Q, K, V: derived(Q, K, V, docs),
         "derived tables, a new ids tensor each call": lambda Q, K, V: derived(Q, K, V, docs.clone()),
+        "derived tables, int64 ids (kept; converted each call)": lambda Q, K, V: derived(Q, K, V, doc),
         f"user's table ({TABLE} x {TABLE}, made once)": lambda Q, K, V: given(Q, K, V, table, docs),
         "FlexAttention (block mask made once)": lambda Q, K, V: flex(Q[None], K[None], V[None], block_mask=bm)[0],
     }

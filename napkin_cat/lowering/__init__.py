@@ -502,15 +502,13 @@ class _TorchFastPath:
     """A :class:`Kernel` called again on torch CUDA tensors (GPU only): the checks of the
     general path, done with a few attribute reads, and a :class:`~.runtime.PackedLaunch`.
 
-    Each input must be a ``torch.Tensor`` (not a subclass) of its dtype (float32, float16 or
-    bfloat16: :mod:`.io`), contiguous, of the
-    kernel's shape, on the device of the first call; ``out=`` (when given) the same and not
-    requiring grad.  Nothing is cached about the tensors themselves: their addresses are read
-    at every call, so there is nothing to invalidate.  What is cached (the overload, the
-    launch configuration, the parameter layout, the stream query) depends only on the kernel
-    and the device.  Anything else (another dtype, a strided tensor, a CPU tensor, an
-    explicit stream, a wrong shape) returns None and the call takes the general path, which
-    converts what it can and raises the usual errors for what it cannot.
+    Each input must be a ``torch.Tensor`` (not a subclass) of the kernel's shape, contiguous, on
+    the device of the first call, of its dtype (:mod:`.io`) or of another real one (integer ids:
+    converted, as the general path does); ``out=`` of its dtype and not requiring grad.  The
+    tensors' addresses are read at every call: nothing about them is cached, nothing to
+    invalidate; the overload, launch configuration, parameter layout and stream query depend
+    only on the kernel and the device.  Anything else returns None and the call takes the
+    general path, which converts what it can and raises the usual errors for what it cannot.
 
     It belongs to one dispatcher: a copy of the kernel given other source (and a fresh
     dispatcher, as the planted-bug tests make) never launches the original's code through
@@ -518,7 +516,7 @@ class _TorchFastPath:
     call."""
 
     __slots__ = ("dispatcher", "packed", "in_shapes", "out_shapes", "device", "device_index",
-                 "tensor", "in_dtypes", "out_dtypes", "empty", "zeros", "zeroed", "raw_stream")
+                 "tensor", "in_dtypes", "out_dtypes", "empty", "zeros", "zeroed", "raw_stream", "convertible")
 
     def __init__(self, packed, in_shapes, out_shapes, device, torch, dispatcher=None,
                  in_io=None, out_io=None, zero_args=()):
@@ -536,6 +534,7 @@ class _TorchFastPath:
         self.device_index = device.index if device.index is not None else -1
         self.tensor = torch.Tensor
         self.empty = torch.empty
+        self.convertible = {getattr(torch, n) for n in ("float32", "float16", "bfloat16", "float64", "int64", "int32")}
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # what triton launches on
         self.raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
 
@@ -556,10 +555,13 @@ class _TorchFastPath:
     def __call__(self, arrays, out):
         if len(arrays) != len(self.in_shapes):
             return None
-        pointers = []
+        pointers, keep = [], []
         for t, shape, dtype in zip(arrays, self.in_shapes, self.in_dtypes):
-            if not self._fits(t, shape, dtype):
-                return None
+            if not self._fits(t, shape, dtype):   # another real dtype (integer ids): converted, as the general path does
+                if not (t.dtype in self.convertible and self._fits(t, shape, t.dtype)):
+                    return None
+                t = t.to(dtype)
+                keep.append(t)   # freed in stream order, after the launch on torch's stream
             ptr = t.data_ptr()
             if ptr % io.ALIGN:      # the general path copies a view that starts off the boundary
                 return None
@@ -582,14 +584,12 @@ class _TorchFastPath:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def _simulator_active() -> bool:
-    from . import runtime
-    return runtime.simulator_active()
-
-
-def _driver_present() -> bool:
-    from . import runtime
-    return runtime.driver_present()
+def _late(name: str):
+    """``runtime.<name>()`` at call time (importing runtime imports numba.cuda)."""
+    def call():
+        from . import runtime
+        return getattr(runtime, name)()
+    return call
 
 
 from ..verify import backend as _backend  # noqa: E402 -- the table verification reads kernels through
@@ -597,4 +597,4 @@ from ..verify import backend as _backend  # noqa: E402 -- the table verification
 from .multi import MultiKernel  # noqa: E402
 from .tabled import TabledKernel  # noqa: E402
 _backend.register(lower=lower, Kernel=Kernel, MultiKernel=MultiKernel, TabledKernel=TabledKernel,
-                  simulator_active=_simulator_active, driver_present=_driver_present, Launch=Launch)
+                  simulator_active=_late("simulator_active"), driver_present=_late("driver_present"), Launch=Launch)
