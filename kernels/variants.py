@@ -217,6 +217,12 @@ def flex_variants(gen):
     out["head_windows"] = (dict(mask=nc.blocked(head_win, hbt, TABLE_BLOCK, TABLE_BLOCK)), None,
                            lambda b, h, i, j: (j <= i) & (i - j <= widths[h]), {"wq": widths, "bt": htable},
                            {"H": H})
+    # the same windows from their widths alone: the tables derived by the kernel (lowering/tabled.py)
+    out["head_windows_derived"] = (dict(mask=head_win), None, lambda b, h, i, j: (j <= i) & (i - j <= widths[h]),
+                                   {"wq": widths}, {"H": H})
+    out["gqa_head_windows_derived"] = (dict(mask=head_win), None,
+                                       lambda b, h, i, j: (j <= i) & (i - j <= widths[h]), {"wq": widths},
+                                       {"groups": GROUPS, "H": H})
     return out
 
 
@@ -288,7 +294,9 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
         # what a call that derives its table costs (auxiliary tensors it has not seen: the tables
         # of tensors it has seen are kept, lowering/tabled.py): the tables alone, and the whole call
         out = O.view(B, H // G, G, N, D) if G > 1 else O
+        from napkin_cat.lowering.table_kernel import make_table
         derived = {"table_ms": cuda_time(lambda: [t.values(inputs) for t in kernel.tables]),
+                   "table_kernel_ms": cuda_time(lambda: [make_table(t, inputs) for t in kernel.tables]),
                    "call_ms": cuda_time(lambda: kernel(*inputs[:3], *(a.clone() for a in inputs[3:]), out=out)),
                    "kept_call_ms": cuda_time(lambda: kernel(*inputs, out=out)),
                    "table_blocks": [kernel.tables[0].rows, kernel.tables[0].cols],
@@ -351,7 +359,8 @@ def main_flex(out: Path, gen, dtypes=("f32", "f16"), only=(), tilings=((None, No
     for r in res:
         if "table_ms" in r:
             print(f"{r['variant']} {r['dtype']}: block table derived per launch over {r['table_blocks']}: "
-                  f"table {r['table_ms']:.3f} ms, a call that derives it {r['call_ms']:.3f} ms, a call on "
+                  f"table {r['table_ms']:.3f} ms by torch operations, {r.get('table_kernel_ms', float('nan')):.3f} ms "
+                  f"by the generated table kernel, a call that derives it {r['call_ms']:.3f} ms, a call on "
                   f"tensors whose table is kept {r['kept_call_ms']:.3f} ms; FlexAttention's "
                   f"create_block_mask {r.get('flex_block_mask_ms', float('nan')):.3f} ms (not in its times)")
 

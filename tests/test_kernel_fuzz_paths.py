@@ -658,7 +658,8 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                      "gqa_backward": {"nested-streams", "nested-skip", "atomic", "fragments", "ragged-chunk"},
                      "grouped_table": {"grouped-table", "fragments", "ragged-chunk"},
                      "derived_table": {"derived-table", "batch-table", "fragments", "ragged-chunk",
-                                       "skipped-arithmetic"},
+                                       "skipped-arithmetic", "table-kernel", "table-kernel-static",
+                                       "table-kernel-leads"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
                                  "wgmma", "paired-atomic"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
@@ -705,11 +706,26 @@ def _lower_and_check(case, rel, options, mode, regime, seed, stats):
         feats.add("tf32x3-atomic")
     if "double-buffered: chunk c + 1 is fetched into registers" in kernel.source:   # fp32 prefetch="double"
         feats.add("double-buffered")
+    feats |= _table_kernels_agree(kernel, inputs)
     for feat in feats:
         stats["feature " + feat] += 1
     assert diff.failure is None, (f"{case.label} (hand-over {mode}): kernel differs from the oracle: "
                                   f"{kernelcheck.describe_failure(diff.failure)}\n{kernel!r}\nsource:\n"
                                   + kernel.source)
+
+
+def _table_kernels_agree(kernel, inputs) -> set[str]:
+    """A kernel with derived tables: each table by its generated kernel (``lowering/table_kernel.py``,
+    what a GPU runs; here the simulator) is the mask's NumPy meaning on these inputs."""
+    from napkin_cat.lowering.table_kernel import table_kernel
+    feats = set()
+    for spec in getattr(kernel, "tables", ()):
+        tk = table_kernel(spec, inputs)
+        got = tk.numpy([inputs[k] for _, k in spec.aux])
+        np.testing.assert_array_equal(got, spec.values(inputs), err_msg=f"table kernel of {spec}:\n{tk.source}")
+        feats |= {"table-kernel"} | ({"table-kernel-static"} if tk.static is not None else set()) \
+            | ({"table-kernel-leads"} if spec.leads else set())
+    return feats
 
 
 @pytest.mark.slow
