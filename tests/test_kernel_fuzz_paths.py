@@ -592,7 +592,7 @@ def derived_table_family(draw):
     launch: packed documents (ids), documents of each sequence (a table of each, read where a
     block holds one sequence), a causal window of each query head under grouped heads (a table
     of each head and group); fp32 (tiles of 1 to 9, non-powers of two) or f16 / bf16 on tensor
-    cores, ragged sizes, random documents and widths."""
+    cores, ragged sizes, random documents (ids from 0, or from past what 16 bits hold) and widths."""
     what = draw(st.sampled_from(("documents", "batch_documents", "head_windows")), label="variant")
     dt = draw(st.sampled_from((nc.f32, nc.f32, nc.f16, nc.bf16)), label="dtype")
     n = draw(st.integers(1, 40), label="n")
@@ -619,7 +619,9 @@ def derived_table_family(draw):
             steps += (("tile", "bb", draw(st.sampled_from((1, 1, nb)), label="batch tile")),)
             sizes |= {bb: nb}
         shapes = {k: (*lead, n, 16) for k in "QKV"}
-        data = lambda rng: {"doc": np.cumsum(rng.random((*lead, n)) < 0.2, axis=-1).astype(np.float32)}
+        # ids past what 16 bits hold exactly (bf16 256, f16 2048, f16's largest 65504): read as f32
+        first = draw(st.sampled_from((0, 0, 257, 2049, 70001)), label="first id")
+        data = lambda rng: {"doc": (first + np.cumsum(rng.random((*lead, n)) < 0.2, axis=-1)).astype(np.float32)}
 
     def inputs(rng, regime):
         ins = {k: REGIMES[regime][0](rng, s) for k, s in shapes.items()} | data(rng)

@@ -171,3 +171,15 @@ def test_torch_op_takes_integer_ids_and_keeps_them_exact_in_bf16():
         assert (got.double() - w).abs().max() <= 3e-2 * w.abs().max()
     with pytest.raises(nc.NapkinError, match=r"input K\[h x d\] f32 is torch.float32 but Q.* is torch.bfloat16"):
         op(leaves[0], leaves[1].float(), leaves[2], ids)
+
+
+def test_the_cost_says_what_deriving_a_table_costs():
+    """``nc.cost`` counts what a derived table skips; making the table (the mask at every entry,
+    for each head it reads) is said in its notes, not hidden in the counts."""
+    n = 64
+    w = nc.aux("w", nc.Axis("nh", 4))
+    m = nc.mask_mod(lambda b_, h_, i, j: (j <= i) & (i - j <= w[h_]))
+    att = nc.library.attention(q=q, x=x, d=d, heads=h, mask=m).bind({q: n, x: n, d: 16, h: 4})
+    notes = nc.cost(att.stream("x", 16).tile("q", 16).tile("h", 1), data={"w": np.arange(4.0)}).notes
+    (said,) = [t for t in notes if "is derived at a launch" in t]
+    assert "the mask at 64 x 64 x h=4 entries (4 fma and 1 gather each" in said and "kept for data" in said

@@ -71,7 +71,8 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None, data: dict | None = Non
         raise CostError(f"cost needs a Diagram, got {type(d).__name__}")
     if hierarchy is not None and not isinstance(hierarchy, Hierarchy):
         raise CostError(f"cost: hierarchy must be a Hierarchy (nc.hierarchy.hierarchy(l2=True)), got {hierarchy!r}")
-    from ..ops.derived_tables import for_cost   # a mask that reads data: the table a kernel derives from it
+    from ..ops.derived_tables import derivation_notes, for_cost   # a mask that reads data: its derived table
+    derived = derivation_notes(d)
     d, data, lacking = for_cost(d, data)
     ff = d.loop_nest()
     h = ff.hierarchy
@@ -87,6 +88,7 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None, data: dict | None = Non
     notes: list[str] = [f"a mask reads {', '.join(map(repr, lacking))}: a kernel skips the chunks that data masks "
                         f"(a block table derived at each launch); without its values (cost(..., data={{"
                         f"{lacking[0]!r}: values}})) they are counted as visited"] if lacking else []
+    notes += derived
 
     def execs(loops, axes_=None):
         """Executions of a node inside ``loops`` (and, rounding repeats of a buffer with

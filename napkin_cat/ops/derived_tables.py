@@ -96,6 +96,26 @@ def _wants_table(box) -> bool:
     return pred.kind == "expr" and bool(pred.auxes) and not pred.block_atoms()
 
 
+def derivation_notes(d: Diagram) -> list[str]:
+    """What deriving ``d``'s tables costs at a launch on data it has not seen (not in the
+    kernel's counts): the mask evaluated at every entry of its rows by its columns, for each
+    value of the indices it reads besides them."""
+    out = []
+    for e in d.eqns:
+        if _wants_table(e.box):
+            pred, row, col = e.box.param("pred"), e.box.param("row"), e.box.param("col")
+            leads = [a for a in d.axes if a.name in pred.expr.leaves("idx") and a.name not in (row, col)]
+            per = "".join(f" x {a.name}={a.size}" for a in leads)
+            work = ", ".join(f"{n} {u}" for u, n in sorted(pred.expr.work().items())) or "no arithmetic"
+            gathers = sum(n.op == "gather" for n in pred.expr.walk())
+            out.append(f"the block table of mask {pred.expr} is derived at a launch on new "
+                       f"{', '.join(a.name for a in pred.auxes)}: the mask at {d.axis(row).size} x "
+                       f"{d.axis(col).size}{per} entries ({work} and {gathers} gather{'s' if gathers != 1 else ''} each; one launch of a "
+                       f"generated kernel on a GPU, lowering/table_kernel.py), not in the counts; kept for "
+                       f"data seen before")
+    return out
+
+
 def with_tables(d: Diagram) -> tuple[Diagram, tuple[DerivedTable, ...]]:
     """``d`` (every block size an int) with each mask that reads data rewritten to read a block
     table of ``d``'s blocks on its rows and columns, the tables new inputs after ``d``'s own;
