@@ -25,6 +25,7 @@ checks it against the NumPy meaning on random masks).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 from ..core.errors import LoweringError
 from ..ops.derived_tables import DerivedTable
@@ -200,7 +201,10 @@ class TableKernel:
                          [2.0, 1.0], 0.0).astype(np.float32).reshape(self.shape)
 
 
-_COMPILED: dict = {}
+_COMPILED: OrderedDict = OrderedDict()
+COMPILED = 64
+"""Table kernels kept (by table spec and the auxiliary arrays' shapes and dtypes); the source
+cache of :func:`~.runtime.compile_kernel` keeps their code beyond it."""
 
 
 def table_kernel(spec: DerivedTable, arrays, threads: int | None = None) -> TableKernel:
@@ -213,6 +217,9 @@ def table_kernel(spec: DerivedTable, arrays, threads: int | None = None) -> Tabl
     found = _COMPILED.get(key)
     if found is None or found.spec is not spec:
         found = _COMPILED[key] = TableKernel(spec, shapes, threads)
+        while len(_COMPILED) > COMPILED:
+            _COMPILED.popitem(last=False)
+    _COMPILED.move_to_end(key)
     return found
 
 
