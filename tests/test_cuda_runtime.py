@@ -422,6 +422,20 @@ def test_torch_fast_path_launches_on_the_tensors_it_checked(small_kernel):
     assert fast(ts, out) is out and fake.calls[1]["values"][-3] == out.data_ptr()
 
 
+def test_torch_fast_path_converts_ids_and_other_kernel_dtypes(small_kernel):
+    """An input of int64 / int32 (ids a mask compares) or of another kernel dtype is converted to
+    the kernel's, as the general path does, and launched: the launch reads the converted copy."""
+    torch = pytest.importorskip("torch")
+    fast, fake = _fast_path(small_kernel)
+    fast.raw_stream = lambda index: 0
+    Q, K, V = (torch.from_numpy(x) for x in _qkv_for(small_kernel))
+    for other in (K.half(), K.to(torch.int64), K.to(torch.int32)):
+        assert fast([Q, other, V], None) is not None
+        pointer = [v for i, v in enumerate(fake.calls[-1]["values"]) if i % 7 == 4][1]
+        assert pointer not in (other.data_ptr(), K.data_ptr())   # a float32 copy, not the tensor given
+    assert len(fake.calls) == 3
+
+
 def test_torch_fast_path_zero_fills_the_outputs_blocks_add_into(small_kernel):
     """A kernel whose blocks add partial sums into an output (fp32 atomics: the one-kernel
     backward's dQ) is packed too: the fast path hands the launch a zeroed output, allocated or

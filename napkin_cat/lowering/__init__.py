@@ -503,8 +503,8 @@ class _TorchFastPath:
     general path, done with a few attribute reads, and a :class:`~.runtime.PackedLaunch`.
 
     Each input must be a ``torch.Tensor`` (not a subclass) of the kernel's shape, contiguous, on
-    the device of the first call, of its dtype (:mod:`.io`) or of another real one (integer ids:
-    converted, as the general path does); ``out=`` of its dtype and not requiring grad.  The
+    the device of the first call, of its dtype (:mod:`.io`) or of another kernel dtype or int32 / int64
+    (ids: converted, as the general path does; float64 is left to it); ``out=`` of its dtype and not requiring grad.  The
     tensors' addresses are read at every call: nothing about them is cached, nothing to
     invalidate; the overload, launch configuration, parameter layout and stream query depend
     only on the kernel and the device.  Anything else returns None and the call takes the
@@ -534,7 +534,7 @@ class _TorchFastPath:
         self.device_index = device.index if device.index is not None else -1
         self.tensor = torch.Tensor
         self.empty = torch.empty
-        self.convertible = {getattr(torch, n) for n in ("float32", "float16", "bfloat16", "float64", "int64", "int32")}
+        self.convertible = {getattr(torch, n) for n in ("float32", "float16", "bfloat16", "int64", "int32")}
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # what triton launches on
         self.raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
 
