@@ -2,13 +2,23 @@
 
 A :class:`~napkin_cat.ops.derived_tables.DerivedTable` filled by torch operations costs about 15
 launches over the N x N entries: 0.3-0.7 ms at N = 4096 on an H200, several times the attention
-kernel that reads it (``kernels/BENCHMARKS.md``).  Here the same table is one launch: a block of
-threads per table entry (and per value of the mask's lead indices) evaluates the mask at every
-entry of its block, with the numba.cuda code :meth:`~napkin_cat.ops.index_expr.Ix.to_code`
-writes for it (the code the attention kernels evaluate it with), and reduces *some entry kept*
-and *every entry kept* over the block with ``syncthreads_or`` / ``syncthreads_and``.  Entries
-past the ends of a ragged block count for neither, as in the NumPy meaning
-(:func:`~napkin_cat.ops.block_table.block_table`).
+kernel that reads it (``kernels/BENCHMARKS.md``).  Here the same table is one launch, a block of
+threads per table entry (and per value of the mask's lead indices), in three passes:
+
+1. blocks the mask's data-free bound (``j <= i``) masks whatever the data are written at once
+   (:func:`static_table`, made on the host when the kernel is compiled);
+2. the mask's bounds over the block (:mod:`napkin_cat.ops.interval_expr`: each gather's least and
+   greatest value over the block's rows or columns, then ``may`` / ``must`` of the mask) decide
+   the block where they can: O(rows + columns) reads instead of rows x columns entries; for
+   document ids in order, every block but the partial ones;
+3. the rest evaluate the mask at every entry of the block, with the numba.cuda code
+   :meth:`~napkin_cat.ops.index_expr.Ix.to_code` writes for it (the code the attention kernels
+   evaluate it with), and reduce *some entry kept* and *every entry kept* with
+   ``syncthreads_or`` / ``syncthreads_and``.  Entries past the ends of a ragged block count for
+   neither, as in the NumPy meaning (:func:`~napkin_cat.ops.block_table.block_table`).
+
+Passes 1 and 2 only ever decide a block the entries would decide the same way, so the table is
+the entries' table (``tests/test_table_kernel.py``).
 
 Gathered values are read as float32, as the kernels that read the table read them (the mask's
 auxiliary tensors are f32 inputs where compared: :func:`napkin_cat.aux`); 16-bit tensors are
@@ -30,6 +40,7 @@ from collections import OrderedDict
 from ..core.errors import LoweringError
 from ..ops.derived_tables import DerivedTable
 from ..ops.index_expr import Ix
+from ..ops.interval_expr import NoBounds, block_bounds
 from .emit_kinds import fn_expr
 from .source import Constants, Names, Source
 
@@ -63,23 +74,86 @@ def static_table(spec: DerivedTable):
     return None if table is None or not (table == 0).any() else np.ascontiguousarray(table, np.float32)
 
 
+def bounds_of(spec: DerivedTable):
+    """``(may, must, unknown, gathers)`` of ``spec``'s mask over a block (:func:`.block_bounds`),
+    or None where an operation has no bound: then every block is evaluated entry by entry."""
+    try:
+        return block_bounds(spec.expr)
+    except NoBounds:
+        return None
+
+
+def _emit_bounds(body, spec: DerivedTable, threads: int, bounded, code, masked: str, kept: str, out: str):
+    """The bounds pass: each gather's least and greatest value over the block's range of its free
+    index (the threads stride over it, then halve to one in shared memory; a NaN read leaves the
+    block to its entries), then ``may`` / ``must`` of the mask; a block they decide is written and
+    left, every thread alike."""
+    may, must, unknown, gathers = bounded
+    body(f"i_lo = r * {spec.rows}")
+    body(f"i_hi = min(i_lo + {spec.rows}, {spec.n_rows}) - 1")
+    body(f"j_lo = c * {spec.cols}")
+    body(f"j_hi = min(j_lo + {spec.cols}, {spec.n_cols}) - 1")
+    body("nan = False")
+    for k, g in enumerate(gathers):
+        free = next(a.value for a in g.args if a.op == "idx" and a.value in ("i", "j"))
+        body(f"_g{k}_lo = float32(math.inf)")
+        body(f"_g{k}_hi = float32(-math.inf)")
+        body(f"t = {free}_lo + tid")
+        with body.block(f"while t <= {free}_hi:"):
+            body(f"v = {code(g.subst({free: Ix('idx', (), 't')}))}")
+            with body.block("if v != v:"):
+                body("nan = True")
+            with body.block("else:"):
+                body(f"_g{k}_lo = min(_g{k}_lo, v)")
+                body(f"_g{k}_hi = max(_g{k}_hi, v)")
+            body(f"t += {threads}")
+        body(f"lo_s{k} = cuda.shared.array({threads}, float32)")   # one array per line: the simulator keys them by line
+        body(f"hi_s{k} = cuda.shared.array({threads}, float32)")
+        body(f"lo_s{k}[tid] = _g{k}_lo")
+        body(f"hi_s{k}[tid] = _g{k}_hi")
+        body("cuda.syncthreads()")
+        body(f"half = {threads // 2}")
+        with body.block("while half > 0:"):
+            with body.block("if tid < half:"):
+                body(f"lo_s{k}[tid] = min(lo_s{k}[tid], lo_s{k}[tid + half])")
+                body(f"hi_s{k}[tid] = max(hi_s{k}[tid], hi_s{k}[tid + half])")
+            body("cuda.syncthreads()")
+            body("half //= 2")
+        body(f"_g{k}_lo = lo_s{k}[0]")
+        body(f"_g{k}_hi = hi_s{k}[0]")
+    body("nan = cuda.syncthreads_or(int32(nan)) != 0")
+    with body.block("if not nan:"):
+        body(f"unsure = bool({code(unknown)})")
+        body(f"may = bool({code(may)})")
+        body(f"must = bool({code(must)})")
+        with body.block("if not unsure and (must or not may):   # decided by the bounds, as every thread finds"):
+            with body.block("if tid == 0:"):
+                body(f"{out} = {kept} if must else {masked}")
+            body("return")
+
+
 def table_source(spec: DerivedTable, shapes: dict[str, tuple[int, ...]], threads: int,
-                 name: str = "napkin_table", static: bool = False) -> str:
+                 name: str = "napkin_table", static: bool = False, bounds: bool = True) -> str:
     """numba.cuda source of the kernel that fills ``spec``'s table: ``name(T, *aux)`` with the
     table flat (float32, or int16 bit patterns for a 16-bit table) and the auxiliary arrays flat,
     in C order of ``shapes``; launched on the grid ``(column blocks, row blocks, lead values)``.
     ``static``: a last argument ``S``, :func:`static_table`; its blocks at 0 are written masked
-    at once, their entries not evaluated."""
+    at once, their entries not evaluated.  ``bounds``: the mask's bounds over each block decide it
+    first where they can (:func:`bounds_of`); the entries are evaluated where they cannot."""
+    if threads & (threads - 1):
+        raise LoweringError(f"block table {spec.name}: the table kernel halves over its threads; {threads} is "
+                            f"not a power of two")
     if spec.dtype not in _BITS:
         raise LoweringError(f"block table {spec.name}: no table kernel writes dtype {spec.dtype}")
-    names = Names(reserved=("T", "S", "c", "r", "k", "i", "j", "tid", "some", "every", "e", "lead", *(f"_l{k}" for k in range(len(spec.leads)))))
+    names = Names(reserved=("T", "S", "c", "r", "k", "i", "j", "t", "v", "tid", "some", "every", "e", "lead",
+                           "i_lo", "i_hi", "j_lo", "j_hi", "nan", "half", "may", "must", "unsure", *(f"_l{k}" for k in range(len(spec.leads)))))
     consts = Constants(names)
     aux_vars = {a: names.fresh(f"A_{a}") for a, _ in spec.aux}
     sizes = dict(spec.sizes)
 
     def leaf(n: Ix) -> str:
         if n.op == "idx":
-            return str(n.value)
+            return n.value[1] if isinstance(n.value, tuple) else str(n.value)   # a bound's float leaf: its variable
         if n.op == "size":
             return str(sizes[n.value])
         shape = shapes[n.value.name]
@@ -93,6 +167,7 @@ def table_source(spec: DerivedTable, shapes: dict[str, tuple[int, ...]], threads
     fconst = lambda v: consts.f(v)
     fn_code = lambda fn, x: fn_expr(consts, fn, [x])
     keep = spec.expr.to_code(leaf, fconst, fn_code)
+    bounded = bounds_of(spec) if bounds else None
     R, C = -(-spec.n_rows // spec.rows), -(-spec.n_cols // spec.cols)
     masked, partial, kept = _BITS[spec.dtype]
     value = (lambda v: f"float32({v!r})") if spec.dtype == "f32" else (lambda v: f"int16({v})")
@@ -110,6 +185,9 @@ def table_source(spec: DerivedTable, shapes: dict[str, tuple[int, ...]], threads
             with body.block("if tid == 0:"):
                 body(f"T[(int64(cuda.blockIdx.z) * {R} + r) * {C} + c] = {value(masked)}")
             body("return")
+    if bounded:
+        _emit_bounds(body, spec, threads, bounded, lambda x: x.to_code(leaf, fconst, fn_code), value(masked),
+                     value(kept), f"T[(int64(cuda.blockIdx.z) * {R} + r) * {C} + c]")
     body("some = False")
     body("every = True")
     body("e = tid")
