@@ -661,7 +661,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                      "grouped_table": {"grouped-table", "fragments", "ragged-chunk"},
                      "derived_table": {"derived-table", "batch-table", "fragments", "ragged-chunk",
                                        "skipped-arithmetic", "table-kernel", "table-kernel-static",
-                                       "table-kernel-leads"},
+                                       "table-kernel-leads", "table-kernel-bounds"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
                                  "wgmma", "paired-atomic"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
@@ -726,7 +726,8 @@ def _table_kernels_agree(kernel, inputs) -> set[str]:
         got = tk.numpy([inputs[k] for _, k in spec.aux])
         np.testing.assert_array_equal(got, spec.values(inputs), err_msg=f"table kernel of {spec}:\n{tk.source}")
         feats |= {"table-kernel"} | ({"table-kernel-static"} if tk.static is not None else set()) \
-            | ({"table-kernel-leads"} if spec.leads else set())
+            | ({"table-kernel-leads"} if spec.leads else set()) \
+            | ({"table-kernel-bounds"} if "decided by the bounds" in tk.source else set())
     return feats
 
 
