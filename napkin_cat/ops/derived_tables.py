@@ -26,6 +26,7 @@ from .block_table import _arange, _namespace, _slices, _table, bounds
 from .boxes import mask_box
 from .index import Predicate
 from .index_expr import Aux, Ix
+from .interval_expr import NoBounds, block_bounds
 
 
 @dataclass(frozen=True)
@@ -232,10 +233,6 @@ def for_cost(d: Diagram, data: dict | None):
 
 # --------------------------------------------------------------------------- intervals over blocks
 
-class _Unsupported(Exception):
-    """An operation the interval evaluation does not bound: the table is evaluated entry by entry."""
-
-
 def interval_table(e: Ix, n_rows: int, n_cols: int, rows: int, cols: int, env: dict, xp, like):
     """The block table of mask ``e`` from bounds over each block instead of its entries, or
     None where ``e`` holds an operation it cannot bound.  Each value is an interval ``[lo, hi]``
@@ -245,197 +242,55 @@ def interval_table(e: Ix, n_rows: int, n_cols: int, rows: int, cols: int, env: d
     cannot hold, kept (2) where it must, partial (1) otherwise: never 0 or 2 where the entries
     say otherwise, so the table is one the mask agrees with; O(rows + columns + blocks) work
     instead of O(rows x columns).  For data whose values run in order (document ids) the bounds
-    are tight and the table is the exact one; where they are not it keeps more blocks partial."""
-    R, C = -(-n_rows // rows), -(-n_cols // cols)
-    ev = _Intervals(xp, like, env, {"i": (R, rows, n_rows), "j": (C, cols, n_cols)})
+    are tight and the table is the exact one; where they are not it keeps more blocks partial.
+
+    The rules are :func:`~.interval_expr.block_bounds`' expressions, evaluated here over arrays
+    of every block at once; a table kernel evaluates the same expressions per block
+    (:mod:`napkin_cat.lowering.table_kernel`)."""
     try:
-        with xp.quiet():   # inf * 0 and the like: NaN bounds, noted as unknown
-            may, must = ev.cond(e)
-    except _Unsupported:
+        may, must, unknown, gathers = block_bounds(e)
+    except NoBounds:
         return None
-    may, must = xp.broadcast_to(ev.arr(may), (R, C)), xp.broadcast_to(ev.arr(must), (R, C))
-    out = xp.where(must, 2.0, xp.where(may, 1.0, 0.0))
-    if ev.unknown:   # a bound that is NaN (NaN data, inf - inf) bounds nothing: partial
-        u = ev.unknown[0]
-        for v in ev.unknown[1:]:
-            u = u | v
-        out = xp.where(u, 1.0, out)
+    R, C = -(-n_rows // rows), -(-n_cols // cols)
+    grid = {"i": (R, rows, n_rows), "j": (C, cols, n_cols)}
+    vals = dict(env)
+    for role, (count, step, n) in grid.items():
+        lo = _arange(xp, like, count) * step
+        hi = xp.minimum(lo + step, _arange(xp, like, count) * 0 + n) - 1
+        shape = (count, 1) if role == "i" else (1, count)
+        vals[f"{role}_lo"], vals[f"{role}_hi"] = lo.reshape(shape), hi.reshape(shape)
+    for k, g in enumerate(gathers):
+        vals[("float", f"_g{k}_lo")], vals[("float", f"_g{k}_hi")] = _gather_bounds(g, env, grid, xp, like)
+    with xp.quiet():   # inf * 0 and the like: NaN bounds, noted as unknown
+        may, must, unknown = (xp.broadcast_to(_as_array(x.evaluate(xp, vals), xp, like), (R, C))
+                              for x in (may, must, unknown))
+    out = xp.where(unknown, 1.0, xp.where(must, 2.0, xp.where(may, 1.0, 0.0)))
     return out.astype(xp.float32) if hasattr(out, "astype") else out.float()
 
 
-_SCALARS = (bool, int, float)
+def _as_array(v, xp, like):
+    if isinstance(v, (bool, int, float)):
+        if like is not None:
+            import torch
+            return torch.tensor(v, device=like.device)
+        import numpy as np
+        return np.asarray(v)
+    return v
 
 
-def _lo(a, b):
-    """The least of ``a`` and ``b`` (arrays or Python numbers; no device copy of a number)."""
-    return _bound(a, b, min, "max", "minimum")
-
-
-def _hi(a, b):
-    return _bound(a, b, max, "min", "maximum")
-
-
-def _bound(a, b, pick, clamp: str, ufunc: str):
-    if isinstance(a, _SCALARS) and isinstance(b, _SCALARS):
-        return pick(a, b)
-    if isinstance(a, _SCALARS):
-        a, b = b, a
-    if hasattr(a, "clamp") and isinstance(b, _SCALARS):   # torch: a number bounds without becoming a tensor
-        return a.clamp(**{clamp: b})
-    if hasattr(a, "clamp"):
-        import torch as xp
-    else:
-        import numpy as xp
-    return getattr(xp, ufunc)(a, b)
-
-
-def _not(a):
-    return (not a) if isinstance(a, bool) else ~a
-
-
-def _both(a, b):
-    return (a and b) if isinstance(a, bool) and isinstance(b, bool) else a & b
-
-
-def _either(a, b):
-    return (a or b) if isinstance(a, bool) and isinstance(b, bool) else a | b
-
-
-class _Intervals:
-    def __init__(self, xp, like, env, grid):
-        self.xp, self.like, self.env, self.grid = xp, like, env, grid
-        self.unknown: list = []   # where a bound is NaN, per block (arrays that broadcast to the table)
-
-    def arr(self, v):
-        if isinstance(v, _SCALARS):
-            if self.like is not None:
-                import torch
-                return torch.tensor(v, device=self.like.device)
-            import numpy as np
-            return np.asarray(v)
-        return v
-
-    def where(self, c, a, b):
-        if isinstance(c, bool):
-            return a if c else b
-        return self.xp.where(c, a, b)
-
-    def checked(self, lo, hi, both: bool = True):
-        """``(lo, hi)``, noting the blocks where either is NaN (``both=False``: where ``lo`` is,
-        which a least and greatest value over the same entries are together)."""
-        for v in (lo, hi) if both else (lo,):
-            if isinstance(v, float):
-                if v != v:
-                    self.unknown.append(self.arr(True))
-            elif not isinstance(v, (bool, int)) and (v.dtype.is_floating_point if self.like is not None
-                                                     else v.dtype.kind == "f"):
-                self.unknown.append(v != v)
-        return lo, hi
-
-    def _range(self, role):
-        count, step, n = self.grid[role]
-        lo = _arange(self.xp, self.like, count) * step
-        hi = _lo(lo + step, n) - 1
-        shape = (count, 1) if role == "i" else (1, count)
-        return lo.reshape(shape), hi.reshape(shape)
-
-    def scalar(self, e: Ix) -> bool:
-        return all(n.op != "gather" and not (n.op == "idx" and n.value in ("i", "j")) for n in e.walk())
-
-    def value(self, e: Ix):
-        """``(lo, hi)`` of numeric expression ``e`` over each block."""
-        return self.checked(*self._value(e), both=e.op != "gather")
-
-    def _value(self, e: Ix):
-        op, a = e.op, e.args
-        if self.scalar(e):
-            v = e.evaluate(self.xp, self.env)
-            return v, v
-        if op == "idx":
-            return self._range(e.value)
-        if op == "gather":
-            return self._gather(e)
-        if op in ("add", "sub", "mul", "min", "max"):
-            (al, ah), (bl, bh) = self.value(a[0]), self.value(a[1])
-            if op == "add":
-                return al + bl, ah + bh
-            if op == "sub":
-                return al - bh, ah - bl
-            if op in ("min", "max"):
-                f = _lo if op == "min" else _hi
-                return f(al, bl), f(ah, bh)
-            ends = [x * y for x in (al, ah) for y in (bl, bh)]
-            lo = hi = ends[0]
-            for v in ends[1:]:
-                lo, hi = _lo(lo, v), _hi(hi, v)
-            return lo, hi
-        if op == "neg":
-            lo, hi = self.value(a[0])
-            return -hi, -lo
-        if op == "abs":
-            lo, hi = self.value(a[0])
-            return (self.where(lo >= 0, lo, self.where(hi <= 0, -hi, 0 * lo)),
-                    self.where(lo >= 0, hi, _hi(-lo, hi)))
-        if op in ("floordiv", "mod") and self.scalar(a[1]):
-            k = a[1].evaluate(self.xp, self.env)
-            if isinstance(k, (int, float)) and k > 0:
-                lo, hi = self.value(a[0])
-                if op == "floordiv":   # monotone for a positive divisor
-                    return lo // k, hi // k
-                one = lo // k == hi // k   # within one period: monotone there
-                return self.where(one, lo % k, 0 * lo), self.where(one, hi % k, 0 * hi + (k - 1))
-        if op == "where":
-            may, must = self.cond(a[0])
-            (bl, bh), (cl, ch) = self.value(a[1]), self.value(a[2])
-            never = _not(may)
-            return (self.where(must, bl, self.where(never, cl, _lo(bl, cl))),
-                    self.where(must, bh, self.where(never, ch, _hi(bh, ch))))
-        raise _Unsupported(op)
-
-    def _gather(self, e: Ix):
-        """A gather whose indices are fixed but one, which is ``i`` or ``j``: the least and
-        greatest values over each block's range of it (indices clamped into the tensor, as
-        every gather reads them)."""
-        arr = self.env[e.value.name]
-        free = [k for k, a in enumerate(e.args) if not self.scalar(a)]
-        if len(free) > 1 or (free and not (e.args[free[0]].op == "idx" and e.args[free[0]].value in ("i", "j"))):
-            raise _Unsupported("gather")
-        at = [None if k in free else min(max(int(a.evaluate(self.xp, self.env)), 0), arr.shape[k] - 1)
-              for k, a in enumerate(e.args)]
-        if not free:
-            v = arr[tuple(at)]
-            return v, v
-        k = free[0]
-        line = arr[tuple(slice(None) if m == k else v for m, v in enumerate(at))]
-        count, step, n = self.grid[e.args[k].value]
-        idx = _lo(_arange(self.xp, self.like, count * step), min(n, line.shape[0]) - 1)
-        vals = line[idx].reshape(count, step)
-        lo, hi = (vals.amin(1), vals.amax(1)) if self.like is not None else (vals.min(1), vals.max(1))
-        shape = (count, 1) if e.args[k].value == "i" else (1, count)
-        return lo.reshape(shape), hi.reshape(shape)
-
-    def cond(self, e: Ix):
-        """``(may, must)`` of condition ``e`` over each block."""
-        op, a = e.op, e.args
-        if self.scalar(e):
-            v = e.evaluate(self.xp, self.env)
-            return v, v
-        if op in ("and", "or") and e.dtype == "bool":
-            (am, au), (bm, bu) = self.cond(a[0]), self.cond(a[1])
-            f = _both if op == "and" else _either
-            return f(am, bm), f(au, bu)
-        if op == "invert" and e.dtype == "bool":
-            may, must = self.cond(a[0])
-            return _not(must), _not(may)
-        if op in ("lt", "le", "gt", "ge", "eq", "ne"):
-            if op in ("gt", "ge"):   # b < a, b <= a
-                op, a = {"gt": "lt", "ge": "le"}[op], (a[1], a[0])
-            (al, ah), (bl, bh) = self.value(a[0]), self.value(a[1])
-            if op == "lt":
-                return al < bh, ah < bl
-            if op == "le":
-                return al <= bh, ah <= bl
-            meet = _both(al <= bh, bl <= ah)
-            same = _both(_both(al == ah, bl == bh), al == bl)
-            return (meet, same) if op == "eq" else (_not(same), _not(meet))
-        raise _Unsupported(op)
+def _gather_bounds(g: Ix, env: dict, grid: dict, xp, like):
+    """The least and greatest values gather ``g`` (its indices fixed but one, ``i`` or ``j``)
+    reads over each block's range of that index, as arrays that broadcast to the table (indices
+    clamped into the tensor, as every gather reads them; NaN where the range holds one)."""
+    arr = env[g.value.name]
+    k = next(m for m, a in enumerate(g.args) if a.op == "idx" and a.value in ("i", "j"))
+    at = [None if m == k else min(max(int(a.evaluate(xp, env)), 0), arr.shape[m] - 1) for m, a in enumerate(g.args)]
+    line = arr[tuple(slice(None) if m == k else v for m, v in enumerate(at))]
+    role = g.args[k].value
+    count, step, n = grid[role]
+    idx = _arange(xp, like, count * step)
+    idx = xp.minimum(idx, idx * 0 + (min(n, line.shape[0]) - 1))
+    vals = line[idx].reshape(count, step)
+    lo, hi = (vals.amin(1), vals.amax(1)) if like is not None else (vals.min(1), vals.max(1))
+    shape = (count, 1) if role == "i" else (1, count)
+    return lo.reshape(shape), hi.reshape(shape)

@@ -5,10 +5,12 @@ before it evaluates any entry (:mod:`napkin_cat.lowering.table_kernel`).
 block's index ranges (``i_lo``, ``i_hi``, ``j_lo``, ``j_hi``) and the least and greatest value of
 each gather over them (float leaves ``_g{k}_lo``, ``_g{k}_hi``): ``may`` (some entry of the block
 can be kept), ``must`` (every entry is kept) and ``unknown`` (a bound is NaN: nothing is claimed).
-The rules are :func:`napkin_cat.ops.derived_tables.interval_table`'s, written as expressions, so
-the kernel computes them with the mask's own code (:meth:`Ix.to_code`) in its own float32
-arithmetic: each rounded operation is monotone in each argument, so a block is called masked
-(kept) only where every entry is.  Blocks neither rule decides are evaluated entry by entry.
+These expressions are the one definition of the bounds: the host evaluates them over arrays of
+every block at once (:func:`napkin_cat.ops.derived_tables.interval_table`, NumPy or torch), a table
+kernel per block with the mask's own code (:meth:`Ix.to_code`) in its float32 arithmetic.  Each
+rounded operation is monotone in each argument, so a block is called masked (kept) only where
+every entry is.  Blocks neither rule decides are partial on the host and evaluated entry by entry
+in the kernel.
 
 An operation without a rule (``exp2``, a gather of an index expression, division by data) raises
 :class:`NoBounds`: the kernel then evaluates every block's entries.
