@@ -5,8 +5,8 @@ launches over the N x N entries: 0.3-0.7 ms at N = 4096 on an H200, several time
 kernel that reads it (``kernels/BENCHMARKS.md``).  Here the same table is one launch, a block of
 threads per table entry (and per value of the mask's lead indices), in three passes:
 
-1. blocks the mask's data-free bound (``j <= i``) masks whatever the data are written at once
-   (:func:`static_table`, made on the host when the kernel is compiled);
+1. a block that the mask's data-free bound (``j <= i``) masks, whatever the data, is written at
+   once (:func:`static_table`, made on the host when the kernel is compiled);
 2. the mask's bounds over the block (:mod:`napkin_cat.ops.interval_expr`: each gather's least and
    greatest value over the block's rows or columns, then ``may`` / ``must`` of the mask) decide
    the block where they can: O(rows + columns) reads instead of rows x columns entries; for
