@@ -329,6 +329,14 @@ def test_tables_from_bounds_of_documents_and_windows_are_exact_and_fall_back_whe
         xp, like = _namespace({"doc": arr})
         got = interval_table(m.expr, n, n, 32, 24, {"doc": arr}, xp, like)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(_table(m.expr, n, n, 32, 24, {"doc": arr}, xp, like)))
+    w = nc.aux("w", nc.Axis("nh", 4))   # a window of each head: one entry per block, bounded exactly
+    win = nc.mask_mod(lambda b_, h_, i, j: (j <= i) & (i - j <= w[h_]))
+    widths = np.array([0.0, 20.0, 45.0, 300.0], np.float32)
+    for head in range(4):
+        env = {"w": widths, "h": head}
+        got = interval_table(win.expr, n, n, 32, 24, env, *_namespace({"w": widths}))
+        assert got is not None
+        np.testing.assert_array_equal(got, _table(win.expr, n, n, 32, 24, env, *_namespace({"w": widths})))
     doc = nc.aux("doc", nc.Axis("n", n))
     xp, like = _namespace({"doc": ids})
     bits = nc.mask_mod(lambda b_, h_, i, j: (i ^ j) < 8)   # no bounds for xor: the entries decide

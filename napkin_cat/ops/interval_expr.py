@@ -72,6 +72,8 @@ class _Bounds:
             return _leaf(f"{e.value}_lo"), _leaf(f"{e.value}_hi")
         if op == "gather":
             free = [k for k in a if not self.scalar(k)]
+            if not free:   # one entry for the whole block (a window of each head, w[h])
+                return e, e
             if len(free) != 1 or not (free[0].op == "idx" and free[0].value in ("i", "j")):
                 raise NoBounds("gather")
             for k, g in enumerate(self.gathers):
