@@ -204,4 +204,5 @@ def test_the_cost_says_what_deriving_a_table_costs():
     att = nc.library.attention(q=q, x=x, d=d, heads=h, mask=m).bind({q: n, x: n, d: 16, h: 4})
     notes = nc.cost(att.stream("x", 16).tile("q", 16).tile("h", 1), data={"w": np.arange(4.0)}).notes
     (said,) = [t for t in notes if "is derived at a launch" in t]
-    assert "the mask at 64 x 64 x h=4 entries (4 fma and 1 gather each" in said and "kept for data" in said
+    assert "the mask at up to 64 x 64 x h=4 entries (4 fma and 1 gather each; the blocks its bounds decide" in said
+    assert "kept for data" in said

@@ -109,12 +109,22 @@ def derivation_notes(d: Diagram) -> list[str]:
             per = "".join(f" x {a.name}={a.size}" for a in leads)
             work = ", ".join(f"{n} {u}" for u, n in sorted(pred.expr.work().items())) or "no arithmetic"
             gathers = sum(n.op == "gather" for n in pred.expr.walk())
+            bounded = "the blocks its bounds decide read their rows' and columns' values only; " \
+                if _has_bounds(pred.expr) else ""
             out.append(f"the block table of mask {pred.expr} is derived at a launch on new "
-                       f"{', '.join(a.name for a in pred.auxes)}: the mask at {d.axis(row).size} x "
-                       f"{d.axis(col).size}{per} entries ({work} and {gathers} gather{'s' if gathers != 1 else ''} each; one launch of a "
-                       f"generated kernel on a GPU, lowering/table_kernel.py), not in the counts; kept for "
-                       f"data seen before")
+                       f"{', '.join(a.name for a in pred.auxes)}: the mask at up to {d.axis(row).size} x "
+                       f"{d.axis(col).size}{per} entries ({work} and {gathers} gather{'s' if gathers != 1 else ''} "
+                       f"each; {bounded}one launch of a generated kernel on a GPU, lowering/table_kernel.py), "
+                       f"not in the counts; kept for data seen before")
     return out
+
+
+def _has_bounds(e: Ix) -> bool:
+    try:
+        block_bounds(e)
+    except NoBounds:
+        return False
+    return True
 
 
 def with_tables(d: Diagram) -> tuple[Diagram, tuple[DerivedTable, ...]]:
