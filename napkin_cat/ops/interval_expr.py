@@ -103,8 +103,8 @@ class _Bounds:
         if op == "abs":
             lo, hi = self.value(a[0])
             return (_where(lo >= 0, lo, _where(hi <= 0, -hi, _c(0))), _where(lo >= 0, hi, _max(-lo, hi)))
-        if op in ("floordiv", "mod") and a[1].op == "const" and isinstance(a[1].value, (int, float)) \
-                and not isinstance(a[1].value, bool) and a[1].value > 0:
+        if op in ("floordiv", "mod") and (a[1].op == "size" or a[1].op == "const" and isinstance(
+                a[1].value, (int, float)) and not isinstance(a[1].value, bool) and a[1].value > 0):   # k > 0
             k = a[1]
             lo, hi = self.value(a[0])
             if op == "floordiv":   # monotone for a positive divisor
