@@ -40,7 +40,7 @@ from collections import OrderedDict
 from ..core.errors import LoweringError
 from ..ops.derived_tables import DerivedTable
 from ..ops.index_expr import Ix
-from ..ops.interval_expr import NoBounds, block_bounds
+from ..ops.interval_expr import bounds_or_none
 from .emit_kinds import fn_expr
 from .source import Constants, Names, Source
 
@@ -74,16 +74,7 @@ def static_table(spec: DerivedTable):
     return None if table is None or not (table == 0).any() else np.ascontiguousarray(table, np.float32)
 
 
-def bounds_of(spec: DerivedTable):
-    """``(may, must, unknown, gathers)`` of ``spec``'s mask over a block (:func:`.block_bounds`),
-    or None where an operation has no bound: then every block is evaluated entry by entry."""
-    try:
-        return block_bounds(spec.expr)
-    except NoBounds:
-        return None
-
-
-def _emit_bounds(body, spec: DerivedTable, threads: int, bounded, code, masked: str, kept: str, out: str):
+def _emit_bounds(body, spec: DerivedTable, threads: int, bounded, code, masked: str, kept: str):
     """The bounds pass: each gather's least and greatest value over the block's range of its free
     index (the threads stride over it, then halve to one in shared memory; a NaN read leaves the
     block to its entries), then ``may`` / ``must`` of the mask; a block they decide is written and
@@ -128,24 +119,24 @@ def _emit_bounds(body, spec: DerivedTable, threads: int, bounded, code, masked: 
         body(f"must = bool({code(must)})")
         with body.block("if not unsure and (must or not may):   # decided by the bounds, as every thread finds"):
             with body.block("if tid == 0:"):
-                body(f"{out} = {kept} if must else {masked}")
+                body(f"T[at] = {kept} if must else {masked}")
             body("return")
 
 
 def table_source(spec: DerivedTable, shapes: dict[str, tuple[int, ...]], threads: int,
-                 name: str = "napkin_table", static: bool = False, bounds: bool = True) -> str:
+                 name: str = "napkin_table", static: bool = False) -> str:
     """numba.cuda source of the kernel that fills ``spec``'s table: ``name(T, *aux)`` with the
     table flat (float32, or int16 bit patterns for a 16-bit table) and the auxiliary arrays flat,
     in C order of ``shapes``; launched on the grid ``(column blocks, row blocks, lead values)``.
     ``static``: a last argument ``S``, :func:`static_table`; its blocks at 0 are written masked
-    at once, their entries not evaluated.  ``bounds``: the mask's bounds over each block decide it
-    first where they can (:func:`bounds_of`); the entries are evaluated where they cannot."""
+    at once, their entries not evaluated.  Where the mask has bounds (:func:`.bounds_or_none`)
+    they decide each block first where they can; the entries are evaluated where they cannot."""
     if threads & (threads - 1):
         raise LoweringError(f"block table {spec.name}: the table kernel halves over its threads; {threads} is "
                             f"not a power of two")
     if spec.dtype not in _BITS:
         raise LoweringError(f"block table {spec.name}: no table kernel writes dtype {spec.dtype}")
-    names = Names(reserved=("T", "S", "c", "r", "k", "i", "j", "t", "v", "tid", "some", "every", "e", "lead",
+    names = Names(reserved=("T", "S", "at", "c", "r", "k", "i", "j", "t", "v", "tid", "some", "every", "e", "lead",
                            "i_lo", "i_hi", "j_lo", "j_hi", "nan", "half", "may", "must", "unsure", *(f"_l{k}" for k in range(len(spec.leads)))))
     consts = Constants(names)
     aux_vars = {a: names.fresh(f"A_{a}") for a, _ in spec.aux}
@@ -167,7 +158,7 @@ def table_source(spec: DerivedTable, shapes: dict[str, tuple[int, ...]], threads
     fconst = lambda v: consts.f(v)
     fn_code = lambda fn, x: fn_expr(consts, fn, [x])
     keep = spec.expr.to_code(leaf, fconst, fn_code)
-    bounded = bounds_of(spec) if bounds else None
+    bounded = bounds_or_none(spec.expr)
     R, C = -(-spec.n_rows // spec.rows), -(-spec.n_cols // spec.cols)
     masked, partial, kept = _BITS[spec.dtype]
     value = (lambda v: f"float32({v!r})") if spec.dtype == "f32" else (lambda v: f"int16({v})")
@@ -177,17 +168,18 @@ def table_source(spec: DerivedTable, shapes: dict[str, tuple[int, ...]], threads
     body("c = int64(cuda.blockIdx.x)")
     body("r = int64(cuda.blockIdx.y)")
     body("lead = int64(cuda.blockIdx.z)")
+    body(f"at = (lead * {R} + r) * {C} + c   # this block's table entry")
     for k in reversed(range(len(spec.leads))):   # the lead indices, the last fastest
         body(f"_l{k} = lead % {spec.leads[k]}")
         body(f"lead = lead // {spec.leads[k]}")
     if static:   # masked whatever the data: every thread of the block leaves before the barriers
         with body.block(f"if S[r * {C} + c] == 0.0:"):
             with body.block("if tid == 0:"):
-                body(f"T[(int64(cuda.blockIdx.z) * {R} + r) * {C} + c] = {value(masked)}")
+                body(f"T[at] = {value(masked)}")
             body("return")
     if bounded:
         _emit_bounds(body, spec, threads, bounded, lambda x: x.to_code(leaf, fconst, fn_code), value(masked),
-                     value(kept), f"T[(int64(cuda.blockIdx.z) * {R} + r) * {C} + c]")
+                     value(kept))
     body("some = False")
     body("every = True")
     body("e = tid")
@@ -202,8 +194,7 @@ def table_source(spec: DerivedTable, shapes: dict[str, tuple[int, ...]], threads
     body("some = cuda.syncthreads_or(int32(some)) != 0")
     body("every = cuda.syncthreads_and(int32(every)) != 0")
     with body.block("if tid == 0:"):
-        body(f"T[(int64(cuda.blockIdx.z) * {R} + r) * {C} + c] = "
-             f"({value(kept)} if every else {value(partial)}) if some else {value(masked)}")
+        body(f"T[at] = ({value(kept)} if every else {value(partial)}) if some else {value(masked)}")
     head = [f'"""{name}: the block table {spec.name} of the mask {spec.expr} over blocks of '
             f'{spec.rows} x {spec.cols} (generated by napkin_cat.lowering.table_kernel; do not edit)."""',
             "", "import math", "", "from numba import cuda, float32, int16, int32, int64  # noqa: F401", "",

@@ -17,9 +17,9 @@ window of each head ``w[h]``) gets a table of each value of those indices (the l
 diagram's axis order), read by a block that holds one of each.
 
 Cost: a table is O(rows x columns) work on the inputs' device (FlexAttention's
-``create_block_mask``): on a GPU one launch of a generated kernel (:mod:`.table_kernel`).  Tables of torch tensors are kept by the tensors' identity and version
-(:func:`fill`): the layers of a training step that share its document ids derive
-each table once.  :meth:`TabledKernel.prepare` derives them once for the arrays it binds.  A
+``create_block_mask``); on a GPU it is one launch of a generated kernel (:mod:`.table_kernel`).
+Tables of torch tensors are kept by the tensors' identity and version (:func:`fill`): the layers
+of a training step that share its document ids derive each table once.  :meth:`TabledKernel.prepare` derives them once for the arrays it binds.  A
 user who makes one table for many calls passes it: ``nc.blocked(mask, bt, rows, cols)``.
 """
 

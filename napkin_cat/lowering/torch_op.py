@@ -191,7 +191,6 @@ class TorchOp:
     def __repr__(self) -> str:
         return f"torch_op({self.diagram})"
 
-
     def __call__(self, *tensors):
         sizes = self._check(tensors)
         out = _DiagramFunction.apply(self, sizes, *tensors)
@@ -513,7 +512,6 @@ class _DiagramFunction(torch.autograd.Function):
 
 def _shape(arr) -> tuple[int, ...]:
     return tuple(a.size for a in arr.axes)
-
 
 
 def _integer(t: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ from .block_table import _arange, _namespace, _slices, _table, bounds
 from .boxes import mask_box
 from .index import Predicate
 from .index_expr import Aux, Ix
-from .interval_expr import NoBounds, block_bounds
+from .interval_expr import bounds_or_none
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,6 @@ class DerivedTable:
         diagram's inputs), in the kind of the first array it reads (numpy, or torch on its
         device), in the table input's dtype (float32 for numpy's lack of bf16)."""
         values = {name: _readable(arrays[k]) for name, k in self.aux}
-        first = next(iter(values.values()))
         xp, like = _namespace(values)
         env = {**values, **{("size", n): s for n, s in self.sizes}}
 
@@ -110,21 +109,13 @@ def derivation_notes(d: Diagram) -> list[str]:
             work = ", ".join(f"{n} {u}" for u, n in sorted(pred.expr.work().items())) or "no arithmetic"
             gathers = sum(n.op == "gather" for n in pred.expr.walk())
             bounded = "the blocks its bounds decide read their rows' and columns' values only; " \
-                if _has_bounds(pred.expr) else ""
+                if bounds_or_none(pred.expr) is not None else ""
             out.append(f"the block table of mask {pred.expr} is derived at a launch on new "
                        f"{', '.join(a.name for a in pred.auxes)}: the mask at up to {d.axis(row).size} x "
                        f"{d.axis(col).size}{per} entries ({work} and {gathers} gather{'s' if gathers != 1 else ''} "
                        f"each; {bounded}one launch of a generated kernel on a GPU, lowering/table_kernel.py), "
                        f"not in the counts; kept for data seen before")
     return out
-
-
-def _has_bounds(e: Ix) -> bool:
-    try:
-        block_bounds(e)
-    except NoBounds:
-        return False
-    return True
 
 
 def with_tables(d: Diagram) -> tuple[Diagram, tuple[DerivedTable, ...]]:
@@ -257,16 +248,16 @@ def interval_table(e: Ix, n_rows: int, n_cols: int, rows: int, cols: int, env: d
     The rules are :func:`~.interval_expr.block_bounds`' expressions, evaluated here over arrays
     of every block at once; a table kernel evaluates the same expressions per block
     (:mod:`napkin_cat.lowering.table_kernel`)."""
-    try:
-        may, must, unknown, gathers = block_bounds(e)
-    except NoBounds:
+    bounded = bounds_or_none(e)
+    if bounded is None:
         return None
+    may, must, unknown, gathers = bounded
     R, C = -(-n_rows // rows), -(-n_cols // cols)
     grid = {"i": (R, rows, n_rows), "j": (C, cols, n_cols)}
     vals = dict(env)
     for role, (count, step, n) in grid.items():
         lo = _arange(xp, like, count) * step
-        hi = xp.minimum(lo + step, _arange(xp, like, count) * 0 + n) - 1
+        hi = _at_most(lo + step, n) - 1
         shape = (count, 1) if role == "i" else (1, count)
         vals[f"{role}_lo"], vals[f"{role}_hi"] = lo.reshape(shape), hi.reshape(shape)
     for k, g in enumerate(gathers):
@@ -276,6 +267,11 @@ def interval_table(e: Ix, n_rows: int, n_cols: int, rows: int, cols: int, env: d
                               for x in (may, must, unknown))
     out = xp.where(unknown, 1.0, xp.where(must, 2.0, xp.where(may, 1.0, 0.0)))
     return out.astype(xp.float32) if hasattr(out, "astype") else out.float()
+
+
+def _at_most(a, n: int):
+    """``min(a, n)`` elementwise, for a NumPy array or a torch tensor (on its device)."""
+    return a.clamp(max=n) if hasattr(a, "clamp") else a.clip(max=n)
 
 
 def _as_array(v, xp, like):
@@ -298,8 +294,7 @@ def _gather_bounds(g: Ix, env: dict, grid: dict, xp, like):
     line = arr[tuple(slice(None) if m == k else v for m, v in enumerate(at))]
     role = g.args[k].value
     count, step, n = grid[role]
-    idx = _arange(xp, like, count * step)
-    idx = xp.minimum(idx, idx * 0 + (min(n, line.shape[0]) - 1))
+    idx = _at_most(_arange(xp, like, count * step), min(n, line.shape[0]) - 1)
     vals = line[idx].reshape(count, step)
     lo, hi = (vals.amin(1), vals.amax(1)) if like is not None else (vals.min(1), vals.max(1))
     shape = (count, 1) if role == "i" else (1, count)

@@ -152,3 +152,11 @@ def block_bounds(e: Ix) -> tuple[Ix, Ix, Ix, tuple[Ix, ...]]:
     for v in b.floats:
         unknown = unknown | (v != v)
     return may, must, unknown, tuple(b.gathers)
+
+
+def bounds_or_none(e: Ix):
+    """:func:`block_bounds` of ``e``, or None where an operation has no rule."""
+    try:
+        return block_bounds(e)
+    except NoBounds:
+        return None
