@@ -311,6 +311,9 @@ def _features(kernel) -> set[str]:
     if "the copying warpgroup: copies every chunk" in body:   # lowering/producer.py
         out.add("copying-warpgroup")
         out.add("named-hand-over" if "bar_arrive(" in body else "block-hand-over")
+        copying = body[:body.index("setmaxnreg_inc_")] if "setmaxnreg_inc_" in body else body
+        if "_kept" in copying:       # ... which visits the chunks no block table masks whole
+            out.add("copying-table")
     if "bar_named(uint32(1), NTHREADS)  # the computing threads" in body:   # ... their own barriers
         out.add("computing-barrier")
     if "_z(smem16" in body:                        # wgmma.emit_wgmma: a fresh accumulator's first step

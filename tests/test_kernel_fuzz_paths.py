@@ -44,7 +44,8 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
 * ``copying``: the f16 / bf16 one-kernel backward on two warpgroups with a copying warpgroup
   (:mod:`napkin_cat.lowering.producer`), each example lowered with chunks handed over by named
   barriers and by block barriers (``named-hand-over``, ``block-hand-over``), dS published among
-  the computing threads alone (``computing-barrier``).
+  the computing threads alone (``computing-barrier``); the same backward and the forward under a
+  block table of random entries, whose masked chunks both sides skip (``copying-table``).
 
 ``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
 """
@@ -399,18 +400,66 @@ def copying_family(draw):
     warpgroups, a copying warpgroup (``producer.SWITCH = "auto"``: dQ added across key tiles),
     chunks handed over by named barriers and by block barriers (both lowered and checked), dS
     published among the computing threads;
-    several query chunks (of 64), one or two key tiles (of 128), ragged."""
+    several query chunks (of 64), one or two key tiles (of 128), ragged.  Or, with a block table
+    of random entries over a document mask (``nc.blocked``: an entry of 0 masks its block), that
+    backward or the forward (query tiles of 128, key chunks of 32): both sides of the copying
+    warpgroup scan the table for the chunks it keeps (``copying-table``)."""
     from napkin_cat.lowering.torch_op import backward_plan
     dt = draw(st.sampled_from((nc.f16, nc.bf16)))
+    what = draw(st.sampled_from(("backward", "backward", "backward-table", "forward-table")), label="variant")
+    options = {"threads": 256, "wgmma": True, "hand_over": "both", "prefetch": "double",
+               "tiles": {"g_x": 128, "s_q": 64}}
+    if what.endswith("table"):
+        return _copying_table_case(draw, dt, what, options)
     causal = draw(st.booleans())
     fl = L.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
     part = backward_plan(fl, form="one kernel").at(dt).parts[-1]
     sizes = {q: draw(st.integers(65, 100), label="q"), x: draw(st.sampled_from((20, 130)), label="x"), d: 16}
     fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True)
-    options = {"threads": 256, "wgmma": True, "hand_over": "both", "prefetch": "double",
-               "tiles": {"g_x": 128, "s_q": 64}}
     return Case(f"{dt.name} one-kernel attention backward, copying warpgroup (causal={causal})",
                 part, (), sizes, part.unrelabelled(), options, _residuals(fwd, sizes, part), SMALL_DATA)
+
+
+def _copying_table_case(draw, dt, what, options):
+    """:func:`copying_family`'s block-table examples: 33 to 140 tokens (a multiple of 4, so ``L``
+    and ``D`` go by cp.async), a table over blocks of 32 queries by 128 keys (the backward's
+    chunks by its tiles) or 128 by 32 (the forward's), documents of ids 0 and 1 in runs of 8."""
+    from napkin_cat.lowering.torch_op import backward_plan
+    n = 4 * draw(st.integers(9, 35), label="n / 4")
+    rows, cols = (32, 128) if what == "backward-table" else (128, 32)
+    shape = (-(-n // rows), -(-n // cols))
+    doc = nc.aux("doc", nc.Axis("n", n))
+    bt = nc.aux("bt", nc.Axis("rb", shape[0]), nc.Axis("cb", shape[1]))
+    m = nc.mask_mod(lambda b_, h_, i, j: doc[i] == doc[j])
+    entries = st.lists(st.sampled_from((0.0, 0.0, 1.0, 2.0)), min_size=shape[0] * shape[1], max_size=shape[0] * shape[1])
+    table = np.array(draw(entries, label="table"), np.float32).reshape(shape)
+    att = L.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, rows, cols), dtype=dt)
+    sizes = {q: n, x: n, d: 16}
+
+    def named(rng, regime):
+        ids = np.repeat(rng.integers(0, 2, n // 8 + 1), 8)[:n].astype(np.float32)
+        return {"doc": ids, "bt": table} | {k: REGIMES[regime][0](rng, (n, 16)) for k in "QKV"}
+    if what == "forward-table":
+        steps = (("stream", "x", 32), ("tile", "q", 128), ("place", "O", "registers"))
+        options = {**options, "tiles": None}
+
+        def inputs(rng, regime):
+            got = named(rng, regime)
+            return [got[a.name] for a in att.dom]
+        return Case(f"{dt.name} forward, block table, copying warpgroup", att, steps, sizes, att, options, inputs,
+                    SMALL_DATA)
+    fl = att.stream(x, "s_x").tile(q, "g_q")
+    part = next(p for p in backward_plan(fl, form="one kernel").at(dt).parts if "dK" in {a.name for a in p.cod})
+    fwd = L.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, rows, cols), logsumexp=True).bind(sizes)
+
+    def residuals(rng, regime):
+        got = named(rng, regime)
+        got["O"], got["L"] = nc.evaluate(fwd, *[got[a.name] for a in fwd.dom])
+        got["dO"] = REGIMES[regime][0](rng, got["O"].shape)
+        got["D"] = (got["dO"] * got["O"]).sum(-1)
+        return [got[a.name] for a in part.dom]
+    return Case(f"{dt.name} one-kernel attention backward, block table, copying warpgroup", part, (), sizes,
+                part.unrelabelled(), {**options, "tiles": {"g_x": 128, "s_q": 32}}, residuals, SMALL_DATA)
 
 
 def _document_case(draw, dt, options):
@@ -663,7 +712,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                        "skipped-arithmetic", "table-kernel", "table-kernel-static",
                                        "table-kernel-leads", "table-kernel-bounds"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
-                                 "wgmma", "paired-atomic"},
+                                 "wgmma", "paired-atomic", "copying-table"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
                                 "paired-atomic", "column-values"}}
 

@@ -9,7 +9,8 @@ float64 on every head before it is timed (relative max error, as ``bench_fwd_bwd
 times: back-to-back calls of ``torch.autograd.grad(op(...), (Q, K, V), dO)``.  The derived form
 makes two tables (the forward's blocks and the backward's); it keeps them for an ids tensor it
 has seen (the layers of one training step), and the second derived row passes a new tensor
-each call, so it pays both tables every time.
+each call, so it pays both tables every time.  One more row lowers the kept form with
+``producer.TABLES`` off: no copying warpgroup where a table skips chunks, as before.
 GPU only.
 
     NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/document_training.py [--n 4096] [--d 64] [--dtype f16]
@@ -17,6 +18,7 @@ GPU only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -30,9 +32,22 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
+from napkin_cat.lowering import producer  # noqa: E402
 from bench import compiled_flex, cuda_time, device_ms  # noqa: E402
 
 TABLE = 128   # the user's table blocks (FlexAttention's default)
+BEFORE = "derived tables kept, no copying warpgroup where a table skips chunks (producer.TABLES off)"
+
+
+@contextlib.contextmanager
+def module_setting(module, name: str, value):
+    """``module.<name>`` set within, then restored."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
 
 
 def doc_ids(n: int, gen) -> torch.Tensor:
@@ -83,7 +98,7 @@ def main():
         att = nc.library.attention(q=q, x=x, d=d, heads=h, mask=m)
         return nc.torch_op(att.stream(x, "s_x").tile(q, "g_q").tile(h, 1), verify=False)
 
-    derived, given = op_of(mask), op_of(nc.blocked(mask, bt, TABLE, TABLE))
+    derived, given, before = op_of(mask), op_of(nc.blocked(mask, bt, TABLE, TABLE)), op_of(mask)
     flex = compiled_flex()
     from torch.nn.attention.flex_attention import create_block_mask
     bm = create_block_mask(lambda b, hh, i, j: (doc[i] == doc[j]) & (j <= i), None, None, N, N, device="cuda")
@@ -91,6 +106,7 @@ def main():
     forms = {
         "derived tables, kept for the ids tensor": lambda Q, K, V: derived(Q, K, V, docs),
         "derived tables, a new ids tensor each call": lambda Q, K, V: derived(Q, K, V, docs.clone()),
+        BEFORE: lambda Q, K, V: before(Q, K, V, docs),
         "derived tables, int64 ids (kept; converted each call)": lambda Q, K, V: derived(Q, K, V, doc),
         f"user's table ({TABLE} x {TABLE}, made once)": lambda Q, K, V: given(Q, K, V, table, docs),
         "FlexAttention (block mask made once)": lambda Q, K, V: flex(Q[None], K[None], V[None], block_mask=bm)[0],
@@ -100,8 +116,9 @@ def main():
     rows = []
     for name, f in forms.items():
         leaves = [t.detach().clone().requires_grad_() for t in (Q, K, V)]
-        out = f(*leaves)
-        grads = torch.autograd.grad(out, leaves, dO)
+        with module_setting(producer, "TABLES", name != BEFORE):   # the kernels are lowered here, then kept
+            out = f(*leaves)
+            grads = torch.autograd.grad(out, leaves, dO)
         errs = [rel(a, b) for a, b in zip((out.detach(), *grads), want)]
         assert max(errs) < 5e-2, (name, errs)
         fwd = cuda_time(lambda: f(*leaves))

@@ -23,6 +23,10 @@ The kernel (``NTHREADS`` multiplying threads, then :data:`THREADS` copying ones)
     ... the kernel as before, the stream loop without copies: one barrier before it, the
     loop's closing barrier(s) ...
 
+"Each chunk" is each chunk the loop visits: where a block table masks whole chunks
+(:data:`TABLES`), both sides scan the table for the next chunk it keeps
+(:meth:`.emit_loads.Loads._next_kept`), so they visit the same chunks in the same order.
+
 Buffer ``(c + 1) % 2`` was last read in chunk ``c - 1``, before the barrier that ended it, and
 chunk ``c + 1`` has landed, fenced, before the barrier that ends chunk ``c``.  Every block barrier
 of the multiplying warps has its twin in the copying warpgroup: their count is read off the
@@ -34,11 +38,12 @@ the simulator runs the same protocol (:func:`.tensorcore._group_barrier`).
 
 With ``HAND_OVER = "named"`` (the default) the per-chunk block barrier goes: the copying
 warpgroup arrives (``bar.arrive``) at "landed" barrier ``2 + b W + w`` for each computing
-warpgroup ``w`` once buffer ``b`` holds chunk c + 1, and waits at "released" barrier ``2 + 2W + b``
-before refilling it with chunk c + 2; computing warpgroup ``w`` waits at its "landed" barrier
-before each chunk but the first and arrives at "released" when done with the chunk
-(:func:`hand_over_ids`).  Their own barriers (a buffer they write and read, such as the backward's
-dS) meet at ``bar_named(1, NTHREADS)``, without the copying warpgroup.
+warpgroup ``w`` once buffer ``b`` holds chunk c + 1; computing warpgroup ``w`` waits at its
+"landed" barrier before each chunk but the first, and arrives at "released" barrier
+``2 + 2W + b`` when done with a chunk that another follows; the copying warpgroup waits there
+before each chunk but the first, so before it refills buffer ``b`` (:func:`hand_over_ids`).
+Their own barriers (a buffer they write and read, such as the backward's dS) meet at
+``bar_named(1, NTHREADS)``, without the copying warpgroup.
 
 Registers: the block starts with ``65536 / (blocks x threads)`` each; ``setmaxnreg`` moves them from
 the copying warpgroup (:data:`REGS`) to the multiplying ones (:func:`consumer_registers`).
@@ -66,6 +71,12 @@ Not elsewhere: the two-kernel backward's dQ kernel measured slower with it (0.88
 128 computing threads), and plain sums on their own were not measured.  Under
 ``planner.WGMMA = "auto"`` an accumulator rescaled every chunk goes to warpgroup MMAs only with
 this warpgroup (:func:`.wgmma_plan.auto_why_not`)."""
+
+TABLES = True
+"""Give the copying warpgroup a stream loop whose chunks a block table skips: both sides scan the
+table (in shared memory, published before the copying warpgroup's first copy) for the chunks it
+keeps, so it copies and hands over those only.  ``False``: such a kernel keeps its copies (the
+computing threads' ``cp.async``, or single-buffered), as before 2026-11-29."""
 
 THREADS = 128
 """Threads of the copying warpgroup (``setmaxnreg`` acts on whole warpgroups)."""
@@ -125,8 +136,8 @@ def why_not(plan) -> str | None:
     nested = [n for lp in loops for n in lp.body if isinstance(n, Loop)]
     if len(loops) != 1 or loops[0].kind != "stream" or nested:
         return "not one stream loop at the kernel's top level"
-    if any(s.pred.block_atoms() for s in plan.skips.get(loops[0].axis, ())):
-        return "chunks skipped by a block table (read by the copying warpgroup: not yet)"
+    if not TABLES and any(s.pred.block_atoms() for s in plan.skips.get(loops[0].axis, ())):
+        return "chunks skipped by a block table (producer.TABLES is off)"
     return None
 
 
@@ -235,13 +246,16 @@ def emit_loop(em, lp: Loop, src) -> None:
     if not all(em._vector_ok(n.var) for n in loads):
         raise NotSpecialised("an input of the stream loop is not copied by cp.async")
     stride, base = em._copy_layout(bufs)
+    # the first chunk no block table masks whole (the tables were published with the tile); above
+    # the loop's mark, so that the scan's loop is not taken for the stream loop (_barrier_counts)
+    first = em._first_chunk(lp, lo, hi, src)
     src.comment(f"stream {a.name} in chunks of {a.cap}, double-buffered: while chunk c is computed, "
                 f"{MARK} with chunk c + 1 (warp specialisation, lowering/producer.py)")
     par = em.names.fresh(f"buf_{a.name}")
     src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
     em.pending_sync = True
     em.sync(src)   # chunk 0 has landed (the copying warpgroup's first barrier in the loop's turn)
-    with src.block(em._chunk_header(lp, lo, hi, None, src)):
+    with src.block(em._chunk_header(lp, lo, hi, first, src)):
         if a.ragged:
             src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
         for b in bufs:
@@ -251,14 +265,17 @@ def emit_loop(em, lp: Loop, src) -> None:
         if named:
             full, empty_id = hand_over_ids(em.T)
             groups = em.T // 128
-            with src.block(f"if {a.start} > {lo}:  # chunk 0 landed at the barrier above"):
+            with src.block(f"if {a.start} > {first}:  # chunk 0 landed at the barrier above"):
                 src(f"bar_named({k.u(full, f'U{full}')} + {par} * {k.u(groups, f'U{groups}')} + tid // "
                     f"{k.u(128, 'U128')}, {k.u(128 + THREADS, f'U{128 + THREADS}')})  # this warpgroup's chunk has landed")
         em.pending_sync = False
         em.consumers_only = named     # the computing threads' own barriers: the copying warpgroup is not there
         start = src.mark()
         empty = em._chunk_flags(lp, src)
+        if em._skips_by_data(lp):
+            empty = None   # the loop visits the chunks no table masks whole: no branch around barriers
         em._emit_guarded([n for n in lp.body if n not in loads], empty, src)
+        nxt = em._next_chunk(lp, hi, src) if named or em._skips_by_data(lp) else None
         if named:
             if em.pending_async:
                 raise NotSpecialised("cp.async copies of the computing threads in the stream loop")
@@ -268,14 +285,16 @@ def emit_loop(em, lp: Loop, src) -> None:
             else:
                 src("fence_proxy_async()  # this chunk's reads are done")
             em.consumers_only = False
-            with src.block(f"if {a.start} + {k.u(2, 'U2')} * {a.cap_c} < {hi}:"):
+            with src.block(f"if {nxt} < {hi}:"):
                 total = em.T + THREADS
                 src(f"bar_arrive({k.u(empty_id, f'U{empty_id}')} + {par}, {k.u(total, f'U{total}')})  "
-                    f"# this buffer is free for chunk c + 2")
+                    f"# this buffer is free for the chunk after the next")
         else:
             em.pending_sync = True
             em.sync(src)
         src(f"{par} = {k.u(1, 'U1')} - {par}")
+        if nxt is not None:
+            em._advance(lp, nxt, src)
     em._drop_flags(lp)
     for b in bufs:
         del em.cur[b.key]
@@ -330,25 +349,27 @@ def finish(em, body, slot) -> None:
         lo, hi = em._stream_bounds(lp, src)
         par = em.names.fresh(f"pbuf_{a.name}")
         src(f"{par} = {k.u(0, 'U0')}")
+        first = em._first_chunk(lp, lo, hi, src)   # the block tables were published at a barrier above
 
         def issue(start: str, copy: str):
             em._issue_chunk(lp, loads, bufs, start, copy, src)
             src("cp_async_wait_all()  # this warpgroup's copies of the chunk have landed")
             src("fence_proxy_async()  # ... and are visible to the tensor cores")
 
-        with src.block(f"if {lo} < {hi}:"):
-            issue(lo, k.u(0, "U0"))
+        with src.block(f"if {first} < {hi}:"):
+            issue(first, k.u(0, "U0"))
         src("cuda.syncthreads()  # chunk 0 has landed")
-        with src.block(em._chunk_header(lp, lo, hi, None, src)):
-            nxt = em.names.fresh(f"{a.name}_next")
-            src(f"{nxt} = {a.start} + {a.cap_c}")
+        with src.block(em._chunk_header(lp, lo, hi, first, src)):
+            if a.ragged:
+                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
+            nxt = em._next_chunk(lp, hi, src)
+            if named:
+                full, empty = hand_over_ids(em.T)
+                groups, total = em.T // 128, em.T + THREADS
+                with src.block(f"if {a.start} > {first}:"):
+                    src(f"bar_named({k.u(empty, f'U{empty}')} + ({k.u(1, 'U1')} - {par}), {k.u(total, f'U{total}')})"
+                        f"  # chunk c - 1's buffer released by every computing warpgroup")
             with src.block(f"if {nxt} < {hi}:"):
-                if named:
-                    full, empty = hand_over_ids(em.T)
-                    groups, total = em.T // 128, em.T + THREADS
-                    with src.block(f"if {a.start} > {lo}:"):
-                        src(f"bar_named({k.u(empty, f'U{empty}')} + ({k.u(1, 'U1')} - {par}), {k.u(total, f'U{total}')})"
-                            f"  # chunk c - 1's buffer released by every computing warpgroup")
                 issue(nxt, f"({k.u(1, 'U1')} - {par})")
                 for w in range(groups if named else 0):
                     src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + ({k.u(1, 'U1')} - {par}) * {k.u(groups, f'U{groups}')}, "
@@ -356,6 +377,8 @@ def finish(em, body, slot) -> None:
             for _ in range(per):
                 src("cuda.syncthreads()  # the next chunk has landed; the buffer of this one is free")
             src(f"{par} = {k.u(1, 'U1')} - {par}")
+            em._advance(lp, nxt, src)
+        em._drop_flags(lp)
         for _ in range(post):
             src("cuda.syncthreads()  # a barrier of the multiplying warps after the loop")
         src("return")
