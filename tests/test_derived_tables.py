@@ -373,3 +373,34 @@ def test_grouped_heads_backward_reads_a_table_of_each_head_and_group():
     tabled = [k for k in op._cache.values() if isinstance(k, TabledKernel)]
     assert len(tabled) == 3 and all(k.tables[0].leads == (H, G) for k in tabled)
     assert any("stream(g, 1)" in k.diagram._sched_str() for k in tabled)
+
+
+def test_ids_and_tables_go_whole_into_blocks_that_have_the_shared_memory_to_spare(monkeypatch):
+    """Planned for a GPU (nothing compiled) at N = 16384, as measured (kernels/BENCHMARKS.md): the
+    document ids (64 KiB) and the block table exceed ``AUX_WHOLE_BYTES``; the one-kernel backward
+    runs one block per SM by its registers, so both are loaded whole into it; the forward's
+    128-thread blocks (two per SM) would lose one, so it reads them in place; a placement of the user's is kept, and
+    ``aux_whole.SWITCH = False`` leaves the size alone to decide."""
+    import torch
+
+    from napkin_cat import lowering
+    from napkin_cat.lowering import aux_whole
+    monkeypatch.setattr(lowering, "_gpu_present", lambda rt: True)
+    n = 16384
+    flash = nc.library.attention(q=q, x=x, d=d, heads=h, mask=_documents(n)).stream(x, "s_x").tile(q, "g_q").tile(h, 1)
+    op = nc.torch_op(flash, verify=False)
+    sizes = (("h", 2), ("q", n), ("x", n), ("d", 64))
+    plan = op.backward_plan((0, 1, 2), sizes, torch.float16, torch.device("cpu"))
+    part = next(p for p in plan.parts if "dK" in {a.name for a in p.cod})
+
+    def shared(kernel):
+        return next(ln for ln in kernel.source.splitlines() if ln.startswith("Shared memory:"))
+    back = nc.lower(part, verify=False, prefetch="auto")
+    assert "doc_s[16384]" in shared(back) and "bt_s[" in shared(back), shared(back)
+    assert any(m.startswith("Loaded whole into each block") and "doc (65536 B)" in m for m in back.notes), back.notes
+    forward = nc.lower(op.typed(torch.float16).bind(dict(sizes)), verify=False, prefetch="auto")
+    assert "doc_s" not in shared(forward) and not any("Loaded whole" in m for m in forward.notes)
+    mine = nc.lower(part.place("doc", "HBM"), verify=False, prefetch="auto")
+    assert "doc_s" not in shared(mine) and "bt_s[" in shared(mine)
+    monkeypatch.setattr(aux_whole, "SWITCH", False)
+    assert "doc_s" not in shared(nc.lower(part, verify=False, prefetch="auto"))

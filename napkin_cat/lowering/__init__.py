@@ -145,7 +145,7 @@ def _lower_one(d: Diagram, tiles=None, threads=None, name=None, micro=None, fast
 
 
 def _lower_planned(d: Diagram, tiles, threads, name, micro, fastmath, prefetch, hw) -> "Kernel":
-    from . import planner, producer, runtime
+    from . import aux_whole, planner, producer, runtime
     from .codegen import generate
     from .schedule import choose
     from .wgmma_plan import awaited_copying_warpgroup
@@ -154,14 +154,12 @@ def _lower_planned(d: Diagram, tiles, threads, name, micro, fastmath, prefetch, 
     sched = choose(d, tiles, threads, simulate=simulate, hw=hw)
     kname = name or _default_name(sched.diagram)
 
-    def make(pf):   # what the schedule chose and changed (loop order) follow the planner's notes
-        return generate(sched.diagram, kname, sched.threads, sched.batch_axes, fastmath=fastmath, micro=micro,
-                        prefetch=pf, ff=sched.final_form, notes=(f"Block sizes: {sched.how}.", *sched.notes))
+    def make(pf, s=sched):   # what the schedule chose and changed (loop order) follow the planner's notes
+        return generate(s.diagram, kname, s.threads, s.batch_axes, fastmath=fastmath, micro=micro,
+                        prefetch=pf, ff=s.final_form, notes=(f"Block sizes: {s.how}.", *s.notes))
     gen = make(prefetch)
     limits = runtime.device_limits() if "numba.cuda" in sys.modules else runtime.H100_DEFAULTS
-    limit = limits.max_shared_per_block_optin
-    if hw is not None:   # lowering for a target profile: its per-block shared memory
-        limit = min(limit, hw.smem_per_block_optin)
+    limit = min(limits.max_shared_per_block_optin, hw.smem_per_block_optin if hw else 1 << 30)   # a profile's too
     smem = gen.plan.smem_bytes
     if smem > limit and prefetch == "auto" and gen.plan.prefetch:   # 'auto': the second buffers only where they fit
         gen = make(False)
@@ -174,7 +172,9 @@ def _lower_planned(d: Diagram, tiles, threads, name, micro, fastmath, prefetch, 
             kernel = _lower_planned(d, tiles, threads, name, micro, fastmath, prefetch, hw)
         kernel.notes += tuple(n for n in gen.notes if n.startswith("Copying warpgroup: none"))
         return kernel
-    launch = Launch(gen.plan.launch.grid, (sched.threads + gen.extra_threads, 1, 1), smem)
+    if not simulate:   # auxiliary tensors whole where that costs no blocks per SM
+        sched, gen = aux_whole.widened(sched, gen, lambda s: make(gen.plan.prefetch, s), limits, limit)
+    launch = Launch(gen.plan.launch.grid, (sched.threads + gen.extra_threads, 1, 1), gen.plan.smem_bytes)
     kernel = Kernel(sched.diagram, gen.source, kname, launch, sched, gen)
     kernel.options = {"threads": sched.threads, "micro": micro, "fastmath": fastmath, "prefetch": prefetch,
                       "name": kname}

@@ -76,6 +76,7 @@ class Generated:
     notes: tuple[str, ...]
     buffer_names: dict
     extra_threads: int = 0      # a copying warpgroup's, launched after the plan's threads (.producer)
+    blocks: int = 1             # blocks per SM its launch bounds ask for
 
     def buffers(self) -> str:
         """The shared buffers with their sizes, for messages."""
@@ -95,5 +96,5 @@ def generate(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath: bo
     plan = plan_kernel(d, name, threads, batch_axes, fastmath=fastmath, micro=micro, prefetch=prefetch,
                        unroll=unroll, ff=ff)
     notes = (*plan.notes, *notes)
-    source, names, notes, extra = render(plan, notes)
-    return Generated(plan, source, notes, names, extra)
+    source, names, notes, extra, blocks = render(plan, notes)
+    return Generated(plan, source, notes, names, extra, blocks)

@@ -38,8 +38,9 @@ RESERVED = {"tid", "smem", "bx", "by", "cuda", "math", "float32", "uint32", "lan
             "FULL_MASK", "simulator_active", "red_s", "smem16", "smem32", "int16", "ZERO16", "ptid"} | set(PRIMITIVES)
 
 
-def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict, tuple[str, ...], int]:
-    """(source, buffer key -> identifier, notes, threads of a copying warpgroup) of ``plan``;
+def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict, tuple[str, ...], int, int]:
+    """(source, buffer key -> identifier, notes, threads of a copying warpgroup, blocks per SM of
+    its launch bounds) of ``plan``;
     ``notes`` go into the docstring, followed by what the renderer itself decided (fragments held
     in registers: .emit_mma; a copying warpgroup: .producer)."""
     why = producer.why_not(plan)
@@ -54,7 +55,7 @@ def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict, tu
         em = Emitter(plan, notes)
         source = em.emit()
     em.notes += producer.note(plan, why, em.producer_threads)
-    return source, {key: b.name for key, b in em.bufs.items()}, em.notes, em.producer_threads
+    return source, {key: b.name for key, b in em.bufs.items()}, em.notes, em.producer_threads, em.blocks()
 
 
 @dataclass(frozen=True)
