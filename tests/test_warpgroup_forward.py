@@ -163,3 +163,20 @@ def test_the_auto_forward_matches_the_oracle_in_the_simulator(rows, threads, siz
            for arr in dia.dom]
     out = kernelcheck.kernel_outcome(dia.unrelabelled(), kernel, ins)
     assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+def test_a_block_tables_axes_are_not_a_head_width():
+    """A document mask with the user's table of 128 x 128 blocks at N = 16384 (a table of 128 x 128
+    entries) and d = 64: the head width is 64, so the forward keeps the d = 64 blocks (taken for
+    d = 128, it ran 1.53 ms against 0.47 on an H200); at d = 128 the same table changes nothing."""
+    from napkin_cat.lowering.wgmma_plan import computed_axes
+    n = 16384
+    doc = nc.aux("doc", nc.Axis("n", n))
+    bt = nc.aux("bt", nc.Axis("rb", n // 128), nc.Axis("cb", n // 128))
+    mask = nc.blocked(nc.mask_mod(lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i)), bt, 128, 128)
+    for width, expect in ((64, 0), (128, 384)):
+        d0 = _attention(width=width, n=n, mask=mask).unrelabelled()
+        assert sorted(a.name for a in computed_axes(d0, 256)) == ["d", "h"]
+        assert warpgroup_forward(d0, False, "auto") == expect
+    sched = choose(_attention(n=n, mask=mask), simulate=False)
+    assert sched.threads == 128, sched.how

@@ -49,7 +49,7 @@ from ..relabel.rules import (check_blocks, fuse_norm_contract, fuse_softmax_cont
 from . import planner
 from .plan import kernel_dtype
 from .reindex import remaps
-from .wgmma_plan import warpgroup_forward
+from .wgmma_plan import computed_axes, warpgroup_forward
 
 GPU_THREADS, SIM_THREADS, MAX_THREADS = 256, 16, 1024   # MAX_THREADS: per block on every CUDA device
 
@@ -322,8 +322,8 @@ def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: 
     return min(n, 128 if len(main) >= 2 else 64)
 
 
-def _widest(d0: Diagram, axis: str) -> int:   # another axis of at most 256: the head dimension
-    return max((a.size for a in d0.axes if a.name != axis and isinstance(a.size, int) and a.size <= 256), default=0)
+def _widest(d0: Diagram, axis: str) -> int:   # another computed axis of at most 256: the head dimension
+    return max((a.size for a in computed_axes(d0, 256) if a.name != axis), default=0)
 
 
 def _tensor_cores(d0: Diagram) -> bool:

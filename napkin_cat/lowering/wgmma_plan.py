@@ -249,13 +249,25 @@ def warpgroup_forward(d0, simulate: bool, mode) -> int:
     from ..relabel.rules import fuse_softmax_contract
     online = any(e.box.kind == "softmax_contract" for a in d0.axes if a.size not in (None, 1)
                  for e in fuse_softmax_contract(d0, a.name).eqns)
-    widths = [a.size for a in d0.axes if isinstance(a.size, int) and a.size <= 256]
+    widths = [a.size for a in computed_axes(d0, 256)]
     if not online or not widths or not wgmma_capable():
         return 0
     masks = [e.box.param("pred") for e in d0.eqns if e.box.kind == "mask"]
     if max(widths) == FORWARD_WIDE:
         return 384 if all(_from_first_column(p) for p in masks) else 0
     return 256 if max(widths) <= FORWARD_MAX_WIDTH and not masks else 0
+
+
+def computed_axes(d0, at_most: int) -> list:
+    """The axes of ``d0``'s computed arrays of at most ``at_most`` entries, not those its auxiliary
+    tensors alone have: an axis of at most 256 among them is an attention's head width, where a block table's axes are not (one
+    of 128 x 128 blocks at N = 16384 was taken for a head width of 128, and the d = 64 forward
+    got the three warpgroups measured for d = 128: 1.53 ms against 0.47 on 128-row tiles, an
+    H200; kernels/BENCHMARKS.md)."""
+    from ..ops.kinds import gathered_only
+    aux = set(gathered_only(d0))
+    kept = {a.name for v, arr in enumerate(d0.var_types()) if v not in aux for a in arr.axes}
+    return [a for a in d0.axes if a.name in kept and isinstance(a.size, int) and a.size <= at_most]
 
 
 def _from_first_column(pred) -> bool:
