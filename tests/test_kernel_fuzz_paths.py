@@ -431,7 +431,8 @@ def _copying_table_case(draw, dt, what, options):
     doc = nc.aux("doc", nc.Axis("n", n))
     bt = nc.aux("bt", nc.Axis("rb", shape[0]), nc.Axis("cb", shape[1]))
     m = nc.mask_mod(lambda b_, h_, i, j: doc[i] == doc[j])
-    entries = st.lists(st.sampled_from((0.0, 0.0, 1.0, 2.0)), min_size=shape[0] * shape[1], max_size=shape[0] * shape[1])
+    count = shape[0] * shape[1]
+    entries = st.lists(st.sampled_from((0.0, 0.0, 1.0, 2.0)), min_size=count, max_size=count)
     table = np.array(draw(entries, label="table"), np.float32).reshape(shape)
     att = L.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, rows, cols), dtype=dt)
     sizes = {q: n, x: n, d: 16}
