@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +26,7 @@ import torch  # noqa: E402
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.relabel import loopnest  # noqa: E402
 from bench import compiled_flex, kernel_ms  # noqa: E402
-from document_training import doc_ids, module_setting, reference, rel  # noqa: E402
+from document_training import doc_ids, reference, rel  # noqa: E402
 
 
 def main():
@@ -58,7 +59,7 @@ def main():
     for name, (op, whole) in ops.items():
         f = (lambda op: lambda *t: op(*t, docs))(op)
         leaves = [t.detach().clone().requires_grad_() for t in (Q, K, V)]
-        with module_setting(loopnest, "AUX_WHOLE_BYTES", whole or loopnest.AUX_WHOLE_BYTES):
+        with mock.patch.object(loopnest, "AUX_WHOLE_BYTES", whole or loopnest.AUX_WHOLE_BYTES):
             out = f(*leaves)
             grads = torch.autograd.grad(out, leaves, dO)
         errs = [rel(a, b) for a, b in zip((out.detach(), *grads), want)]

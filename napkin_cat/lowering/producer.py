@@ -360,8 +360,6 @@ def finish(em, body, slot) -> None:
             issue(first, k.u(0, "U0"))
         src("cuda.syncthreads()  # chunk 0 has landed")
         with src.block(em._chunk_header(lp, lo, hi, first, src)):
-            if a.ragged:
-                src(f"{a.count} = min({a.cap_c}, {a.size_c} - {a.start})")
             nxt = em._next_chunk(lp, hi, src)
             if named:
                 full, empty = hand_over_ids(em.T)
