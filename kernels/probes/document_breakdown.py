@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--tiles", nargs="*", default=[], help='more forms, the blocks given: "g_x=128,s_q=128" ...')
+    ap.add_argument("--only-tiles", action="store_true", help="the default form, the --tiles forms and Flex only")
     args = ap.parse_args()
     N, D, H = args.n, args.d, args.heads
     gen = torch.Generator().manual_seed(0)
@@ -53,6 +55,11 @@ def main():
     bm = create_block_mask(lambda b, hh, i, j: (doc[i] == doc[j]) & (j <= i), None, None, N, N, device="cuda")
     ops = {"default (one kernel)": (op_of(), None), "two-kernel backward": (op_of(backward="two kernels"), None),
            "ids whole in each block": (op_of(), 4 * N)}
+    for spec in args.tiles:      # "g_x=128,s_q=128": the backward's blocks given
+        blocks = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+        ops[f"backward blocks {spec}"] = (op_of(tiles=blocks), None)
+    if args.only_tiles:
+        ops = {k: v for k, v in ops.items() if k.startswith(("default", "backward blocks"))}
     want = reference(Q, K, V, dO, doc)
     print(torch.cuda.get_device_name(0), torch.__version__, f"N={N} d={D} heads={H} f16", flush=True)
     rows = {}
