@@ -406,7 +406,7 @@ def copying_family(draw):
     warpgroup scan the table for the chunks it keeps (``copying-table``)."""
     from napkin_cat.lowering.torch_op import backward_plan
     dt = draw(st.sampled_from((nc.f16, nc.bf16)))
-    what = draw(st.sampled_from(("backward", "backward", "backward-table", "forward-table")), label="variant")
+    what = draw(st.sampled_from(("backward", "backward-table", "forward-table")), label="variant")
     options = {"threads": 256, "wgmma": True, "hand_over": "both", "prefetch": "double",
                "tiles": {"g_x": 128, "s_q": 64}}
     if what.endswith("table"):
@@ -414,7 +414,11 @@ def copying_family(draw):
     causal = draw(st.booleans())
     fl = L.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
     part = backward_plan(fl, form="one kernel").at(dt).parts[-1]
-    sizes = {q: draw(st.integers(65, 100), label="q"), x: draw(st.sampled_from((20, 130)), label="x"), d: 16}
+    # queries mostly a multiple of 4 (L and D go by cp.async, so the copying warpgroup joins); at
+    # times not (it cannot, and the kernel says why)
+    four = draw(st.sampled_from((True, True, True, False)), label="q a multiple of 4")
+    n_q = 4 * draw(st.integers(17, 25), label="q / 4") if four else draw(st.integers(65, 100), label="q")
+    sizes = {q: n_q, x: draw(st.sampled_from((20, 130)), label="x"), d: 16}
     fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True)
     return Case(f"{dt.name} one-kernel attention backward, copying warpgroup (causal={causal})",
                 part, (), sizes, part.unrelabelled(), options, _residuals(fwd, sizes, part), SMALL_DATA)
@@ -688,8 +692,11 @@ def aux_whole_bytes(limit):
 
 # --------------------------------------------------------------------------- one example
 
-COPYING_EXAMPLES = 5
-"""Examples of the ``copying`` family in the CI profile (each two kernels of 384 simulated threads)."""
+COPYING_EXAMPLES = 8
+"""Examples of the ``copying`` family in any profile (each two kernels of 384 simulated threads):
+with 5, a random run (the dev profile) drew no backward the copying warpgroup could join and
+reached no ``computing-barrier``; with 8, and queries a multiple of 4 three times in four, a
+random run misses a feature about once in 1000."""
 FAMILY_SETTINGS = SETTINGS
 COPYING_SETTINGS = settings(SETTINGS, max_examples=min(FUZZ_EXAMPLES, COPYING_EXAMPLES))
 
