@@ -18,9 +18,10 @@ reachable by the tests at their small sizes.  A tensor the user placed keeps its
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
-from ..relabel.loopnest import aux_in_place
+from ..relabel.loopnest import aux_in_place, final_form
 
 SWITCH = True
 """Load an auxiliary tensor whole into each block where that costs no blocks per SM (see above);
@@ -38,7 +39,7 @@ def widened(sched, gen, regenerate, limits, limit: int):
         return sched, gen
     d = sched.diagram
     user = {r.extra[0] for r in d.schedule if r.op == "place"}
-    sizes = {a.name: a.dtype.bytes * _count(a) for a in d.dom}
+    sizes = {a.name: a.dtype.bytes * math.prod(x.size for x in a.axes) for a in d.dom}
     whole = []
     for name, _ in sorted(aux_in_place(d, user), key=lambda p: sizes[p[0]]):
         trial = _placed(sched, name)
@@ -56,13 +57,6 @@ def widened(sched, gen, regenerate, limits, limit: int):
 
 
 def _placed(sched, name: str):
-    from ..relabel.loopnest import final_form
     d = sched.diagram.place(name, LEVEL)
     return replace(sched, diagram=d, final_form=final_form(d))
 
-
-def _count(arr) -> int:
-    n = 1
-    for a in arr.axes:
-        n *= a.size
-    return n

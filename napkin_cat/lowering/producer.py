@@ -272,10 +272,9 @@ def emit_loop(em, lp: Loop, src) -> None:
         em.consumers_only = named     # the computing threads' own barriers: the copying warpgroup is not there
         start = src.mark()
         empty = em._chunk_flags(lp, src)
-        if em._skips_by_data(lp):
-            empty = None   # the loop visits the chunks no table masks whole: no branch around barriers
-        em._emit_guarded([n for n in lp.body if n not in loads], empty, src)
-        nxt = em._next_chunk(lp, hi, src) if named or em._skips_by_data(lp) else None
+        kept_only = em._skips_by_data(lp)   # the loop visits the chunks no table masks whole
+        em._emit_guarded([n for n in lp.body if n not in loads], None if kept_only else empty, src)
+        nxt = em._next_chunk(lp, hi, src) if named or kept_only else None
         if named:
             if em.pending_async:
                 raise NotSpecialised("cp.async copies of the computing threads in the stream loop")
@@ -376,7 +375,6 @@ def finish(em, body, slot) -> None:
                 src("cuda.syncthreads()  # the next chunk has landed; the buffer of this one is free")
             src(f"{par} = {k.u(1, 'U1')} - {par}")
             em._advance(lp, nxt, src)
-        em._drop_flags(lp)
         for _ in range(post):
             src("cuda.syncthreads()  # a barrier of the multiplying warps after the loop")
         src("return")

@@ -260,10 +260,10 @@ def warpgroup_forward(d0, simulate: bool, mode) -> int:
 
 def computed_axes(d0, at_most: int) -> list:
     """The axes of ``d0``'s computed arrays of at most ``at_most`` entries, not those its auxiliary
-    tensors alone have: an axis of at most 256 among them is an attention's head width, where a block table's axes are not (one
-    of 128 x 128 blocks at N = 16384 was taken for a head width of 128, and the d = 64 forward
-    got the three warpgroups measured for d = 128: 1.53 ms against 0.47 on 128-row tiles, an
-    H200; kernels/BENCHMARKS.md)."""
+    tensors alone have: an axis of at most 256 among them is an attention's head width, where a
+    block table's axes are not (one of 128 x 128 blocks at N = 16384 was taken for a head width of
+    128, and the d = 64 forward got the three warpgroups measured for d = 128: 1.53 ms against
+    0.47 on 128-row tiles, an H200; kernels/BENCHMARKS.md)."""
     from ..ops.kinds import gathered_only
     aux = set(gathered_only(d0))
     kept = {a.name for v, arr in enumerate(d0.var_types()) if v not in aux for a in arr.axes}
