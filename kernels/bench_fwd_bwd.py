@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import column_values, emit, emit_mma, emit_states, paired_stores, planner, producer, wgmma, wgmma_plan  # noqa: E402
+from napkin_cat.lowering import column_values, emit, emit_mma, emit_states, paired_stores, planner, producer, unswitch, wgmma, wgmma_plan  # noqa: E402
 from bench import compiled_flex, cuda_time, environment, kernel_ms  # noqa: E402
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
@@ -289,7 +289,7 @@ def main(argv=None):
             switches = {k: v for k, v in tiles.items() if k.isupper()}
             fp32 = "3xtf32" if switches.pop("TF32X3", 0) else "fma"   # an option of the op, not a tunable
             blocks = {k: v for k, v in tiles.items() if not k.isupper()}
-            home = {k: next(m for m in (planner, emit_mma, producer, emit, emit_states, column_values, paired_stores, wgmma, wgmma_plan) if hasattr(m, k)) for k in switches}
+            home = {k: next(m for m in (planner, emit_mma, producer, emit, emit_states, column_values, paired_stores, wgmma, wgmma_plan, unswitch) if hasattr(m, k)) for k in switches}
             saved = {k: getattr(home[k], k) for k in switches}
             try:
                 for k, v in switches.items():

@@ -316,6 +316,8 @@ def _features(kernel) -> set[str]:
             out.add("copying-table")
     if "bar_named(uint32(1), NTHREADS)  # the computing threads" in body:   # ... their own barriers
         out.add("computing-barrier")
+    if re.search(r"wgmma_b?f16_n\d+_ss(_z)?\(smem16", body):   # wgmma.shared_a_buffer: A by descriptor too
+        out.add("wgmma-shared-a")
     if "_z(smem16" in body:                        # wgmma.emit_wgmma: a fresh accumulator's first step
         out.add("wgmma-scale-d-0")
     if re.search(r"wgmma_b?f16_n\d+\(smem16", body):   # ... and the steps that add to it
@@ -340,6 +342,8 @@ def _features(kernel) -> set[str]:
         out.add("quotient-bound")
     if "the mask keeps the whole chunk: its arithmetic is skipped" in body:   # emit_loads._chunk_flags
         out.add("skipped-arithmetic")
+    if "the masks keep the whole chunk: its elements without them" in body:   # lowering/unswitch.py
+        out.add("unswitched")
     if len(re.findall(r"# stream \w+ in chunks of", body)) >= 2:   # loopnest._updates_per_chunk: GQA's dK
         out.add("nested-streams")
         if "chunks are masked for every" in body:   # skipping.chunk_skips: a sum over both streams' axes

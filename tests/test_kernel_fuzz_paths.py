@@ -713,14 +713,14 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                      "register-copy", "frag-operand", "wgmma", "cp.async-f32", "paired-atomic",
                                      "column-values", "paired-store"},
                      "aux_in_place": {"aux-in-place", "aux-in-place-table", "fragments", "batch-table"},
-                     "index_masks": {"quotient-bound", "skipped-arithmetic", "fragments", "ragged-chunk"},
+                     "index_masks": {"quotient-bound", "skipped-arithmetic", "unswitched", "fragments", "ragged-chunk"},
                      "gqa_backward": {"nested-streams", "nested-skip", "atomic", "fragments", "ragged-chunk"},
                      "grouped_table": {"grouped-table", "fragments", "ragged-chunk"},
                      "derived_table": {"derived-table", "batch-table", "fragments", "ragged-chunk",
-                                       "skipped-arithmetic", "table-kernel", "table-kernel-static",
+                                       "skipped-arithmetic", "unswitched", "table-kernel", "table-kernel-static",
                                        "table-kernel-leads", "table-kernel-bounds"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
-                                 "wgmma", "paired-atomic", "copying-table"},
+                                 "wgmma", "paired-atomic", "copying-table", "unswitched", "wgmma-shared-a"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
                                 "paired-atomic", "column-values"}}
 

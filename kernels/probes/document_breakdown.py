@@ -2,7 +2,9 @@
 kernel (CUPTI, ``bench.kernel_ms``), for the derived-table op of ``document_training.py`` in a few
 forms beside FlexAttention's kernels, in one run: the default op; its backward as two kernels
 (FlashAttention-2's, no dQ atomics); the ids loaded whole into each block (``AUX_WHOLE_BYTES``
-raised past them) instead of read in place.  Every form is checked against float64 first.
+raised past them) instead of read in place; each element of a chunk testing its mask's flag
+(``unswitch.UNSWITCH`` off); the rows of a warpgroup MMA's A from registers (``wgmma.SHARED_A``
+off).  Every form is checked against float64 first.
 GPU only.
 
     NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/document_breakdown.py [--n 16384] [--heads 16]
@@ -10,6 +12,7 @@ GPU only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -24,6 +27,7 @@ sys.path.insert(0, str(ROOT / "kernels" / "probes"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
+from napkin_cat.lowering import unswitch, wgmma  # noqa: E402
 from napkin_cat.relabel import loopnest  # noqa: E402
 from bench import compiled_flex, kernel_ms  # noqa: E402
 from document_training import doc_ids, reference, rel  # noqa: E402
@@ -35,7 +39,10 @@ def main():
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--tiles", nargs="*", default=[], help='more forms, the blocks given: "g_x=128,s_q=128" ...')
-    ap.add_argument("--only-tiles", action="store_true", help="the default form, the --tiles forms and Flex only")
+    ap.add_argument("--only-tiles", action="store_true",
+                    help="the default form, the --tiles forms, the UNSWITCH and SHARED_A off forms and Flex only")
+    ap.add_argument("--ncu", action="store_true", help="no timing: one call of each form and of Flex between "
+                    "cudaProfilerStart and Stop, for `ncu --profile-from-start off`")
     args = ap.parse_args()
     N, D, H = args.n, args.d, args.heads
     gen = torch.Generator().manual_seed(0)
@@ -53,30 +60,47 @@ def main():
     flex = compiled_flex()
     from torch.nn.attention.flex_attention import create_block_mask
     bm = create_block_mask(lambda b, hh, i, j: (doc[i] == doc[j]) & (j <= i), None, None, N, N, device="cuda")
-    ops = {"default (one kernel)": (op_of(), None), "two-kernel backward": (op_of(backward="two kernels"), None),
-           "ids whole in each block": (op_of(), 4 * N)}
+    # each form: its op and the settings it is planned and compiled under (at its first call)
+    ops = {"default (one kernel)": (op_of(), ()), "two-kernel backward": (op_of(backward="two kernels"), ()),
+           "ids whole in each block": (op_of(), ((loopnest, "AUX_WHOLE_BYTES", 4 * N),)),
+           "masks tested in each element (unswitch.UNSWITCH off)": (op_of(), ((unswitch, "UNSWITCH", False),)),
+           "A from registers (wgmma.SHARED_A off)": (op_of(), ((wgmma, "SHARED_A", False),))}
     for spec in args.tiles:      # "g_x=128,s_q=128": the backward's blocks given
         blocks = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
-        ops[f"backward blocks {spec}"] = (op_of(tiles=blocks), None)
+        ops[f"backward blocks {spec}"] = (op_of(tiles=blocks), ())
     if args.only_tiles:
-        ops = {k: v for k, v in ops.items() if k.startswith(("default", "backward blocks"))}
+        ops = {k: v for k, v in ops.items() if k.startswith(("default", "backward blocks", "masks", "A from"))}
     want = reference(Q, K, V, dO, doc)
     print(torch.cuda.get_device_name(0), torch.__version__, f"N={N} d={D} heads={H} f16", flush=True)
     rows = {}
-    for name, (op, whole) in ops.items():
+    for name, (op, settings) in ops.items():
         f = (lambda op: lambda *t: op(*t, docs))(op)
         leaves = [t.detach().clone().requires_grad_() for t in (Q, K, V)]
-        with mock.patch.object(loopnest, "AUX_WHOLE_BYTES", whole or loopnest.AUX_WHOLE_BYTES):
+        with contextlib.ExitStack() as stack:
+            for module, attr, value in settings:
+                stack.enter_context(mock.patch.object(module, attr, value))
             out = f(*leaves)
             grads = torch.autograd.grad(out, leaves, dO)
         errs = [rel(a, b) for a, b in zip((out.detach(), *grads), want)]
         assert max(errs) < 5e-2, (name, errs)
-        rows[name] = kernel_ms(lambda: torch.autograd.grad(f(*leaves), leaves, dO))
+        rows[name] = (lambda f, leaves: lambda: torch.autograd.grad(f(*leaves), leaves, dO))(f, leaves)
     leaves = [t.detach().clone().requires_grad_() for t in (Q, K, V)]
     fl = lambda *t: flex(*(a[None] for a in t), block_mask=bm)[0]
     errs = [rel(a, b) for a, b in zip((fl(*leaves).detach(), *torch.autograd.grad(fl(*leaves), leaves, dO)), want)]
     assert max(errs) < 5e-2, errs
-    rows["FlexAttention"] = kernel_ms(lambda: torch.autograd.grad(fl(*leaves), leaves, dO))
+    rows["FlexAttention"] = lambda: torch.autograd.grad(fl(*leaves), leaves, dO)
+    if args.ncu:
+        for call in rows.values():
+            call()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for name, call in rows.items():
+            print("profiled:", name, flush=True)
+            call()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return
+    rows = {name: kernel_ms(call) for name, call in rows.items()}
     for name, ks in rows.items():
         print(f"\n{name}: {sum(ks.values()):.3f} ms of kernels")
         for k, ms in sorted(ks.items(), key=lambda kv: -kv[1])[:8]:

@@ -31,9 +31,10 @@ import napkin_cat as nc  # noqa: E402
 from bench import kernel_ms  # noqa: E402
 from bench_fwd_bwd import DTYPES, PREFETCH, flash, flex_fn, reference, rel, switch_value  # noqa: E402
 from napkin_cat.lowering import (column_values, emit, emit_loads, emit_mma, emit_states, paired_stores, planner,  # noqa: E402
-                                 producer, wgmma, wgmma_plan)
+                                 producer, unswitch, wgmma, wgmma_plan)
 
-MODULES = (planner, emit_mma, producer, emit, emit_loads, emit_states, column_values, paired_stores, wgmma, wgmma_plan)
+MODULES = (planner, emit_mma, producer, emit, emit_loads, emit_states, column_values, paired_stores, wgmma, wgmma_plan,
+           unswitch)
 
 
 def parse_form(spec: str):

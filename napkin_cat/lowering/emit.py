@@ -112,6 +112,7 @@ class Emitter(Loads, Phases):
         self.pending_async = False              # cp.async copies not yet waited for (.emit_loads)
         self.core_dirty = False                 # a descriptor-read buffer written, not yet fenced
         self.full_flags: dict = {}              # (row, col, predicate) -> its chunk's 'keeps all' flag
+        self.assumed_full: frozenset = frozenset()   # flags true where the code is written (.unswitch)
         self.arg_names, self.out_args = {}, []
         self.added = check_added_outputs(self.ff)   # outputs summed across blocks: atomics (.atomics)
 

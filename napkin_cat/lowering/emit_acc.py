@@ -19,6 +19,7 @@ from .emit_threads import Operand
 from .emit_states import defers_row_sum, state_names_of, state_ref, sum_deferred_z
 from .plan import AccPlan, Coop, Micro, Rows, acc_reduced_axes
 from .source import Source
+from .unswitch import unswitched
 
 
 @dataclass(frozen=True)
@@ -386,11 +387,16 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
         src.comment(f"{em.types[f.target].name}'s index functions read {gathers} "
                     f"gathers per element: written out row by row ({ms.RY} rows), the fragment "
                     f"stays in registers")
-        for env in em.micro_element_rows(ms, src):
-            epilogue(env)
+
+        def rows():
+            for env in em.micro_element_rows(ms, src):
+                epilogue(env)
+        unswitched(em, t, src, rows)
     else:
-        with em.micro_elements(ms, src) as env:
-            epilogue(env)
+        def elements():
+            with em.micro_elements(ms, src) as env:
+                epilogue(env)
+        unswitched(em, t, src, elements)
     src.comment(f"row statistics: {ms.TX} lanes per row "
                 f"({'warp shuffles' if ms.TX > 1 else 'one lane'}; shared memory in the simulator); "
                 + (f"weights -> warp-private {em.bufs[p.p_buf].name}" if p.p_buf is not None

@@ -312,8 +312,12 @@ def _check_mask(box):
 
 def _expr_mask(em, box, args, env):
     """``score if keep else -inf``; inside a chunk that the mask keeps whole (the flag of
-    :meth:`.emit_loads.Loads._chunk_flags`) the condition is not evaluated: ``full or keep``."""
+    :meth:`.emit_loads.Loads._chunk_flags`) the condition is not evaluated: ``full or keep``; in
+    the code written for the chunks it keeps whole (:mod:`.unswitch`) the score alone."""
     pred = box.param("pred")
+    full = em.full_flags.get((box.param("row"), box.param("col"), pred))
+    if full is not None and full in em.assumed_full:   # written for the chunks it keeps whole (.unswitch)
+        return args[0]
     if pred.kind == "expr":
         cond = index_code(em, box, pred, args, env)
     else:
@@ -323,7 +327,6 @@ def _expr_mask(em, box, args, env):
         if conds is None:
             raise LoweringError(f"{box.name}: its predicate has no numba.cuda code (a custom predicate)")
         cond = " and ".join(conds)
-    full = em.full_flags.get((box.param("row"), box.param("col"), pred))
     if full is not None:
         cond = f"({full} or {cond if ' ' not in cond or cond.startswith('(') and cond.endswith(')') else f'({cond})'})"
     return f"{args[0]} if {cond} else {em.consts.f(-math.inf, 'NEG_INF')}"

@@ -32,7 +32,7 @@ from ..relabel.loopnest import Load, Loop
 from .plan import Frag
 from .source import Source
 from .tensorcore import TF32X3, mma_dtype
-from .wgmma import emit_wgmma
+from .wgmma import emit_wgmma, shared_a_buffer
 
 UNROLL_LIMIT = 256
 """At most this many mma calls are written out per contraction (all its 16-wide steps unrolled
@@ -228,7 +228,8 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
         return f"{name}, {em.names.fresh(prefix + 's')}" if split else name
 
     held = hoisted_fragments(em, m, A.buffer, kax, steps) if A.buffer is not None and unrolled else None
-    a_ldsm = A.buffer is not None and held is None
+    a_shared = shared_a_buffer(em, m, A, kax) if held is None else None   # A by descriptor (.wgmma)
+    a_ldsm = A.buffer is not None and held is None and a_shared is None
     ldsm = LdMatrix(em, m, kax, src) if a_ldsm or (B.buffer is not None and not m.wg) else None
     if ldsm is not None:
         ldsm.lane_bases((A.buffer if a_ldsm else None, "a"), (B.buffer if not m.wg else None, "b"))
@@ -261,7 +262,8 @@ def contract_mma(em, m: Frag, acc: str, operands, red, src: Source, init: bool =
         return a, kb, k16
 
     if m.wg:   # warpgroups read B from its buffer by descriptor (.wgmma)
-        emit_wgmma(em, m, acc, B, kax, steps, lambda ks: a_regs(str(ks), True)[0], src, fresh=init)
+        emit_wgmma(em, m, acc, B, kax, steps, lambda ks: a_regs(str(ks), True)[0], src, fresh=init,
+                   a_shared=a_shared)
         return
 
     def step(ks: str, literal: bool):

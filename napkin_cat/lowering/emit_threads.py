@@ -10,6 +10,7 @@ the row statistics of normalisers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -22,6 +23,7 @@ from .plan import Coop, Flat, Frag, Micro, Target
 from .register_copies import keep_copy, open_copy
 from .column_values import column_hoist
 from .source import RowHoist, Source
+from .unswitch import unswitched
 
 IDLE_START = 0x7FFFFFFF
 """First index of an idle lane group's loops (past every bound: the loops are empty)."""
@@ -143,31 +145,19 @@ class Phases:
     def micro_guard(self, m: Micro) -> str | None:
         return f"tid < {self.consts.u(m.active)}" if m.active < self.T else None
 
+    @contextlib.contextmanager
     def micro_elements(self, m: Micro, src: Source):
         """Context: ``for i, j`` over a thread's micro-tile; yields the env (``_slot`` = ``i, j``)."""
-        gen = self
-
-        class _C:
-            def __enter__(self_):
-                k = gen.consts
-                col = column_hoist(gen, m, src)
-                self_.b1 = src.block(f"for i in range({k.u(m.RY)}):")
-                self_.b1.__enter__()
-                r = gen.names.fresh(gen.ax[m.row].index)
-                src(f"{r} = {gen.micro_rows(m, 'i')}")
-                row = RowHoist(src.slot(), {}, m.col)
-                self_.b2 = src.block(f"for j in range({k.u(m.RX)}):")
-                self_.b2.__enter__()
-                c = gen.names.fresh(gen.ax[m.col].index)
-                src(f"{c} = {gen.micro_cols(m, 'j')}")
-                return {m.row: r, m.col: c, "_slot": "i, j", "_row": "i", "_hoist": row, "_colhoist": col}
-
-            def __exit__(self_, *exc):
-                self_.b2.__exit__(*exc)
-                self_.b1.__exit__(*exc)
-                return False
-
-        return _C()
+        k = self.consts
+        col = column_hoist(self, m, src)
+        with src.block(f"for i in range({k.u(m.RY)}):"):
+            r = self.names.fresh(self.ax[m.row].index)
+            src(f"{r} = {self.micro_rows(m, 'i')}")
+            row = RowHoist(src.slot(), {}, m.col)
+            with src.block(f"for j in range({k.u(m.RX)}):"):
+                c = self.names.fresh(self.ax[m.col].index)
+                src(f"{c} = {self.micro_cols(m, 'j')}")
+                yield {m.row: r, m.col: c, "_slot": "i, j", "_row": "i", "_hoist": row, "_colhoist": col}
 
     def micro_element_rows(self, m: Micro, src: Source):
         """:meth:`micro_elements` with the rows written out: yields the env of each row ``i``
@@ -377,12 +367,15 @@ class Phases:
             with src.maybe(self.micro_guard(m)):
                 src(f"{acc} = cuda.local.array(({m.RY}, {m.RX}), float32)")
                 self.contract(t.engine, m, acc, self.contraction_operands(e.ins), list(red), src)
-                with self.micro_elements(m, src) as env:
-                    regs = {t.source: f"{acc}[i, j]"}
-                    regs.update((v, f"{self.reg_copy[v]}[i, j]") for v, us in copies.items() if t.var in us)
-                    val = self.value(t.var, env, src, {}, regs, define=t.var)
-                    self.write_target(t, env, val, src)
-                    keep_copy(self, t, env, val, src)
+                regs = {t.source: f"{acc}[i, j]", **{v: f"{self.reg_copy[v]}[i, j]" for v, us in copies.items()
+                                                     if t.var in us}}
+
+                def elements():    # written twice where masks keep whole chunks (.unswitch)
+                    with self.micro_elements(m, src) as env:
+                        val = self.value(t.var, env, src, {}, regs, define=t.var)
+                        self.write_target(t, env, val, src)
+                        keep_copy(self, t, env, val, src)
+                unswitched(self, t, src, elements)
         elif isinstance(m, Flat):
             acc = self.names.fresh("acc")
             src(f"{acc} = cuda.local.array({m.per_thread}, float32)")

@@ -186,8 +186,9 @@ class Frag(Micro):
             return (f"tensor-core fragments over ({self.row}, {self.col}): {self.Wm}x{self.Wn} warps in "
                     f"{self.Wm * self.Wn // 4} warpgroup(s){' splitting the columns' if self.Wn > 1 else ''}, "
                     f"each warp {16 * self.MT}x{8 * self.NT}: {self.MT} "
-                    f"wgmma.m64n{8 * self.NT}k16 per warpgroup and step ({self.dtype} in, A from registers, "
-                    f"B from shared memory, fp32 accumulators; requires {self.row} % {16 * self.Wm}, "
+                    f"wgmma.m64n{8 * self.NT}k16 per warpgroup and step ({self.dtype} in, A from registers "
+                    f"or, an input's, by descriptor, B from shared memory, fp32 accumulators; requires "
+                    f"{self.row} % {16 * self.Wm}, "
                     f"reduced extent % 16)")
         how = ("3xTF32 (fp32 in, six mma.sync.m16n8k8.tf32 per tile and 16-wide step)" if self.dtype == "f32"
                else f"{self.dtype} in")

@@ -402,13 +402,25 @@ def _sim_primitives() -> dict:
                 mma_tf32x3s=_sim_mma_tf32x3, pack_tf32x3=_sim_pack_tf32x3)
 
 
-def sim_wgmma(values, n: int, smem16, desc, trans, a0, a1, a2, a3, acc=None):
+def _by_descriptor(values, smem16, desc, n: int, trans) -> np.ndarray:
+    """The 16 x ``n`` operand a descriptor names in ``smem16`` (core matrices; ``trans``: the
+    operand's own axis fastest), as the hardware reads B, or A (``n = 64``, transposed)."""
+    from .wgmma import desc_fields
+    addr, lbo, sbo = desc_fields(desc)
+    k = np.arange(16)[:, None]
+    c = np.arange(n)[None, :]
+    inner = (k % 8) * 16 + (c % 8) * 2 if int(trans) else (c % 8) * 16 + (k % 8) * 2
+    byte = addr + (c // 8) * sbo + (k // 8) * lbo + inner
+    return values(np.asarray(smem16)[byte // 2].astype(np.int16).view(np.uint16))
+
+
+def sim_wgmma(values, n: int, smem16, desc, trans, a0, a1, a2, a3, acc=None, adesc=None):
     """One lane's part of a warpgroup MMA: the warp's A fragments are exchanged (the rows of A
-    this warp owns), B is read from ``smem16`` where the descriptor's fields say (its address a
+    this warp owns), or with ``adesc`` (the SS form) A's 64 rows are read by that descriptor, K-major;
+    B is read from ``smem16`` where the descriptor's fields say (its address a
     byte offset into ``smem16``: :func:`sim_desc16`), and the lane's accumulators of
     ``D = A B + C`` (``C = 0`` without ``acc``: scale-d 0) are returned in the ``mma.sync`` C order
     per 8-column tile."""
-    from .wgmma import desc_fields
     ctx = _context()
     warp, lane = divmod(int(ctx.threadIdx.x), 32)
     group, slab = divmod(warp, 4)     # the warpgroup, and this warp's 16 of its 64 rows
@@ -419,23 +431,25 @@ def sim_wgmma(values, n: int, smem16, desc, trans, a0, a1, a2, a3, acc=None):
     calls[warp * 32 + lane] += 1
     exchange = _lane_exchange(ctx, f"wgmma{turn}", (32, 32, 4), np.uint32)
     descs = _lane_exchange(ctx, f"wgmma-desc{turn}", (32, 32), np.uint64)
+    adescs = _lane_exchange(ctx, f"wgmma-adesc{turn}", (32, 32), np.uint64)
     exchange[warp, lane] = (a0, a1, a2, a3)
     descs[warp, lane] = desc
+    adescs[warp, lane] = 0 if adesc is None else adesc
     _group_barrier(ctx, ("warpgroup", group), 128)
     words = np.array(exchange[4 * group:4 * group + 4], dtype=np.uint32)
-    mine = set(int(v) for v in descs[4 * group:4 * group + 4].ravel())
-    if len(mine) != 1:   # the instruction is collective: one B for the 64 rows of the warpgroup
-        raise RuntimeError(f"wgmma: the warps of warpgroup {group} give {len(mine)} different descriptors")
-    # the 64 x 16 A of the warpgroup, warp w % 4 giving rows 16 (w % 4) .. + 15, and this warp's
-    # result rows are those, whichever rows its code thinks it holds
-    A = np.concatenate([values(words[w].view(np.uint16).reshape(32, 8))[_A_LANE, _A_HALF] for w in range(4)])
+    for what, got in (("B", descs), ("A", adescs)):
+        mine = set(int(v) for v in got[4 * group:4 * group + 4].ravel())
+        if len(mine) != 1:   # the instruction is collective: one B (and A) for the 64 rows of the warpgroup
+            raise RuntimeError(f"wgmma: the warps of warpgroup {group} give {len(mine)} different "
+                               f"descriptors of {what}")
+    if adesc is None:
+        # the 64 x 16 A of the warpgroup, warp w % 4 giving rows 16 (w % 4) .. + 15, and this warp's
+        # result rows are those, whichever rows its code thinks it holds
+        A = np.concatenate([values(words[w].view(np.uint16).reshape(32, 8))[_A_LANE, _A_HALF] for w in range(4)])
+    else:
+        A = _by_descriptor(values, smem16, adesc, 64, 0).T
     A = A[16 * slab:16 * slab + 16]
-    addr, lbo, sbo = desc_fields(desc)
-    k = np.arange(16)[:, None]
-    c = np.arange(n)[None, :]
-    inner = (k % 8) * 16 + (c % 8) * 2 if int(trans) else (c % 8) * 16 + (k % 8) * 2
-    byte = addr + (c // 8) * sbo + (k // 8) * lbo + inner
-    B = values(np.asarray(smem16)[byte // 2].astype(np.int16).view(np.uint16))  # 16 x n
+    B = _by_descriptor(values, smem16, desc, n, trans)   # 16 x n
     D = A @ B
     g, t = divmod(lane, 4)
     out = []
@@ -454,7 +468,7 @@ def sim_desc16(smem16, off, lbo, sbo):
 
 def sim_wgmma_primitive(name: str):
     """The simulated twin of warpgroup primitive ``name`` (None: not one)."""
-    from .wgmma import FIXED, SETMAXNREG, parse
+    from .wgmma import FIXED, SETMAXNREG, parse, shared_a
     if SETMAXNREG.match(name):
         return lambda: 0          # the simulator has no register file to share out
     if name == "wgmma_desc16":
@@ -468,6 +482,9 @@ def sim_wgmma_primitive(name: str):
     if dt is None:
         return lambda acc: tuple(acc)
     values = _f16_values if dt == "f16" else _bf16_values
+    if shared_a(name):    # (smem16, adesc, desc, trans[, acc])
+        return lambda smem16, adesc, desc, trans, *acc: sim_wgmma(values, n, smem16, desc, trans, 0, 0, 0, 0,
+                                                                   *acc, adesc=adesc)
     return lambda *args: sim_wgmma(values, n, *args)
 
 

@@ -155,6 +155,13 @@ def wgmma(smem16, desc, trans, a0, a1, a2, a3{acc}):
 """``smem16`` is the simulated twin's (which has no shared window to address); here the
 descriptor alone names the operand."""
 
+_WGMMA_SS_WRAPPER = """
+@cuda.jit(device=True, inline=True)
+def wgmma(smem16, adesc, desc, trans{acc}):
+    return linked(uint64(adesc), uint64(desc), int32(trans){acc})
+"""
+"""The SS form (:func:`.wgmma.shared_a`): A by descriptor too."""
+
 
 def _wgmma_file(n: int) -> str:
     """The generated PTX wrappers of width ``n`` (:func:`.wgmma.cu_source`), written once."""
@@ -180,7 +187,7 @@ def _cu_file(stem: str, text: str) -> str:
 def wgmma_primitive(name: str):
     """The device function behind warpgroup primitive ``name`` (:mod:`.wgmma`; cached by
     :func:`.tensorcore.wgmma_primitive`)."""
-    from .wgmma import FIXED, SETMAXNREG, parse, setmaxnreg_source
+    from .wgmma import FIXED, SETMAXNREG, parse, setmaxnreg_source, shared_a
     if SETMAXNREG.match(name):
         return cuda.declare_device(f"nc_{name}", "int32()", link=_cu_file(name, setmaxnreg_source(name)))
     if name == "wgmma_desc16":
@@ -194,8 +201,10 @@ def wgmma_primitive(name: str):
     acc = f"UniTuple(float32, {n // 2})"
     if dt is None:
         return cuda.declare_device(f"nc_wgmma_wait{extra or ''}_n{n}", f"{acc}({acc})", link=_wgmma_file(n))
-    args = f"uint32, uint32, uint32, uint32, uint64, int32{'' if extra else ', ' + acc}"
+    ss = shared_a(name)
+    args = f"{'uint64' if ss else 'uint32, uint32, uint32, uint32'}, uint64, int32{'' if extra else ', ' + acc}"
     linked = cuda.declare_device(f"nc_{name}", f"{acc}({args})", link=_wgmma_file(n))
     ns = {"cuda": cuda, "uint64": uint64, "int32": int32, "linked": linked}
-    exec(compile(_WGMMA_WRAPPER.format(acc="" if extra else ", acc"), f"<wgmma {name}>", "exec"), ns)
+    wrapper = _WGMMA_SS_WRAPPER if ss else _WGMMA_WRAPPER
+    exec(compile(wrapper.format(acc="" if extra else ", acc"), f"<wgmma {name}>", "exec"), ns)
     return ns["wgmma"]

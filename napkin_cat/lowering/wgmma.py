@@ -58,9 +58,19 @@ the fourth session of 2026-11-25).  A barrier that only ends the reads of a chun
 already waited for) or publishes a buffer read by ``ldmatrix`` needs none.  Measured on an H100:
 kernels/BENCHMARKS.md, "Fourth session of 2026-11-25"."""
 
-NAME = re.compile(r"^wgmma_(?P<dt>f16|bf16)_n(?P<n>\d+)(?P<zero>_z)?$|^wgmma_wait(?P<depth>1?)_n(?P<wn>\d+)$")
+SHARED_A = True
+"""Read the row operand (A) of a warpgroup MMA from its shared buffer by descriptor (``wgmma``'s
+SS form) where it is an input's 16-bit buffer in the core-matrix layout with the reduced axis
+fastest, one 64-row tile per warp's warpgroup, and its fragments are not held in registers: no
+``ldmatrix`` of A into registers before each step (the backward's ``K`` and ``V``, a masked
+forward's ``Q``).  False: A always from registers (the RS form), as until the fourth session of
+2026-11-29."""
+
+NAME = re.compile(r"^wgmma_(?P<dt>f16|bf16)_n(?P<n>\d+)(?P<ss>_ss)?(?P<zero>_z)?$"
+                  r"|^wgmma_wait(?P<depth>1?)_n(?P<wn>\d+)$")
 """``wgmma_{dt}_n{N}`` (``D += A B``), ``wgmma_{dt}_n{N}_z`` (``D = A B``: scale-d 0, the
-accumulators only written) and ``wgmma_wait[1]_n{N}`` (``wait_group 0`` / ``1``)."""
+accumulators only written), the same with ``_ss`` before ``_z`` (A by descriptor too) and
+``wgmma_wait[1]_n{N}`` (``wait_group 0`` / ``1``)."""
 FIXED = ("wgmma_fence", "wgmma_commit", "fence_proxy_async", "wgmma_desc16")
 """The primitives every kernel with a warpgroup MMA imports, beside its ``wgmma_*_n{N}``."""
 SETMAXNREG = re.compile(r"^setmaxnreg_(inc|dec)_(\d+)$")
@@ -81,6 +91,12 @@ def parse(name: str):
     if hit["wn"] is not None:
         return None, int(hit["wn"]), int(hit["depth"] or 0)
     return hit["dt"], int(hit["n"]), hit["zero"] is not None
+
+
+def shared_a(name: str) -> bool:
+    """Whether MMA primitive ``name`` reads A by descriptor (``_ss``)."""
+    hit = NAME.match(name)
+    return bool(hit and hit["ss"])
 
 
 def desc_fields(desc) -> tuple[int, int, int]:
@@ -117,7 +133,7 @@ def primitive_names(plan) -> tuple[str, ...]:
     ms = sorted({(m.dtype, 8 * m.NT) for m in _mappings(plan) if isinstance(m, Frag) and m.wg})
     if not ms:
         return ()
-    return (*FIXED, *sorted({f"wgmma_{dt}_n{n}{z}" for dt, n in ms for z in ("", "_z")}
+    return (*FIXED, *sorted({f"wgmma_{dt}_n{n}{a}{z}" for dt, n in ms for a in ("", "_ss") for z in ("", "_z")}
                             | {f"wgmma_wait_n{n}" for _, n in ms}))
 
 
@@ -144,9 +160,27 @@ def strides(b, kax: str) -> tuple[int, int, int, int]:
     return 1, 16 * F, 128, 16 * F
 
 
-def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src, fresh: bool = False) -> None:
+def shared_a_buffer(em, m: Frag, A, kax: str):
+    """The buffer key of row operand ``A`` where this warpgroup MMA reads it by descriptor
+    (:data:`SHARED_A`), else None: an input's 16-bit shared buffer in the core-matrix layout over
+    ``(m.row, kax)`` in that order (K-major), one row tile per warp (``MT == 1``) so that each
+    warpgroup's 64 rows are contiguous, and warpgroups stacked along the rows (``Wn == 1``) or each
+    holding all of them (``Wm == 4``)."""
+    if not (SHARED_A and m.wg and m.MT == 1 and (m.Wn == 1 or m.Wm == 4) and A.buffer is not None
+            and A.frag is None and A.buffer[0] == "var" and A.buffer[1] < em.n_in):
+        return None
+    b = em.bufs.get(A.buffer)
+    if b is None or not b.core or b.bits != 16 or tuple(b.axes) != (m.row, kax):
+        return None
+    return A.buffer
+
+
+def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src, fresh: bool = False,
+               a_shared=None) -> None:
     """``acc += A . B`` as warpgroup MMAs: per 16-wide step ``ks`` and row tile ``mt`` one
-    ``wgmma`` on this warp's A fragments ``a_regs(ks)[mt, 0..3]``; one commit and wait at the end.
+    ``wgmma`` on this warp's A fragments ``a_regs(ks)[mt, 0..3]``, or with ``a_shared`` (A's buffer
+    key, :func:`shared_a_buffer`) on A read by descriptor from the warpgroup's 64 rows of that
+    buffer, advanced a step as B's; one commit and wait at the end.
 
     B's descriptor is built once and each step's is that one plus a constant (the address field
     counts 16-byte units and a buffer never crosses 256 KB, so the add stays in its field).  With
@@ -166,6 +200,16 @@ def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src, fres
         first = f"tx // {k.u(4)} * {k.u(8 * m.NT)}"
         base = f"{base} + {core_index(first, k.u(0), b.ld, k.u) if trans == 0 else core_index(k.u(0), first, b.ld, k.u)}"
     src(f"{desc} = wgmma_desc16(smem16, {base}, {k.u(lbo)}, {k.u(sbo)})")
+    adesc = None
+    if a_shared is not None:   # this warpgroup's first row: its first warp's (MT == 1), in the core layout
+        a = em.bufs[a_shared]
+        _, albo, asbo, astep = strides(a, kax)
+        adesc = em.names.fresh(f"{a.name}_desc")
+        row0 = f"tid // {k.u(128)} * {k.u(4)} % {k.u(m.Wm)} * {k.u(16)}" if m.Wm > 4 else k.u(0)
+        src.comment(f"A = {a.name} by descriptor too (K-major core matrices): this warpgroup's 64 rows, "
+                    f"advanced {2 * astep} bytes a step")
+        src(f"{adesc} = wgmma_desc16(smem16, {em.s16base(a_shared)} + {core_index(row0, k.u(0), a.ld, k.u)}, "
+            f"{k.u(albo)}, {k.u(asbo)})")
     tuples = []
     for mt in range(m.MT):
         t = em.names.fresh(f"{acc}_wg")
@@ -174,11 +218,17 @@ def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src, fres
         tuples.append((t, elems))
         if not fresh:
             src(f"{t} = {' + '.join('(' + ', '.join(elems[i:i + 16]) + ',)' for i in range(0, len(elems), 16))}")
-    pre = [a_regs(ks) for ks in range(steps)] if PRELOAD_A else None
+    pre = [a_regs(ks) for ks in range(steps)] if PRELOAD_A and adesc is None else None
     src("wgmma_fence()")
     for ks in range(steps):
-        a = pre[ks] if pre else a_regs(ks)
         d = f"{desc} + {k.u(2 * step * ks // 16)}" if ks else desc
+        if adesc is not None:
+            (t, _), = tuples
+            ad = f"{adesc} + {k.u(2 * astep * ks // 16)}" if ks else adesc
+            src(f"{t} = {fn}_ss_z(smem16, {ad}, {d}, {k.u(trans)})" if fresh and ks == 0
+                else f"{t} = {fn}_ss(smem16, {ad}, {d}, {k.u(trans)}, {t})")
+            continue
+        a = pre[ks] if pre else a_regs(ks)
         for mt, (t, _) in enumerate(tuples):
             regs = ", ".join(a[mt, r] for r in range(4))
             if fresh and ks == 0:
@@ -228,6 +278,17 @@ def cu_source(n: int) -> str:
             text.append(
                 f'extern "C" __device__ int {name}(nc_acc{n}* ret, unsigned a0, unsigned a1, '
                 f'unsigned a2, unsigned a3, unsigned long long desc, int trans{acc_in}) {{\n'
+                f'  {start}\n'
+                f'  if (trans) {{\n{body[1]}\n  }} else {{\n{body[0]}\n  }}\n'
+                f'  *ret = o;\n  return 0;\n}}')
+            # the SS form: A by descriptor too, K-major (imm-trans-a 0)
+            body = [f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} '
+                    f'{{{regs}}}, %{r}, %{r + 1}, {0 if zero else 1}, 1, 1, 0, {tb};\\n"\n'
+                    f'                 : {outs}\n'
+                    f'                 : "l"(adesc), "l"(desc));' for tb in (0, 1)]
+            text.append(
+                f'extern "C" __device__ int {name.replace(f"_n{n}", f"_n{n}_ss")}(nc_acc{n}* ret, '
+                f'unsigned long long adesc, unsigned long long desc, int trans{acc_in}) {{\n'
                 f'  {start}\n'
                 f'  if (trans) {{\n{body[1]}\n  }} else {{\n{body[0]}\n  }}\n'
                 f'  *ret = o;\n  return 0;\n}}')

@@ -10,6 +10,7 @@ from dataclasses import replace
 from ..relabel.loopnest import Loop
 from .emit_acc import ACC_CODEGEN
 from .plan import Frag, Structure, acc_reduced_axes, axes_set, reduced_axes, storage
+from . import wgmma as wgmma_module
 from .wgmma import MAX_N, MIN_CC
 
 
@@ -58,6 +59,21 @@ def column_buffer(ff, ax, m: Frag, ins, red, bufs, n_in, targets, absorbed):
     if ax[kax].cap % 16 or ax[m.col].cap % 8 or -(-ax[m.col].cap // 8) != m.NT * m.Wn:
         return f"{kax} % 16 or {m.col} % 8 or the warps' {8 * m.NT} x {m.Wn} columns"
     return key
+
+
+def row_buffer(ff, ax, m: Frag, ins, red, bufs, n_in):
+    """The key of an input's 16-bit buffer over ``(m.row, reduced axis)`` (K-major) that a warpgroup
+    MMA on ``m`` may read its row operand from by descriptor (:data:`.wgmma.SHARED_A`), or None."""
+    types = ff.diagram.var_types()
+    kax = [a for a in red if ax[a].cap > 1]
+    rows = [v for v in ins if m.row in axes_set(types[v], ax) and m.col not in axes_set(types[v], ax)]
+    if not (wgmma_module.SHARED_A and m.MT == 1 and (m.Wn == 1 or m.Wm == 4) and len(kax) == 1 and len(rows) == 1
+            and rows[0] < n_in):
+        return None
+    b = bufs.get(("var", rows[0]))
+    if b is None or b.bits != 16 or tuple(b.axes) != (m.row, kax[0]) or b.copies not in (1, 2):
+        return None
+    return ("var", rows[0])
 
 
 def wgmma_capable() -> bool:
@@ -175,6 +191,8 @@ def plan_wgmma(ff, ax, st: Structure, targets, accs, bufs, T: int, n_in: int, ab
         ok[m] = ok.get(m, True) and isinstance(key, tuple)
         if isinstance(key, tuple):
             cores.add((m, key))
+            if (a := row_buffer(ff, ax, m, ins, red, bufs, n_in)) is not None:
+                cores.add((m, a))   # A read by descriptor where emission finds it so (.wgmma.shared_a_buffer)
         else:
             notes.append(f"Warpgroup MMA: the contraction over ({m.row}, {m.col}) stays on mma.sync: {key}.")
     if not any(ok.values()):
