@@ -15,17 +15,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import planner, wgmma  # noqa: E402
+from napkin_cat.lowering import wgmma  # noqa: E402
 from napkin_cat.verify import kernelcheck  # noqa: E402
 from test_frag_operands import _inputs  # noqa: E402  (residuals from the forward, dO, D)
+from test_wgmma import warpgroups  # noqa: E402,F401  (the fixture: planner.WGMMA on)
 
 L = nc.library
 q, x, d = nc.axes("q x d")
-
-
-@pytest.fixture
-def warpgroups(monkeypatch):
-    monkeypatch.setattr(planner, "WGMMA", True)
 
 
 def _forward(causal: bool):

@@ -14,7 +14,9 @@ Here the element loops of a target whose value reads such masks are written out 
 test of the flags: with every flag true, where the masks are left out (``em.assumed_full``), and
 otherwise as before.  The flags are the same in every thread of the block, so the branch never
 diverges.  ``UNSWITCH = False`` gives the single loop with the test in each element, for
-measurement.
+measurement: on the H200 the document mask's forward at N = 16384 took 0.407 ms with it against
+0.446 without (FlexAttention 0.417), its backward 0.964 against 0.977, and masks that compare
+indices only (causal, windows) were level (kernels/BENCHMARKS.md, "fourth" session of 2026-11-29).
 """
 
 from __future__ import annotations
