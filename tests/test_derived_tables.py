@@ -146,6 +146,26 @@ def test_a_tabled_kernel_refuses_what_it_cannot_read():
     assert not ids.any()   # nothing mutated
 
 
+def test_ids_that_f32_would_merge_are_refused_with_their_size():
+    """Ids travel to the kernel in f32, exact for integers up to 2**24: beyond, 2**24 and
+    2**24 + 1 would be one document. Integer and float64 ids are read once per table made."""
+    n = 8
+    att = nc.library.attention(q=q, x=x, d=d, mask=_documents(n)).bind({q: n, x: n, d: 4})
+    kernel = nc.lower(att.stream("x", 4).tile("q", 4), threads=16, verify=False)
+    Q, K, V = _qkv(np.random.default_rng(7), n, 4)
+    big = np.repeat(np.array([2 ** 24, 2 ** 24 + 1], np.int64), 4)
+    for ids in (big, big.astype(np.float64), -big):
+        with pytest.raises(nc.NapkinError, match=r"input doc \((int64|float64)\): its values reach 16777217.*2\*\*24"):
+            kernel(Q, K, V, ids)
+        assert ids[-1] in (2 ** 24 + 1, -(2 ** 24 + 1))   # nothing mutated
+    ok = np.repeat(np.array([2 ** 24 - 1, 2 ** 24], np.int64), 4)   # exact in f32: two documents
+    np.testing.assert_allclose(kernel(Q, K, V, ok), nc.evaluate(att, Q, K, V, ok.astype(np.float64)), atol=1e-5)
+    import torch
+    op = nc.torch_op(att.stream("x", 4).tile("q", 4), verify=False)
+    with pytest.raises(nc.NapkinError, match=r"its values reach 16777217"):
+        op(*(torch.from_numpy(t) for t in (Q, K, V)), torch.from_numpy(big))
+
+
 def test_torch_op_backward_reads_derived_tables():
     """Training through ``nc.torch_op``: forward and backward kernels each derive their table
     (the backward's key tiles by query chunks, one table for both of its masks); the gradients

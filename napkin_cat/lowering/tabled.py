@@ -29,7 +29,7 @@ import sys
 from collections import OrderedDict
 
 from ..core.diagram import Diagram
-from ..core.errors import LoweringError, RelabelError, ShapeError
+from ..core.errors import LoweringError, RelabelError, ShapeError, TypingError
 from ..ops.derived_tables import DerivedTable, NotInputs, derivable, with_tables
 
 CACHED = 16
@@ -73,9 +73,36 @@ def fill(spec: DerivedTable, arrays):
     return table
 
 
+EXACT = 2 ** 24
+"""The largest magnitude up to which every integer is exact in f32, the dtype in which the values a
+mask compares reach the kernel (:func:`napkin_cat.ops.boxes.exact_inputs`)."""
+
+
+WIDE = ("int32", "int64", "uint32", "uint64", "float64")
+"""Dtypes whose values may pass :data:`EXACT` (narrower ones, and f32 itself, cannot or are the
+kernel's already)."""
+
+
+def _check_exact(spec: DerivedTable, data) -> None:
+    """Refuse compared values that f32 would merge: integers (wider than 16 bits) or float64
+    arrays reaching past :data:`EXACT`, where ids ``2**24`` and ``2**24 + 1`` would compare equal
+    in the kernel.  Read once per table made (a cached table's tensors are not read again)."""
+    for (name, _), x in zip(spec.aux, data):
+        n = x.numel() if callable(getattr(x, "numel", None)) else getattr(x, "size", 0)
+        if str(x.dtype).split(".")[-1] not in WIDE or not n or not hasattr(x, "max"):
+            continue   # (a numba device array has no reduction: not read back for this)
+        top = max(float(x.max()), -float(x.min()))
+        if top > EXACT:
+            raise TypingError(f"input {name} ({x.dtype}): its values reach {top:.0f}, but the values a mask "
+                              f"compares travel to the kernel in f32, exact for integers up to 2**24 = {EXACT}: "
+                              f"renumber them (torch.unique(ids, return_inverse=True) keeps equal ids equal)")
+
+
 def _derive(spec: DerivedTable, data, arrays):
     """The table: by its generated kernel (:mod:`.table_kernel`, one launch) for torch tensors on
-    a GPU; else the mask's NumPy / torch meaning (:meth:`DerivedTable.values`)."""
+    a GPU; else the mask's NumPy / torch meaning (:meth:`DerivedTable.values`).  The compared
+    values are checked first (:func:`_check_exact`)."""
+    _check_exact(spec, data)
     torch = sys.modules.get("torch")
     if (torch is not None and all(isinstance(x, torch.Tensor) and x.is_cuda for x in data)
             and GENERATED and "numba.cuda" in sys.modules):
