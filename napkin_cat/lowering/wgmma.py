@@ -160,19 +160,23 @@ def strides(b, kax: str) -> tuple[int, int, int, int]:
     return 1, 16 * F, 128, 16 * F
 
 
+def shared_a_fits(m: Frag, key, b, kax: str, n_in: int) -> bool:
+    """Whether a warpgroup MMA on ``m`` can read its row operand, buffer ``b`` under ``key``, by
+    descriptor (:data:`SHARED_A`): an input's 16-bit shared buffer over ``(m.row, kax)`` in that
+    order (K-major), one row tile per warp (``MT == 1``) so that each warpgroup's 64 rows are
+    contiguous, and warpgroups stacked along the rows (``Wn == 1``) or each holding all of them
+    (``Wm == 4``).  The planner puts such a buffer in the core-matrix layout
+    (:func:`.wgmma_plan.plan_wgmma`), emission reads it so (:func:`shared_a_buffer`)."""
+    return (SHARED_A and m.MT == 1 and (m.Wn == 1 or m.Wm == 4) and key is not None and key[0] == "var"
+            and key[1] < n_in and b is not None and b.bits == 16 and tuple(b.axes) == (m.row, kax))
+
+
 def shared_a_buffer(em, m: Frag, A, kax: str):
     """The buffer key of row operand ``A`` where this warpgroup MMA reads it by descriptor
-    (:data:`SHARED_A`), else None: an input's 16-bit shared buffer in the core-matrix layout over
-    ``(m.row, kax)`` in that order (K-major), one row tile per warp (``MT == 1``) so that each
-    warpgroup's 64 rows are contiguous, and warpgroups stacked along the rows (``Wn == 1``) or each
-    holding all of them (``Wm == 4``)."""
-    if not (SHARED_A and m.wg and m.MT == 1 and (m.Wn == 1 or m.Wm == 4) and A.buffer is not None
-            and A.frag is None and A.buffer[0] == "var" and A.buffer[1] < em.n_in):
-        return None
-    b = em.bufs.get(A.buffer)
-    if b is None or not b.core or b.bits != 16 or tuple(b.axes) != (m.row, kax):
-        return None
-    return A.buffer
+    (:func:`shared_a_fits`, the buffer in core matrices, A not in registers already), else None."""
+    b = em.bufs.get(A.buffer) if A.buffer is not None else None
+    fits = m.wg and A.frag is None and b is not None and b.core and shared_a_fits(m, A.buffer, b, kax, em.n_in)
+    return A.buffer if fits else None
 
 
 def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src, fresh: bool = False,
@@ -263,35 +267,26 @@ def cu_source(n: int) -> str:
     regs = ", ".join(f"%{i}" for i in range(r))
     init = " ".join(f"o.v[{i}] = c{i};" for i in range(r))
     text = [f"struct nc_acc{n} {{ float v[{r}]; }};"]
+    # the A operand (then B's descriptor) of each form: RS, A in registers; SS, A by descriptor too,
+    # K-major (imm-trans-a 0)
+    forms = (("", f"{{%{r}, %{r + 1}, %{r + 2}, %{r + 3}}}, %{r + 4}", "",
+              "unsigned a0, unsigned a1, unsigned a2, unsigned a3", '"r"(a0), "r"(a1), "r"(a2), "r"(a3), '),
+             ("_ss", f"%{r}, %{r + 1}", "0, ", "unsigned long long adesc", '"l"(adesc), '))
     for dt in ("f16", "bf16"):
         for zero in (False, True):
             outs = ", ".join(f'"{"=" if zero else "+"}f"(o.v[{i}])' for i in range(r))
-            body = []
-            for tb in (0, 1):
-                body.append(f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} '
-                            f'{{{regs}}}, {{%{r}, %{r + 1}, %{r + 2}, %{r + 3}}}, %{r + 4}, {0 if zero else 1}, '
-                            f'1, 1, {tb};\\n"\n'
-                            f'                 : {outs}\n'
-                            f'                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));')
-            name, acc_in, start = ((f"nc_wgmma_{dt}_n{n}_z", "", "nc_acc{n} o;".format(n=n)) if zero else
-                                   (f"nc_wgmma_{dt}_n{n}", f", {params}", f"nc_acc{n} o; {init}"))
-            text.append(
-                f'extern "C" __device__ int {name}(nc_acc{n}* ret, unsigned a0, unsigned a1, '
-                f'unsigned a2, unsigned a3, unsigned long long desc, int trans{acc_in}) {{\n'
-                f'  {start}\n'
-                f'  if (trans) {{\n{body[1]}\n  }} else {{\n{body[0]}\n  }}\n'
-                f'  *ret = o;\n  return 0;\n}}')
-            # the SS form: A by descriptor too, K-major (imm-trans-a 0)
-            body = [f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} '
-                    f'{{{regs}}}, %{r}, %{r + 1}, {0 if zero else 1}, 1, 1, 0, {tb};\\n"\n'
-                    f'                 : {outs}\n'
-                    f'                 : "l"(adesc), "l"(desc));' for tb in (0, 1)]
-            text.append(
-                f'extern "C" __device__ int {name.replace(f"_n{n}", f"_n{n}_ss")}(nc_acc{n}* ret, '
-                f'unsigned long long adesc, unsigned long long desc, int trans{acc_in}) {{\n'
-                f'  {start}\n'
-                f'  if (trans) {{\n{body[1]}\n  }} else {{\n{body[0]}\n  }}\n'
-                f'  *ret = o;\n  return 0;\n}}')
+            acc_in, start = ("", f"nc_acc{n} o;") if zero else (f", {params}", f"nc_acc{n} o; {init}")
+            for form, operands, trans_a, a_params, a_in in forms:
+                body = [f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} '
+                        f'{{{regs}}}, {operands}, {0 if zero else 1}, 1, 1, {trans_a}{tb};\\n"\n'
+                        f'                 : {outs}\n'
+                        f'                 : {a_in}"l"(desc));' for tb in (0, 1)]
+                text.append(
+                    f'extern "C" __device__ int nc_wgmma_{dt}_n{n}{form}{"_z" if zero else ""}(nc_acc{n}* ret, '
+                    f'{a_params}, unsigned long long desc, int trans{acc_in}) {{\n'
+                    f'  {start}\n'
+                    f'  if (trans) {{\n{body[1]}\n  }} else {{\n{body[0]}\n  }}\n'
+                    f'  *ret = o;\n  return 0;\n}}')
     outs = ", ".join(f'"+f"(o.v[{i}])' for i in range(r))
     for depth in (0, 1):   # wait 1: the older groups done, the newest may still run (its accumulators must not pass here)
         text.append(

@@ -10,8 +10,7 @@ from dataclasses import replace
 from ..relabel.loopnest import Loop
 from .emit_acc import ACC_CODEGEN
 from .plan import Frag, Structure, acc_reduced_axes, axes_set, reduced_axes, storage
-from . import wgmma as wgmma_module
-from .wgmma import MAX_N, MIN_CC
+from .wgmma import MAX_N, MIN_CC, shared_a_fits
 
 
 # --------------------------------------------------------------------------- planning
@@ -62,18 +61,16 @@ def column_buffer(ff, ax, m: Frag, ins, red, bufs, n_in, targets, absorbed):
 
 
 def row_buffer(ff, ax, m: Frag, ins, red, bufs, n_in):
-    """The key of an input's 16-bit buffer over ``(m.row, reduced axis)`` (K-major) that a warpgroup
-    MMA on ``m`` may read its row operand from by descriptor (:data:`.wgmma.SHARED_A`), or None."""
+    """The key of the buffer a warpgroup MMA on ``m`` may read its row operand from by descriptor
+    (:func:`.wgmma.shared_a_fits`, one or two copies), or None."""
     types = ff.diagram.var_types()
     kax = [a for a in red if ax[a].cap > 1]
     rows = [v for v in ins if m.row in axes_set(types[v], ax) and m.col not in axes_set(types[v], ax)]
-    if not (wgmma_module.SHARED_A and m.MT == 1 and (m.Wn == 1 or m.Wm == 4) and len(kax) == 1 and len(rows) == 1
-            and rows[0] < n_in):
+    if len(kax) != 1 or len(rows) != 1:
         return None
-    b = bufs.get(("var", rows[0]))
-    if b is None or b.bits != 16 or tuple(b.axes) != (m.row, kax[0]) or b.copies not in (1, 2):
-        return None
-    return ("var", rows[0])
+    key = ("var", rows[0])
+    b = bufs.get(key)
+    return key if shared_a_fits(m, key, b, kax[0], n_in) and b.copies in (1, 2) else None
 
 
 def wgmma_capable() -> bool:
