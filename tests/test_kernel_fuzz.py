@@ -318,6 +318,8 @@ def _features(kernel) -> set[str]:
         out.add("computing-barrier")
     if re.search(r"wgmma_b?f16_n\d+_ss(_z)?\(smem16", body):   # wgmma.shared_a_buffer: A by descriptor too
         out.add("wgmma-shared-a")
+    if re.search(r"wgmma_wait[1-9]_n\d+\(", body):   # lowering/issue_ahead.py: a later contraction issued early
+        out.add("issued-ahead")
     if "_z(smem16" in body:                        # wgmma.emit_wgmma: a fresh accumulator's first step
         out.add("wgmma-scale-d-0")
     if re.search(r"wgmma_b?f16_n\d+\(smem16", body):   # ... and the steps that add to it

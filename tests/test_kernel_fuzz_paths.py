@@ -720,7 +720,8 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                        "skipped-arithmetic", "unswitched", "table-kernel", "table-kernel-static",
                                        "table-kernel-leads", "table-kernel-bounds"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
-                                 "wgmma", "paired-atomic", "copying-table", "unswitched", "wgmma-shared-a"},
+                                 "wgmma", "paired-atomic", "copying-table", "unswitched", "wgmma-shared-a",
+                                 "issued-ahead"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
                                 "paired-atomic", "column-values"}}
 

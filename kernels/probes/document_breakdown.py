@@ -4,7 +4,8 @@ forms beside FlexAttention's kernels, in one run: the default op; its backward a
 (FlashAttention-2's, no dQ atomics); the ids loaded whole into each block (``AUX_WHOLE_BYTES``
 raised past them) instead of read in place; each element of a chunk testing its mask's flag
 (``unswitch.UNSWITCH`` off); the rows of a warpgroup MMA's A from registers (``wgmma.SHARED_A``
-off).  Every form is checked against float64 first.
+off); each warpgroup contraction waited for before the next is issued (``issue_ahead.ISSUE_AHEAD``
+off; ``--only-tiles`` keeps this one beside the default).  Every form is checked against float64 first.
 GPU only.
 
     NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/document_breakdown.py [--n 16384] [--heads 16]
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT / "kernels" / "probes"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import unswitch, wgmma  # noqa: E402
+from napkin_cat.lowering import issue_ahead, unswitch, wgmma  # noqa: E402
 from napkin_cat.relabel import loopnest  # noqa: E402
 from bench import compiled_flex, kernel_ms  # noqa: E402
 from document_training import doc_ids, reference, rel  # noqa: E402
@@ -64,12 +65,14 @@ def main():
     ops = {"default (one kernel)": (op_of(), ()), "two-kernel backward": (op_of(backward="two kernels"), ()),
            "ids whole in each block": (op_of(), ((loopnest, "AUX_WHOLE_BYTES", 4 * N),)),
            "masks tested in each element (unswitch.UNSWITCH off)": (op_of(), ((unswitch, "UNSWITCH", False),)),
-           "A from registers (wgmma.SHARED_A off)": (op_of(), ((wgmma, "SHARED_A", False),))}
+           "A from registers (wgmma.SHARED_A off)": (op_of(), ((wgmma, "SHARED_A", False),)),
+           "each contraction waited for before the next (issue_ahead.ISSUE_AHEAD off)":
+               (op_of(), ((issue_ahead, "ISSUE_AHEAD", False),))}
     for spec in args.tiles:      # "g_x=128,s_q=128": the backward's blocks given
         blocks = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
         ops[f"backward blocks {spec}"] = (op_of(tiles=blocks), ())
     if args.only_tiles:
-        ops = {k: v for k, v in ops.items() if k.startswith(("default", "backward blocks", "masks", "A from"))}
+        ops = {k: v for k, v in ops.items() if k.startswith(("default", "backward blocks", "each contraction"))}
     want = reference(Q, K, V, dO, doc)
     print(torch.cuda.get_device_name(0), torch.__version__, f"N={N} d={D} heads={H} f16", flush=True)
     rows = {}

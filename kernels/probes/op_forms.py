@@ -2,8 +2,8 @@
 clock (seen between runs as 5-10% on one kernel) falls on every form alike.
 
 Each form is a comma list of tunables (upper-case names of ``napkin_cat.lowering`` modules, as
-``kernels/bench_fwd_bwd.py --tiles`` takes them: ``REGS=24``, ``DEFER_ROW_SUMS=0``) and
-``prefetch=double``; the tunables are set while the form's op plans and compiles its kernels (its
+``kernels/bench_fwd_bwd.py --tiles`` takes them: ``REGS=24``, ``DEFER_ROW_SUMS=0``), block symbols
+(lower case, ``nc.torch_op``'s ``tiles``: ``s_x=128``, the forward's key chunk) and ``prefetch=double``; the tunables are set while the form's op plans and compiles its kernels (its
 first call), which it keeps.  Every form's O, dQ, dK and dV are checked against float64 autograd
 first; then ``--rounds`` rounds each time every form once (forward + backward, ``--steady``
 back-to-back calls between two events), FlexAttention (compiled) among them; printed: the median
@@ -30,11 +30,11 @@ import torch  # noqa: E402
 import napkin_cat as nc  # noqa: E402
 from bench import kernel_ms  # noqa: E402
 from bench_fwd_bwd import DTYPES, PREFETCH, flash, flex_fn, reference, rel, switch_value  # noqa: E402
-from napkin_cat.lowering import (column_values, emit, emit_loads, emit_mma, emit_states, paired_stores, planner,  # noqa: E402
-                                 producer, unswitch, wgmma, wgmma_plan)
+from napkin_cat.lowering import (column_values, emit, emit_loads, emit_mma, emit_states, issue_ahead,  # noqa: E402
+                                 paired_stores, planner, producer, unswitch, wgmma, wgmma_plan)
 
 MODULES = (planner, emit_mma, producer, emit, emit_loads, emit_states, column_values, paired_stores, wgmma, wgmma_plan,
-           unswitch)
+           unswitch, issue_ahead)
 
 
 def parse_form(spec: str):
@@ -42,17 +42,18 @@ def parse_form(spec: str):
     the tunables' values as written, and the module of :data:`MODULES` each tunable lives in."""
     items = dict(item.split("=") for item in filter(None, spec.split(",")))
     prefetch = PREFETCH[items.pop("prefetch", "auto")]
-    return prefetch, items, {k: next(m for m in MODULES if hasattr(m, k)) for k in items}
+    return prefetch, items, {k: next(m for m in MODULES if hasattr(m, k)) for k in items if not k.islower()}
 
 
 def build(spec: str, causal: bool, Q, K, V, dO):
     """The op of one form, planned and compiled under its tunables (first call)."""
     prefetch, items, home = parse_form(spec)
-    saved = {k: getattr(home[k], k) for k in items}
+    tiles = {k: int(v) for k, v in items.items() if k.islower()}   # block symbols (s_x: the forward's chunk)
+    saved = {k: getattr(home[k], k) for k in home}
     try:
-        for k, v in items.items():
-            setattr(home[k], k, switch_value(saved[k], v))
-        op = nc.torch_op(flash(causal), verify=False, prefetch=prefetch)
+        for k in home:
+            setattr(home[k], k, switch_value(saved[k], items[k]))
+        op = nc.torch_op(flash(causal), verify=False, prefetch=prefetch, **({"tiles": tiles} if tiles else {}))
         grads = torch.autograd.grad(op(Q, K, V), (Q, K, V), dO)
         torch.cuda.synchronize()
     finally:

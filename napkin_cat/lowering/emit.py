@@ -22,7 +22,7 @@ from .column_values import column_value
 from .paired_stores import column_pair, fragment_pairs, stored_pair
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, scaled_exponent
-from . import reindex
+from . import issue_ahead, reindex
 from .emit_loads import Loads
 from .emit_mma import FragHoist, loaded_vars
 from . import producer
@@ -465,30 +465,35 @@ class Emitter(Loads, Phases):
 
     def _emit_nodes(self, nodes, src: Source):
         for n in nodes:
-            if isinstance(n, Load):
-                self._emit_load(n.var, src)
-            elif isinstance(n, Compute):
-                self._emit_compute(n.eqn, src)
-            elif isinstance(n, Loop):
-                settled = not (self.pending_async or self.pending_sync)
-                self.frag_hoists.append(FragHoist(src.slot(), n.axis, loaded_vars(n.body), settled))
-                self._emit_stream_loop(n, src)
-                self.frag_hoists.pop()
-            elif isinstance(n, Init):
-                ACC_CODEGEN[self.ff.accumulators[n.acc].rule].init(self, self.accs[n.acc], src)
-            elif isinstance(n, Update):
-                ACC_CODEGEN[self.ff.accumulators[n.acc].rule].update(self, self.accs[n.acc], src)
-            elif isinstance(n, Finalise):
-                p = self.accs[n.acc]
-                ACC_CODEGEN[p.acc.rule].publish(self, p, src)
-                (v,) = self.dd.eqn_outputs(p.acc.eqn)
-                if v in self.targets:
-                    self._emit_target(self.targets[v], src)
-            elif isinstance(n, Store):
-                if n.var < self.n_in:
-                    self._emit_input_store(n.var, src)
-            else:  # pragma: no cover
-                raise LoweringError(f"internal: unknown loop-nest node {n!r}")
+            with issue_ahead.node(self, n, src) as s:   # a later contraction issued early (.issue_ahead)
+                self._emit_node(n, s)
+        issue_ahead.close(self)
+
+    def _emit_node(self, n, src: Source):
+        if isinstance(n, Load):
+            self._emit_load(n.var, src)
+        elif isinstance(n, Compute):
+            self._emit_compute(n.eqn, src)
+        elif isinstance(n, Loop):
+            settled = not (self.pending_async or self.pending_sync)
+            self.frag_hoists.append(FragHoist(src.slot(), n.axis, loaded_vars(n.body), settled))
+            self._emit_stream_loop(n, src)
+            self.frag_hoists.pop()
+        elif isinstance(n, Init):
+            ACC_CODEGEN[self.ff.accumulators[n.acc].rule].init(self, self.accs[n.acc], src)
+        elif isinstance(n, Update):
+            ACC_CODEGEN[self.ff.accumulators[n.acc].rule].update(self, self.accs[n.acc], src)
+        elif isinstance(n, Finalise):
+            p = self.accs[n.acc]
+            ACC_CODEGEN[p.acc.rule].publish(self, p, src)
+            (v,) = self.dd.eqn_outputs(p.acc.eqn)
+            if v in self.targets:
+                self._emit_target(self.targets[v], src)
+        elif isinstance(n, Store):
+            if n.var < self.n_in:
+                self._emit_input_store(n.var, src)
+        else:  # pragma: no cover
+            raise LoweringError(f"internal: unknown loop-nest node {n!r}")
 
     def _emit_input_store(self, v: int, src: Source):
         pos = self.dd.outs.index(v)

@@ -456,8 +456,50 @@ def sim_wgmma(values, n: int, smem16, desc, trans, a0, a1, a2, a3, acc=None, ade
     for nt in range(n // 8):
         col = 8 * nt + 2 * t
         out += [D[g, col], D[g, col + 1], D[g + 8, col], D[g + 8, col + 1]]
-    acc = (0.0,) * len(out) if acc is None else acc
-    return tuple(np.float32(float(x) + float(y)) for x, y in zip(acc, out))
+    acc = (0.0,) * len(out) if acc is None else acc.values if isinstance(acc, InFlight) else acc
+    return InFlight(tuple(np.float32(float(x) + float(y)) for x, y in zip(acc, out)))
+
+
+_GROUPS = threading.local()   # this simulated thread's wgmma groups: .open (not committed), .pending (oldest first)
+
+
+class InFlight:
+    """Accumulators a simulated ``wgmma`` returned, as the hardware's registers are until a
+    ``wgmma_wait`` completes their group: only another ``wgmma`` may take them; read otherwise
+    (unpacked), or passed through a wait whose depth leaves their group pending, they fail."""
+
+    def __init__(self, values: tuple):
+        self.values, self.done = values, False
+        if not hasattr(_GROUPS, "open"):
+            _GROUPS.open, _GROUPS.pending = [], []
+        _GROUPS.open.append(self)
+
+    def __iter__(self):
+        raise RuntimeError("wgmma: accumulators read before a wgmma_wait completed their group")
+
+
+def sim_wgmma_commit():
+    """``wgmma.commit_group``: the MMAs issued since the last commit form one group."""
+    if getattr(_GROUPS, "open", None):
+        _GROUPS.pending.append(_GROUPS.open)
+        _GROUPS.open = []
+    return 0
+
+
+def sim_wgmma_wait(depth: int):
+    """``wgmma.wait_group depth`` passing accumulators ``acc`` through: every group but the newest
+    ``depth`` completes; ``acc``'s must be among them."""
+    def wait(acc):
+        pending = getattr(_GROUPS, "pending", [])
+        for group in pending[:max(len(pending) - depth, 0)]:
+            for a in group:
+                a.done = True
+        del pending[:max(len(pending) - depth, 0)]
+        if isinstance(acc, InFlight) and not acc.done:
+            raise RuntimeError(f"wgmma_wait{depth or ''}: the accumulators passed through belong to a group "
+                               f"still pending (committed after the newest {depth}, or not committed)")
+        return tuple(acc.values if isinstance(acc, InFlight) else acc)
+    return wait
 
 
 def sim_desc16(smem16, off, lbo, sbo):
@@ -473,14 +515,16 @@ def sim_wgmma_primitive(name: str):
         return lambda: 0          # the simulator has no register file to share out
     if name == "wgmma_desc16":
         return sim_desc16
+    if name == "wgmma_commit":
+        return sim_wgmma_commit
     if name in FIXED:
         return lambda: 0
     hit = parse(name)
     if hit is None:
         return None
-    dt, n, _ = hit
+    dt, n, depth = hit
     if dt is None:
-        return lambda acc: tuple(acc)
+        return sim_wgmma_wait(depth)
     values = _f16_values if dt == "f16" else _bf16_values
     if shared_a(name):    # (smem16, adesc, desc, trans[, acc])
         return lambda smem16, adesc, desc, trans, *acc: sim_wgmma(values, n, smem16, desc, trans, 0, 0, 0, 0,

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import re
 
+from . import issue_ahead
 from .plan import Frag
 
 MAX_N = 256
@@ -67,10 +68,10 @@ forward's ``Q``).  False: A always from registers (the RS form), as until the fo
 2026-11-29."""
 
 NAME = re.compile(r"^wgmma_(?P<dt>f16|bf16)_n(?P<n>\d+)(?P<ss>_ss)?(?P<zero>_z)?$"
-                  r"|^wgmma_wait(?P<depth>1?)_n(?P<wn>\d+)$")
+                  r"|^wgmma_wait(?P<depth>[1-9]?)_n(?P<wn>\d+)$")
 """``wgmma_{dt}_n{N}`` (``D += A B``), ``wgmma_{dt}_n{N}_z`` (``D = A B``: scale-d 0, the
 accumulators only written), the same with ``_ss`` before ``_z`` (A by descriptor too) and
-``wgmma_wait[1]_n{N}`` (``wait_group 0`` / ``1``)."""
+``wgmma_wait[D]_n{N}`` (``wait_group D``, 0 unwritten: :mod:`.issue_ahead`)."""
 FIXED = ("wgmma_fence", "wgmma_commit", "fence_proxy_async", "wgmma_desc16")
 """The primitives every kernel with a warpgroup MMA imports, beside its ``wgmma_*_n{N}``."""
 SETMAXNREG = re.compile(r"^setmaxnreg_(inc|dec)_(\d+)$")
@@ -134,7 +135,7 @@ def primitive_names(plan) -> tuple[str, ...]:
     if not ms:
         return ()
     return (*FIXED, *sorted({f"wgmma_{dt}_n{n}{a}{z}" for dt, n in ms for a in ("", "_ss") for z in ("", "_z")}
-                            | {f"wgmma_wait_n{n}" for _, n in ms}))
+                            | {f"wgmma_wait{d or ''}_n{n}" for _, n in ms for d in range(1 + issue_ahead.MAX_AHEAD)}))
 
 
 # --------------------------------------------------------------------------- layout and emission
@@ -240,9 +241,7 @@ def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src, fres
             else:
                 src(f"{t} = {fn}(smem16, {d}, {k.u(trans)}, {regs}, {t})")
     src("wgmma_commit()")
-    for t, elems in tuples:
-        src(f"{t} = wgmma_wait_n{n}({t})")
-        src(f"{', '.join(elems)} = {t}")
+    issue_ahead.after_commit(em, m, [(t, n, elems) for t, elems in tuples], src)
 
 
 # --------------------------------------------------------------------------- the GPU's source
@@ -288,7 +287,7 @@ def cu_source(n: int) -> str:
                     f'  if (trans) {{\n{body[1]}\n  }} else {{\n{body[0]}\n  }}\n'
                     f'  *ret = o;\n  return 0;\n}}')
     outs = ", ".join(f'"+f"(o.v[{i}])' for i in range(r))
-    for depth in (0, 1):   # wait 1: the older groups done, the newest may still run (its accumulators must not pass here)
+    for depth in range(1 + max(1, issue_ahead.MAX_AHEAD)):   # wait D: all but the newest D groups done (:mod:`.issue_ahead`)
         text.append(
             f'extern "C" __device__ int nc_wgmma_wait{depth or ""}_n{n}(nc_acc{n}* ret, {params}) {{\n'
             f'  nc_acc{n} o; {init}\n'
