@@ -44,15 +44,37 @@ def canonical() -> dict:
         "l2_attention": (L.normalized_attention(q=q, x=x, d=d).bind(att), {"q": 64, "x": 64}, 256),
         "layernorm": (L.layernorm(t=t, d=d).bind({t: 8192, d: 4096}), {"t": 1}, 256),
         "softmax": (L.softmax(r=t, c=x).bind({t: 8192, x: 4096}), {"t": 1}, 256),
+        "attention_backward_f16": (_backward_part(L.attention(q=q, x=x, d=d, heads=h, causal=True), q, x, h)
+                                   .bind({**att, h: 16}), None, None),
     }
 
 
+GPU_PLANNED = frozenset({"attention_backward_f16"})
+"""Goldens planned as for a Hopper GPU, whichever machine writes them, with ``nc.torch_op``'s
+``prefetch="auto"``: warpgroup MMAs, a copying warpgroup, contractions issued ahead, the kernel
+``nc.torch_op`` runs there."""
+
+
+def _backward_part(attention, q, x, h):
+    """The (dQ, dK, dV) kernel of FlashAttention's one-kernel backward in f16 (``nc.torch_op``'s
+    form on warpgroup tensor cores), its blocks left to the planner."""
+    from .backward_forms import backward_plan
+    from ..core import f16
+    flash = attention.stream(x, "s_x").tile(q, "g_q").tile(h, 1)
+    return next(p for p in backward_plan(flash, form="one kernel").at(f16).parts if "dK" in {a.name for a in p.cod})
+
+
 def generate(name: str) -> str:
+    from unittest import mock
+
     from . import lower
+    import napkin_cat.lowering as lowering
     dia, tiles, threads = canonical()[name]
     # source snapshots at GPU sizes, for review: running them against the float64 oracle at these
     # sizes is the GPU benchmark's job (kernels/bench.py checks every kernel before timing it)
-    return lower(dia, tiles=tiles, threads=threads, name=name, verify=False).source
+    gpu = name in GPU_PLANNED   # ... with nc.torch_op's prefetch, as it plans them
+    with mock.patch.object(lowering, "_gpu_present", lambda runtime: True) if gpu else mock.MagicMock():
+        return lower(dia, tiles=tiles, threads=threads, name=name, verify=False, prefetch="auto" if gpu else False).source
 
 
 def diff(name: str, directory: Path = KERNELS_DIR) -> str:
