@@ -79,6 +79,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steady", type=int, default=10)
     ap.add_argument("--bh", type=int, default=32)
+    ap.add_argument("--ncu", action="store_true", help="no timing: one call of each form and of Flex between "
+                    "cudaProfilerStart and Stop, for `ncu --profile-from-start off`")
     args = ap.parse_args()
     torch._dynamo.config.cache_size_limit = 256
     dt, N, D, c = args.case.split(",")
@@ -102,6 +104,15 @@ def main():
     fns["FlexAttention"] = lambda: torch.autograd.grad(flex(q4, k4, v4, block_mask=bm), (q4, k4, v4), dO.unsqueeze(0))
     for fn in fns.values():
         fn()
+    if args.ncu:    # no timing: one call of each form and of Flex for `ncu --profile-from-start off`
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for name, fn in fns.items():
+            print("profiled:", name, flush=True)
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return
     times = {name: [] for name in fns}
     for _ in range(args.rounds):
         for name, fn in fns.items():
