@@ -497,7 +497,7 @@ def sim_wgmma_wait(depth: int):
         del pending[:max(len(pending) - depth, 0)]
         if isinstance(acc, InFlight) and not acc.done:
             raise RuntimeError(f"wgmma_wait{depth or ''}: the accumulators passed through belong to a group "
-                               f"still pending (committed after the newest {depth}, or not committed)")
+                               f"still pending (one of the newest {depth} committed, or not committed)")
         return tuple(acc.values if isinstance(acc, InFlight) else acc)
     return wait
 
