@@ -72,6 +72,19 @@ def cuda_time(fn, reps=20, inner=None, budget_s=1.0) -> float:
     return statistics.median(times)
 
 
+def profile_once(calls: dict) -> None:
+    """One call of each of ``calls`` (name -> function, each called once before as a warm-up)
+    between ``cudaProfilerStart`` and ``Stop``, for ``ncu --profile-from-start off``."""
+    import torch
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for name, call in calls.items():
+        print("profiled:", name, flush=True)
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def kernel_ms(fn, calls: int = 20) -> dict:
     """CUDA milliseconds per call of each kernel ``fn`` launches, by name (``torch.profiler``,
     CUPTI)."""

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.lowering import issue_ahead, unswitch, wgmma  # noqa: E402
 from napkin_cat.relabel import loopnest  # noqa: E402
-from bench import compiled_flex, kernel_ms  # noqa: E402
+from bench import compiled_flex, kernel_ms, profile_once  # noqa: E402
 from document_training import doc_ids, reference, rel  # noqa: E402
 
 
@@ -95,14 +95,7 @@ def main():
     if args.ncu:
         for call in rows.values():
             call()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        for name, call in rows.items():
-            print("profiled:", name, flush=True)
-            call()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
-        return
+        return profile_once(rows)
     rows = {name: kernel_ms(call) for name, call in rows.items()}
     for name, ks in rows.items():
         print(f"\n{name}: {sum(ks.values()):.3f} ms of kernels")

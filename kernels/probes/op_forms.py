@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from bench import kernel_ms  # noqa: E402
+from bench import kernel_ms, profile_once  # noqa: E402
 from bench_fwd_bwd import DTYPES, PREFETCH, flash, flex_fn, reference, rel, switch_value  # noqa: E402
 from napkin_cat.lowering import (column_values, emit, emit_loads, emit_mma, emit_states, issue_ahead,  # noqa: E402
                                  paired_stores, planner, producer, unswitch, wgmma, wgmma_plan)
@@ -105,14 +105,7 @@ def main():
     for fn in fns.values():
         fn()
     if args.ncu:    # no timing: one call of each form and of Flex for `ncu --profile-from-start off`
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        for name, fn in fns.items():
-            print("profiled:", name, flush=True)
-            fn()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
-        return
+        return profile_once(fns)
     times = {name: [] for name in fns}
     for _ in range(args.rounds):
         for name, fn in fns.items():
