@@ -27,7 +27,8 @@ cores' asynchronous proxy needs ``fence.proxy.async`` in each writing thread bef
 (``fence_proxy_async``, emitted before every block barrier of a kernel with a warpgroup MMA);
 ``wgmma_fence`` orders the registers before the first ``wgmma`` of a contraction,
 ``wgmma_commit`` closes the group and ``wgmma_wait_n*`` waits for it, passing the accumulators
-through, so nothing reads them early.
+through, so nothing reads them early; where later contractions are issued before this one's
+epilogue (:mod:`.issue_ahead`), it waits with their number as depth (``wgmma_wait{D}_n*``).
 
 Which contractions move is planned by :mod:`.wgmma_plan`.  On a GPU the primitives are inline
 PTX generated per ``N`` (:func:`cu_source`, linked by :mod:`.tensorcore_gpu`); under the
