@@ -86,3 +86,24 @@ def test_without_the_switch_each_contraction_is_waited_for_before_the_next(warpg
     body = _body(kernel)
     assert not re.search(r"wgmma_wait[1-9]_n\d+\(", body)
     assert re.search(r"math\.exp2?\(", body).start() < re.search(r"= wgmma_f16_n64(_ss)?_z\(smem16, (V_s_desc\d*, )?dO_s_desc", body).start()
+
+
+def test_a_split_source_writes_the_issue_ahead_and_the_rest_in_place():
+    """The code of a contraction issued ahead goes to the run's slot until its commit, the rest to its
+    own place, at one depth; switching inside a block, or twice, is refused."""
+    from napkin_cat.core.errors import LoweringError
+    from napkin_cat.lowering.source import Source
+    main = Source(2)
+    ahead = main.slot()
+    main("elements_of_the_first()")
+    split = issue_ahead.SplitSource(ahead, main)
+    split("wgmma_commit()")
+    split.switch()
+    split("its_own_epilogue()")
+    assert [ln.strip() for ln in main.lines] == ["wgmma_commit()", "elements_of_the_first()", "its_own_epilogue()"]
+    assert all(ln.startswith(" " * 8) for ln in main.lines)
+    with pytest.raises(LoweringError, match="switched twice"):
+        split.switch()
+    inner = issue_ahead.SplitSource(Source(1).slot(), Source(1))
+    with inner.block("if flags:"), pytest.raises(LoweringError, match="inside a block"):
+        inner.switch()
