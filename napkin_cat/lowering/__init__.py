@@ -20,10 +20,10 @@ Stages, imports pointing one way:
               ``emit_kinds`` (one emitter per box kind) and ``emit_acc`` (one per accumulator
               kind); ``codegen.generate`` runs planner then emitter.
 
-Tensor cores: a contraction's plan names its engine (:data:`~.plan.ENGINES`): ``"cuda_core"``, or
-``"mma"`` where the inputs are fp16 / bf16 and the shapes fit ``mma.sync.m16n8k16`` (:mod:`.emit_mma`);
-the kernel's ``notes`` say which contraction runs where, and why not.  A mask that reads data gets
-its block table derived at each launch (:mod:`.tabled`).
+Tensor cores: a contraction's plan names its engine (:data:`~.plan.ENGINES`): ``"cuda_core"``, or ``"mma"``
+where the inputs are fp16 / bf16 and the shapes fit ``mma.sync.m16n8k16`` (:mod:`.emit_mma`); the kernel's
+``notes`` say which contraction runs where, and why not.  A mask that reads data gets its block table
+derived at each launch (:mod:`.tabled`).
 """
 
 from __future__ import annotations
@@ -54,26 +54,25 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
           check_inputs=None) -> "Kernel":
     """Generate a numba.cuda kernel for ``d`` (every axis size bound).
 
-    ``tiles``: ``{axis or symbol: size}`` for tiled axes (tile size) and streamed axes (chunk);
-    sizes not given (and symbolic block sizes of a relabelled ``d``) come from the cost model
-    or a heuristic (:mod:`napkin_cat.lowering.schedule`).  ``threads``: threads per block (256 on a
-    GPU, 16 under the simulator).  ``micro``: force the register micro-tile ``(rows, cols)``.
-    ``fastmath``: compile with fast (approximate) exp / division.  ``prefetch``: fetch each
-    chunk's inputs into registers one chunk ahead (global loads overlap the compute, at the
-    price of registers); ``prefetch="double"``: two shared-memory buffers per chunked input,
-    one barrier per chunk; ``prefetch="auto"``: ``"double"`` where the inputs are 16-bit (filled
-    by cp.async), the register estimate stays within a thread's registers and the shared memory
-    fits, else none (:func:`~.planner.auto_prefetch`).  ``fp32``: how an fp32 kernel multiplies:
-    ``"fma"`` (fp32 FMAs on CUDA cores) or ``"3xtf32"`` (tensor cores, three tf32 products each:
-    fp32-level error, as SDPA's fp32 kernels; :data:`~.planner.TF32X3`).
-    ``verify``: before it is returned, the kernel runs against the NumPy float64 oracle on
-    ``SELF_CHECK_RUNS`` inputs (``True``) or that many (an int) at its bound sizes; a difference
-    raises :class:`~napkin_cat.core.errors.EquivalenceError` with code that reproduces it;
-    ``verify=False`` skips it and ``kernel.verified`` says so (``nc.check_equivalent(oracle,
-    kernel)`` draws far more inputs either way).  ``check_inputs``: for a diagram whose inputs
-    are related (a backward part's ``L`` is the logsumexp of its ``Q K^T``), ``check_inputs(rng,
-    draw)`` makes the self-check's inputs (``d.dom``'s order) from ``draw(rng, shape)`` as its
-    producer would give them (:func:`~.backward_forms.residual_inputs`), else each is drawn alone.
+    ``tiles``: ``{axis or symbol: size}`` for tiled axes (tile size) and streamed axes (chunk); sizes not
+    given (and symbolic block sizes of a relabelled ``d``) come from the cost model or a heuristic
+    (:mod:`napkin_cat.lowering.schedule`).  ``threads``: threads per block (the schedule's for the kernel's
+    kind on a GPU, others where given ``tiles`` need them for tensor cores: :mod:`.tile_threads`; 16 under the
+    simulator).  ``micro``: force the register micro-tile ``(rows, cols)``. ``fastmath``: compile with fast
+    (approximate) exp / division.  ``prefetch``: fetch each chunk's inputs into registers one chunk ahead
+    (global loads overlap the compute, at the price of registers); ``prefetch="double"``: two shared-memory
+    buffers per chunked input, one barrier per chunk; ``prefetch="auto"``: ``"double"`` where the inputs are
+    16-bit (filled by cp.async), the register estimate stays within a thread's registers and the shared memory
+    fits, else none (:func:`~.planner.auto_prefetch`).  ``fp32``: how an fp32 kernel multiplies: ``"fma"``
+    (fp32 FMAs on CUDA cores) or ``"3xtf32"`` (tensor cores, three tf32 products each: fp32-level error, as
+    SDPA's fp32 kernels; :data:`~.planner.TF32X3`). ``verify``: before it is returned, the kernel runs against
+    the NumPy float64 oracle on ``SELF_CHECK_RUNS`` inputs (``True``) or that many (an int) at its bound
+    sizes; a difference raises :class:`~napkin_cat.core.errors.EquivalenceError` with code that reproduces it;
+    ``verify=False`` skips it and ``kernel.verified`` says so (``nc.check_equivalent(oracle, kernel)`` draws
+    far more inputs either way).  ``check_inputs``: for a diagram whose inputs are related (a backward part's
+    ``L`` is the logsumexp of its ``Q K^T``), ``check_inputs(rng, draw)`` makes the self-check's inputs
+    (``d.dom``'s order) from ``draw(rng, shape)`` as its producer would give them
+    (:func:`~.backward_forms.residual_inputs`), else each is drawn alone.
 
     Where one fused kernel does not do (refused, or over the shared memory of the device or of
     ``hw``) or ``place(wire, "HBM")`` asks for it, the result is a :class:`~.multi.MultiKernel`:
@@ -100,8 +99,7 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
         from ..verify.kernelcheck import check_self_check_inputs
         check_self_check_inputs(check_inputs, verify, runs)
     check_fp32(d, fp32)
-    opts = dict(tiles=tiles, threads=threads, name=name, micro=micro, fastmath=fastmath, prefetch=prefetch, hw=hw,
-                fp32=fp32)
+    opts = dict(tiles=tiles, threads=threads, name=name, micro=micro, fastmath=fastmath, prefetch=prefetch, hw=hw, fp32=fp32)
     from . import runtime, tabled   # a mask that reads data: its block table derived per launch
     kernel = tabled.lower_with_tables(d, opts, _lower_any, lambda: _gpu_present(runtime))
     if runs:
@@ -145,7 +143,7 @@ def _lower_one(d: Diagram, tiles=None, threads=None, name=None, micro=None, fast
 
 
 def _lower_planned(d: Diagram, tiles, threads, name, micro, fastmath, prefetch, hw) -> "Kernel":
-    from . import aux_whole, planner, producer, runtime
+    from . import aux_whole, planner, producer, runtime, tile_threads
     from .codegen import generate
     from .schedule import choose
     from .wgmma_plan import awaited_copying_warpgroup
@@ -158,6 +156,8 @@ def _lower_planned(d: Diagram, tiles, threads, name, micro, fastmath, prefetch, 
         return generate(s.diagram, kname, s.threads, s.batch_axes, fastmath=fastmath, micro=micro,
                         prefetch=pf, ff=s.final_form, notes=(f"Block sizes: {s.how}.", *s.notes))
     gen = make(prefetch)
+    if threads is None and tiles and not simulate:   # given blocks the default threads cannot split (.tile_threads)
+        sched, gen = tile_threads.refit(sched, gen, lambda T: choose(d, tiles, T, simulate=simulate, hw=hw), make, prefetch)
     limits = runtime.device_limits() if "numba.cuda" in sys.modules else runtime.H100_DEFAULTS
     limit = min(limits.max_shared_per_block_optin, hw.smem_per_block_optin if hw else 1 << 30)   # a profile's too
     smem = gen.plan.smem_bytes
