@@ -73,9 +73,11 @@ def cuda_time(fn, reps=20, inner=None, budget_s=1.0) -> float:
 
 
 def profile_once(calls: dict) -> None:
-    """One call of each of ``calls`` (name -> function, each called once before as a warm-up)
-    between ``cudaProfilerStart`` and ``Stop``, for ``ncu --profile-from-start off``."""
+    """Each of ``calls`` (name -> function) once as a warm-up, then once more between
+    ``cudaProfilerStart`` and ``Stop``, for ``ncu --profile-from-start off``."""
     import torch
+    for call in calls.values():
+        call()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
     for name, call in calls.items():

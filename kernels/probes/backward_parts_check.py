@@ -32,10 +32,10 @@ def check_form(name: str, spec: str, groups: int, n: int, dim: int, dtype: str, 
     from bench_fwd_bwd import DTYPES, flash, switch_value
     from napkin_cat.lowering.backward_forms import residual_inputs
     from probes.op_forms import parse_form
-    prefetch, items, home = parse_form(spec)
+    prefetch, items, home, tiles = parse_form(spec)
     for k, v in items.items():   # this process builds this form only: nothing to restore
         setattr(home[k], k, switch_value(getattr(home[k], k), v))
-    op = nc.torch_op(flash(causal, groups), prefetch=prefetch, backward=backward)
+    op = nc.torch_op(flash(causal, groups), prefetch=prefetch, backward=backward, tiles=tiles or None)
     sizes = {"q": n, "x": n, "d": dim, "h": 2, **({"g": groups} if groups > 1 else {})}
     device = torch.device("cuda") if torch.cuda.is_available() else None   # None: the simulator (a smoke test)
     plan = op.backward_plan((0, 1, 2), tuple(sorted(sizes.items())), DTYPES[dtype], device)

@@ -3,7 +3,8 @@ clock (seen between runs as 5-10% on one kernel) falls on every form alike.
 
 Each form is a comma list of tunables (upper-case names of ``napkin_cat.lowering`` modules, as
 ``kernels/bench_fwd_bwd.py --tiles`` takes them: ``REGS=24``, ``DEFER_ROW_SUMS=0``), block symbols
-(lower case, ``nc.torch_op``'s ``tiles``: ``s_x=128``, the forward's key chunk) and ``prefetch=double``; the tunables are set while the form's op plans and compiles its kernels (its
+(lower case, ``nc.torch_op``'s ``tiles``: ``s_x=128``, the forward's key chunk) and
+``prefetch=double``; the tunables are set while the form's op plans and compiles its kernels (its
 first call), which it keeps.  Every form's O, dQ, dK and dV are checked against float64 autograd
 first; then ``--rounds`` rounds each time every form once (forward + backward, ``--steady``
 back-to-back calls between two events), FlexAttention (compiled) among them; printed: the median
@@ -38,22 +39,24 @@ MODULES = (planner, emit_mma, producer, emit, emit_loads, emit_states, column_va
 
 
 def parse_form(spec: str):
-    """``(prefetch, items, home)`` of a form ``"NAME=VALUE,...,prefetch=MODE"``: the op's prefetch,
-    the tunables' values as written, and the module of :data:`MODULES` each tunable lives in."""
+    """``(prefetch, tunables, home, tiles)`` of a form ``"NAME=VALUE,...,prefetch=MODE"``: the op's
+    prefetch, the tunables' values as written, the module of :data:`MODULES` each tunable lives in,
+    and the block symbols given in lower case (``s_x=128``) as ``nc.torch_op``'s ``tiles``."""
     items = dict(item.split("=") for item in filter(None, spec.split(",")))
     prefetch = PREFETCH[items.pop("prefetch", "auto")]
-    return prefetch, items, {k: next(m for m in MODULES if hasattr(m, k)) for k in items if not k.islower()}
+    tiles = {k: int(v) for k, v in items.items() if k.islower()}
+    tunables = {k: v for k, v in items.items() if k not in tiles}
+    return prefetch, tunables, {k: next(m for m in MODULES if hasattr(m, k)) for k in tunables}, tiles
 
 
 def build(spec: str, causal: bool, Q, K, V, dO):
     """The op of one form, planned and compiled under its tunables (first call)."""
-    prefetch, items, home = parse_form(spec)
-    tiles = {k: int(v) for k, v in items.items() if k.islower()}   # block symbols (s_x: the forward's chunk)
-    saved = {k: getattr(home[k], k) for k in home}
+    prefetch, items, home, tiles = parse_form(spec)
+    saved = {k: getattr(home[k], k) for k in items}
     try:
-        for k in home:
-            setattr(home[k], k, switch_value(saved[k], items[k]))
-        op = nc.torch_op(flash(causal), verify=False, prefetch=prefetch, **({"tiles": tiles} if tiles else {}))
+        for k, v in items.items():
+            setattr(home[k], k, switch_value(saved[k], v))
+        op = nc.torch_op(flash(causal), verify=False, prefetch=prefetch, tiles=tiles or None)
         grads = torch.autograd.grad(op(Q, K, V), (Q, K, V), dO)
         torch.cuda.synchronize()
     finally:

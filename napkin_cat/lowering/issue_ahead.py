@@ -80,8 +80,9 @@ class Run:
 
 
 def _state(em):
+    """The emitter's open run and the node being emitted: its depth and :func:`member_of`."""
     if not hasattr(em, "_ahead"):
-        em._ahead = {"run": None, "base": None, "node": None}
+        em._ahead = {"run": None, "base": None, "member": None}
     return em._ahead
 
 
@@ -107,8 +108,7 @@ def member_of(em, n):
     return m, v, tuple(ins)
 
 
-def _joins(em, run: Run, n, src: Source) -> bool:
-    got = member_of(em, n)
+def _joins(em, run: Run, got, src: Source) -> bool:
     return (got is not None and run.src is src and len(run.members) <= MAX_AHEAD
             and not src.since(run.mark) and not (em.pending_sync or em.pending_async)
             and all(u not in run.writes and em.plan.storage(u) in ("load", "smem", "regs") for u in got[2]))
@@ -119,30 +119,30 @@ def node(em, n, src: Source):
     """Around the emission of loop-nest node ``n``: yields the source to write it into, a
     :class:`SplitSource` where it joins the open run."""
     st = _state(em)
+    got = member_of(em, n)
     run = before = st["run"]
-    if run is not None and not _joins(em, run, n, src):
-        if member_of(em, n) is not None:   # a contraction of its own run; a node that emits no code keeps it open
+    if run is not None and not _joins(em, run, got, src):
+        if got is not None:   # a contraction of its own run; a node that emits no code keeps it open
             close(em)
         run = None
-    mark, outer = src.mark(), (st["base"], st["node"])
-    st["base"], st["node"] = src.depth, n
+    mark, outer = src.mark(), (st["base"], st["member"])
+    st["base"], st["member"] = src.depth, got
     if run is None:
         yield src
-        st["base"], st["node"] = outer
-        opened = st["run"] is not None and st["run"] is not before and st["run"].src is src
-        if opened:
-            st["run"].writes.add(member_of(em, n)[1])
+        st["base"], st["member"] = outer
+        if st["run"] is not None and st["run"] is not before and st["run"].src is src:   # opened by this node
+            st["run"].writes.add(got[1])
             st["run"].mark = src.mark()
         elif src.since(mark):                        # code between: no later member may pass it
             close(em)
         return
     run.split = SplitSource(run.ahead, src)
     yield run.split
-    st["base"], st["node"] = outer
+    st["base"], st["member"] = outer
     if run.split.cur != 1:
         raise LoweringError(f"internal: {n!r} joined a run of warpgroup MMAs but issued none")
     run.split = None
-    run.writes.add(member_of(em, n)[1])
+    run.writes.add(got[1])
     run.mark = src.mark()
 
 
@@ -157,12 +157,12 @@ def after_commit(em, m: Frag, waits: list, src: Source) -> Source:
     else:
         if run is not None:
             close(em)
-        if not (ISSUE_AHEAD and st["base"] == src.depth and member_of(em, st["node"]) is not None):
+        if not (ISSUE_AHEAD and st["base"] == src.depth and st["member"] is not None):
             write_waits(waits, 0, src)
             return src
         run = st["run"] = Run(src, src.slot())
-    run.members.append(Member(m, waits, None, src.slot()))
-    run.members[-1].wait_slot = src.slot()
+    restore = src.slot()
+    run.members.append(Member(m, waits, src.slot(), restore))
     return src
 
 

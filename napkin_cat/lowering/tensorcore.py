@@ -460,7 +460,15 @@ def sim_wgmma(values, n: int, smem16, desc, trans, a0, a1, a2, a3, acc=None, ade
     return InFlight(tuple(np.float32(float(x) + float(y)) for x, y in zip(acc, out)))
 
 
-_GROUPS = threading.local()   # this simulated thread's wgmma groups: .open (not committed), .pending (oldest first)
+_GROUPS = threading.local()   # this simulated thread's wgmma groups
+
+
+def _groups():
+    """``(open, pending)``: this thread's MMAs not yet committed, and its committed groups not yet
+    completed, oldest first."""
+    if not hasattr(_GROUPS, "open"):
+        _GROUPS.open, _GROUPS.pending = [], []
+    return _GROUPS.open, _GROUPS.pending
 
 
 class InFlight:
@@ -470,9 +478,7 @@ class InFlight:
 
     def __init__(self, values: tuple):
         self.values, self.done = values, False
-        if not hasattr(_GROUPS, "open"):
-            _GROUPS.open, _GROUPS.pending = [], []
-        _GROUPS.open.append(self)
+        _groups()[0].append(self)
 
     def __iter__(self):
         raise RuntimeError("wgmma: accumulators read before a wgmma_wait completed their group")
@@ -480,9 +486,10 @@ class InFlight:
 
 def sim_wgmma_commit():
     """``wgmma.commit_group``: the MMAs issued since the last commit form one group."""
-    if getattr(_GROUPS, "open", None):
-        _GROUPS.pending.append(_GROUPS.open)
-        _GROUPS.open = []
+    open_, pending = _groups()
+    if open_:
+        pending.append(list(open_))
+        open_.clear()
     return 0
 
 
@@ -490,11 +497,12 @@ def sim_wgmma_wait(depth: int):
     """``wgmma.wait_group depth`` passing accumulators ``acc`` through: every group but the newest
     ``depth`` completes; ``acc``'s must be among them."""
     def wait(acc):
-        pending = getattr(_GROUPS, "pending", [])
-        for group in pending[:max(len(pending) - depth, 0)]:
+        _, pending = _groups()
+        older = max(len(pending) - depth, 0)
+        for group in pending[:older]:
             for a in group:
                 a.done = True
-        del pending[:max(len(pending) - depth, 0)]
+        del pending[:older]
         if isinstance(acc, InFlight) and not acc.done:
             raise RuntimeError(f"wgmma_wait{depth or ''}: the accumulators passed through belong to a group "
                                f"still pending (one of the newest {depth} committed, or not committed)")
