@@ -299,7 +299,7 @@ def _features(kernel) -> set[str]:
                          ("pack_f16((smem", "packed-operand"), ("pack_bf16(smem", "packed-operand"),
                          ("pack_bf16((smem", "packed-operand"), ("written out row by row", "fragment-rows"),
                          ("C_PRESCALE_LOG2E", "prescale"), ("wgmma_f16_n", "wgmma"), ("wgmma_bf16_n", "wgmma"),
-                         ("mma_tf32x3(", "tf32x3")):
+                         ("mma_tf32x3(", "tf32x3"), ("bulk_add_f32(", "staged-add")):
         if marker in body or marker in "".join(kernel.mappings.values()):
             out.add(feat)
     # the generator's notes in the kernel's docstring: L = mu + log z of the online softmax;

@@ -67,6 +67,7 @@ import napkin_cat as nc  # noqa: E402
 from napkin_cat.core import Axis  # noqa: E402
 from napkin_cat.ops import Builder, merge_box, slice_box, split_box  # noqa: E402
 from napkin_cat.verify import kernelcheck  # noqa: E402
+from napkin_cat.lowering import staged_add  # noqa: E402
 from napkin_cat.verify.check import REGIMES  # noqa: E402
 from test_kernel_fuzz import (FUZZ_EXAMPLES, MICRO, PREFETCH, REGIME_NAMES, SETTINGS, THREADS,  # noqa: E402
                               _features, _unary_chain, hand_over, module_setting, planner_switches)
@@ -419,6 +420,8 @@ def copying_family(draw):
     four = draw(st.sampled_from((True, True, True, False)), label="q a multiple of 4")
     n_q = 4 * draw(st.integers(17, 25), label="q / 4") if four else draw(st.integers(65, 100), label="q")
     sizes = {q: n_q, x: draw(st.sampled_from((20, 130)), label="x"), d: 16}
+    # dQ staged in shared memory, one bulk reduction a chunk (lowering/staged_add.py), or by atomics
+    options["staged"] = draw(st.sampled_from((True, True, False)), label="dQ staged")
     fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True)
     return Case(f"{dt.name} one-kernel attention backward, copying warpgroup (causal={causal})",
                 part, (), sizes, part.unrelabelled(), options, _residuals(fwd, sizes, part), SMALL_DATA)
@@ -721,7 +724,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                        "table-kernel-leads", "table-kernel-bounds"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
                                  "wgmma", "paired-atomic", "copying-table", "unswitched", "wgmma-shared-a",
-                                 "issued-ahead"},
+                                 "issued-ahead", "staged-add"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
                                 "paired-atomic", "column-values"}}
 
@@ -746,9 +749,10 @@ def fuzz_case(family: str, data, stats: Counter):
 def _lower_and_check(case, rel, options, mode, regime, seed, stats):
     try:
         with planner_switches(WGMMA=options.get("wgmma", False)), hand_over(mode), \
-                aux_whole_bytes(options.get("aux_whole_bytes")):
+                aux_whole_bytes(options.get("aux_whole_bytes")), \
+                module_setting(staged_add, "STAGED_ADD", options.get("staged", True)):
             kernel = nc.lower(rel, verify=False, **{k: v for k, v in options.items()
-                                                    if k not in ("wgmma", "aux_whole_bytes")})
+                                                    if k not in ("wgmma", "aux_whole_bytes", "staged")})
     except nc.LoweringError as err:
         stats["lowering refused"] += 1
         stats["refusal: " + str(err).split(":")[0][:60]] += 1

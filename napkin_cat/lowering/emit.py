@@ -19,10 +19,10 @@ from ..core.errors import LoweringError
 from ..relabel.loopnest import Compute, Finalise, Init, Load, Loop, Store, Update
 from .atomics import atomic_add, atomic_add_pair, check_added_outputs
 from .column_values import column_value
-from .paired_stores import column_pair, fragment_pairs, stored_pair
+from .paired_stores import adds_pairs, column_pair, stored_pair
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, scaled_exponent
-from . import issue_ahead, reindex
+from . import issue_ahead, reindex, staged_add
 from .emit_loads import Loads
 from .emit_mma import FragHoist, loaded_vars
 from . import producer
@@ -172,9 +172,11 @@ class Emitter(Loads, Phases):
         if fence is None:
             fence = self.core_dirty or self.specialise or not wg.FENCE_BY_WRITES
             self.core_dirty = False
+        staged_add.before_barrier(self, src)
         if self.wgmma and fence:
             src("fence_proxy_async()")
         src("bar_named(uint32(1), NTHREADS)  # the computing threads" if self.consumers_only else "cuda.syncthreads()")
+        staged_add.after_barrier(self, src)
 
     def wrote(self, key) -> None:
         """Shared buffer ``key`` was written (stored, or copied by ``cp.async``): the next barrier
@@ -465,6 +467,7 @@ class Emitter(Loads, Phases):
 
     def _emit_nodes(self, nodes, src: Source):
         for n in nodes:
+            staged_add.before(self, n, src)   # an output staged for one bulk reduction (.staged_add)
             with issue_ahead.node(self, n, src) as s:   # a later contraction issued early (.issue_ahead)
                 self._emit_node(n, s)
         issue_ahead.close(self)
@@ -477,7 +480,8 @@ class Emitter(Loads, Phases):
         elif isinstance(n, Loop):
             settled = not (self.pending_async or self.pending_sync)
             self.frag_hoists.append(FragHoist(src.slot(), n.axis, loaded_vars(n.body), settled))
-            self._emit_stream_loop(n, src)
+            with staged_add.loop(self, n, src):
+                self._emit_stream_loop(n, src)
             self.frag_hoists.pop()
         elif isinstance(n, Init):
             ACC_CODEGEN[self.ff.accumulators[n.acc].rule].init(self, self.accs[n.acc], src)
@@ -545,12 +549,14 @@ class Emitter(Loads, Phases):
             src(f"{self.sread(('var', t.var), env)} = {val}")
         if t.to_global:
             cond = self.valid(self.plan.caps(arr.axis_names)[0], env)
-            pairs = t.var in self.added and self._adds_pairs(t, arr, env)
+            pairs = t.var in self.added and adds_pairs(self, t, arr, env, PAIRED_ATOMICS)
             with src.maybe(cond):
                 for pos, ov in enumerate(self.dd.outs):
                     if ov != t.var:
                         continue
                     out = self.out_args[pos]
+                    if t.var in self.added and staged_add.write(self, t, env, val, src):
+                        continue                       # staged in shared memory (.staged_add)
                     if pairs:                          # blocks add into it, a column pair at a time
                         with column_pair(self, arr.name, "added as one reduction", val, env, src) as pair:
                             src(atomic_add_pair(out, f"{self.gindex(arr, env)} - {self.consts.u(1)}",
@@ -559,14 +565,6 @@ class Emitter(Loads, Phases):
                         src(atomic_add(out, self.gindex(arr, env), val))
                     else:
                         src(f"{out}[{self.gindex(arr, env)}] = {self.gvalue(arr, val)}")
-
-    def _adds_pairs(self, t: Target, arr, env) -> bool:
-        """Whether an output blocks add into goes a fragment column pair per reduction
-        (:func:`.atomics.atomic_add_pair`): adjacent words of its last axis, an even extent."""
-        if not (PAIRED_ATOMICS and arr.axis_names and fragment_pairs(t.mapping, env, arr.axis_names[-1])):
-            return False
-        a = self.ax[t.mapping.col]
-        return a.size % 2 == 0 and a.cap % 2 == 0
 
     def _emit_target(self, t: Target, src: Source):
         self.sync(src)

@@ -75,3 +75,12 @@ def stored_pair(em, t, env, val: str, cond: str | None, src) -> bool:
         word = f"({em.s16base(key)} + {em.sidx(b, env)}) // {k.u(2)}"
         src(f"smem32[{word}] = {DTYPES[em.plan.dtype].pack}({pair}[0], {pair}[1])")
     return True
+
+
+def adds_pairs(em, t, arr, env, paired: bool = True) -> bool:
+    """Whether output ``t`` that blocks add into goes a fragment column pair per reduction
+    (:func:`.atomics.atomic_add_pair`): adjacent words of its last axis, an even extent."""
+    if not (paired and arr.axis_names and fragment_pairs(t.mapping, env, arr.axis_names[-1])):
+        return False
+    a = em.ax[t.mapping.col]
+    return a.size % 2 == 0 and a.cap % 2 == 0

@@ -47,6 +47,7 @@ from .reindex import check_axes as check_reindexed_axes, remaps
 from .sixteen_bit import sixteen_bit_buffer, sixteen_bit_targets
 from .threads import Threads, _check_micro
 from .wgmma_plan import assign_offsets, plan_wgmma
+from . import staged_add
 from .plan import (AccPlan, AxisPlan, Buffer, Coop, Frag, KernelPlan, LaunchPlan, Micro, Rows,
                    Structure, Target, acc_reduced_axes, axes_set, caps, check_index_width, frozen_map, in_place,
                    kernel_dtype, load_plan, reduced_axes, storage, var_cls)
@@ -153,6 +154,7 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
                                  sixteen, packed)
     targets, accs, buffers, wg_notes = plan_wgmma(ff, ax, st, targets, accs, buffers, threads, len(ff.diagram.dom),
                                                   absorbed, WGMMA)
+    buffers = assign_offsets(staged_add.plan(ff, ax, targets, accs, buffers))   # one bulk add a chunk
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
     launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch, copies)

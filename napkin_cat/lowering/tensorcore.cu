@@ -281,6 +281,37 @@ extern "C" __device__ int nc_fence_proxy_async(int* ret) {
   return 0;
 }
 
+// Bulk reductions of staged partial sums (staged_add.py), issued by one thread: `bytes` bytes of
+// fp32 words at shared address `s` added into global memory at `p` by the copy engine (both
+// 16-byte aligned, `bytes` a multiple of 16); a commit closes the issued ones into a group; the
+// waits: every group has read its shared memory (`read`), or is complete.  Before sm_90: the same
+// sums by atomics, complete at once.
+extern "C" __device__ int nc_bulk_add(int* ret, unsigned long long p, unsigned s, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               :: "l"(p), "r"(s), "r"(bytes) : "memory");
+#else
+  for (unsigned e = 0; e < bytes / 4; ++e) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(s + 4 * e));
+    atomicAdd((float*)p + e, v);
+  }
+#endif
+  *ret = 0;
+  return 0;
+}
+
+// The commit and the two waits: one instruction each on sm_90, nothing before it.
+#if __CUDA_ARCH__ >= 900
+#define NC_BULK_STEP(name, instruction) \
+  extern "C" __device__ int name(int* ret) { asm volatile(instruction ::: "memory"); *ret = 0; return 0; }
+#else
+#define NC_BULK_STEP(name, instruction) extern "C" __device__ int name(int* ret) { *ret = 0; return 0; }
+#endif
+NC_BULK_STEP(nc_bulk_commit, "cp.async.bulk.commit_group;\n")
+NC_BULK_STEP(nc_bulk_wait_read, "cp.async.bulk.wait_group.read 0;\n")
+NC_BULK_STEP(nc_bulk_wait_all, "cp.async.bulk.wait_group 0;\n")
+
 // A barrier over the first `count` threads of the block only (barrier `id`, 1..15; 0 is
 // __syncthreads'): the multiplying warps of a kernel whose copying warpgroup is elsewhere
 // (lowering/producer.py).

@@ -518,6 +518,7 @@ def sim_desc16(smem16, off, lbo, sbo):
 
 def sim_wgmma_primitive(name: str):
     """The simulated twin of warpgroup primitive ``name`` (None: not one)."""
+    from .staged_add import PRIMITIVES as STAGED, sim_primitive
     from .wgmma import FIXED, SETMAXNREG, parse, shared_a
     if SETMAXNREG.match(name):
         return lambda: 0          # the simulator has no register file to share out
@@ -525,6 +526,8 @@ def sim_wgmma_primitive(name: str):
         return sim_desc16
     if name == "wgmma_commit":
         return sim_wgmma_commit
+    if name in STAGED:
+        return sim_primitive(name, _context, _per_launch)   # bulk reductions of staged partial sums
     if name in FIXED:
         return lambda: 0
     hit = parse(name)

@@ -32,6 +32,8 @@ SIGNATURES = {
     "cp_async_commit": "int32()", "cp_async_wait1": "int32()", "cp_async_wait2": "int32()",
     "wgmma_fence": "int32()", "wgmma_commit": "int32()", "fence_proxy_async": "int32()",
     "bar_named": "int32(uint32, uint32)", "bar_arrive": "int32(uint32, uint32)",
+    "bulk_add": "int32(uint64, uint32, uint32)", "bulk_commit": "int32()", "bulk_wait_read": "int32()",
+    "bulk_wait_all": "int32()",
     "pack_tf32x3": "UniTuple(uint64, 2)(float32, float32)",
     "mma_tf32x3": _MMA_TF32X3, "mma_tf32x3s": _MMA_TF32X3,
 }
@@ -86,6 +88,7 @@ cp_async_commit, cp_async_wait1 = _linked["cp_async_commit"], _linked["cp_async_
 cp_async_wait2 = _linked["cp_async_wait2"]
 _red2 = _linked["red_add2"]
 bar_named, bar_arrive = _linked["bar_named"], _linked["bar_arrive"]
+_bulk_add = _linked["bulk_add"]
 mma_tf32x3, mma_tf32x3s, pack_tf32x3 = _linked["mma_tf32x3"], _linked["mma_tf32x3s"], _linked["pack_tf32x3"]
 
 
@@ -129,6 +132,14 @@ def red_add2(out, idx, a, b):
     """``out[idx] += a`` and ``out[idx + 1] += b`` (fp32, ``idx`` even), atomically, as one
     reduction of two words."""
     return _red2(addr_of(out) + uint64(idx) * uint64(4), a, b)
+
+
+@cuda.jit(device=True, inline=True)
+def bulk_add_f32(out, goff, smem, soff, nbytes):
+    """``out[goff:] += smem[soff:]`` over ``nbytes`` bytes (fp32 words; a multiple of 16, both
+    addresses 16-byte aligned), one bulk reduction issued by the calling thread (:mod:`.staged_add`)."""
+    return _bulk_add(addr_of(out) + uint64(goff) * uint64(4), shared_addr(smem) + uint32(soff) * uint32(4),
+                       uint32(nbytes))
 
 
 @cuda.jit(device=True, inline=True)
@@ -192,7 +203,9 @@ def wgmma_primitive(name: str):
         return cuda.declare_device(f"nc_{name}", "int32()", link=_cu_file(name, setmaxnreg_source(name)))
     if name == "wgmma_desc16":
         return wgmma_desc16
-    if name in FIXED:
+    if name == "bulk_add_f32":
+        return bulk_add_f32
+    if name in FIXED or name in _linked:
         return _linked[name]
     hit = parse(name)
     if hit is None:

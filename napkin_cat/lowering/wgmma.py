@@ -82,7 +82,8 @@ SETMAXNREG = re.compile(r"^setmaxnreg_(inc|dec)_(\d+)$")
 
 def known(name: str) -> bool:
     """Whether ``name`` is a primitive of this module (fixed, an MMA or wait, or ``setmaxnreg``)."""
-    return name in FIXED or parse(name) is not None or SETMAXNREG.match(name) is not None
+    from .staged_add import PRIMITIVES as STAGED
+    return name in FIXED or name in STAGED or parse(name) is not None or SETMAXNREG.match(name) is not None
 
 
 def parse(name: str):
@@ -135,8 +136,10 @@ def primitive_names(plan) -> tuple[str, ...]:
     ms = sorted({(m.dtype, 8 * m.NT) for m in _mappings(plan) if isinstance(m, Frag) and m.wg})
     if not ms:
         return ()
+    from .staged_add import PRIMITIVES as STAGED, staged_vars
     return (*FIXED, *sorted({f"wgmma_{dt}_n{n}{a}{z}" for dt, n in ms for a in ("", "_ss") for z in ("", "_z")}
-                            | {f"wgmma_wait{d or ''}_n{n}" for _, n in ms for d in range(1 + issue_ahead.MAX_AHEAD)}))
+                            | {f"wgmma_wait{d or ''}_n{n}" for _, n in ms for d in range(1 + issue_ahead.MAX_AHEAD)}),
+            *(STAGED if staged_vars(plan.buffers) else ()))
 
 
 # --------------------------------------------------------------------------- layout and emission
