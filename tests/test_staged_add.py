@@ -28,7 +28,7 @@ def staged(monkeypatch):
     monkeypatch.setattr(staged_add, "STAGED_ADD", True)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.parametrize("causal", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["dense", "causal"])
 def test_dq_is_staged_and_added_by_one_bulk_reduction_a_chunk(warpgroups, staged, causal):
     part, bound, kernel = _backward(causal, RAGGED)
     body = _body(kernel)
@@ -45,7 +45,7 @@ def test_dq_is_staged_and_added_by_one_bulk_reduction_a_chunk(warpgroups, staged
     assert out.failure is None, kernelcheck.describe_failure(out.failure)
 
 
-@pytest.mark.parametrize("plant", ["no-read-wait", "no-final-wait"])
+@pytest.mark.parametrize("plant", ["no-read-wait", pytest.param("no-final-wait", marks=pytest.mark.slow)])
 def test_a_missing_wait_is_caught_by_the_simulators_pending_reductions(warpgroups, staged, plant):
     part, bound, kernel = _backward(False, RAGGED)
     name = {"no-read-wait": "bulk_wait_read", "no-final-wait": "bulk_wait_all"}[plant]
@@ -83,3 +83,18 @@ def test_why_not_names_what_keeps_an_output_on_atomics():
     assert staged_add.why_not(ff, ax(), t, arr, big) == "shared memory"
     ff.walk = lambda: [(body, [Loop("h", 1, "grid", "SMEM")])]
     assert staged_add.why_not(ff, ax(), t, arr, {}) == "not written once per chunk of a stream loop"
+
+
+def test_the_conflicts_probe_still_finds_the_staging_write(warpgroups, staged):
+    """``kernels/probes/staged_conflicts.py`` priced the staging writes' bank conflicts on the GPU
+    (kernels/BENCHMARKS.md) by permuting that one write: it still finds it in today's source."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "staged_conflicts", Path(__file__).resolve().parents[1] / "kernels/probes/staged_conflicts.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    _, _, kernel = _backward(False, RAGGED)
+    edited = probe.permuted(kernel.source)
+    compile(edited, "permuted", "exec")
+    assert "% uint32(4) * uint32(8)" in edited and edited.count("smem[dQ_add_s + ") == 1

@@ -75,23 +75,59 @@ def steady(fn, calls: int) -> float:
     return s.elapsed_time(e) / calls
 
 
-def main():
+def case_args(rounds: int = 15) -> argparse.ArgumentParser:
+    """The arguments every probe of this kind takes: ``--case dtype,N,d,causal``, ``--rounds``,
+    ``--steady`` (back-to-back calls per timing), ``--bh``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="f16,4096,128,0", help="dtype,N,d,causal")
-    ap.add_argument("--form", action="append", default=[], help="NAME=SPEC (SPEC may be empty: the default)")
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--steady", type=int, default=10)
     ap.add_argument("--bh", type=int, default=32)
-    ap.add_argument("--ncu", action="store_true", help="no timing: one call of each form and of Flex between "
-                    "cudaProfilerStart and Stop, for `ncu --profile-from-start off`")
-    args = ap.parse_args()
-    torch._dynamo.config.cache_size_limit = 256
+    return ap
+
+
+def case_tensors(args):
+    """``(causal, Q, K, V, dO, want)`` of ``args.case``: random inputs (Q, K, V requiring grad),
+    and the float64 (O, dQ, dK, dV) every form is checked against before it is timed."""
+    torch._dynamo.config.cache_size_limit = 256   # FlexAttention stays compiled across shapes
     dt, N, D, c = args.case.split(",")
     N, D, causal = int(N), int(D), bool(int(c))
     g = torch.Generator(device="cuda").manual_seed(0)
     Q, K, V, dO = (torch.randn(args.bh, N, D, device="cuda", generator=g).to(DTYPES[dt]) for _ in range(4))
     Q, K, V = (t.requires_grad_() for t in (Q, K, V))
-    want = reference(Q.detach(), K.detach(), V.detach(), dO, causal)
+    return causal, Q, K, V, dO, reference(Q.detach(), K.detach(), V.detach(), dO, causal)
+
+
+def flex_call(Q, K, V, dO, causal: bool, backward: bool = True):
+    """FlexAttention (compiled) on the same tensors: forward + backward, or the forward alone."""
+    flex, make_mask = flex_fn()
+    N = Q.shape[-2]
+    q4, k4, v4 = (t.detach().unsqueeze(0).requires_grad_(backward) for t in (Q, K, V))
+    bm = make_mask(lambda b, h, i, j: i >= j, None, None, N, N, device="cuda") if causal else None
+    if not backward:
+        return lambda: flex(q4, k4, v4, block_mask=bm)
+    return lambda: torch.autograd.grad(flex(q4, k4, v4, block_mask=bm), (q4, k4, v4), dO.unsqueeze(0))
+
+
+def in_turns(fns: dict, args) -> dict:
+    """``{name: [ms, ...]}``: ``args.rounds`` rounds, each timing every one of ``fns`` once
+    (``args.steady`` back-to-back calls), after one warm-up call of each."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(args.rounds):
+        for name, fn in fns.items():
+            times[name].append(steady(fn, args.steady))
+    return times
+
+
+def main():
+    ap = case_args()
+    ap.add_argument("--form", action="append", default=[], help="NAME=SPEC (SPEC may be empty: the default)")
+    ap.add_argument("--ncu", action="store_true", help="no timing: one call of each form and of Flex between "
+                    "cudaProfilerStart and Stop, for `ncu --profile-from-start off`")
+    args = ap.parse_args()
+    causal, Q, K, V, dO, want = case_tensors(args)
     fns, errs = {}, {}
     for form in args.form or ["default="]:
         name, spec = form.split("=", 1)
@@ -101,18 +137,10 @@ def main():
         assert errs[name] < 5e-3, (name, errs[name])
         fns[name] = (lambda op=op: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
     del want
-    flex, make_mask = flex_fn()
-    q4, k4, v4 = (t.detach().unsqueeze(0).requires_grad_() for t in (Q, K, V))
-    bm = make_mask(lambda b, h, i, j: i >= j, None, None, N, N, device="cuda") if causal else None
-    fns["FlexAttention"] = lambda: torch.autograd.grad(flex(q4, k4, v4, block_mask=bm), (q4, k4, v4), dO.unsqueeze(0))
-    for fn in fns.values():
-        fn()
+    fns["FlexAttention"] = flex_call(Q, K, V, dO, causal)
     if args.ncu:    # no timing: one call of each form and of Flex for `ncu --profile-from-start off`
         return profile_once(fns)
-    times = {name: [] for name in fns}
-    for _ in range(args.rounds):
-        for name, fn in fns.items():
-            times[name].append(steady(fn, args.steady))
+    times = in_turns(fns, args)
     flex_ms = statistics.median(times["FlexAttention"])
     print(f"\n{args.case} (B*H = {args.bh}), {args.rounds} rounds in turns, {args.steady} calls each, median ms:")
     for name, fn in fns.items():

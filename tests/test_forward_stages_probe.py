@@ -1,0 +1,72 @@
+"""``kernels/probes/forward_stages.py`` measured a third chunk buffer for the attention forward by
+rewriting the generated source (kernels/BENCHMARKS.md, sixth session of 2026-11-29): each rewrite
+still finds its places in today's generated forward, and the rewritten kernel matches the oracle
+in the simulator (five chunks, so every buffer is filled and released more than once)."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import re
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+import napkin_cat.lowering as lowering  # noqa: E402
+from napkin_cat.verify import kernelcheck  # noqa: E402
+from test_wgmma import warpgroups  # noqa: E402,F401  (the fixture: planner.WGMMA on)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _probe():
+    spec = importlib.util.spec_from_file_location("forward_stages", ROOT / "kernels/probes/forward_stages.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe
+
+
+def _forward(monkeypatch):
+    """The forward with its logsumexp as nc.torch_op plans it for a GPU: three computing warpgroups
+    and a copying one, key chunks of 64, five of them."""
+    from napkin_cat.lowering.backward_forms import backward_plan
+    monkeypatch.setattr(lowering, "_gpu_present", lambda runtime: True)
+    q, x, d = nc.axes("q x d")
+    fl = nc.library.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q")
+    fwd = backward_plan(fl, form="one kernel").at(nc.f16).forward.bind({q: 192, x: 320, d: 16})
+    return fwd, nc.lower(fwd, tiles={"g_q": 192, "s_x": 64}, threads=384, verify=False, prefetch="auto")
+
+
+def _three(kernel):
+    source, extra = _probe().three_buffers(kernel.source, 3)
+    mutant = copy.copy(kernel)
+    mutant.source, mutant._dispatcher, mutant._launchers = source, None, {}
+    mutant.launch = replace(kernel.launch, dynamic_smem_bytes=kernel.launch.dynamic_smem_bytes + extra)
+    return mutant
+
+
+def test_the_stages_probe_still_edits_what_the_generator_writes(warpgroups, monkeypatch):
+    _, kernel = _forward(monkeypatch)
+    assert "the copying warpgroup: copies every chunk" in kernel.source
+    mutant = _three(kernel)
+    compile(mutant.source, "three buffers", "exec")
+    assert mutant.launch.dynamic_smem_bytes > kernel.launch.dynamic_smem_bytes
+    released = set(re.findall(r"bar_named\(uint32\((\d+)\) \+", mutant.source))
+    arrived = set(re.findall(r"bar_arrive\(uint32\((\d+)\) \+", mutant.source))
+    assert released == arrived == {"11"}
+
+
+@pytest.mark.slow
+def test_three_buffers_match_the_oracle_in_the_simulator(warpgroups, monkeypatch):
+    fwd, kernel = _forward(monkeypatch)
+    oracle = fwd.unrelabelled()
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(tuple(a.size for a in arr.axes)).astype(np.float32) for arr in oracle.dom]
+    for k in (kernel, _three(kernel)):
+        out = kernelcheck.kernel_outcome(oracle, k, inputs)
+        assert out.failure is None and out.abs_error < 1e-3, kernelcheck.describe_failure(out.failure)
