@@ -420,8 +420,9 @@ def copying_family(draw):
     four = draw(st.sampled_from((True, True, True, False)), label="q a multiple of 4")
     n_q = 4 * draw(st.integers(17, 25), label="q / 4") if four else draw(st.integers(65, 100), label="q")
     sizes = {q: n_q, x: draw(st.sampled_from((20, 130)), label="x"), d: 16}
-    # dQ staged in shared memory, one bulk reduction a chunk (lowering/staged_add.py), or by atomics
-    options["staged"] = draw(st.sampled_from((True, True, False)), label="dQ staged")
+    # dQ staged in shared memory, one bulk reduction a chunk (lowering/staged_add.py), in the named
+    # hand-over's lowering; by atomics in the block barriers' (both lowered: _lower_and_check)
+    options["staged"] = True
     fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True)
     return Case(f"{dt.name} one-kernel attention backward, copying warpgroup (causal={causal})",
                 part, (), sizes, part.unrelabelled(), options, _residuals(fwd, sizes, part), SMALL_DATA)
@@ -750,7 +751,7 @@ def _lower_and_check(case, rel, options, mode, regime, seed, stats):
     try:
         with planner_switches(WGMMA=options.get("wgmma", False)), hand_over(mode), \
                 aux_whole_bytes(options.get("aux_whole_bytes")), \
-                module_setting(staged_add, "STAGED_ADD", options.get("staged", True)):
+                module_setting(staged_add, "STAGED_ADD", options.get("staged", False) and mode == "named"):
             kernel = nc.lower(rel, verify=False, **{k: v for k, v in options.items()
                                                     if k not in ("wgmma", "aux_whole_bytes", "staged")})
     except nc.LoweringError as err:

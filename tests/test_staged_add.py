@@ -45,7 +45,8 @@ def test_dq_is_staged_and_added_by_one_bulk_reduction_a_chunk(warpgroups, staged
     assert out.failure is None, kernelcheck.describe_failure(out.failure)
 
 
-@pytest.mark.parametrize("plant", ["no-read-wait", pytest.param("no-final-wait", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", ["no-read-wait", "no-final-wait"])
 def test_a_missing_wait_is_caught_by_the_simulators_pending_reductions(warpgroups, staged, plant):
     part, bound, kernel = _backward(False, RAGGED)
     name = {"no-read-wait": "bulk_wait_read", "no-final-wait": "bulk_wait_all"}[plant]
