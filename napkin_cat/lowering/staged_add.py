@@ -71,7 +71,7 @@ def plan(ff, ax, targets, accs, bufs) -> dict:
     blocks add into (:func:`~napkin_cat.relabel.split.added_outputs`) that :func:`why_not` allows."""
     from ..relabel.split import added_outputs
     added = added_outputs(ff) if STAGED_ADD else {}
-    if not (STAGED_ADD and added and _on_warpgroups(targets, accs)):
+    if not (added and _on_warpgroups(targets, accs)):
         return bufs
     types = ff.diagram.var_types()
     out = dict(bufs)
