@@ -1,7 +1,9 @@
 """``kernels/probes/forward_stages.py`` measured a third chunk buffer for the attention forward by
 rewriting the generated source (kernels/BENCHMARKS.md, sixth session of 2026-11-29): each rewrite
 still finds its places in today's generated forward, and the rewritten kernel matches the oracle
-in the simulator (five chunks, so every buffer is filled and released more than once)."""
+in the simulator (five chunks, so every buffer is filled and released more than once).  The same
+for ``kernels/probes/forward_overlap.py`` (seventh session), which rewrites the three-buffer
+forward further: chunk c's softmax beside chunk c - 1's update."""
 from __future__ import annotations
 
 import copy
@@ -70,3 +72,37 @@ def test_three_buffers_match_the_oracle_in_the_simulator(warpgroups, monkeypatch
     for k in (kernel, _three(kernel)):
         out = kernelcheck.kernel_outcome(oracle, k, inputs)
         assert out.failure is None and out.abs_error < 1e-3, kernelcheck.describe_failure(out.failure)
+
+
+def _overlap_probe():
+    spec = importlib.util.spec_from_file_location("forward_overlap", ROOT / "kernels/probes/forward_overlap.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe
+
+
+def test_the_overlap_probe_still_edits_what_the_generator_writes(warpgroups, monkeypatch):
+    """``forward_overlap.py`` (kernels/BENCHMARKS.md, seventh session of 2026-11-29): S of chunk c
+    issued before the update of chunk c - 1, S waited for alone, O rescaled after the update."""
+    _, kernel = _forward(monkeypatch)
+    mutant = _overlap_probe().rewritten(kernel, 3)
+    compile(mutant.source, "overlap", "exec")
+    loop = mutant.source.split("for x0 in range(CHUNK_x, N_x, CHUNK_x):", 1)[1].split("# the last chunk's update")[0]
+    order = [loop.index(s) for s in ("wgmma_f16_n64_z(", "V_s_prev * U2", "wgmma_wait1_n64(S_regs_wg)",
+                                     "O_delta[i] = delta", "O_o_wg = wgmma_wait_n16(O_o_wg)",
+                                     "bar_arrive(uint32(11) + buf_prev", "O_o[i, j] *= O_delta[i]",
+                                     "a00 = pack_f16(")]
+    assert order == sorted(order)
+    assert "O_o[i, j] *= delta" not in loop
+
+
+@pytest.mark.slow
+def test_the_overlap_matches_the_oracle_in_the_simulator(warpgroups, monkeypatch):
+    """The simulator's warpgroup twins track each commit group (``tensorcore.InFlight``): an
+    accumulator read before its group's wait raises there."""
+    fwd, kernel = _forward(monkeypatch)
+    oracle = fwd.unrelabelled()
+    rng = np.random.default_rng(1)
+    inputs = [6.0 * rng.standard_normal(tuple(a.size for a in arr.axes)).astype(np.float32) for arr in oracle.dom]
+    out = kernelcheck.kernel_outcome(oracle, _overlap_probe().rewritten(kernel, 3), inputs)
+    assert out.failure is None and out.abs_error < 1e-2, kernelcheck.describe_failure(out.failure)

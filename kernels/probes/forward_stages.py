@@ -93,9 +93,8 @@ def main():
     import torch
 
     import napkin_cat as nc
-    from bench import kernel_ms
-    from bench_fwd_bwd import flash, rel
-    from op_forms import case_args, case_tensors, flex_call, in_turns
+    from bench_fwd_bwd import flash
+    from op_forms import case_args, case_tensors
     args = case_args(rounds=7).parse_args()
     causal, Q, K, V, dO, want = case_tensors(args)
     ops = {}
@@ -103,7 +102,7 @@ def main():
         op = nc.torch_op(flash(causal), verify=False)
         torch.autograd.grad(op(Q, K, V), (Q, K, V), dO)
         if name == "three buffers":
-            key = next(k for k in op._cache if k[0] == "kernel" and str(k[1]).startswith("residuals"))
+            key = forward_key(op)
             kern = op._cache[key]
             groups = kern.launch.block[0] // 128 - 1
             source, extra = three_buffers(kern.source, groups)
@@ -113,13 +112,36 @@ def main():
             op._cache[key] = mutant
             print(f"three buffers: {mutant.launch.dynamic_smem_bytes} bytes of shared memory "
                   f"(two: {kern.launch.dynamic_smem_bytes})", flush=True)
-        O = op(Q, K, V)
-        grads = torch.autograd.grad(O, (Q, K, V), dO)
-        err = max(rel(a, b) for a, b in zip((O.detach(),) + grads, want))
-        print(f"{name}: error against float64 {err:.2e}", flush=True)
-        assert err < 5e-3, (name, err)
-        ops[name] = op
+        ops[name] = checked(name, op, Q, K, V, dO, want)
     del want
+    time_forwards(ops, args, Q, K, V, dO, causal)
+
+
+def forward_key(op):
+    """The key of ``op``'s cache under which its forward with the logsumexp is kept."""
+    return next(k for k in op._cache if k[0] == "kernel" and str(k[1]).startswith("residuals"))
+
+
+def checked(name: str, op, Q, K, V, dO, want):
+    """``op``, once its O, dQ, dK, dV are within 5e-3 of float64's ``want`` (printed)."""
+    import torch
+
+    from bench_fwd_bwd import rel
+    O = op(Q, K, V)
+    grads = torch.autograd.grad(O, (Q, K, V), dO)
+    err = max(rel(a, b) for a, b in zip((O.detach(),) + grads, want))
+    print(f"{name}: error against float64 {err:.2e}", flush=True)
+    assert err < 5e-3, (name, err)
+    return op
+
+
+def time_forwards(ops: dict, args, Q, K, V, dO, causal: bool, kernels: int = 2):
+    """The forwards of ``ops`` ({name: op}) and FlexAttention's timed in turns; a table of medians,
+    with the ``kernels`` longest kernels of one call by CUPTI."""
+    import torch
+
+    from bench import kernel_ms
+    from op_forms import flex_call, in_turns
     fns = {name: (lambda op=op: op(Q, K, V)) for name, op in ops.items()}
     fns["FlexAttention"] = flex_call(Q, K, V, dO, causal, backward=False)
     with torch.no_grad():
@@ -128,9 +150,9 @@ def main():
         flex_ms = statistics.median(times["FlexAttention"])
         for name, fn in fns.items():
             ms = statistics.median(times[name])
-            kernels = sorted(kernel_ms(fn, 5).items(), key=lambda kv: -kv[1])[:2]
+            longest = sorted(kernel_ms(fn, 5).items(), key=lambda kv: -kv[1])[:kernels]
             print(f"| {name} | {ms:.3f} | {flex_ms / ms:.2f}x Flex | spread {min(times[name]):.3f}-"
-                  f"{max(times[name]):.3f} | " + " ".join(f"{v:.3f}" for _, v in kernels) + " |")
+                  f"{max(times[name]):.3f} | " + " ".join(f"{v:.3f}" for _, v in longest) + " |")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ per form, and the CUDA time per kernel of one call (``torch.profiler``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -49,19 +50,27 @@ def parse_form(spec: str):
     return prefetch, tunables, {k: next(m for m in MODULES if hasattr(m, k)) for k in tunables}, tiles
 
 
-def build(spec: str, causal: bool, Q, K, V, dO):
-    """The op of one form, planned and compiled under its tunables (first call)."""
-    prefetch, items, home, tiles = parse_form(spec)
+@contextlib.contextmanager
+def tunables_of(spec: str):
+    """The tunables of a form set while the block runs, restored after it."""
+    _, items, home, _ = parse_form(spec)
     saved = {k: getattr(home[k], k) for k in items}
     try:
         for k, v in items.items():
             setattr(home[k], k, switch_value(saved[k], v))
-        op = nc.torch_op(flash(causal), verify=False, prefetch=prefetch, tiles=tiles or None)
-        grads = torch.autograd.grad(op(Q, K, V), (Q, K, V), dO)
-        torch.cuda.synchronize()
+        yield
     finally:
         for k, v in saved.items():
             setattr(home[k], k, v)
+
+
+def build(spec: str, causal: bool, Q, K, V, dO):
+    """The op of one form, planned and compiled under its tunables (first call)."""
+    prefetch, _, _, tiles = parse_form(spec)
+    with tunables_of(spec):
+        op = nc.torch_op(flash(causal), verify=False, prefetch=prefetch, tiles=tiles or None)
+        grads = torch.autograd.grad(op(Q, K, V), (Q, K, V), dO)
+        torch.cuda.synchronize()
     return op, op(Q, K, V).detach(), grads
 
 

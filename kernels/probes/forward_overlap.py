@@ -1,0 +1,150 @@
+"""Probe: FlashAttention-3's overlap inside one warpgroup, for the attention forward that
+``nc.torch_op`` runs on warpgroups with a copying warpgroup.  A measurement to decide whether to
+build software pipelining of the stream loop into the code generator, not a feature: the generated
+forward's source is rewritten here, by text, then checked against float64 and timed against the
+generated kernel and FlexAttention in turns.
+
+The rewrite (on top of ``forward_stages.three_buffers``, so that a buffer held one chunk longer
+does not hold up the copies): chunk c's scores ``S_c = Q K_c^T`` are issued, then chunk c - 1's
+update ``O += P_{c-1} V_{c-1}`` behind them, and the warpgroup waits for ``S_c`` alone
+(``wgmma.wait_group 1``); chunk c's softmax then runs while the update multiplies.  Only after the
+update has landed is ``O`` rescaled by chunk c's ``exp(m_{c-1} - m_c)``, and chunk c - 1's buffers
+released.  An earlier probe of the same schedule on two buffers (``wgmma_decoupled.py``, H100,
+d = 64) was slower, because the held V buffer made the copies of the next chunk wait.
+
+Why (``kernels/logs/ncu_forward_source_h200_d128.txt``): 11.4% and 6.1% of the computing warps'
+samples in the stream loop wait for the S and O contractions, each waited for to depth 0, and the
+forward is 0.66x FlexAttention at d = 128.
+
+The rewrite knows the shape of the generated forward (its consumer loop: the landed wait, the S
+contraction, the softmax that rescales ``O_o``, the update whose A operand is packed from
+``S_regs``, the release) and asserts every pattern it moves, so a change of the generator stops it
+rather than measuring something else.  GPU only (the simulator check is in
+``tests/test_forward_stages_probe.py``).
+
+    NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/forward_overlap.py --case f16,4096,128,0 --rounds 7
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from forward_stages import checked, forward_key, three_buffers, time_forwards  # noqa: E402  (which puts the project on the path)
+
+LOOP = "\n    for x0 in range(U0, N_x, CHUNK_x):\n"
+
+
+def _one(pattern: str, text: str, flags=re.M | re.S) -> re.Match:
+    found = list(re.finditer(pattern, text, flags))
+    assert len(found) == 1, f"{pattern!r}: {len(found)} matches, expected 1"
+    return found[0]
+
+
+def _cut(body: str, start: str, end: str | None) -> str:
+    """The lines of ``body`` from the one that starts with ``start`` up to the one before ``end``."""
+    i = _one(rf"^{re.escape(start)}", body).start()
+    j = _one(rf"^{re.escape(end)}", body).start() if end else len(body)
+    assert i < j, (start, end)
+    return body[i:j]
+
+
+def _indent(text: str, by: int) -> str:
+    return "".join((" " * by + ln if ln.strip() else ln) for ln in text.splitlines(keepends=True))
+
+
+def overlap(source: str) -> str:
+    """``source`` (a forward rewritten to three buffers) with chunk c's softmax beside chunk c - 1's update."""
+    assert source.count(LOOP) == 1, "one stream loop at the kernel's top level"
+    head, rest = source.split(LOOP, 1)
+    head += "\n"
+    assert "setmaxnreg_inc_" in head, "the loop rewritten is the computing warpgroups'"
+    end = re.search(r"^    \S", rest, re.M).start()
+    body = "".join(ln[8:] if ln.strip() else ln for ln in rest[:end].splitlines(keepends=True))
+    tail = rest[end:]
+    cur = _cut(body, "K_s_cur = ", "if x0 > U0:")
+    landed = _one(r"^if x0 > U0:[^\n]*\n    (bar_named\([^\n]*\n)", body)[1]
+    s_all = _cut(body, "# update O (online_softmax) with S", "# S = ")
+    s_issue, s_wait = s_all.split("wgmma_commit()\n", 1)
+    s_issue += "wgmma_commit()\n"
+    width = _one(r"\AS_regs_wg = wgmma_wait_n(\d+)\(S_regs_wg\)\n", s_wait)[1]   # the key chunk
+    s_unpack = s_wait.split("\n", 1)[1]
+    softmax = _cut(body, "# S = ", "# update O: o += weights")
+    rescale = _one(r"^(    )for j in range\((U\d+)\):\n\1    O_o\[i, j\] \*= delta\n", softmax)
+    softmax_later = softmax.replace(rescale[0], "    O_delta[i] = delta  # O is rescaled once its update has landed\n")
+    pv_all = _cut(body, "# update O: o += weights", "x_next = x0 + CHUNK_x")
+    packs = "".join(re.findall(r"^a\w+ = pack_f16\([^\n]*\n", pv_all, re.M))
+    assert packs.count("\n") in (8, 16, 32, 64), packs
+    pv = "".join(ln for ln in pv_all.splitlines(keepends=True) if ln not in packs.splitlines(keepends=True))
+    pv_issue, pv_wait = pv.split("wgmma_commit()\n", 1)
+    pv_issue = pv_issue.replace("V_s_cur", "V_s_prev") + "wgmma_commit()\n"
+    assert re.match(r"O_o_wg = wgmma_wait_n\d+\(O_o_wg\)\n", pv_wait), pv_wait[:80]
+    release = _one(r"^if x_next \+ CHUNK_x \+ CHUNK_x < N_x:\n    (bar_arrive\(uint32\(\d+\) \+ )buf_x(, \w+\)[^\n]*\n)", body)
+    assert _one(r"^buf_x = \(buf_x \+ U1\) % U3\n", body)
+    advance = "V_s_prev = V_s_cur\nbuf_prev = buf_x\nbuf_x = (buf_x + U1) % U3\n"
+    rows = _one(r"^    O_mu = cuda\.local\.array\((\d+), float32\)\n", head)[1]   # rows per thread
+    o_rescale = f"for i in range(U{rows}):\n    for j in range({rescale[2]}):\n        O_o[i, j] *= O_delta[i]\n"
+    assert f"O_o = cuda.local.array(({rows}, " in head, "O_o: rows per thread x columns"
+    prologue = ("# chunk 0 (landed at the barrier above): its scores and softmax; its update is issued in the loop\n"
+                f"O_delta = cuda.local.array({rows}, float32)\n" + cur + s_all + softmax + packs + advance)
+    loop = ("# chunk c: S_c issued, then chunk c - 1's update behind it; S_c waited for alone, its softmax\n"
+            "# runs while the update multiplies; then O rescaled and chunk c - 1's buffers released\n"
+            "for x0 in range(CHUNK_x, N_x, CHUNK_x):\n"
+            + _indent(cur + landed + s_issue + pv_issue + f"S_regs_wg = wgmma_wait1_n{width}(S_regs_wg)\n" + s_unpack
+                      + softmax_later + pv_wait
+                      + "fence_proxy_async()  # chunk c - 1's reads are done\n"
+                      + "if x0 + CHUNK_x + CHUNK_x < N_x:  # chunk c - 1's buffer is refilled with chunk c + 2\n"
+                      + "    " + release[1] + "buf_prev" + release[2] + o_rescale + packs + advance, 4))
+    epilogue = "# the last chunk's update\n" + pv_issue + pv_wait
+    return head + _indent(prologue + loop + epilogue, 4) + tail
+
+
+def rewritten(kernel, groups: int):
+    """A copy of ``kernel`` (the generated forward) with three buffers and the overlap."""
+    source, extra = three_buffers(kernel.source, groups)
+    mutant = copy.copy(kernel)
+    mutant.source, mutant._dispatcher, mutant._launchers = overlap(source), None, {}
+    if hasattr(mutant, "_fast"):
+        mutant._fast = None
+    mutant.launch = replace(kernel.launch, dynamic_smem_bytes=kernel.launch.dynamic_smem_bytes + extra)
+    return mutant
+
+
+def main():
+    import napkin_cat as nc
+    from op_forms import build, case_args, case_tensors, tunables_of
+    ap = case_args(rounds=7)
+    ap.add_argument("--form", action="append", default=[],
+                    help="NAME=SPEC[:MODE] (SPEC: op_forms' tunables; MODE, ';'-separated: block symbols and threads "
+                         "to lower the forward again with, and 'overlap' to rewrite it)")
+    args = ap.parse_args()
+    causal, Q, K, V, dO, want = case_tensors(args)
+    ops = {}
+    for form in args.form or ["default=", "overlap=:overlap"]:
+        name, spec = form.split("=", 1)
+        spec, _, mode = spec.partition(":")
+        op, _, _ = build(spec, causal, Q, K, V, dO)
+        key = forward_key(op)
+        tokens = [t for t in mode.split(";") if t]
+        given = dict(t.split("=") for t in tokens if "=" in t)
+        if given:    # the forward lowered again at other blocks: ":g_q=256;threads=512"
+            threads = int(given.pop("threads")) if "threads" in given else None
+            with tunables_of(spec):                    # as build() planned the op
+                op._cache[key] = nc.lower(op._cache[("bound",) + key[1:3]], tiles={k: int(v) for k, v in given.items()},
+                                          threads=threads, prefetch=op.prefetch, verify=False)
+            print(f"{name}: {op._cache[key].launch}", flush=True)
+        if "overlap" in tokens:
+            kern = op._cache[key]
+            op._cache[key] = rewritten(kern, kern.launch.block[0] // 128 - 1)
+        ops[name] = checked(f"{name} ({spec or 'defaults'}{', ' + mode if mode else ''})", op, Q, K, V, dO, want)
+    del want
+    time_forwards(ops, args, Q, K, V, dO, causal, kernels=1)
+
+
+if __name__ == "__main__":
+    main()
