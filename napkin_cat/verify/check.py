@@ -365,6 +365,9 @@ def _counterexample(problem, ex, failure, run, seconds, rtol, atol, rerun=None):
                      + ("" if hits == tries else " (flaky: a race between threads is likely)"))
     if failure["kind"] == "error":
         lines.append(f"  {failure['side']} raises {failure['error']}")
+    elif failure["kind"] == "norm":   # a 16-bit kernel off as a whole (kernelcheck's norm-wise condition)
+        from .kernelcheck import describe_failure
+        lines.append(f"  {describe_failure(failure)}")
     else:
         coords = ", ".join(f"{k}={v}" for k, v in failure["coordinates"].items())
         low = f", fp32 oracle {failure['low_value']!r}" if "low_value" in failure else ""
