@@ -6,11 +6,9 @@ for ``kernels/probes/forward_overlap.py`` (seventh session), which rewrites the 
 forward further: chunk c's softmax beside chunk c - 1's update."""
 from __future__ import annotations
 
-import copy
 import importlib.util
 import os
 import re
-from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
@@ -45,11 +43,8 @@ def _forward(monkeypatch):
 
 
 def _three(kernel):
-    source, extra = _probe().three_buffers(kernel.source, 3)
-    mutant = copy.copy(kernel)
-    mutant.source, mutant._dispatcher, mutant._launchers = source, None, {}
-    mutant.launch = replace(kernel.launch, dynamic_smem_bytes=kernel.launch.dynamic_smem_bytes + extra)
-    return mutant
+    probe = _probe()
+    return probe.edited(kernel, *probe.three_buffers(kernel.source, 3))
 
 
 def test_the_stages_probe_still_edits_what_the_generator_writes(warpgroups, monkeypatch):

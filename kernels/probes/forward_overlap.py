@@ -26,16 +26,14 @@ rather than measuring something else.  GPU only (the simulator check is in
 """
 from __future__ import annotations
 
-import copy
 import os
 import re
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from forward_stages import checked, forward_key, three_buffers, time_forwards  # noqa: E402  (which puts the project on the path)
+from forward_stages import checked, edited, forward_key, three_buffers, time_forwards  # noqa: E402  (which puts the project on the path)
 
 LOOP = "\n    for x0 in range(U0, N_x, CHUNK_x):\n"
 
@@ -107,12 +105,7 @@ def overlap(source: str) -> str:
 def rewritten(kernel, groups: int):
     """A copy of ``kernel`` (the generated forward) with three buffers and the overlap."""
     source, extra = three_buffers(kernel.source, groups)
-    mutant = copy.copy(kernel)
-    mutant.source, mutant._dispatcher, mutant._launchers = overlap(source), None, {}
-    if hasattr(mutant, "_fast"):
-        mutant._fast = None
-    mutant.launch = replace(kernel.launch, dynamic_smem_bytes=kernel.launch.dynamic_smem_bytes + extra)
-    return mutant
+    return edited(kernel, overlap(source), extra)
 
 
 def main():

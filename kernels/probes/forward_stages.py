@@ -105,16 +105,21 @@ def main():
             key = forward_key(op)
             kern = op._cache[key]
             groups = kern.launch.block[0] // 128 - 1
-            source, extra = three_buffers(kern.source, groups)
-            mutant = copy.copy(kern)
-            mutant.source, mutant._dispatcher, mutant._launchers, mutant._fast = source, None, {}, None
-            mutant.launch = replace(kern.launch, dynamic_smem_bytes=kern.launch.dynamic_smem_bytes + extra)
-            op._cache[key] = mutant
+            mutant = op._cache[key] = edited(kern, *three_buffers(kern.source, groups))
             print(f"three buffers: {mutant.launch.dynamic_smem_bytes} bytes of shared memory "
                   f"(two: {kern.launch.dynamic_smem_bytes})", flush=True)
         ops[name] = checked(name, op, Q, K, V, dO, want)
     del want
     time_forwards(ops, args, Q, K, V, dO, causal)
+
+
+def edited(kernel, source: str, extra_smem: int = 0):
+    """A copy of ``kernel`` running ``source`` (compiled afresh), with ``extra_smem`` more bytes of
+    dynamic shared memory."""
+    mutant = copy.copy(kernel)
+    mutant.source, mutant._dispatcher, mutant._launchers, mutant._fast = source, None, {}, None
+    mutant.launch = replace(kernel.launch, dynamic_smem_bytes=kernel.launch.dynamic_smem_bytes + extra_smem)
+    return mutant
 
 
 def forward_key(op):

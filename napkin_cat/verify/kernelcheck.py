@@ -386,13 +386,12 @@ def self_check(kernel, examples: int, make_inputs=None) -> str:
 def describe_failure(failure: dict) -> str:
     if failure["kind"] == "error":
         return f"{failure['side']} raises {failure['error']}"
+    coords = ", ".join(f"{k}={v}" for k, v in failure["coordinates"].items())
     if failure["kind"] == "norm":
-        coords = ", ".join(f"{k}={v}" for k, v in failure["coordinates"].items())
         return (f"output {failure['output_name']} is off as a whole: rms error {failure['kernel_rms']:.3g} over "
                 f"{failure['total']} finite entries, allowed {failure['allowed']:.3g} (the plain implementations' "
                 f"rms error {failure['plain_rms']:.3g}, the exact answer's rms {failure['exact_rms']:.3g}); "
                 f"largest at ({coords}): oracle {failure['a_value']!r}, kernel {failure['b_value']!r}")
-    coords = ", ".join(f"{k}={v}" for k, v in failure["coordinates"].items())
     low = f", fp32 oracle {failure['low_value']!r}" if "low_value" in failure else ""
     return (f"first difference: output {failure['output_name']} at ({coords}): oracle {failure['a_value']!r}, "
             f"kernel {failure['b_value']!r}{low} (allowed |a-b| <= {failure['allowed']:.3g}); "
