@@ -101,3 +101,49 @@ def test_the_overlap_matches_the_oracle_in_the_simulator(warpgroups, monkeypatch
     inputs = [6.0 * rng.standard_normal(tuple(a.size for a in arr.axes)).astype(np.float32) for arr in oracle.dom]
     out = kernelcheck.kernel_outcome(oracle, _overlap_probe().rewritten(kernel, 3), inputs)
     assert out.failure is None and out.abs_error < 1e-2, kernelcheck.describe_failure(out.failure)
+
+
+def test_the_turns_probe_hands_each_turn_on(warpgroups, monkeypatch):
+    """The overlap in turns (FlashAttention-3's ping-pong over three warpgroups): each warpgroup
+    waits for its turn before its two contractions and hands the turn on after them, outside any
+    branch; warpgroup 0 waits for the last hand-over after the loop (every arrival is waited for);
+    barrier 1 serves where 16 run short."""
+    probe = _overlap_probe()
+    assert probe.turn_ids(2) == [11, 12] and probe.turn_ids(3) == [1, 14, 15]
+    _, kernel = _forward(monkeypatch)
+    mutant = probe.rewritten(kernel, 3, turns=True)
+    compile(mutant.source, "turns", "exec")
+    loop = mutant.source.split("for x0 in range(CHUNK_x, N_x, CHUNK_x):", 1)[1].split("# the last chunk's update")[0]
+    order = [loop.index(s) for s in ("bar_named(turn_me", "wgmma_f16_n64_z(", "V_s_prev * U2",
+                                     "bar_arrive(turn_next", "wgmma_wait1_n64(S_regs_wg)")]
+    assert order == sorted(order)
+    assert "    bar_arrive(turn_next, uint32(256))" in loop and "if x0 + CHUNK_x < N_x or" not in loop
+    assert "if wg_turn == U0:  # the last warpgroup's last hand-over, waited for\n" in mutant.source
+    head = mutant.source.split("for x0 in range(CHUNK_x, N_x, CHUNK_x):", 1)[0]
+    assert "if wg_turn == uint32(2):  # the first turn is warpgroup 0's\n" in head
+
+
+@pytest.mark.slow
+def test_the_overlap_in_turns_matches_the_oracle_in_the_simulator(warpgroups, monkeypatch):
+    """Turns add only named barriers: a missing or extra arrival deadlocks or is refused by the
+    simulator's barriers (a thread arriving twice in one phase)."""
+    fwd, kernel = _forward(monkeypatch)
+    oracle = fwd.unrelabelled()
+    rng = np.random.default_rng(2)
+    inputs = [6.0 * rng.standard_normal(tuple(a.size for a in arr.axes)).astype(np.float32) for arr in oracle.dom]
+    out = kernelcheck.kernel_outcome(oracle, _overlap_probe().rewritten(kernel, 3, turns=True), inputs)
+    assert out.failure is None and out.abs_error < 1e-2, kernelcheck.describe_failure(out.failure)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through_wait", [False, True], ids=["issue", "issue-and-wait"])
+def test_turns_around_the_scores_match_the_oracle_in_the_simulator(warpgroups, monkeypatch, through_wait):
+    fwd, kernel = _forward(monkeypatch)
+    probe = _overlap_probe()
+    source = probe.score_turns(kernel.source, 3, through_wait)
+    assert source.count("bar_named(turn_me, uint32(256))") == 1 and source.count("bar_arrive(turn_next") == 1
+    oracle = fwd.unrelabelled()
+    rng = np.random.default_rng(3)
+    inputs = [6.0 * rng.standard_normal(tuple(a.size for a in arr.axes)).astype(np.float32) for arr in oracle.dom]
+    out = kernelcheck.kernel_outcome(oracle, _probe().edited(kernel, source), inputs)
+    assert out.failure is None and out.abs_error < 1e-2, kernelcheck.describe_failure(out.failure)

@@ -1,7 +1,8 @@
-"""The 16-bit attention forward's default blocks on a GPU with warpgroup MMAs: two computing
-warpgroups of 128 rows sharing each chunk, a copying warpgroup beside them, chunks handed over by
-named barriers (``wgmma_plan.warpgroup_forward``, ``producer.SWITCH = "auto"``), measured faster
-than ``mma.sync`` on an H100 (kernels/BENCHMARKS.md).  Where the copying warpgroup cannot join,
+"""The 16-bit attention forward's default blocks on a GPU with warpgroup MMAs: four computing
+warpgroups of 64 rows sharing each chunk at d <= 64 (two of 128 rows until 2026-11-30), three at
+d = 128 (unmasked, with key chunks of 128), a copying warpgroup beside them, chunks handed over by
+named barriers (``wgmma_plan.warpgroup_forward``, ``forward_chunk``, ``producer.SWITCH = "auto"``),
+measured faster than ``mma.sync`` and than the blocks before (kernels/BENCHMARKS.md).  Where the copying warpgroup cannot join,
 ``nc.lower`` plans the kernel again without it, as before, and says why.
 
 The plans are made as for an H100 (the kernel source only, ``_gpu_present`` patched); the kernel
@@ -38,7 +39,7 @@ def gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,width,causal,expect", [
-    (nc.f16, 64, False, 256), (nc.bf16, 32, False, 256),
+    (nc.f16, 64, False, 512), (nc.bf16, 32, False, 512),   # four warpgroups of 64 rows: 0.381 against two's 0.407 ms
     (nc.f16, 64, True, 0),                 # causal: a tie, 0.263 against mma.sync's 0.257 ms
     (nc.f16, 128, False, 384),             # three warpgroups of 64 rows: 0.837 against 0.955 ms
     (nc.f16, 128, True, 384),              # ... causal 0.464 against 0.528
@@ -52,9 +53,11 @@ def test_the_rule_follows_what_was_measured(dtype, width, causal, expect):
     assert warpgroup_forward(d0, False, True) == 0               # only the default "auto" chooses blocks
     sched = choose(_attention(dtype, width, causal), simulate=False)
     tile = {r.axis: r.size for r in sched.diagram.schedule if r.op == "tile"}
-    rows = {256: 256, 384: 192}
+    rows = {512: 256, 384: 192}
+    chunk = {r.axis: r.size for r in sched.diagram.schedule if r.op == "stream"}["x"]
     if expect:
         assert (sched.threads, tile["q"]) == (expect, rows[expect])
+        assert chunk == (128 if expect == 384 and not causal else 64)   # wgmma_plan.forward_chunk
     elif dtype != nc.f32:
         assert (sched.threads, tile["q"]) == (128, 128 if width <= 64 else 64)
 
@@ -105,12 +108,13 @@ def test_the_rule_needs_the_copying_warpgroup_and_an_online_softmax(monkeypatch)
     assert not warpgroup_forward(mm.unrelabelled(), False, "auto")
 
 
-def test_the_default_forward_is_two_warpgroups_and_a_copying_one(gpu):
+def test_the_default_forward_is_four_warpgroups_and_a_copying_one(gpu):
     kernel = lw._lower_one(_attention(), prefetch="auto")
-    assert kernel.launch.block == (256 + producer.THREADS, 1, 1)
+    assert kernel.launch.block == (512 + producer.THREADS, 1, 1)
     assert kernel.launch.grid[0] == 4096 // 256
     assert any("chunks handed over by named barriers" in n for n in kernel.notes), kernel.notes
     assert "wgmma_f16_n64" in kernel.source and "bar_arrive(" in kernel.source
+    assert "read once before the stream" in kernel.source   # Q's 16 registers fit the 112 each has
 
 
 def test_the_wide_forward_is_three_warpgroups_and_a_copying_one(gpu):
@@ -119,6 +123,19 @@ def test_the_wide_forward_is_three_warpgroups_and_a_copying_one(gpu):
     assert kernel.launch.grid[0] == 4 * -(-4096 // 192)          # the last of 22 row tiles ragged
     assert any("chunks handed over by named barriers" in n for n in kernel.notes), kernel.notes
     assert "wgmma_f16_n128" in kernel.source and "bar_arrive(U4 +" in kernel.source   # warpgroup 2's
+
+
+@pytest.mark.parametrize("chunk,held", [(128, False), (64, True)])
+def test_fragments_are_held_only_in_the_registers_the_computing_threads_get(gpu, chunk, held):
+    """``emit_mma.hoisted_fragments`` beside a copying warpgroup: the computing threads have what
+    ``setmaxnreg`` gives them (160 at d = 128 on three warpgroups), not 255.  With key chunks of 128
+    the scores take 64 registers; Q's 32 held besides them spilled (1.104 ms against 0.781 by
+    descriptor, an H200), so Q is read by descriptor there and held with chunks of 64."""
+    kernel = lw._lower_one(_attention(width=128), prefetch="auto", tiles={"x": chunk})
+    assert f"CHUNK_x = uint32({chunk})" in kernel.source
+    assert kernel.launch.block == (384 + producer.THREADS, 1, 1)
+    assert ("read once before the stream" in kernel.source) == held
+    assert "setmaxnreg_inc_160()" in kernel.source
 
 
 def test_without_the_copying_warpgroup_it_is_planned_again_as_before(gpu):
@@ -146,15 +163,18 @@ def test_forced_switches_keep_their_meaning(gpu, monkeypatch):
     assert kernel.launch.block == (256, 1, 1) and "wgmma_f16_n64" in kernel.source
 
 
-@pytest.mark.parametrize("rows,threads,sizes,seed", [
-    pytest.param(256, 256, {q: 256, x: 140, d: 16}, 3, id="two-warpgroups"),
-    pytest.param(192, 384, {q: 200, x: 140, d: 32}, 5, id="three-warpgroups-ragged-rows"),
+@pytest.mark.parametrize("rows,threads,chunk,sizes,seed", [
+    pytest.param(256, 256, 64, {q: 256, x: 140, d: 16}, 3, id="two-warpgroups"),
+    pytest.param(256, 512, 64, {q: 256, x: 140, d: 16}, 7, id="four-warpgroups", marks=pytest.mark.slow),
+    pytest.param(192, 384, 64, {q: 200, x: 140, d: 32}, 5, id="three-warpgroups-ragged-rows"),
+    pytest.param(192, 384, 128, {q: 200, x: 300, d: 32}, 11, id="three-warpgroups-chunks-of-128",
+                 marks=pytest.mark.slow),
 ])
-def test_the_auto_forward_matches_the_oracle_in_the_simulator(rows, threads, sizes, seed):
-    """What the GPU gets at 4096 rows, at the simulator's size: 256 computing threads of 256 rows
-    (d <= 64) or 384 of 192 (d = 128), the copying warpgroup by ``"auto"`` (not forced), ragged
-    keys (and rows), causal, huge logits."""
-    dia = nc.library.attention(q=q, x=x, d=d, causal=True, dtype=nc.f16).stream(x, 64).tile(q, rows) \
+def test_the_auto_forward_matches_the_oracle_in_the_simulator(rows, threads, chunk, sizes, seed):
+    """What the GPU gets at 4096 rows, at the simulator's size: 512 computing threads of 256 rows
+    (d <= 64; 256 before) or 384 of 192 (d = 128, key chunks of 128 unmasked), the copying
+    warpgroup by ``"auto"`` (not forced), ragged keys (and rows), causal, huge logits."""
+    dia = nc.library.attention(q=q, x=x, d=d, causal=True, dtype=nc.f16).stream(x, chunk).tile(q, rows) \
         .bind(sizes)
     kernel = nc.lower(dia, threads=threads, prefetch="double", verify=False)
     assert kernel.launch.block == (threads + producer.THREADS, 1, 1), kernel.notes

@@ -1,8 +1,8 @@
 """Probe: the 16-bit attention forward in the forms the generator can give it, timed in one run
 beside FlexAttention.
 
-- ``default``: ``nc.lower``'s choice (on an H100: 256 computing threads of 256 rows on warpgroup
-  MMAs, a copying warpgroup, chunks handed over by named barriers);
+- ``default``: ``nc.lower``'s choice (at d <= 64: 512 computing threads of 256 rows on warpgroup
+  MMAs, 256 on an H100 until 2026-11-30, a copying warpgroup, chunks handed over by named barriers);
 - ``block``: the same with ``producer.HAND_OVER = "block"`` (one block barrier per chunk);
 - ``mma.sync``: ``producer.SWITCH = False`` (what the schedule chose before: 128 rows, 128
   threads, ``mma.sync``);

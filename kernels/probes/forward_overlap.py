@@ -56,8 +56,42 @@ def _indent(text: str, by: int) -> str:
     return "".join((" " * by + ln if ln.strip() else ln) for ln in text.splitlines(keepends=True))
 
 
-def overlap(source: str) -> str:
-    """``source`` (a forward rewritten to three buffers) with chunk c's softmax beside chunk c - 1's update."""
+def turn_ids(groups: int) -> list[int]:
+    """Named barriers for the warpgroups' turns (:func:`overlap`'s ``turns``): those above the three
+    buffers' landed and released barriers, and barrier 1 (the computing threads', used inside the loop
+    only by the simulator's reductions, whose barriers it keys by count too) where 16 run short."""
+    free = list(range(2 + 3 * groups + 3, 16))
+    ids = (free if len(free) >= groups else [1] + free)[:groups]
+    assert len(ids) == groups, (groups, ids)
+    return ids
+
+
+def _turns(groups: int, ids: list[int] | None = None) -> tuple[str, str, str, str]:
+    """Code of the warpgroups' turns (FlashAttention-3's ping-pong) on barriers ``ids`` (default
+    :func:`turn_ids`): the names of this warpgroup's barrier and the next one's, set once, with
+    warpgroup 0's first turn; the wait for this warpgroup's turn; the hand-over; after the loop,
+    warpgroup 0's wait for the last warpgroup's last hand-over.  The hand-over is not in a branch:
+    it falls between a contraction's commit and its wait, and a branch there (the last warpgroup
+    skipping its last hand-over) gave wrong scores on the H200 at d = 64 (right in the simulator)."""
+    ids = ids or turn_ids(groups)
+    pick = "wg_turn = tid // U128\n"
+    for name, order in (("turn_me", ids), ("turn_next", ids[1:] + ids[:1])):
+        pick += f"{name} = uint32({order[0]})\n" + "".join(
+            f"if wg_turn == uint32({w}):\n    {name} = uint32({b})\n" for w, b in enumerate(order) if w)
+    first = (f"if wg_turn == uint32({groups - 1}):  # the first turn is warpgroup 0's\n"
+             f"    bar_arrive(uint32({ids[0]}), uint32(256))\n")
+    wait = "bar_named(turn_me, uint32(256))  # this warpgroup's turn to issue its contractions\n"
+    hand = "bar_arrive(turn_next, uint32(256))  # the next warpgroup's turn\n"
+    last = (f"if wg_turn == U0:  # the last warpgroup's last hand-over, waited for\n"
+            f"    bar_named(uint32({ids[0]}), uint32(256))\n")
+    return pick, first, wait, hand, last
+
+
+def overlap(source: str, groups: int | None = None) -> str:
+    """``source`` (a forward rewritten to three buffers) with chunk c's softmax beside chunk c - 1's
+    update; with ``groups`` (its computing warpgroups), also in turns: each warpgroup issues its two
+    contractions only after the previous warpgroup issued its own, so that one's softmax runs while
+    the others multiply (FlashAttention-3's ping-pong, generalised to ``groups`` warpgroups)."""
     assert source.count(LOOP) == 1, "one stream loop at the kernel's top level"
     head, rest = source.split(LOOP, 1)
     head += "\n"
@@ -88,24 +122,49 @@ def overlap(source: str) -> str:
     rows = _one(r"^    O_mu = cuda\.local\.array\((\d+), float32\)\n", head)[1]   # rows per thread
     o_rescale = f"for i in range(U{rows}):\n    for j in range({rescale[2]}):\n        O_o[i, j] *= O_delta[i]\n"
     assert f"O_o = cuda.local.array(({rows}, " in head, "O_o: rows per thread x columns"
+    pick, first, wait, hand, last = _turns(groups) if groups else ("", "", "", "", "")
     prologue = ("# chunk 0 (landed at the barrier above): its scores and softmax; its update is issued in the loop\n"
-                f"O_delta = cuda.local.array({rows}, float32)\n" + cur + s_all + softmax + packs + advance)
+                f"O_delta = cuda.local.array({rows}, float32)\n" + pick + cur + s_all + softmax + packs + advance + first)
     loop = ("# chunk c: S_c issued, then chunk c - 1's update behind it; S_c waited for alone, its softmax\n"
             "# runs while the update multiplies; then O rescaled and chunk c - 1's buffers released\n"
             "for x0 in range(CHUNK_x, N_x, CHUNK_x):\n"
-            + _indent(cur + landed + s_issue + pv_issue + f"S_regs_wg = wgmma_wait1_n{width}(S_regs_wg)\n" + s_unpack
+            + _indent(cur + landed + wait + s_issue + pv_issue + hand + f"S_regs_wg = wgmma_wait1_n{width}(S_regs_wg)\n" + s_unpack
                       + softmax_later + pv_wait
                       + "fence_proxy_async()  # chunk c - 1's reads are done\n"
                       + "if x0 + CHUNK_x + CHUNK_x < N_x:  # chunk c - 1's buffer is refilled with chunk c + 2\n"
                       + "    " + release[1] + "buf_prev" + release[2] + o_rescale + packs + advance, 4))
-    epilogue = "# the last chunk's update\n" + pv_issue + pv_wait
+    epilogue = "# the last chunk's update\n" + pv_issue + pv_wait + last
     return head + _indent(prologue + loop + epilogue, 4) + tail
 
 
-def rewritten(kernel, groups: int):
-    """A copy of ``kernel`` (the generated forward) with three buffers and the overlap."""
+def score_turns(source: str, groups: int, through_wait: bool) -> str:
+    """``source`` (the generated forward, two buffers, no overlap) with the warpgroups in turns
+    around their score contraction alone: each issues ``S = Q K^T`` only after the previous one
+    issued its own (``through_wait``: after the previous one's scores have landed), and hands the
+    turn on after its commit (after its wait).  The update ``O += P V`` is issued outside the
+    turns.  What the turns give without the overlap's three buffers and reordered loop."""
+    assert source.count(LOOP) == 1, "one stream loop at the kernel's top level: the computing warpgroups'"
+    head, rest = source.split(LOOP)
+    end = re.search(r"^    \S", rest, re.M).start()
+    body, tail = rest[:end], rest[end:]
+    ids = list(range(2 + 2 * groups + 2, 16))[:groups]
+    assert len(ids) == groups, ids
+    pick, first, wait, hand, last = _turns(groups, ids)
+    issue = _one(r"^        K_s_desc = wgmma_desc16\(", body).start()
+    body = body[:issue] + _indent(wait, 8) + body[issue:]
+    after = list(re.finditer(r"^        wgmma_commit\(\)\n", body, re.M))[0]   # the scores' (the update's follows)
+    if through_wait:   # the last of the score fragments' waits
+        after = list(re.finditer(r"^        S_regs_wg\d* = wgmma_wait_n\d+\(S_regs_wg\d*\)\n(        S_regs\[[^\n]*\n)?",
+                                 body, re.M))[-1]
+    body = body[:after.end()] + _indent(hand, 8) + body[after.end():]
+    assert "setmaxnreg_inc_" in head, "the loop rewritten is the computing warpgroups'"
+    return head + "\n" + _indent(pick + first, 4) + LOOP.lstrip("\n") + body + _indent(last, 4) + tail
+
+
+def rewritten(kernel, groups: int, turns: bool = False):
+    """A copy of ``kernel`` (the generated forward) with three buffers and the overlap (in turns)."""
     source, extra = three_buffers(kernel.source, groups)
-    return edited(kernel, overlap(source), extra)
+    return edited(kernel, overlap(source, groups if turns else None), extra)
 
 
 def main():
@@ -114,7 +173,8 @@ def main():
     ap = case_args(rounds=7)
     ap.add_argument("--form", action="append", default=[],
                     help="NAME=SPEC[:MODE] (SPEC: op_forms' tunables; MODE, ';'-separated: block symbols and threads "
-                         "to lower the forward again with, and 'overlap' to rewrite it)")
+                         "to lower the forward again with, 'overlap' to rewrite it, 'turns' for the overlap in turns, "
+                         "'sturns' / 'swturns' for turns around the scores' issue / issue and wait alone)")
     args = ap.parse_args()
     causal, Q, K, V, dO, want = case_tensors(args)
     ops = {}
@@ -131,9 +191,12 @@ def main():
                 op._cache[key] = nc.lower(op._cache[("bound",) + key[1:3]], tiles={k: int(v) for k, v in given.items()},
                                           threads=threads, prefetch=op.prefetch, verify=False)
             print(f"{name}: {op._cache[key].launch}", flush=True)
-        if "overlap" in tokens:
+        if "sturns" in tokens or "swturns" in tokens:
             kern = op._cache[key]
-            op._cache[key] = rewritten(kern, kern.launch.block[0] // 128 - 1)
+            op._cache[key] = edited(kern, score_turns(kern.source, kern.launch.block[0] // 128 - 1, "swturns" in tokens))
+        elif "overlap" in tokens or "turns" in tokens:
+            kern = op._cache[key]
+            op._cache[key] = rewritten(kern, kern.launch.block[0] // 128 - 1, turns="turns" in tokens)
         ops[name] = checked(f"{name} ({spec or 'defaults'}{', ' + mode if mode else ''})", op, Q, K, V, dO, want)
     del want
     time_forwards(ops, args, Q, K, V, dO, causal, kernels=1)

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from ..core.errors import LoweringError
 from ..relabel.loopnest import Load, Loop
-from .plan import Frag
+from .plan import MMA_SLACK, Frag
+from . import producer
 from .source import Source
 from .tensorcore import TF32X3, mma_dtype
 from .wgmma import emit_wgmma, shared_a_buffer
@@ -62,6 +63,19 @@ this, the registers a thread can have (the dK, dV kernel at d = 128, estimated 2
 spills: hoisting K there took its spills from 276 to 884 bytes, ``kernels/ptx_resources.py``)."""
 
 
+def _past_the_computing_registers(em, m: Frag, more: int) -> bool:
+    """Whether ``more`` registers of hoisted warpgroup fragments would take the computing threads
+    of a kernel with a copying warpgroup past what ``setmaxnreg`` gives them
+    (:func:`.producer.consumer_registers`), the estimate's per-step A fragments (:data:`.plan.MMA_SLACK`)
+    replaced by the hoisted ones.  The d = 128 forward with key chunks of 128 (estimate 197, 160
+    registers each) held Q's 32 and ran 1.104 ms against 0.781 with Q read by descriptor (H200,
+    kernels/BENCHMARKS.md, "Session of 2026-11-30"); with chunks of 64 (165) it holds them, level."""
+    if not (em.specialise and m.wg):
+        return False
+    budget = producer.consumer_registers(em.T, em.plan.launch.blocks_per_sm)
+    return em.plan.launch.registers - MMA_SLACK + more > budget
+
+
 @dataclass
 class FragHoist:
     """A stream loop's preamble: a slot before the loop for fragments of shared buffers the loop
@@ -91,7 +105,9 @@ def hoisted_fragments(em, m: Frag, key, kax: str, steps: int):
     (an input loaded before the loop: FlashAttention's Q while K, V stream), ``ldmatrix``-ed once
     in the loop's preamble (after every copy has landed and a barrier) instead of once per chunk;
     None when there is no such loop, the buffer changes in it, or the fragments would take the
-    kernel past :data:`HOIST_REGISTERS` or its register estimate past :data:`HOIST_CEILING`.
+    kernel past :data:`HOIST_REGISTERS` or its register estimate past :data:`HOIST_CEILING`, or,
+    for warpgroup MMAs beside a copying warpgroup, past the registers ``setmaxnreg`` gives the
+    computing threads (:func:`_past_the_computing_registers`).
 
     Nor for warpgroup MMAs in a kernel with a mask: measured wrong on an H100 where the mask set
     the loop's bounds (causal and windowed forwards, every row past the first chunk), and on an
@@ -108,7 +124,8 @@ def hoisted_fragments(em, m: Frag, key, kax: str, steps: int):
     want = {(mt, ks): (key, m, kax, mt, ks) for mt in range(m.MT) for ks in range(steps)}
     new = [w for w in want.values() if w not in h.names]
     more = em.hoisted_regs + 4 * len(new)
-    if more > HOIST_REGISTERS or em.plan.launch.registers + more > HOIST_CEILING:
+    if more > HOIST_REGISTERS or em.plan.launch.registers + more > HOIST_CEILING or \
+            _past_the_computing_registers(em, m, more):
         return None
     if new:
         k, s = em.consts, h.slot

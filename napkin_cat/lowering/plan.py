@@ -326,6 +326,12 @@ class Structure:
     acc_of_var: Mapping        # var -> accumulator computing it
 
 
+MMA_SLACK = 48
+"""Registers for tensor-core operand fragments (A fragments of every unrolled 16-wide step, B
+fragments, ldmatrix addresses) in :func:`.planner.register_estimate`; fragments held across a
+stream loop replace the A fragments it counts (:func:`.emit_mma.hoisted_fragments`)."""
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     grid: tuple[int, int, int]

@@ -41,6 +41,7 @@ from .emit_kinds import CODEGEN_RULES, REDUCE_OPS
 from .frag_operands import frag_operands
 from .fuse import fuse_scores
 from .layouts import FRAG_PAD, plan_layouts
+from .plan import MMA_SLACK
 from .producer import double_for_copies
 from .register_copies import register_copies
 from .reindex import check_axes as check_reindexed_axes, remaps
@@ -71,9 +72,6 @@ REGISTER_FLOOR = 128
 REGISTER_SLACK = 16
 """Registers for indices and addresses in :func:`register_estimate`."""
 
-MMA_SLACK = 48
-"""Registers for tensor-core operand fragments (A fragments of every unrolled 16-wide step, B
-fragments, ldmatrix addresses) in :func:`register_estimate`."""
 
 CONTRACTION_UNROLL = 8
 """Steps of a contraction's innermost reduction loop written out per iteration of the emitted

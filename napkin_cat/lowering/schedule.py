@@ -49,7 +49,7 @@ from ..relabel.rules import (check_blocks, fuse_norm_contract, fuse_softmax_cont
 from . import planner
 from .plan import kernel_dtype
 from .reindex import remaps
-from .wgmma_plan import computed_axes, warpgroup_forward
+from .wgmma_plan import computed_axes, forward_chunk, warpgroup_forward
 
 GPU_THREADS, SIM_THREADS, MAX_THREADS = 256, 16, 1024   # MAX_THREADS: per block on every CUDA device
 
@@ -303,7 +303,8 @@ def _chunk(d0: Diagram, axis: str, simulate: bool) -> int:
     if _tensor_cores(d0) and kernel_dtype(d0) == "f32":   # 3xTF32: 32, 16 past d = 64 (H100, BENCHMARKS)
         return min(n, 16 if _widest(d0, axis) > 64 else 32)
     mma = (64 if len(plan.accumulators) >= 2 else 32) if _tensor_cores(d0) else 16
-    return min(n, 64 if rules & {"online_softmax", "normalized", "logsumexp"} else mma)
+    online = rules & {"online_softmax", "normalized", "logsumexp"} and (forward_chunk(d0, simulate, planner.WGMMA) or 64)
+    return min(n, online or mma)
 
 
 def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: int = GPU_THREADS) -> int:
@@ -311,10 +312,9 @@ def _heuristic_tile(d0: Diagram, axis: str, main: list[str], simulate: bool, T: 
     if simulate:
         return min(n, 4)
     if _tensor_cores(d0) and len(main) < 2:
-        # tensor cores: 16 rows per warp and row tile, two row tiles per warp when the contractions
-        # are narrow (d <= 64) and the block has at most 4 warps, else one (measured on an H100);
-        # one for 3xTF32 (four times the fragment registers: spills at two, ptxas); two on 8 warps
-        # for the warpgroup forward; one under a band mask keeping few entries (shorter_rows_pay)
+        # tensor cores: 16 rows per warp and row tile, two per warp when the contractions are narrow
+        # (d <= 64) on at most 4 warps (H100), or on the warpgroup forward's 8; one for 3xTF32 (spills
+        # at two, ptxas); one under a band mask keeping few entries (shorter_rows_pay)
         warps = max(1, T // 32)
         one = (_widest(d0, axis) > 64 or warps > 4 or kernel_dtype(d0) == "f32" or shorter_rows_pay(
             d0, axis, 32 * warps)) and not (T == 256 and warpgroup_forward(d0, simulate, planner.WGMMA) == 256)

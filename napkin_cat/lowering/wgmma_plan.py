@@ -247,14 +247,16 @@ def warpgroup_forward(d0, simulate: bool, mode) -> int:
     fastest at, or 0 (the schedule's other rules): a 16-bit softmax-contraction on a GPU with
     warpgroup MMAs and a copying warpgroup (``mode``: ``planner.WGMMA``, ``"auto"``) gets
 
-    - at head widths up to :data:`FORWARD_MAX_WIDTH`, with no mask: 256 threads and 256 rows (two
-      warpgroups of 128 rows sharing each chunk: 0.411 ms against ``mma.sync``'s 0.475 at 128 rows
-      on 128 threads, d = 64).  Not with a mask: the causal forward measured 0.263 against 0.257
-      (kernels/BENCHMARKS.md, "Fifth session of 2026-11-25");
+    - at head widths up to :data:`FORWARD_MAX_WIDTH`, with no mask: 512 threads and 256 rows (four
+      warpgroups of 64 rows sharing each chunk: 0.381 ms against two warpgroups of 128 rows' 0.404-0.407
+      on an H200, kernels/BENCHMARKS.md, "Session of 2026-11-30"; those two measured 0.411 against
+      ``mma.sync``'s 0.475 at 128 rows on 128 threads, d = 64).  Not with a mask: the causal forward
+      measured 0.263 against 0.257 (kernels/BENCHMARKS.md, "Fifth session of 2026-11-25");
     - at width :data:`FORWARD_WIDE`, unmasked or masked from the first column on (causal): 384
       threads and 192 rows (three warpgroups of 64 rows: 0.837 ms against ``mma.sync``'s 0.955 at
       64 rows on 128 threads, causal 0.464 against 0.528, ALiBi 0.474 against 0.535; two warpgroups
-      of 128 rows ran 1.11, of 64 rows with 128-key chunks 1.06).  Not with a band (a sliding
+      of 128 rows ran 1.11, of 64 rows with 128-key chunks 1.06); unmasked, key chunks of
+      :data:`FORWARD_WIDE_CHUNK` (:func:`forward_chunk`).  Not with a band (a sliding
       window: 0.157 against 0.134, the taller tiles keeping a larger share of partial chunks) nor a
       mask of unknown support (kernels/BENCHMARKS.md, "Sixth session of 2026-11-25")."""
     from . import producer
@@ -270,7 +272,19 @@ def warpgroup_forward(d0, simulate: bool, mode) -> int:
     masks = [e.box.param("pred") for e in d0.eqns if e.box.kind == "mask"]
     if max(widths) == FORWARD_WIDE:
         return 384 if all(_from_first_column(p) for p in masks) else 0
-    return 256 if max(widths) <= FORWARD_MAX_WIDTH and not masks else 0
+    return FORWARD_NARROW_THREADS if max(widths) <= FORWARD_MAX_WIDTH and not masks else 0
+
+
+def forward_chunk(d0, simulate: bool, mode) -> int | None:
+    """The key chunk of the warpgroup forward (:func:`warpgroup_forward`) where it is not the
+    schedule's usual 64: :data:`FORWARD_WIDE_CHUNK` at width :data:`FORWARD_WIDE` with no mask.
+    Measured on an H200 (fp16, N = 4096, 32 heads; kernels/BENCHMARKS.md, "Session of
+    2026-11-30"): 0.781-0.783 ms against 0.860-0.870 for chunks of 64, the row operand read by
+    descriptor (its fragments held, 1.104: :func:`.emit_mma.hoisted_fragments` refuses them); causal
+    0.479 against 0.461, the diagonal's partial chunks twice as wide, so masked forwards keep 64."""
+    if warpgroup_forward(d0, simulate, mode) != 384 or any(e.box.kind == "mask" for e in d0.eqns):
+        return None
+    return FORWARD_WIDE_CHUNK
 
 
 def computed_axes(d0, at_most: int) -> list:
@@ -295,7 +309,16 @@ def _from_first_column(pred) -> bool:
 
 
 FORWARD_MAX_WIDTH = 64
-"""The widest head a 16-bit attention forward takes two warpgroups of 128 rows at (:func:`warpgroup_forward`)."""
+"""The widest head a 16-bit attention forward takes four warpgroups of 64 rows at (:func:`warpgroup_forward`)."""
+
+FORWARD_NARROW_THREADS = 512
+"""Computing threads of the 16-bit attention forward at widths up to :data:`FORWARD_MAX_WIDTH`
+(:func:`warpgroup_forward`): four warpgroups of 64 rows; 256 gives two warpgroups of 128 rows, as
+until the session of 2026-11-30."""
+
+FORWARD_WIDE_CHUNK = 128
+"""Key chunk of the unmasked warpgroup forward at width :data:`FORWARD_WIDE` (:func:`forward_chunk`;
+64 gives the chunks of before the session of 2026-11-30)."""
 
 FORWARD_WIDE = 128
 """The head width a 16-bit attention forward takes three warpgroups of 64 rows at (:func:`warpgroup_forward`)."""
