@@ -250,8 +250,11 @@ def warpgroup_forward(d0, simulate: bool, mode) -> int:
     - at head widths up to :data:`FORWARD_MAX_WIDTH`, with no mask: 512 threads and 256 rows (four
       warpgroups of 64 rows sharing each chunk: 0.381 ms against two warpgroups of 128 rows' 0.404-0.407
       on an H200, kernels/BENCHMARKS.md, "Session of 2026-11-30"; those two measured 0.411 against
-      ``mma.sync``'s 0.475 at 128 rows on 128 threads, d = 64).  Not with a mask: the causal forward
-      measured 0.263 against 0.257 (kernels/BENCHMARKS.md, "Fifth session of 2026-11-25");
+      ``mma.sync``'s 0.475 at 128 rows on 128 threads, d = 64).  Masked from the first column on
+      (causal; :data:`FORWARD_NARROW_MASKED`) likewise: 0.241 against ``mma.sync``'s 0.258 at 128
+      rows (two warpgroups of 128 rows: 0.261, as 0.263 against 0.257 in the "Fifth session of
+      2026-11-25"; block-causal, prefix-LM and grouped causal 5-8% faster too); not under a band, a
+      mask of unknown support (as at d = 128) nor one that reads data (a document's ids: not measured);
     - at width :data:`FORWARD_WIDE`, unmasked or masked from the first column on (causal): 384
       threads and 192 rows (three warpgroups of 64 rows: 0.837 ms against ``mma.sync``'s 0.955 at
       64 rows on 128 threads, causal 0.464 against 0.528, ALiBi 0.474 against 0.535; two warpgroups
@@ -272,7 +275,9 @@ def warpgroup_forward(d0, simulate: bool, mode) -> int:
     masks = [e.box.param("pred") for e in d0.eqns if e.box.kind == "mask"]
     if max(widths) == FORWARD_WIDE:
         return 384 if all(_from_first_column(p) for p in masks) else 0
-    return FORWARD_NARROW_THREADS if max(widths) <= FORWARD_MAX_WIDTH and not masks else 0
+    data = any(len(e.ins) > 1 for e in d0.eqns if e.box.kind == "mask")   # a mask reading auxiliary tensors
+    narrow = not masks or (FORWARD_NARROW_MASKED and not data and all(_from_first_column(p) for p in masks))
+    return FORWARD_NARROW_THREADS if max(widths) <= FORWARD_MAX_WIDTH and narrow else 0
 
 
 def forward_chunk(d0, simulate: bool, mode) -> int | None:
@@ -315,6 +320,11 @@ FORWARD_NARROW_THREADS = 512
 """Computing threads of the 16-bit attention forward at widths up to :data:`FORWARD_MAX_WIDTH`
 (:func:`warpgroup_forward`): four warpgroups of 64 rows; 256 gives two warpgroups of 128 rows, as
 until the session of 2026-11-30."""
+
+FORWARD_NARROW_MASKED = True
+"""The forward at widths up to :data:`FORWARD_MAX_WIDTH` takes its warpgroups under masks that keep
+the first column too (causal), as at :data:`FORWARD_WIDE` (False: unmasked only, as until the
+session of 2026-11-30)."""
 
 FORWARD_WIDE_CHUNK = 128
 """Key chunk of the unmasked warpgroup forward at width :data:`FORWARD_WIDE` (:func:`forward_chunk`;
