@@ -5,38 +5,23 @@ Measured on an H200 (kernels/BENCHMARKS.md, "Session of 2026-11-30", the ping-po
 named-barrier arrival in a branch between a ``wgmma`` commit and its wait gave a forward whose O was
 wrong (relative error 1.05), right in the simulator, whose warpgroup twins cannot show it; with the
 arrival out of the branch, the same kernel was right.  The generator places its hand-over barriers
-after the waits; this keeps it so, by reading the emitted source: from each ``wgmma_commit()`` to
-the wait that leaves its group done, no ``bar_named``, ``bar_arrive`` or ``cuda.syncthreads``.
+after the waits, and ``nc.lower`` refuses a kernel with one in between (``wgmma.no_barrier_in_flight``
+on the emitted source: from each ``wgmma_commit()`` to the wait that leaves its group done, no
+``bar_named``, ``bar_arrive`` or ``cuda.syncthreads``).
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 import napkin_cat as nc
 import napkin_cat.lowering as lowering
+from napkin_cat.core.errors import LoweringError
 from napkin_cat.lowering import planner
+from napkin_cat.lowering.wgmma import barriers_in_flight, no_barrier_in_flight
 
 ROOT = Path(__file__).resolve().parents[1]
-BARRIER = re.compile(r"\b(bar_named|bar_arrive|cuda\.syncthreads)\(")
-
-
-def barriers_in_flight(source: str) -> list[tuple[int, str]]:
-    """``(line, text)`` of each barrier between a commit and the wait that completes its group
-    (``wgmma_wait<N>_`` leaves the N latest groups pending; a plain wait, none)."""
-    pending, found = 0, []
-    for i, line in enumerate(source.splitlines(), 1):
-        s = line.strip()
-        if s == "wgmma_commit()":
-            pending += 1
-        elif "= wgmma_wait" in s:
-            depth = re.search(r"wgmma_wait(\d*)_", s)[1]
-            pending = min(pending, int(depth)) if depth else 0
-        elif pending and BARRIER.search(s):
-            found.append((i, s))
-    return found
 
 
 def test_the_scan_finds_a_barrier_in_flight():
@@ -44,6 +29,27 @@ def test_the_scan_finds_a_barrier_in_flight():
                "wgmma_commit()\nwgmma_commit()\nA = wgmma_wait1_n64(A)\ncuda.syncthreads()\nB = wgmma_wait_n64(B)\n"
                "bar_named(U1, U256)\n")
     assert [ln for ln, _ in barriers_in_flight(planted)] == [3, 8]
+    with pytest.raises(LoweringError, match=r"in flight \(line 3: 'bar_arrive\(U8, U256\)'\).*2 such"):
+        no_barrier_in_flight(planted)
+    assert no_barrier_in_flight(planted.replace("bar_arrive(U8, U256)", "pass")
+                                .replace("cuda.syncthreads()", "pass")).count("pass") == 2
+
+
+def test_lower_refuses_a_kernel_with_a_barrier_in_flight(monkeypatch):
+    """A planted hand-over right after a warpgroup MMA's commit: ``nc.lower`` refuses the kernel
+    rather than return it (the simulator would run it right)."""
+    from napkin_cat.lowering import emit
+    monkeypatch.setattr(lowering, "_gpu_present", lambda runtime: True)
+    written = emit.Emitter.emit
+
+    def planted(self):
+        return written(self).replace("wgmma_commit()\n", "wgmma_commit()\n        bar_arrive(U8, U256)\n", 1)
+
+    monkeypatch.setattr(emit.Emitter, "emit", planted)
+    q, x, d = nc.axes("q x d")
+    att = nc.library.attention(q=q, x=x, d=d, dtype=nc.f16).bind({q: 1024, x: 1024, d: 64})
+    with pytest.raises(LoweringError, match="a barrier while a warpgroup MMA group is in flight"):
+        nc.lower(att, verify=False, prefetch="auto")
 
 
 def test_the_golden_kernels_hold_no_barrier_in_flight():

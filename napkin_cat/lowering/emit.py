@@ -55,7 +55,7 @@ def render(plan: KernelPlan, notes: tuple[str, ...] = ()) -> tuple[str, dict, tu
         em = Emitter(plan, notes)
         source = em.emit()
     em.notes += producer.note(plan, why, em.producer_threads)
-    return source, {key: b.name for key, b in em.bufs.items()}, em.notes, em.producer_threads, em.blocks()
+    return wg.no_barrier_in_flight(source), {key: b.name for key, b in em.bufs.items()}, em.notes, em.producer_threads, em.blocks()
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ cores' asynchronous proxy needs ``fence.proxy.async`` in each writing thread bef
 ``wgmma_commit`` closes the group and ``wgmma_wait_n*`` waits for it, passing the accumulators
 through, so nothing reads them early; where later contractions are issued before this one's
 epilogue (:mod:`.issue_ahead`), it waits with their number as depth (``wgmma_wait{D}_n*``).
+No barrier sits between a commit and the wait that completes its group
+(:func:`no_barrier_in_flight`, checked on every kernel :func:`.emit.render` writes).
 
 Which contractions move is planned by :mod:`.wgmma_plan`.  On a GPU the primitives are inline
 PTX generated per ``N`` (:func:`cu_source`, linked by :mod:`.tensorcore_gpu`); under the
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import re
 
+from ..core.errors import LoweringError
 from . import issue_ahead
 from .plan import Frag
 
@@ -298,3 +301,37 @@ def cu_source(n: int) -> str:
             f'  asm volatile("wgmma.wait_group.sync.aligned {depth};\\n" : {outs} :: "memory");\n'
             f'  *ret = o;\n  return 0;\n}}')
     return "\n\n".join(text) + "\n"
+
+
+_BARRIER = re.compile(r"\b(bar_named|bar_arrive|cuda\.syncthreads)\(")
+
+
+def barriers_in_flight(source: str) -> list[tuple[int, str]]:
+    """``(line, text)`` of each barrier of ``source`` between a ``wgmma_commit()`` and the wait that
+    completes its group (``wgmma_wait{D}_n*`` leaves the ``D`` latest groups pending; a plain wait,
+    none), in the order of the text."""
+    pending, found = 0, []
+    for i, line in enumerate(source.splitlines(), 1):
+        s = line.strip()
+        if s == "wgmma_commit()":
+            pending += 1
+        elif "= wgmma_wait" in s:
+            depth = re.search(r"wgmma_wait(\d*)_", s)[1]
+            pending = min(pending, int(depth)) if depth else 0
+        elif pending and _BARRIER.search(s):
+            found.append((i, s))
+    return found
+
+
+def no_barrier_in_flight(source: str) -> str:
+    """``source``, or :class:`LoweringError` where a barrier sits while a warpgroup MMA group is in
+    flight.  Measured on an H200 (kernels/BENCHMARKS.md, "Session of 2026-11-30", the ping-pong
+    probe): a named-barrier arrival in a branch between a commit and its wait gave a forward whose O
+    was wrong (relative error 1.05), right in the simulator, whose twins cannot show it; out of
+    the branch, the same kernel was right.  The generator places its barriers after the waits."""
+    found = barriers_in_flight(source)
+    if found:
+        line, text = found[0]
+        raise LoweringError(f"internal: a barrier while a warpgroup MMA group is in flight (line {line}: "
+                            f"{text!r}), measured wrong on the GPU: {len(found)} such barrier(s)")
+    return source
