@@ -23,6 +23,11 @@ rather than measuring something else.  GPU only (the simulator check is in
 ``tests/test_forward_stages_probe.py``).
 
     NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/forward_overlap.py --case f16,4096,128,0 --rounds 7
+
+Mode ``turns`` (session of 2026-11-30): the overlap with the computing warpgroups in turns,
+FlashAttention-3's ping-pong (:func:`overlap` with ``groups``); modes ``sturns`` / ``swturns``:
+turns around the scores' issue / issue and wait alone, without the overlap (:func:`score_turns`).
+Measured: 10% faster at d = 64, slower at d = 128 (kernels/BENCHMARKS.md).
 """
 from __future__ import annotations
 
