@@ -71,7 +71,7 @@ def turn_ids(groups: int) -> list[int]:
     return ids
 
 
-def _turns(groups: int, ids: list[int] | None = None) -> tuple[str, str, str, str]:
+def _turns(groups: int, ids: list[int] | None = None) -> tuple[str, str, str, str, str]:
     """Code of the warpgroups' turns (FlashAttention-3's ping-pong) on barriers ``ids`` (default
     :func:`turn_ids`): the names of this warpgroup's barrier and the next one's, set once, with
     warpgroup 0's first turn; the wait for this warpgroup's turn; the hand-over; after the loop,
