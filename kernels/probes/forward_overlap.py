@@ -61,11 +61,12 @@ def _indent(text: str, by: int) -> str:
     return "".join((" " * by + ln if ln.strip() else ln) for ln in text.splitlines(keepends=True))
 
 
-def turn_ids(groups: int) -> list[int]:
-    """Named barriers for the warpgroups' turns (:func:`overlap`'s ``turns``): those above the three
-    buffers' landed and released barriers, and barrier 1 (the computing threads', used inside the loop
-    only by the simulator's reductions, whose barriers it keys by count too) where 16 run short."""
-    free = list(range(2 + 3 * groups + 3, 16))
+def turn_ids(groups: int, buffers: int = 3) -> list[int]:
+    """Named barriers for the warpgroups' turns: those above the ``buffers`` chunk buffers' landed
+    and released barriers (``2 + b W + w``, ``2 + buffers W + b``), and barrier 1 (the computing
+    threads', used inside the loop only by the simulator's reductions, whose barriers it keys by
+    count too) where 16 run short."""
+    free = list(range(2 + buffers * groups + buffers, 16))
     ids = (free if len(free) >= groups else [1] + free)[:groups]
     assert len(ids) == groups, (groups, ids)
     return ids
@@ -152,9 +153,7 @@ def score_turns(source: str, groups: int, through_wait: bool) -> str:
     head, rest = source.split(LOOP)
     end = re.search(r"^    \S", rest, re.M).start()
     body, tail = rest[:end], rest[end:]
-    ids = list(range(2 + 2 * groups + 2, 16))[:groups]
-    assert len(ids) == groups, ids
-    pick, first, wait, hand, last = _turns(groups, ids)
+    pick, first, wait, hand, last = _turns(groups, turn_ids(groups, buffers=2))
     issue = _one(r"^        K_s_desc = wgmma_desc16\(", body).start()
     body = body[:issue] + _indent(wait, 8) + body[issue:]
     after = list(re.finditer(r"^        wgmma_commit\(\)\n", body, re.M))[0]   # the scores' (the update's follows)
