@@ -33,9 +33,12 @@ def _probe():
 
 def _forward(monkeypatch):
     """The forward with its logsumexp as nc.torch_op plans it for a GPU: three computing warpgroups
-    and a copying one, key chunks of 64, five of them."""
+    and a copying one, key chunks of 64, five of them; over two buffers (``producer.STAGES = 2``),
+    the forward these probes rewrite (the generator's own three buffers: tests/test_producer.py)."""
+    from napkin_cat.lowering import producer
     from napkin_cat.lowering.backward_forms import backward_plan
     monkeypatch.setattr(lowering, "_gpu_present", lambda runtime: True)
+    monkeypatch.setattr(producer, "STAGES", 2)
     q, x, d = nc.axes("q x d")
     fl = nc.library.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q")
     fwd = backward_plan(fl, form="one kernel").at(nc.f16).forward.bind({q: 192, x: 320, d: 16})
@@ -147,3 +150,32 @@ def test_turns_around_the_scores_match_the_oracle_in_the_simulator(warpgroups, m
     inputs = [6.0 * rng.standard_normal(tuple(a.size for a in arr.axes)).astype(np.float32) for arr in oracle.dom]
     out = kernelcheck.kernel_outcome(oracle, _probe().edited(kernel, source), inputs)
     assert out.failure is None and out.abs_error < 1e-2, kernelcheck.describe_failure(out.failure)
+
+
+def _copies_probe():
+    spec = importlib.util.spec_from_file_location("forward_copies", ROOT / "kernels/probes/forward_copies.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe
+
+
+def test_the_copies_probe_still_edits_what_the_generator_writes(warpgroups, monkeypatch):
+    """``forward_copies.py`` (kernels/BENCHMARKS.md, second session of 2026-11-30): two chunks' copies in
+    flight over three buffers, and no copies (this forward has no heads to reorder)."""
+    _, kernel = _forward(monkeypatch)
+    probe = _copies_probe()
+    source, extra = probe.two_in_flight(kernel.source, 3)
+    compile(source, "two in flight", "exec")
+    assert extra > 0 and source.count("cp_async_wait1()") == 2
+    assert "cp_async16" in probe.no_copy(kernel.source)
+
+
+@pytest.mark.slow
+def test_two_chunks_in_flight_match_the_oracle_in_the_simulator(warpgroups, monkeypatch):
+    fwd, kernel = _forward(monkeypatch)
+    probe = _copies_probe()
+    oracle = fwd.unrelabelled()
+    rng = np.random.default_rng(1)
+    inputs = [rng.standard_normal(tuple(a.size for a in arr.axes)).astype(np.float32) for arr in oracle.dom]
+    out = kernelcheck.kernel_outcome(oracle, _probe().edited(kernel, *probe.two_in_flight(kernel.source, 3)), inputs)
+    assert out.failure is None and out.abs_error < 1e-3, kernelcheck.describe_failure(out.failure)

@@ -314,6 +314,10 @@ def _features(kernel) -> set[str]:
         copying = body[:body.index("setmaxnreg_inc_")] if "setmaxnreg_inc_" in body else body
         if "_kept" in copying:       # ... which visits the chunks no block table masks whole
             out.add("copying-table")
+        if "_ahead = " in copying:   # ... over three buffers, chunk c + 2 issued at chunk c (producer.STAGES)
+            out.add("three-buffers")
+        if "issued_" in copying:     # ... over three buffers, chunks a table skips (producer._staged_copies)
+            out.add("three-buffers-table")
     if "bar_named(uint32(1), NTHREADS)  # the computing threads" in body:   # ... their own barriers
         out.add("computing-barrier")
     if re.search(r"wgmma_b?f16_n\d+_ss(_z)?\(smem16", body):   # wgmma.shared_a_buffer: A by descriptor too

@@ -404,14 +404,23 @@ def copying_family(draw):
     several query chunks (of 64), one or two key tiles (of 128), ragged.  Or, with a block table
     of random entries over a document mask (``nc.blocked``: an entry of 0 masks its block), that
     backward or the forward (query tiles of 128, key chunks of 32): both sides of the copying
-    warpgroup scan the table for the chunks it keeps (``copying-table``)."""
+    warpgroup scan the table for the chunks it keeps (``copying-table``); the forwards over three
+    buffers (``three-buffers``, ``three-buffers-table``).  Or the forward without a table, any
+    number of key chunks (``three-buffers``)."""
     from napkin_cat.lowering.torch_op import backward_plan
     dt = draw(st.sampled_from((nc.f16, nc.bf16)))
-    what = draw(st.sampled_from(("backward", "backward-table", "forward-table")), label="variant")
+    what = draw(st.sampled_from(("backward", "backward-table", "forward-table", "forward")), label="variant")
     options = {"threads": 256, "wgmma": True, "hand_over": "both", "prefetch": "double",
                "tiles": {"g_x": 128, "s_q": 64}}
     if what.endswith("table"):
         return _copying_table_case(draw, dt, what, options)
+    if what == "forward":    # over three buffers with the named hand-over (producer.STAGES), two with the block one
+        causal = draw(st.booleans(), label="causal")
+        att = L.attention(q=q, x=x, d=d, causal=causal, dtype=dt)
+        steps = (("stream", "x", 32), ("tile", "q", 128), ("place", "O", "registers"))
+        sizes = {q: draw(st.integers(33, 140), label="q"), x: draw(st.integers(1, 200), label="x"), d: 16}
+        return Case(f"{dt.name} forward, copying warpgroup (causal={causal})", att, steps, sizes, att,
+                    {**options, "tiles": None}, None, SMALL_DATA)
     causal = draw(st.booleans())
     fl = L.attention(q=q, x=x, d=d, causal=causal).stream(x, "s_x").tile(q, "g_q")
     part = backward_plan(fl, form="one kernel").at(dt).parts[-1]
@@ -725,7 +734,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                        "table-kernel-leads", "table-kernel-bounds"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
                                  "wgmma", "paired-atomic", "copying-table", "unswitched", "wgmma-shared-a",
-                                 "issued-ahead", "staged-add"},
+                                 "issued-ahead", "staged-add", "three-buffers", "three-buffers-table"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
                                 "paired-atomic", "column-values"}}
 

@@ -54,19 +54,27 @@ def _body(kernel) -> list[str]:
     return kernel.source.split("@cuda.jit(fastmath")[-1].splitlines()
 
 
+@pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("dtype,causal,sizes,scale", [
     pytest.param(nc.f16, False, {q: 140, x: 77, d: 16}, 1.0, id="f16-ragged"),
     pytest.param(nc.bf16, True, {q: 128, x: 96, d: 32}, 12.0, id="bf16-causal-x12"),
+    pytest.param(nc.f16, False, {q: 128, x: 32 * 7 + 5, d: 16}, 1.0, id="f16-eight-chunks"),
+    pytest.param(nc.f16, True, {q: 40, x: 33, d: 16}, 1.0, id="f16-causal-second-chunk-ragged"),   # the fuzzer's find
 ])
-def test_the_forward_with_a_copying_warpgroup_matches_the_oracle(copying, dtype, causal, sizes, scale):
+def test_the_forward_with_a_copying_warpgroup_matches_the_oracle(copying, monkeypatch, stages, dtype, causal, sizes,
+                                                                 scale):
+    """Over two buffers (chunk c + 1 waited for before chunk c + 2 is issued) and three (two chunks
+    in flight; :data:`.producer.STAGES`), with fewer chunks than buffers and several rounds of them."""
+    monkeypatch.setattr(producer, "STAGES", stages)
     dia = _forward(dtype, causal, sizes)
     kernel = nc.lower(dia, threads=256, prefetch="double", verify=False)
     assert kernel.launch.block == (256 + producer.THREADS, 1, 1)
     assert any(n.startswith("Copying warpgroup: threads 256..383") for n in kernel.notes), kernel.notes
+    assert f"({stages} chunk buffers)" in kernel.source or stages == 2
     body = _body(kernel)
     mine = body[:next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))]
     theirs = body[len(mine):]
-    assert sum("cp_async16(" in ln for ln in mine) == 4          # K and V: the first chunk and the next ones
+    assert sum("cp_async16(" in ln for ln in mine) == 2 * stages   # K and V: chunk 0 (and 1), then in the loop
     assert not any("cp_async16(smem16, K_s" in ln or "cp_async16(smem16, V_s" in ln for ln in theirs)
     assert f"setmaxnreg_dec_{producer.REGS}()" in "\n".join(mine)
     out = _check(dia, kernel, scale)
@@ -75,7 +83,11 @@ def test_the_forward_with_a_copying_warpgroup_matches_the_oracle(copying, dtype,
 
 @pytest.mark.parametrize("hand_over", ["named", "block"])
 def test_both_sides_pass_the_same_block_barriers(copying, monkeypatch, hand_over):
+    """Counted in the text over two buffers; over three, the copying warpgroup's barrier for chunk 0
+    is written twice (in its loop, after the first chunk after it is issued, and after the loop where
+    there is no other) and passed once, which the simulator runs check."""
     monkeypatch.setattr(producer, "HAND_OVER", hand_over)
+    monkeypatch.setattr(producer, "STAGES", 2)
     kernel = nc.lower(_forward(nc.f16, False, {q: 128, x: 64, d: 16}), threads=256, prefetch="double",
                       verify=False)
     assert any(f"handed over by {hand_over} barriers" in n for n in kernel.notes), kernel.notes
@@ -99,11 +111,12 @@ def _named_barriers(lines) -> dict:
     return found
 
 
-def test_the_named_hand_over_pairs_every_wait_with_arrivals(copying):
+def test_the_named_hand_over_pairs_every_wait_with_arrivals(copying, monkeypatch):
     """Each computing warpgroup waits for its own chunk where the copying warpgroup arrives (one
     arrival per warpgroup, 128 + 128 threads), and the copying warpgroup waits for a buffer where
     every computing warpgroup arrives (256 + 128 threads); nothing else meets at a block barrier in
-    the loop."""
+    the loop.  Two buffers (three: the next test)."""
+    monkeypatch.setattr(producer, "STAGES", 2)
     kernel = nc.lower(_forward(nc.f16, True, {q: 128, x: 96, d: 16}), threads=256, prefetch="double",
                       verify=False)
     body = _body(kernel)
@@ -117,6 +130,41 @@ def test_the_named_hand_over_pairs_every_wait_with_arrivals(copying):
                             (f"U{empty} + (U1 - pbuf_x)", "U384"): ["bar_named"]}
     out = _check(_forward(nc.f16, True, {q: 128, x: 96, d: 16}), kernel, 8.0)
     assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+def test_three_buffers_pair_every_wait_with_arrivals(copying):
+    """Over three buffers: each computing warpgroup waits at "landed" barrier ``2 + 2 b + w`` for the
+    copying warpgroup's arrival there (chunk c + 1, handed over at chunk c), and arrives at
+    "released" barrier ``8 + b`` where chunk c + 3 will refill its buffer, where the copying
+    warpgroup waits before it issues that chunk (at chunk c + 1, into buffer (c + 3) % 3)."""
+    kernel = nc.lower(_forward(nc.f16, True, {q: 128, x: 96, d: 16}), threads=256, prefetch="double",
+                      verify=False)
+    body = _body(kernel)
+    split = next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))
+    copying_side, computing = _named_barriers(body[:split]), _named_barriers(body[split:])
+    full, empty = producer.hand_over_ids(256, 3)
+    assert (full, empty) == (2, 8)
+    assert computing == {(f"U{full} + buf_x * U2 + tid // U128", "U256"): ["bar_named"],
+                         (f"U{empty} + buf_x", "U384"): ["bar_arrive"]}
+    assert copying_side == {(f"U{full} + ((pbuf_x + U1) % U3) * U2", "U256"): ["bar_arrive"],
+                            (f"U{full + 1} + ((pbuf_x + U1) % U3) * U2", "U256"): ["bar_arrive"],
+                            (f"U{empty} + ((pbuf_x + U2) % U3)", "U384"): ["bar_named"]}
+    assert re.search(r"if x_next\w* \+ U2 \* CHUNK_x < \w+:", "\n".join(body[split:]))   # where chunk c + 3 refills it
+    out = _check(_forward(nc.f16, True, {q: 128, x: 96, d: 16}), kernel, 8.0)
+    assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+def test_stages_fall_back_to_two_where_the_named_barriers_run_out(copying, monkeypatch):
+    """Four computing warpgroups over three buffers would need 2 + 3 * 4 + 3 = 17 named barriers."""
+    assert producer.hand_over_ids(384, 3) == (2, 11)
+    with pytest.raises(producer.NotSpecialised, match="16 a block has"):
+        producer.hand_over_ids(512, 3)
+    kernel = nc.lower(_forward(nc.f16, False, {q: 256, x: 96, d: 16}, rows=256), threads=512, prefetch="double",
+                      verify=False)
+    assert "(two chunk buffers)" in kernel.source and "chunk buffers)" not in kernel.source.replace("(two chunk", "")
+    monkeypatch.setattr(producer, "STAGES", 1)
+    with pytest.raises(ValueError, match="producer.STAGES"):
+        nc.lower(_forward(nc.f16, False, {q: 128, x: 96, d: 16}), threads=256, prefetch="double", verify=False)
 
 
 def test_a_thread_arriving_twice_at_a_named_barrier_is_a_protocol_error():
@@ -193,12 +241,27 @@ def test_a_planted_late_copy_is_caught(copying, monkeypatch, hand_over):
     c + 1, its hand-over unchanged): the computing side reads chunk 0 twice and never the last
     one, which the check against the oracle sees."""
     monkeypatch.setattr(producer, "HAND_OVER", hand_over)
+    monkeypatch.setattr(producer, "STAGES", 2)
     dia = _forward(nc.f16, False, {q: 128, x: 96, d: 16})
     kernel = copy.copy(nc.lower(dia, threads=256, prefetch="double", verify=False))
     (nxt,) = set(re.findall(r"\((x_next\d*) \+ i_", kernel.source))    # the copying side's next chunk
     late = kernel.source.replace(f"({nxt} + i_", "(x0 + i_")
     assert late.count("(x0 + i_") == 2 and f"({nxt} + i_" not in late
     kernel.source = late
+    kernel._dispatcher, kernel._launchers, kernel._fast = None, {}, None
+    assert _check(dia, kernel).failure is not None
+
+
+def test_a_planted_stale_copy_over_three_buffers_is_caught(copying):
+    """Over three buffers, the copying side copies chunk 0 where it should copy chunk c + 2 (its
+    hand-overs unchanged): the check against the oracle sees it."""
+    dia = _forward(nc.f16, False, {q: 128, x: 96, d: 16})
+    kernel = copy.copy(nc.lower(dia, threads=256, prefetch="double", verify=False))
+    assert "(3 chunk buffers)" in kernel.source
+    (ahead,) = set(re.findall(r"\((x_ahead\d*) \+ i_", kernel.source))    # the copying side's chunk c + 2
+    stale = kernel.source.replace(f"({ahead} + i_", "(U0 + i_")
+    assert stale.count("(U0 + i_") == 4 and f"({ahead} + i_" not in stale
+    kernel.source = stale
     kernel._dispatcher, kernel._launchers, kernel._fast = None, {}, None
     assert _check(dia, kernel).failure is not None
 
@@ -308,5 +371,7 @@ def test_chunks_a_block_table_masks_are_skipped_by_both_sides_of_the_copying_war
             body = _body(kernel)
             split = next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))
             assert any("_kept" in ln for ln in body[:split]), "the copying side scans the table"
+            # the forward over three buffers with the named hand-over (producer._staged_copies)
+            assert any("issued_x" in ln for ln in body[:split]) == (dia is ahead and hand_over == "named")
             out = kernelcheck.kernel_outcome(dia.unrelabelled(), kernel, [ins[a.name] for a in dia.dom])
             assert out.failure is None, kernelcheck.describe_failure(out.failure)

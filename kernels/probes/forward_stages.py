@@ -46,7 +46,8 @@ def three_buffers(source: str, groups: int) -> tuple[str, int]:
     # shared offsets: each double-buffered input one more copy; everything after it moves up
     consts = dict((m[1], int(m[2])) for m in re.finditer(r"^(\w+) = uint32\((\d+)\)  # shared offset", source, re.M))
     doubled = re.findall(r"^(\w+) = uint32\(\d+\)  # shared offset of [^\n]*\(two chunk buffers\)", source, re.M)
-    assert len(doubled) == 2, doubled
+    assert len(doubled) == 2, (f"{doubled}: not the forward over two buffers this rewrites (the generator's own three "
+                               f"since the second session of 2026-11-30: give the form producer.STAGES=2)")
     strides = {b: int(re.search(rf"^STRIDE_{b} = uint32\((\d+)\)", source, re.M)[1]) for b in doubled}
     moved = {}
     for name, off in consts.items():

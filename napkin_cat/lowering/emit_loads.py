@@ -204,7 +204,7 @@ class Loads(TableReads):
         self.ax[lp.axis] = replace(a, start=start)
         if a.ragged:
             cnt = self.names.fresh(f"len_{a.name}")
-            src(f"{cnt} = min({a.cap_c}, {a.size_c} - {start})")
+            src(f"{cnt} = min({a.cap_c}, {a.size_c} - {_paren(start)})")
             self.ax[lp.axis] = replace(self.ax[lp.axis], count=cnt)
         for n, b in zip(loads, bufs):
             self.cur[b.key] = self.names.fresh(f"{b.name}_fill")

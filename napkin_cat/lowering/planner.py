@@ -28,6 +28,7 @@ The tunables below are read at each call (``kernels/variants.py`` switches them)
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import replace
 
@@ -42,7 +43,7 @@ from .frag_operands import frag_operands
 from .fuse import fuse_scores
 from .layouts import FRAG_PAD, plan_layouts
 from .plan import MMA_SLACK
-from .producer import double_for_copies
+from .producer import double_for_copies, staged_for_copies
 from .register_copies import register_copies
 from .reindex import check_axes as check_reindexed_axes, remaps
 from .sixteen_bit import sixteen_bit_buffer, sixteen_bit_targets
@@ -119,9 +120,9 @@ def tf32x3(on: bool):
 
 def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath: bool = True,
                 micro: tuple[int, int] | None = None, prefetch: bool | str = False,
-                unroll: int | None = None, ff: FinalForm | None = None) -> KernelPlan:
-    """The plan of one kernel for ``d`` (relabelled, every size bound); ``ff``: its final form,
-    when the caller has it already."""
+                unroll: int | None = None, ff: FinalForm | None = None, stages: int | None = None) -> KernelPlan:
+    """The plan of one kernel for ``d`` (relabelled, every size bound); ``ff``: its final form, when the
+    caller has it; ``stages``: a stream loop's chunk buffers (None: :func:`.producer.staged_for_copies`)."""
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
         raise LoweringError(f"threads must be an int from 1 to {MAX_THREADS} (threads per block), "
                             f"got {threads!r}")
@@ -149,7 +150,7 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
     sixteen = sixteen_bit_targets(ff, st, cls, targets, absorbed, accs, threads_.dtype)
     prefs, packed = plan_layouts(ff, st, targets, absorbed, accs, ax, sixteen)
     buffers, accs = plan_buffers(ff, ax, st, targets, absorbed, accs, norm_stats, prefs, threads, prefetch,
-                                 sixteen, packed)
+                                 sixteen, packed, stages or 2)
     targets, accs, buffers, wg_notes = plan_wgmma(ff, ax, st, targets, accs, buffers, threads, len(ff.diagram.dom),
                                                   absorbed, WGMMA)
     buffers = assign_offsets(staged_add.plan(ff, ax, targets, accs, buffers))   # one bulk add a chunk
@@ -161,8 +162,10 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
                       tuple(inner), st, frozen_map(cls), frozen_map(targets), frozen_map(absorbed), tuple(accs),
                       frozen_map(fused), frozen_map(norm_stats), frozen_map(buffers), frozen_map(skips), launch,
                       (*threads_.notes, *wg_notes), threads_.dtype, frozen_map(copies), frozen_map(frag_ops))
-    return plan if not auto else double_for_copies(plan, lambda: plan_kernel(
-        d, name, threads, batch_axes, fastmath=fastmath, micro=micro, prefetch="double", unroll=unroll, ff=ff))
+    again = functools.partial(plan_kernel, d, name, threads, batch_axes, fastmath=fastmath, micro=micro,
+                              prefetch="double", unroll=unroll, ff=ff)   # the second buffers, then more (.producer)
+    return plan if stages else staged_for_copies(double_for_copies(plan, lambda: again(stages=2)) if auto else plan,
+                                                 lambda s: again(stages=s))
 
 
 # --------------------------------------------------------------------------- 1. axes
@@ -408,7 +411,7 @@ def plan_mappings(ff: FinalForm, ax, st: Structure, cls, targets: dict, accs, th
 # --------------------------------------------------------------------------- 7. layouts and buffers
 
 def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list, norm_stats, pref,
-                 T: int, prefetch, sixteen=frozenset(), packed=frozenset()) -> tuple[dict[tuple, Buffer], list[AccPlan]]:
+                 T: int, prefetch, sixteen=frozenset(), packed=frozenset(), stages=2) -> tuple[dict, list[AccPlan]]:
     """(every shared buffer with its layout and its 16-byte aligned offset, the accumulator
     plans with the buffers of their weights: ``p_buf``); the targets in ``sixteen`` are held
     as 16-bit patterns (:mod:`.sixteen_bit`); the fp32 buffers in ``packed`` (read by tensor
@@ -446,7 +449,7 @@ def plan_buffers(ff: FinalForm, ax, st: Structure, targets, absorbed, accs: list
             b = bufs[b.key] = replace(b, pad=TRANSPOSE_PAD,
                                       what=b.what + f" (transposed, rows padded by {TRANSPOSE_PAD})")
         if v in double:
-            bufs[b.key] = replace(b, copies=2, what=b.what + " (two chunk buffers)")
+            bufs[b.key] = replace(b, copies=stages, what=b.what + f" ({'two' if stages == 2 else stages} chunk buffers)")
     for t in sorted(targets.values(), key=lambda t: t.var):
         if t.to_smem:
             arr = types[t.var]

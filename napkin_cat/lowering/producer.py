@@ -45,6 +45,25 @@ before each chunk but the first, so before it refills buffer ``b`` (:func:`hand_
 Their own barriers (a buffer they write and read, such as the backward's dS) meet at
 ``bar_named(1, NTHREADS)``, without the copying warpgroup.
 
+Stages (:data:`STAGES`, second session of 2026-11-30): with the named hand-over, the chunks of a
+forward cycle through three buffers and the copying warpgroup keeps two chunks' copies in flight,
+waiting for the older alone (``cp.async.wait_group 1``) before it hands that one over.  Where every
+chunk is visited (:func:`_ahead_copies`)::
+
+        copy chunks 0 .. S - 2 into buffers 0 .. S - 2; wait for chunk 0's; fence; barrier
+        for each chunk c:
+            if chunk c + S - 1 exists: wait at "released" barrier of buffer (c - 1) % S (not
+                at c = 0); copy chunk c + S - 1 into it
+            if chunk c + 1 exists: wait for all but the newer groups; fence; arrive at chunk
+                c + 1's "landed" barriers
+        (the computing warpgroups release chunk c's buffer where chunk c + S will refill it)
+
+Where a block table skips chunks, so that chunk c + S - 1 is not known at chunk c
+(:func:`_staged_copies`), the k-th kept chunk is issued at step k and chunk k - 1 handed over
+behind it; the computing warpgroups release every chunk that another follows, and the copying
+warpgroup waits for the releases it did not need after its loop.  The first form was measured
+faster (ptxas kept the computing warps' values in registers with it: kernels/logs/forward_copies_h200.log).
+
 Registers: the block starts with ``65536 / (blocks x threads)`` each; ``setmaxnreg`` moves them from
 the copying warpgroup (:data:`REGS`) to the multiplying ones (:func:`consumer_registers`).
 """
@@ -97,6 +116,16 @@ chunk, which also holds the computing warpgroups in step.  Measured on an H100 (
 ms against the block barriers' 0.425, the one-kernel backward 1.08 against 1.22.  A kernel that
 cannot (more than six computing warpgroups, ``cp.async`` copies of the computing threads in the
 loop) gets ``"block"``."""
+
+STAGES = 3
+"""Chunk buffers the copying warpgroup cycles through with the named hand-over, copies of
+``STAGES - 1`` chunks in flight (at most 4); 2: the double buffer, each chunk's copies waited for
+before the next chunk's are issued.  A kernel whose named barriers (:func:`hand_over_ids`) or
+shared memory do not allow it, whose blocks per SM it would lower, or that rescales no accumulator
+every chunk (:func:`stages_for`) keeps two.  Measured on an H200 (fp16, N = 4096, B*H = 32;
+kernels/BENCHMARKS.md, "Second session of 2026-11-30"): the d = 128 forward kernel on three
+computing warpgroups 0.718-0.721 ms with three buffers of 64 keys, against 0.872 with two of 64
+and 0.780-0.784 with two of 128 (0.529 with its copies removed); causal 0.398-0.400 against 0.462."""
 
 MIN_THREADS = 256
 """Computing threads a kernel needs for a copying warpgroup: measured on an H100 (fp16 forward,
@@ -182,6 +211,21 @@ def double_for_copies(plan, double):
     return twin if why_not(twin) is None else plan
 
 
+def staged_for_copies(plan, staged):
+    """``plan``, or where it gets a copying warpgroup whose named barriers allow :data:`STAGES`
+    buffers (:func:`stages_for`), the plan with them (``staged(stages)``), when its shared memory
+    fits a block and leaves as many blocks per SM."""
+    from .runtime import H100_DEFAULTS as lim
+    stages = stages_for(plan) if plan.prefetch == "double" else 2
+    if stages == 2:
+        return plan
+    twin = staged(stages)
+    if (twin.smem_bytes > lim.max_shared_per_block_optin or twin.launch.blocks_per_sm < plan.launch.blocks_per_sm
+            or why_not(twin) is not None):
+        return plan
+    return twin
+
+
 def rescaled(accs) -> bool:
     """Whether an accumulator of ``accs`` is rescaled every chunk (an online softmax's output)."""
     return any(p.stat is not None for p in accs)
@@ -218,15 +262,48 @@ def hand_overs() -> tuple[str, ...]:
     return ("named", "block") if HAND_OVER == "named" else ("block",)
 
 
-def hand_over_ids(threads: int) -> tuple[int, int]:
+def hand_over_ids(threads: int, stages: int = 2) -> tuple[int, int]:
     """The first named barrier of the ``"named"`` hand-over's "landed" barriers (buffer ``b``,
     computing warpgroup ``w``: ``full + b * W + w``) and of its "released" ones (buffer ``b``:
-    ``empty + b``); id 1 is the computing threads' own (reductions), 0 the block's."""
+    ``empty + b``) over ``stages`` buffers; id 1 is the computing threads' own (reductions), 0 the
+    block's."""
     groups = threads // 128
-    full, empty = 2, 2 + 2 * groups
-    if empty + 2 > 16:
-        raise NotSpecialised(f"{groups} computing warpgroups: more named barriers than the 16 a block has")
+    full, empty = 2, 2 + stages * groups
+    if empty + stages > 16:
+        raise NotSpecialised(f"{groups} computing warpgroups over {stages} buffers: more named barriers than the "
+                             f"16 a block has")
     return full, empty
+
+
+def stages_for(plan) -> int:
+    """The chunk buffers :func:`.planner.plan_kernel` gives ``plan``'s stream loop: :data:`STAGES`
+    where ``plan`` gets a copying warpgroup with the named hand-over, its barriers allow them and
+    an accumulator is rescaled every chunk (an online softmax: the attention forward), else 2.  Not
+    for outputs added across blocks: the one-kernel backward measured slower with three buffers on
+    an H200 (fp16, N = 4096: 2.088 ms against 1.921 at d = 128, 1.051 against 1.014 at d = 64;
+    causal level; kernels/BENCHMARKS.md, "Second session of 2026-11-30")."""
+    if not isinstance(STAGES, int) or isinstance(STAGES, bool) or not 2 <= STAGES <= 4:
+        raise ValueError(f"producer.STAGES must be an int from 2 to 4 (cp.async waits for all but up to 2 "
+                         f"groups), got {STAGES!r}")
+    if STAGES == 2 or HAND_OVER != "named" or not rescaled(plan.accs) or why_not(plan) is not None:
+        return 2
+    try:
+        hand_over_ids(plan.threads, STAGES)
+    except NotSpecialised:
+        return 2
+    return STAGES
+
+
+def _stages(bufs) -> int:
+    """The buffers of a stream loop's chunks (``Buffer.copies``)."""
+    return max(b.copies for b in bufs)
+
+
+def _turn(par: str, stages: int, k) -> str:
+    """The statement moving buffer index ``par`` to the next chunk's buffer."""
+    if stages == 2:
+        return f"{par} = {k.u(1, 'U1')} - {par}"
+    return f"{par} = ({par} + {k.u(1, 'U1')}) % {k.u(stages, f'U{stages}')}"
 
 
 # --------------------------------------------------------------------------- emission
@@ -249,8 +326,11 @@ def emit_loop(em, lp: Loop, src) -> None:
     # the first chunk no block table masks whole (the tables were published with the tile); above
     # the loop's mark, so that the scan's loop is not taken for the stream loop (_barrier_counts)
     first = em._first_chunk(lp, lo, hi, src)
-    src.comment(f"stream {a.name} in chunks of {a.cap}, double-buffered: while chunk c is computed, "
-                f"{MARK} with chunk c + 1 (warp specialisation, lowering/producer.py)")
+    stages = _stages(bufs) if em.specialise == "named" else 2
+    held = "double-buffered" if stages == 2 else f"{stages} buffers"
+    src.comment(f"stream {a.name} in chunks of {a.cap}, {held}: while chunk c is computed, "
+                f"{MARK} with chunk{'s' if stages > 2 else ''} c + 1{f' .. c + {stages - 1}' if stages > 2 else ''} "
+                f"(warp specialisation, lowering/producer.py)")
     par = em.names.fresh(f"buf_{a.name}")
     src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
     em.pending_sync = True
@@ -263,7 +343,7 @@ def emit_loop(em, lp: Loop, src) -> None:
             src(f"{em.cur[b.key]} = {base[b.name]} + {par} * {stride[b.name]}")
         named = em.specialise == "named"
         if named:
-            full, empty_id = hand_over_ids(em.T)
+            full, empty_id = hand_over_ids(em.T, stages)
             groups = em.T // 128
             with src.block(f"if {a.start} > {first}:  # chunk 0 landed at the barrier above"):
                 src(f"bar_named({k.u(full, f'U{full}')} + {par} * {k.u(groups, f'U{groups}')} + tid // "
@@ -284,14 +364,17 @@ def emit_loop(em, lp: Loop, src) -> None:
             else:
                 src("fence_proxy_async()  # this chunk's reads are done")
             em.consumers_only = False
-            with src.block(f"if {nxt} < {hi}:"):
+            refill = nxt   # the chunk after the next, or where no table skips chunks, the one this buffer takes next
+            if stages > 2 and not kept_only:
+                refill = f"{nxt} + {k.u(stages - 1, f'U{stages - 1}')} * {a.cap_c}"
+            with src.block(f"if {refill} < {hi}:"):
                 total = em.T + THREADS
                 src(f"bar_arrive({k.u(empty_id, f'U{empty_id}')} + {par}, {k.u(total, f'U{total}')})  "
                     f"# this buffer is free for the chunk after the next")
         else:
             em.pending_sync = True
             em.sync(src)
-        src(f"{par} = {k.u(1, 'U1')} - {par}")
+        src(_turn(par, stages, k))
         if nxt is not None:
             em._advance(lp, nxt, src)
     em._drop_flags(lp)
@@ -350,31 +433,12 @@ def finish(em, body, slot) -> None:
         src(f"{par} = {k.u(0, 'U0')}")
         first = em._first_chunk(lp, lo, hi, src)   # the block tables were published at a barrier above
 
-        def issue(start: str, copy: str):
-            em._issue_chunk(lp, loads, bufs, start, copy, src)
-            src("cp_async_wait_all()  # this warpgroup's copies of the chunk have landed")
-            src("fence_proxy_async()  # ... and are visible to the tensor cores")
-
-        with src.block(f"if {first} < {hi}:"):
-            issue(first, k.u(0, "U0"))
-        src("cuda.syncthreads()  # chunk 0 has landed")
-        with src.block(em._chunk_header(lp, lo, hi, first, src)):
-            nxt = em._next_chunk(lp, hi, src)
-            if named:
-                full, empty = hand_over_ids(em.T)
-                groups, total = em.T // 128, em.T + THREADS
-                with src.block(f"if {a.start} > {first}:"):
-                    src(f"bar_named({k.u(empty, f'U{empty}')} + ({k.u(1, 'U1')} - {par}), {k.u(total, f'U{total}')})"
-                        f"  # chunk c - 1's buffer released by every computing warpgroup")
-            with src.block(f"if {nxt} < {hi}:"):
-                issue(nxt, f"({k.u(1, 'U1')} - {par})")
-                for w in range(groups if named else 0):
-                    src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + ({k.u(1, 'U1')} - {par}) * {k.u(groups, f'U{groups}')}, "
-                        f"{k.u(128 + THREADS, f'U{128 + THREADS}')})  # chunk c + 1 has landed for warpgroup {w}")
-            for _ in range(per):
-                src("cuda.syncthreads()  # the next chunk has landed; the buffer of this one is free")
-            src(f"{par} = {k.u(1, 'U1')} - {par}")
-            em._advance(lp, nxt, src)
+        if named and _stages(bufs) > 2 and not em._skips_by_data(lp):
+            _ahead_copies(em, lp, loads, bufs, lo, hi, first, par, src)
+        elif named and _stages(bufs) > 2:
+            _staged_copies(em, lp, loads, bufs, lo, hi, first, par, src)
+        else:
+            _double_copies(em, lp, loads, bufs, lo, hi, first, par, per, src)
         for _ in range(post):
             src("cuda.syncthreads()  # a barrier of the multiplying warps after the loop")
         src("return")
@@ -382,3 +446,138 @@ def finish(em, body, slot) -> None:
     em.pending_sync, em.pending_async, cur, em.copy_threads = saved
     em.cur.clear()
     em.cur.update(cur)
+
+
+def _double_copies(em, lp, loads, bufs, lo, hi, first, par, per, src) -> None:
+    """The copying warpgroup's loop over two buffers: chunk c + 1 copied and waited for while chunk
+    c is computed."""
+    k, a = em.consts, em.ax[lp.axis]
+    named = em.specialise == "named"
+
+    def issue(start: str, copy: str):
+        em._issue_chunk(lp, loads, bufs, start, copy, src)
+        src("cp_async_wait_all()  # this warpgroup's copies of the chunk have landed")
+        src("fence_proxy_async()  # ... and are visible to the tensor cores")
+
+    with src.block(f"if {first} < {hi}:"):
+        issue(first, k.u(0, "U0"))
+    src("cuda.syncthreads()  # chunk 0 has landed")
+    with src.block(em._chunk_header(lp, lo, hi, first, src)):
+        nxt = em._next_chunk(lp, hi, src)
+        if named:
+            full, empty = hand_over_ids(em.T)
+            groups, total = em.T // 128, em.T + THREADS
+            with src.block(f"if {a.start} > {first}:"):
+                src(f"bar_named({k.u(empty, f'U{empty}')} + ({k.u(1, 'U1')} - {par}), {k.u(total, f'U{total}')})"
+                    f"  # chunk c - 1's buffer released by every computing warpgroup")
+        with src.block(f"if {nxt} < {hi}:"):
+            issue(nxt, f"({k.u(1, 'U1')} - {par})")
+            for w in range(groups if named else 0):
+                src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + ({k.u(1, 'U1')} - {par}) * {k.u(groups, f'U{groups}')}, "
+                    f"{k.u(128 + THREADS, f'U{128 + THREADS}')})  # chunk c + 1 has landed for warpgroup {w}")
+        for _ in range(per):
+            src("cuda.syncthreads()  # the next chunk has landed; the buffer of this one is free")
+        src(f"{par} = {k.u(1, 'U1')} - {par}")
+        em._advance(lp, nxt, src)
+
+
+def _wait_but(ahead: list[str], hi: str, src) -> None:
+    """Wait for the oldest committed group of copies: ``ahead`` are the starts of the chunks that
+    may have been issued after it, nearest first (a group for each one below ``hi``)."""
+    for depth in range(len(ahead), 0, -1):
+        with src.block(f"{'if' if depth == len(ahead) else 'elif'} {ahead[depth - 1]} < {hi}:"):
+            src(f"cp_async_wait{depth}()  # the oldest chunk's copies have landed; {depth} more in flight")
+    if not ahead:
+        src("cp_async_wait_all()")
+        return
+    with src.block("else:"):
+        src("cp_async_wait_all()")
+
+
+def _ahead_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
+    """The copying warpgroup's loop over :data:`STAGES` buffers where every chunk is visited: chunks
+    0 .. S - 2 issued before the loop; in the loop, at chunk c, chunk c + S - 1 issued into buffer
+    (c - 1) % S once chunk c - 1 released it, then chunk c + 1 waited for alone and handed over."""
+    k, a = em.consts, em.ax[lp.axis]
+    stages = _stages(bufs)
+    full, empty = hand_over_ids(em.T, stages)
+    groups, total = em.T // 128, em.T + THREADS
+    S, C = k.u(stages, f"U{stages}"), a.cap_c
+
+    def start(base: str, j: int) -> str:
+        return base if j == 0 else f"{base} + {k.u(j, f'U{j}')} * {C}"
+
+    for j in range(stages - 1):
+        with src.block(f"if {start(first, j)} < {hi}:"):
+            em._issue_chunk(lp, loads, bufs, start(first, j), k.u(j, f"U{j}"), src)
+    _wait_but([start(first, j) for j in range(1, stages - 1)], hi, src)
+    src("fence_proxy_async()  # ... and are visible to the tensor cores")
+    src("cuda.syncthreads()  # chunk 0 has landed")
+    back = f"(({par} + {k.u(stages - 1, f'U{stages - 1}')}) % {S})"
+    with src.block(em._chunk_header(lp, lo, hi, first, src)):
+        far = em.names.fresh(f"{a.name}_ahead")
+        src(f"{far} = {start(a.start, stages - 1)}")
+        with src.block(f"if {far} < {hi}:"):
+            with src.block(f"if {a.start} > {first}:"):
+                src(f"bar_named({k.u(empty, f'U{empty}')} + {back}, {k.u(total, f'U{total}')})"
+                    f"  # chunk c - 1's buffer released by every computing warpgroup")
+            em._issue_chunk(lp, loads, bufs, far, back, src)
+        nxt = em.names.fresh(f"{a.name}_next")
+        src(f"{nxt} = {start(a.start, 1)}")
+        with src.block(f"if {nxt} < {hi}:"):
+            _wait_but([start(a.start, j) for j in range(2, stages)], hi, src)
+            src("fence_proxy_async()  # ... and are visible to the tensor cores")
+            for w in range(groups):
+                src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + (({par} + {k.u(1, 'U1')}) % {S}) * "
+                    f"{k.u(groups, f'U{groups}')}, {k.u(128 + THREADS, f'U{128 + THREADS}')})"
+                    f"  # chunk c + 1 has landed for warpgroup {w}")
+        src(f"{par} = ({par} + {k.u(1, 'U1')}) % {S}")
+
+
+def _staged_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
+    """The copying warpgroup's loop over :data:`STAGES` buffers (the module's docstring): the k-th
+    chunk's copies issued into buffer k % S once chunk k - S released it, then chunk k - 1 handed
+    over; the last chunk after the loop, then the releases not yet waited for."""
+    k, a = em.consts, em.ax[lp.axis]
+    stages = _stages(bufs)
+    full, empty = hand_over_ids(em.T, stages)
+    groups, total = em.T // 128, em.T + THREADS
+    S = k.u(stages, f"U{stages}")
+    n = em.names.fresh(f"issued_{a.name}")
+    src(f"{n} = {k.u(0, 'U0')}  # chunks issued")
+
+    def hand_over(buf: str):
+        with src.block(f"if {n} == {k.u(1, 'U1')}:"):
+            src("cuda.syncthreads()  # chunk 0 has landed")
+        with src.block("else:"):
+            for w in range(groups):
+                src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + {buf} * {k.u(groups, f'U{groups}')}, "
+                    f"{k.u(128 + THREADS, f'U{128 + THREADS}')})  # the previous chunk has landed for warpgroup {w}")
+
+    prev = f"(({par} + {k.u(stages - 1, f'U{stages - 1}')}) % {S})"
+    with src.block(em._chunk_header(lp, lo, hi, first, src)):
+        nxt = em._next_chunk(lp, hi, src)
+        with src.block(f"if {n} >= {S}:"):
+            src(f"bar_named({k.u(empty, f'U{empty}')} + {par}, {k.u(total, f'U{total}')})"
+                f"  # chunk k - {stages}'s buffer released by every computing warpgroup")
+        em._issue_chunk(lp, loads, bufs, a.start, par, src)
+        with src.block(f"if {n} > {k.u(0, 'U0')}:"):
+            src("cp_async_wait1()  # the previous chunk's copies have landed; this one's may not")
+            src("fence_proxy_async()  # ... and are visible to the tensor cores")
+            hand_over(prev)
+        src(f"{par} = ({par} + {k.u(1, 'U1')}) % {S}")
+        src(f"{n} += {k.u(1, 'U1')}")
+        em._advance(lp, nxt, src)
+    src("cp_async_wait_all()  # the last chunk's copies have landed")
+    src("fence_proxy_async()")
+    with src.block(f"if {n} <= {k.u(1, 'U1')}:"):
+        src("cuda.syncthreads()  # chunk 0 has landed (or there is none)")
+    with src.block("else:"):
+        for w in range(groups):
+            src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + {prev} * {k.u(groups, f'U{groups}')}, "
+                f"{k.u(128 + THREADS, f'U{128 + THREADS}')})  # the last chunk has landed for warpgroup {w}")
+    for j in range(stages - 1):    # the computing warpgroups released chunks n - S .. n - 2 unwaited
+        back = stages - j
+        with src.block(f"if {n} >= {k.u(back, f'U{back}')}:"):
+            src(f"bar_named({k.u(empty, f'U{empty}')} + ({n} - {k.u(back, f'U{back}')}) % {S}, "
+                f"{k.u(total, f'U{total}')})  # chunk n - {back}'s release")

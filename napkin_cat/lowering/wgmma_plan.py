@@ -53,7 +53,7 @@ def column_buffer(ff, ax, m: Frag, ins, red, bufs, n_in, targets, absorbed):
     b = bufs.get(key)
     if storage(v, n_in, targets, absorbed) not in ("load", "smem") or b is None or b.bits != 16:
         return "its column operand is not a 16-bit shared buffer"
-    if set(b.axes) != {m.col, kax} or len(b.axes) != 2 or b.copies not in (1, 2):
+    if set(b.axes) != {m.col, kax} or len(b.axes) != 2:
         return f"its column operand's buffer has axes {b.axes}, not ({m.col}, {kax})"
     if ax[kax].cap % 16 or ax[m.col].cap % 8 or -(-ax[m.col].cap // 8) != m.NT * m.Wn:
         return f"{kax} % 16 or {m.col} % 8 or the warps' {8 * m.NT} x {m.Wn} columns"
@@ -62,7 +62,7 @@ def column_buffer(ff, ax, m: Frag, ins, red, bufs, n_in, targets, absorbed):
 
 def row_buffer(ff, ax, m: Frag, ins, red, bufs, n_in):
     """The key of the buffer a warpgroup MMA on ``m`` may read its row operand from by descriptor
-    (:func:`.wgmma.shared_a_fits`, one or two copies), or None."""
+    (:func:`.wgmma.shared_a_fits`), or None."""
     types = ff.diagram.var_types()
     kax = [a for a in red if ax[a].cap > 1]
     rows = [v for v in ins if m.row in axes_set(types[v], ax) and m.col not in axes_set(types[v], ax)]
@@ -70,7 +70,7 @@ def row_buffer(ff, ax, m: Frag, ins, red, bufs, n_in):
         return None
     key = ("var", rows[0])
     b = bufs.get(key)
-    return key if shared_a_fits(m, key, b, kax[0], n_in) and b.copies in (1, 2) else None
+    return key if shared_a_fits(m, key, b, kax[0], n_in) else None
 
 
 def wgmma_capable() -> bool:
@@ -283,10 +283,11 @@ def warpgroup_forward(d0, simulate: bool, mode) -> int:
 def forward_chunk(d0, simulate: bool, mode) -> int | None:
     """The key chunk of the warpgroup forward (:func:`warpgroup_forward`) where it is not the
     schedule's usual 64: :data:`FORWARD_WIDE_CHUNK` at width :data:`FORWARD_WIDE` with no mask.
-    Measured on an H200 (fp16, N = 4096, 32 heads; kernels/BENCHMARKS.md, "Session of
-    2026-11-30"): 0.781-0.783 ms against 0.860-0.870 for chunks of 64, the row operand read by
+    Measured on an H200 over two buffers (fp16, N = 4096, 32 heads; kernels/BENCHMARKS.md, "Session
+    of 2026-11-30"): 0.781-0.783 ms against 0.860-0.870 for chunks of 64, the row operand read by
     descriptor (its fragments held, 1.104: :func:`.emit_mma.hoisted_fragments` refuses them); causal
-    0.479 against 0.461, the diagonal's partial chunks twice as wide, so masked forwards keep 64."""
+    0.479 against 0.461, the diagonal's partial chunks twice as wide, so masked forwards keep 64.
+    Over three buffers, 64 (:data:`FORWARD_WIDE_CHUNK`)."""
     if warpgroup_forward(d0, simulate, mode) != 384 or any(e.box.kind == "mask" for e in d0.eqns):
         return None
     return FORWARD_WIDE_CHUNK
@@ -326,9 +327,12 @@ FORWARD_NARROW_MASKED = True
 the first column too (causal), as at :data:`FORWARD_WIDE` (False: unmasked only, as until the
 session of 2026-11-30)."""
 
-FORWARD_WIDE_CHUNK = 128
-"""Key chunk of the unmasked warpgroup forward at width :data:`FORWARD_WIDE` (:func:`forward_chunk`;
-64 gives the chunks of before the session of 2026-11-30)."""
+FORWARD_WIDE_CHUNK = 64
+"""Key chunk of the unmasked warpgroup forward at width :data:`FORWARD_WIDE` (:func:`forward_chunk`).
+128 was measured faster over two buffers (session of 2026-11-30: 0.781 ms against 0.860); over
+three (:data:`.producer.STAGES`, which chunks of 128 cannot have: three of 64 KB and Q's 48 KB pass
+a block's shared memory) 64 ran 0.718 against 128's 0.784 on an H200 (kernels/BENCHMARKS.md,
+"Second session of 2026-11-30").  With ``producer.STAGES = 2``, set 128."""
 
 FORWARD_WIDE = 128
 """The head width a 16-bit attention forward takes three warpgroups of 64 rows at (:func:`warpgroup_forward`)."""
