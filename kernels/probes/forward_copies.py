@@ -65,6 +65,16 @@ def _drop_waits(block: str, indent: str) -> str:
     return block
 
 
+def _drop_hand_over(block: str, indent: str, groups: int) -> tuple[str, list[str]]:
+    """``block`` without its wait for the copies and its ``groups`` arrivals; the arrivals."""
+    block = _drop_waits(block, indent)
+    arrives = re.findall(rf"^{indent}bar_arrive\(.*\n", block, re.M)
+    assert len(arrives) == groups, arrives
+    for line in arrives:
+        block = block.replace(line, "")
+    return block, arrives
+
+
 def two_in_flight(source: str, groups: int) -> tuple[str, int]:
     """``source`` with three chunk buffers and two chunks' copies in flight; the extra shared bytes."""
     source, extra = three_buffers(source, groups)
@@ -74,20 +84,12 @@ def two_in_flight(source: str, groups: int) -> tuple[str, int]:
     first, after = producer.split(landed)
     first = _drop_waits(first, " " * 12)
     second, loop = after.split("        for x0 in range(U0, N_x, CHUNK_x):\n")
-    second = _drop_waits(second, " " * 12)
-    arrives = re.findall(r"^            bar_arrive\(.*\n", second, re.M)
-    assert len(arrives) == groups, arrives
-    for line in arrives:
-        second = second.replace(line, "")
+    second, _ = _drop_hand_over(second, " " * 12, groups)
     wait = ("        if CHUNK_x < N_x:\n            cp_async_wait1()  # chunk 0's copies have landed (chunk 1's may not)\n"
             "        else:\n            cp_async_wait_all()\n        fence_proxy_async()\n")
     producer = first + second + wait + landed + "        for x0 in range(U0, N_x, CHUNK_x):\n"
     fill, tail = loop.split("            pbuf_x = (pbuf_x + U1) % U3\n")
-    fill = _drop_waits(fill, " " * 16)
-    arrives = re.findall(r"^                bar_arrive\(.*\n", fill, re.M)
-    assert len(arrives) == groups, arrives
-    for line in arrives:
-        fill = fill.replace(line, "")
+    fill, arrives = _drop_hand_over(fill, " " * 16, groups)
     hand = ("            if x0 + CHUNK_x < N_x:\n"
             "                if x_next2 < N_x:\n                    cp_async_wait1()  # chunk c + 1 has landed, c + 2 in flight\n"
             "                else:\n                    cp_async_wait_all()\n"

@@ -465,20 +465,28 @@ def _double_copies(em, lp, loads, bufs, lo, hi, first, par, per, src) -> None:
     with src.block(em._chunk_header(lp, lo, hi, first, src)):
         nxt = em._next_chunk(lp, hi, src)
         if named:
-            full, empty = hand_over_ids(em.T)
-            groups, total = em.T // 128, em.T + THREADS
+            empty, total = hand_over_ids(em.T)[1], em.T + THREADS
             with src.block(f"if {a.start} > {first}:"):
                 src(f"bar_named({k.u(empty, f'U{empty}')} + ({k.u(1, 'U1')} - {par}), {k.u(total, f'U{total}')})"
                     f"  # chunk c - 1's buffer released by every computing warpgroup")
         with src.block(f"if {nxt} < {hi}:"):
             issue(nxt, f"({k.u(1, 'U1')} - {par})")
-            for w in range(groups if named else 0):
-                src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + ({k.u(1, 'U1')} - {par}) * {k.u(groups, f'U{groups}')}, "
-                    f"{k.u(128 + THREADS, f'U{128 + THREADS}')})  # chunk c + 1 has landed for warpgroup {w}")
+            if named:
+                _arrive_landed(em, f"({k.u(1, 'U1')} - {par})", "chunk c + 1", src)
         for _ in range(per):
             src("cuda.syncthreads()  # the next chunk has landed; the buffer of this one is free")
         src(f"{par} = {k.u(1, 'U1')} - {par}")
         em._advance(lp, nxt, src)
+
+
+def _arrive_landed(em, buf: str, which: str, src) -> None:
+    """The copying warpgroup's arrivals at each computing warpgroup's "landed" barrier of buffer
+    ``buf`` (``which``: the chunk, in the comment)."""
+    k, groups = em.consts, em.T // 128
+    full = hand_over_ids(em.T)[0]
+    for w in range(groups):
+        src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + {buf} * {k.u(groups, f'U{groups}')}, "
+            f"{k.u(128 + THREADS, f'U{128 + THREADS}')})  # {which} has landed for warpgroup {w}")
 
 
 def _wait_but(ahead: list[str], hi: str, src) -> None:
@@ -500,8 +508,7 @@ def _ahead_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
     (c - 1) % S once chunk c - 1 released it, then chunk c + 1 waited for alone and handed over."""
     k, a = em.consts, em.ax[lp.axis]
     stages = _stages(bufs)
-    full, empty = hand_over_ids(em.T, stages)
-    groups, total = em.T // 128, em.T + THREADS
+    empty, total = hand_over_ids(em.T, stages)[1], em.T + THREADS
     S, C = k.u(stages, f"U{stages}"), a.cap_c
 
     def start(base: str, j: int) -> str:
@@ -527,10 +534,7 @@ def _ahead_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
         with src.block(f"if {nxt} < {hi}:"):
             _wait_but([start(a.start, j) for j in range(2, stages)], hi, src)
             src("fence_proxy_async()  # ... and are visible to the tensor cores")
-            for w in range(groups):
-                src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + (({par} + {k.u(1, 'U1')}) % {S}) * "
-                    f"{k.u(groups, f'U{groups}')}, {k.u(128 + THREADS, f'U{128 + THREADS}')})"
-                    f"  # chunk c + 1 has landed for warpgroup {w}")
+            _arrive_landed(em, f"(({par} + {k.u(1, 'U1')}) % {S})", "chunk c + 1", src)
         src(f"{par} = ({par} + {k.u(1, 'U1')}) % {S}")
 
 
@@ -540,19 +544,16 @@ def _staged_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
     over; the last chunk after the loop, then the releases not yet waited for."""
     k, a = em.consts, em.ax[lp.axis]
     stages = _stages(bufs)
-    full, empty = hand_over_ids(em.T, stages)
-    groups, total = em.T // 128, em.T + THREADS
+    empty, total = hand_over_ids(em.T, stages)[1], em.T + THREADS
     S = k.u(stages, f"U{stages}")
     n = em.names.fresh(f"issued_{a.name}")
     src(f"{n} = {k.u(0, 'U0')}  # chunks issued")
 
-    def hand_over(buf: str):
-        with src.block(f"if {n} == {k.u(1, 'U1')}:"):
-            src("cuda.syncthreads()  # chunk 0 has landed")
+    def hand_over(which: str):   # the newest chunk but one (k - 1); n <= 1: chunk 0, or none
+        with src.block(f"if {n} <= {k.u(1, 'U1')}:"):
+            src("cuda.syncthreads()  # chunk 0 has landed (or there is none)")
         with src.block("else:"):
-            for w in range(groups):
-                src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + {buf} * {k.u(groups, f'U{groups}')}, "
-                    f"{k.u(128 + THREADS, f'U{128 + THREADS}')})  # the previous chunk has landed for warpgroup {w}")
+            _arrive_landed(em, prev, which, src)
 
     prev = f"(({par} + {k.u(stages - 1, f'U{stages - 1}')}) % {S})"
     with src.block(em._chunk_header(lp, lo, hi, first, src)):
@@ -564,18 +565,13 @@ def _staged_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
         with src.block(f"if {n} > {k.u(0, 'U0')}:"):
             src("cp_async_wait1()  # the previous chunk's copies have landed; this one's may not")
             src("fence_proxy_async()  # ... and are visible to the tensor cores")
-            hand_over(prev)
+            hand_over("the previous chunk")
         src(f"{par} = ({par} + {k.u(1, 'U1')}) % {S}")
         src(f"{n} += {k.u(1, 'U1')}")
         em._advance(lp, nxt, src)
     src("cp_async_wait_all()  # the last chunk's copies have landed")
     src("fence_proxy_async()")
-    with src.block(f"if {n} <= {k.u(1, 'U1')}:"):
-        src("cuda.syncthreads()  # chunk 0 has landed (or there is none)")
-    with src.block("else:"):
-        for w in range(groups):
-            src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + {prev} * {k.u(groups, f'U{groups}')}, "
-                f"{k.u(128 + THREADS, f'U{128 + THREADS}')})  # the last chunk has landed for warpgroup {w}")
+    hand_over("the last chunk")
     for j in range(stages - 1):    # the computing warpgroups released chunks n - S .. n - 2 unwaited
         back = stages - j
         with src.block(f"if {n} >= {k.u(back, f'U{back}')}:"):
