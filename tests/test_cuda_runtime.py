@@ -455,6 +455,24 @@ def test_torch_fast_path_zero_fills_the_outputs_blocks_add_into(small_kernel):
     assert plain(ts, out) is out and bool((out == 7).all())    # no zero_args: left as given
 
 
+def test_torch_fast_path_allocates_padded_rows_and_hands_back_the_view(small_kernel):
+    """An output whose rows the kernel pads (a staged dQ, lowering/staged_add.py) is allocated
+    padded, zero-filled where blocks add into it; the launch gets the padded array's address, the
+    caller the view without the padding; ``out=`` for it goes to the general path (which copies)."""
+    torch = pytest.importorskip("torch")
+    from napkin_cat.lowering import _TorchFastPath
+    plain, fake = _fast_path(small_kernel)
+    n_in, shape = len(small_kernel.in_shapes), small_kernel.out_shapes[0]
+    fast = _TorchFastPath(plain.packed, small_kernel.in_shapes, small_kernel.out_shapes, torch.device("cpu"),
+                          torch, small_kernel.dispatcher, zero_args=(n_in,), out_pads=(4,))
+    fast.raw_stream = lambda index: 0
+    ts = [torch.from_numpy(x) for x in _qkv_for(small_kernel)]
+    got = fast(ts, None)
+    assert tuple(got.shape) == shape and got.stride()[-2] == shape[-1] + 4 and bool((got == 0).all())
+    assert [v for i, v in enumerate(fake.calls[-1]["values"]) if i % 7 == 4][-1] == got.data_ptr()
+    assert fast(ts, torch.empty(shape)) is None
+
+
 def test_torch_fast_path_leaves_what_it_does_not_check_to_the_general_path(small_kernel):
     torch = pytest.importorskip("torch")
     fast, fake = _fast_path(small_kernel)

@@ -45,7 +45,9 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   (:mod:`napkin_cat.lowering.producer`), each example lowered with chunks handed over by named
   barriers and by block barriers (``named-hand-over``, ``block-hand-over``), dS published among
   the computing threads alone (``computing-barrier``); the same backward and the forward under a
-  block table of random entries, whose masked chunks both sides skip (``copying-table``).
+  block table of random entries, whose masked chunks both sides skip (``copying-table``);
+* ``copying_forward``: the forward with a copying warpgroup over three chunk buffers
+  (``three-buffers``), with a block table or without (``three-buffers-table``).
 
 ``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
 """
@@ -396,7 +398,7 @@ def tf32x3_family(draw):
 
 
 @st.composite
-def copying_family(draw):
+def copying_family(draw, forwards: bool = False):
     """The one-kernel backward as ``nc.torch_op`` runs it on an H100: 256 computing threads on
     warpgroups, a copying warpgroup (``producer.SWITCH = "auto"``: dQ added across key tiles),
     chunks handed over by named barriers and by block barriers (both lowered and checked), dS
@@ -406,10 +408,15 @@ def copying_family(draw):
     backward or the forward (query tiles of 128, key chunks of 32): both sides of the copying
     warpgroup scan the table for the chunks it keeps (``copying-table``); the forwards over three
     buffers (``three-buffers``, ``three-buffers-table``).  Or the forward without a table, any
-    number of key chunks (``three-buffers``)."""
+    number of key chunks (``three-buffers``).
+
+    The backwards here, the forwards with ``forwards`` (:func:`copying_forward_family`): two
+    variants a family, so that a family's few examples reach both (of four variants in one family,
+    eight examples missed one about once in ten random runs)."""
     from napkin_cat.lowering.torch_op import backward_plan
     dt = draw(st.sampled_from((nc.f16, nc.bf16)))
-    what = draw(st.sampled_from(("backward", "backward-table", "forward-table", "forward")), label="variant")
+    variants = ("forward-table", "forward") if forwards else ("backward", "backward-table")
+    what = draw(st.sampled_from(variants), label="variant")
     options = {"threads": 256, "wgmma": True, "hand_over": "both", "prefetch": "double",
                "tiles": {"g_x": 128, "s_q": 64}}
     if what.endswith("table"):
@@ -435,6 +442,12 @@ def copying_family(draw):
     fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True)
     return Case(f"{dt.name} one-kernel attention backward, copying warpgroup (causal={causal})",
                 part, (), sizes, part.unrelabelled(), options, _residuals(fwd, sizes, part), SMALL_DATA)
+
+
+@st.composite
+def copying_forward_family(draw):
+    """:func:`copying_family`'s forwards: over three buffers, with a block table or without."""
+    return draw(copying_family(forwards=True))
 
 
 def _copying_table_case(draw, dt, what, options):
@@ -715,7 +728,8 @@ COPYING_SETTINGS = settings(SETTINGS, max_examples=min(FUZZ_EXAMPLES, COPYING_EX
 
 FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family,
             "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family, "tf32x3": tf32x3_family,
-            "copying": copying_family, "aux_in_place": aux_in_place_family, "index_masks": index_mask_family,
+            "copying": copying_family, "copying_forward": copying_forward_family,
+            "aux_in_place": aux_in_place_family, "index_masks": index_mask_family,
             "gqa_backward": gqa_backward_family, "grouped_table": grouped_table_family,
             "derived_table": derived_table_family}
 
@@ -734,7 +748,9 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                        "table-kernel-leads", "table-kernel-bounds"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
                                  "wgmma", "paired-atomic", "copying-table", "unswitched", "wgmma-shared-a",
-                                 "issued-ahead", "staged-add", "three-buffers", "three-buffers-table"},
+                                 "issued-ahead", "staged-add"},
+                     "copying_forward": {"copying-warpgroup", "named-hand-over", "block-hand-over", "wgmma",
+                                         "copying-table", "three-buffers", "three-buffers-table"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
                                 "paired-atomic", "column-values"}}
 
@@ -806,12 +822,12 @@ def _table_kernels_agree(kernel, inputs) -> set[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_kernel_fuzz_reaches_generator_path(family):
-    if family in ("sixteen_bit", "tf32x3", "copying"):
+    if family in ("sixteen_bit", "tf32x3", "copying", "copying_forward"):
         pytest.importorskip("torch")   # the backward parts come from napkin_cat.lowering.torch_op
     stats: Counter = Counter()
     # a copying example lowers and runs two kernels of 384 simulated threads: fewer of them (the
     # decorator's text is kept: hypothesis derives a derandomised run's seed from it)
-    SETTINGS = COPYING_SETTINGS if family == "copying" else FAMILY_SETTINGS
+    SETTINGS = COPYING_SETTINGS if family.startswith("copying") else FAMILY_SETTINGS
     examples = SETTINGS.max_examples
 
     @SETTINGS

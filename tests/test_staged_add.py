@@ -2,8 +2,9 @@
 (:mod:`napkin_cat.lowering.staged_add`): the one-kernel attention backward's dQ on warpgroups.
 Checked against the oracle in the simulator, whose twins keep each reduction pending and read the
 buffer only at its wait: a kernel without thread 0's wait before the next chunk's writes, or
-without the wait after the loop, adds the wrong sums and is caught; with the switch off (the
-default: measured slower on the H200, ``kernels/BENCHMARKS.md``) dQ goes by atomics as before."""
+without the wait after the loop, adds the wrong sums and is caught.  By default only rows of 512
+bytes or more are staged (measured on the H200, ``kernels/BENCHMARKS.md``); elsewhere, and with
+the switch off, dQ goes by atomics as before."""
 from __future__ import annotations
 
 import os
@@ -33,10 +34,13 @@ def test_dq_is_staged_and_added_by_one_bulk_reduction_a_chunk(warpgroups, staged
     part, bound, kernel = _backward(causal, RAGGED)
     body = _body(kernel)
     assert "red_add2(dQ" not in body and "cuda.atomic.add(dQ" not in body
-    assert "dQ_add_s[64 x 32] (dQ's partial sums" in kernel.source
-    # the rows of this chunk (a ragged last one: its own), thread 0's wait before the barrier that
-    # precedes the writes, the reduction after the barrier that follows them, all waited for at the end
-    assert re.search(r"stage_bytes = len_q\w* \* U128", body)
+    assert "dQ_add_s[64 x 32] (dQ's partial sums, added by one bulk reduction a chunk, rows padded by 4 words" \
+        in kernel.source
+    # the rows of this chunk (a ragged last one: its own) of 32 + 4 words (staged_add.row_pad: the
+    # global array the copy engine adds into is padded alike, and the caller gets the view without
+    # the padding), thread 0's wait before the barrier that precedes the writes, the reduction after
+    # the barrier that follows them, all waited for at the end
+    assert kernel.out_pads == (4, 0, 0) and re.search(r"stage_bytes = len_q\w* \* U144", body)
     wait, writes = body.index("bulk_wait_read()"), body.index("smem[dQ_add_s + ")
     barrier = re.compile(r"bar_named\(uint32\(1\), NTHREADS\)|cuda\.syncthreads\(\)").search(body, wait).start()
     assert wait < barrier < writes < body.index("bulk_add_f32(dQ, ") \
@@ -61,10 +65,21 @@ def test_a_missing_wait_is_caught_by_the_simulators_pending_reductions(warpgroup
     assert bad.failure["output_name"] == "dQ" and bad.failure["kernel_rms"] > 5 * bad.failure["plain_rms"]
 
 
-def test_the_switch_off_adds_dq_by_atomics(warpgroups):
-    assert staged_add.STAGED_ADD is False    # the default, as measured (kernels/BENCHMARKS.md)
-    _, _, kernel = _backward(False, RAGGED)
-    assert "red_add2(dQ" in kernel.source and "bulk_add_f32" not in kernel.source
+def test_auto_stages_rows_of_512_bytes_and_more_under_a_mask_and_off_adds_by_atomics(warpgroups, monkeypatch):
+    """The default stages dQ where its rows are 512 bytes or more and a mask skips chunks (causal
+    at d = 128: measured faster on the H200; unmasked level or slower, and slower at d = 64:
+    kernels/BENCHMARKS.md); off, dQ goes by atomics."""
+    assert staged_add.STAGED_ADD == "auto" and staged_add.MIN_ROW_BYTES == 512
+    wide = {q: 70, x: 140, d: 128}
+    _, _, narrow = _backward(True, RAGGED)                        # rows of 32 words: 128 bytes
+    _, _, unmasked = _backward(False, wide)
+    _, _, staged = _backward(True, wide)
+    for kernel in (narrow, unmasked):
+        assert "red_add2(dQ" in kernel.source and "bulk_add_f32" not in kernel.source
+    assert "bulk_add_f32(dQ" in staged.source and staged.out_pads == (4, 0, 0)
+    monkeypatch.setattr(staged_add, "STAGED_ADD", False)
+    _, _, off = _backward(True, wide)
+    assert "red_add2(dQ" in off.source and "bulk_add_f32" not in off.source and off.out_pads == (0, 0, 0)
 
 
 def test_why_not_names_what_keeps_an_output_on_atomics():
@@ -83,22 +98,46 @@ def test_why_not_names_what_keeps_an_output_on_atomics():
     assert staged_add.why_not(ff, ax(), t, arr, {}) is None
     assert "not contiguous: d split" in staged_add.why_not(ff, ax(d_cap=64), t, arr, {})
     assert "16 bytes" in staged_add.why_not(ff, ax(d_cap=6, d=6), t, arr, {})
+    assert "rows of 256 bytes, under staged_add.MIN_ROW_BYTES" in staged_add.why_not(ff, ax(64, 64), t, arr, {})
+    assert "no mask skips chunks" in staged_add.why_not(ff, ax(), t, arr, {}, skipping=False)
     big = {("x",): NS(size=57000)}   # words of shared memory already planned
     assert staged_add.why_not(ff, ax(), t, arr, big) == "shared memory"
     ff.walk = lambda: [(body, [Loop("h", 1, "grid", "SMEM")])]
     assert staged_add.why_not(ff, ax(), t, arr, {}) == "not written once per chunk of a stream loop"
 
 
-def test_the_conflicts_probe_still_finds_the_staging_write(warpgroups, staged):
-    """``kernels/probes/staged_conflicts.py`` priced the staging writes' bank conflicts on the GPU
-    (kernels/BENCHMARKS.md) by permuting that one write: it still finds it in today's source."""
+def test_the_conflicts_probe_lowers_its_forms_rows_padded_and_not(warpgroups):
+    """``kernels/probes/staged_conflicts.py`` times dQ by atomics, staged in rows of d words and
+    staged in padded rows (kernels/BENCHMARKS.md): its forms lower as they say, and restore the
+    switches after."""
     import importlib.util
     from pathlib import Path
     spec = importlib.util.spec_from_file_location(
         "staged_conflicts", Path(__file__).resolve().parents[1] / "kernels/probes/staged_conflicts.py")
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    _, _, kernel = _backward(False, RAGGED)
-    edited = probe.permuted(kernel.source)
-    compile(edited, "permuted", "exec")
-    assert "% uint32(4) * uint32(8)" in edited and edited.count("smem[dQ_add_s + ") == 1
+    pads = {}
+    for name in probe.FORMS:
+        with probe.form(name):
+            _, _, kernel = _backward(False, RAGGED)
+        pads[name] = (kernel.out_pads[0], "bulk_add_f32(" in kernel.source)
+    assert pads == {"atomics": (0, False), "staged, rows of d words": (0, True), "staged, rows padded": (4, True)}
+
+
+@pytest.mark.slow
+def test_padded_rows_stay_inside_the_call(warpgroups, staged):
+    """A caller never sees the padding: the kernel returns dQ as the view without it, and an
+    ``out=`` array (a call, a prepared launch) gets the same values, copied after the launch."""
+    import numpy as np
+    from test_issue_ahead import _inputs
+    part, bound, kernel = _backward(False, RAGGED)
+    ins = [_inputs(RAGGED, False, 12.0)[a.name] for a in part.dom]
+    got = kernel(*ins)
+    assert got[0].shape == (70, 32) and got[0].base.shape == (70, 36)
+    out = tuple(np.full(g.shape, np.nan, g.dtype) for g in got)
+    kernel(*ins, out=out)
+    again = tuple(np.full(g.shape, np.nan, g.dtype) for g in got)
+    kernel.prepare(*ins, out=again)()
+    for g, a, b in zip(got, out, again):
+        np.testing.assert_array_equal(a, g)
+        np.testing.assert_array_equal(b, g)

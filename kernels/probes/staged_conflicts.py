@@ -1,25 +1,28 @@
-"""Probe: what do the bank conflicts of dQ's staging writes cost?  (``lowering/staged_add.py``,
-measured slower than the atomics on the H200: kernels/BENCHMARKS.md, sixth session of 2026-11-29.)
+"""Probe: what do the bank conflicts of dQ's staging writes cost, and does padding the rows remove
+them?  (``lowering/staged_add.py``; kernels/BENCHMARKS.md.)
 
-Three forms of the one-kernel backward through ``nc.torch_op``, timed in turns: dQ by atomics (the
-default), dQ staged (``STAGED_ADD`` on: every thread writes its fragment into a buffer laid out as
-global memory is, rows of d fp32 words, so a fragment's eight rows share a bank), and the staged
-kernel with its staging writes permuted so that the 32 lanes of each store fall in 32 banks
-(column ``c`` of row ``r`` written at column ``(c + 8 (r % 4) + (r // 4) % 2) % d``).  The third
-adds dQ's values at the wrong columns: **its dQ is wrong by construction and it is timed only to
-price the conflicts**; the first two are checked against float64 first, as every timed kernel is.
-If the third is faster than the atomics, accumulating dQ in the fragments' own order (as
-FlashAttention-3 does, reordered after the kernel) is worth building; if not, the bulk reduction
-itself is the cost.  GPU only.
+Three forms of the one-kernel backward through ``nc.torch_op``, timed in turns with FlexAttention:
+dQ by atomics, dQ staged in rows of d fp32 words (``PAD_ROWS`` off: a tensor-core fragment's eight
+rows share four banks, 8-way conflicts on every staging write), dQ staged in rows padded by
+:func:`~napkin_cat.lowering.staged_add.row_pad` words (2-way, the least a row stride gives for
+single words; the global array the bulk reduction adds into is padded alike and the caller gets
+the view without the padding).  Every form is checked against float64 before it is timed.  GPU
+only.  (A fourth form measured on 2026-11-30, each column pair written as one 64-bit store, so
+that a warp's stores take two wavefronts, the least 256 bytes take, ran as the padded rows did:
+1.936 against 1.935 ms at d = 128, 1.095 both causal; not kept.)
 
     NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/staged_conflicts.py --case f16,4096,128,0
+
+(Until 2026-11-30 the third form was the unpadded kernel with its staging writes permuted, its dQ
+wrong by construction, timed only to price the conflicts: 1.877 ms against 1.974 by atomics at
+d = 128 on the H200. The padded rows are that form made correct.)
 """
 from __future__ import annotations
 
 import os
-import re
 import statistics
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
@@ -28,15 +31,23 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "kernels"))
 sys.path.insert(0, str(ROOT / "kernels" / "probes"))
 
-WRITE = re.compile(r"smem\[dQ_add_s \+ (\w+) \* N_d \+ (\w+)\] = ")
+FORMS = {"atomics": (False, True), "staged, rows of d words": (True, False), "staged, rows padded": (True, True)}
+"""Each form's (``STAGED_ADD``, ``PAD_ROWS``)."""
+SWITCHES = ("STAGED_ADD", "PAD_ROWS")
 
 
-def permuted(source: str) -> str:
-    """The staged kernel's writes into dQ's buffer at permuted columns (wrong sums, no conflicts)."""
-    out, n = WRITE.subn(lambda m: f"smem[dQ_add_s + {m[1]} * N_d + ({m[2]} + {m[1]} % uint32(4) * uint32(8) + "
-                                  f"{m[1]} // uint32(4) % uint32(2)) % N_d] = ", source)
-    assert n == 1, f"{n} staging writes found (expected 1): the generator changed"
-    return out
+@contextmanager
+def form(name: str):
+    """The lowering switches of form ``name`` while its kernels are lowered, then restored."""
+    from napkin_cat.lowering import staged_add
+    before = [getattr(staged_add, k) for k in SWITCHES]
+    for k, v in zip(SWITCHES, FORMS[name]):
+        setattr(staged_add, k, v)
+    try:
+        yield
+    finally:
+        for k, v in zip(SWITCHES, before):
+            setattr(staged_add, k, v)
 
 
 def main():
@@ -45,27 +56,19 @@ def main():
     import napkin_cat as nc
     from bench import kernel_ms
     from bench_fwd_bwd import flash, rel
-    from napkin_cat.lowering import staged_add
     from op_forms import case_args, case_tensors, flex_call, in_turns
     args = case_args(rounds=5).parse_args()
     causal, Q, K, V, dO, want = case_tensors(args)
     fns = {}
-    for name in ("atomics", "staged", "staged, writes permuted (dQ wrong: timing only)"):
-        staged_add.STAGED_ADD = name != "atomics"
-        op = nc.torch_op(flash(causal), verify=False)
-        grads = torch.autograd.grad(op(Q, K, V), (Q, K, V), dO)
-        staged_add.STAGED_ADD = False
-        kernels = [k for k in op._cache.values() if "bulk_add_f32(" in getattr(k, "source", "")]
-        assert len(kernels) == (0 if name == "atomics" else 1), (name, len(kernels))
-        if name.startswith("staged, writes permuted"):
-            k = kernels[0]
-            k.source, k._dispatcher, k._launchers, k._fast = permuted(k.source), None, {}, None
+    for name, (staged, *_) in FORMS.items():
+        with form(name):
+            op = nc.torch_op(flash(causal), verify=False)
             grads = torch.autograd.grad(op(Q, K, V), (Q, K, V), dO)
-            print(f"{name}: dQ error against float64 {rel(grads[0], want[1]):.2e} (wrong by construction)", flush=True)
-        else:
-            err = max(rel(a, b) for a, b in zip(grads, want[1:]))
-            print(f"{name}: error against float64 {err:.2e}", flush=True)
-            assert err < 5e-3, (name, err)
+        kernels = [k for k in op._cache.values() if "bulk_add_f32(" in getattr(k, "source", "")]
+        assert len(kernels) == int(staged), (name, len(kernels))
+        err = max(rel(a, b) for a, b in zip(grads, want[1:]))
+        print(f"{name}: error against float64 {err:.2e}", flush=True)
+        assert err < 5e-3, (name, err)
         fns[name] = (lambda op=op: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
     del want
     fns["FlexAttention"] = flex_call(Q, K, V, dO, causal)

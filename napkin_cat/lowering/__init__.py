@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from ..core.diagram import Diagram
 from ..core.errors import LoweringError, RelabelError, ShapeError
 from . import io
+from .calls import (_Prepared, _TorchFastPath, _check_array, _empty_like, _flat_input, _flat_output, _kind,  # noqa: F401
+                    copy_into, padded_shape, padded_store, unpadded)
 
 __all__ = ["lower", "Kernel", "Launch", "MultiKernel", "TabledKernel"]
 
@@ -208,6 +210,8 @@ class Kernel:
         self.mappings = gen.mappings()
         from .atomics import zero_args
         self.zero_args = zero_args(diagram)   # outputs the blocks add into: zero-filled at each launch
+        from .staged_add import out_pads
+        self.out_pads = out_pads(gen.plan)    # words after each row of each output, staged: allocated padded
         self.notes: tuple[str, ...] = gen.notes   # what the generator chose, and what was verified
         self.verified = False                            # compared with the oracle by lower()
         self.options: dict = {}                          # the lower() options that rebuild it
@@ -275,15 +279,17 @@ class Kernel:
         sim = runtime.simulator_active()
         keep = []   # converted copies of torch inputs: alive until the launch
         args = [_flat_input(x, kind, sim, stream, keep, t) for x, kind, t in zip(arrays, kinds, self.in_io)]
-        outs = self._outputs(arrays, kinds, out, sim)
-        out_kinds = [_kind(o) for o in outs]
-        for o, kind, t in zip(outs, out_kinds, self.out_io):
+        outs, stores, after = self._outputs(arrays, kinds, out, sim)
+        out_kinds = [_kind(o) for o in stores]
+        for o, kind, t in zip(stores, out_kinds, self.out_io):
             args.append(_flat_output(io.kernel_view(o, t), kind, sim))
         if stream is None and "torch_cuda" in kinds and not sim:
             launcher = self._torch_launcher(runtime)
         else:
             launcher = self._launcher(stream)
         launcher(*args)
+        for o, view in after:
+            copy_into(o, view)
         del keep   # torch frees them in stream order: after the launch on torch's stream
         if (stream is None and not sim and (fast is None or fast.dispatcher is not self._dispatcher)
                 and all(k == "torch_cuda" for k in kinds + out_kinds)):
@@ -318,12 +324,12 @@ class Kernel:
         sim = runtime.simulator_active()
         keep = []   # converted copies of torch inputs
         args = [_flat_input(x, k, sim, stream, keep, t) for x, k, t in zip(arrays, kinds, self.in_io)]
-        outs = self._outputs(arrays, kinds, out, sim)
-        args += [_flat_output(io.kernel_view(o, t), _kind(o), sim) for o, t in zip(outs, self.out_io)]
+        outs, stores, after = self._outputs(arrays, kinds, out, sim)
+        args += [_flat_output(io.kernel_view(o, t), _kind(o), sim) for o, t in zip(stores, self.out_io)]
         launcher = self._launcher(stream)
         packable = not (sim or stream is not None
                         or any(getattr(a, runtime.HOST_ATTR, None) is not None for a in args))
-        return _Prepared(launcher, args, keep + outs, packable)   # outputs too: views keep nothing alive
+        return _Prepared(launcher, args, keep + stores, packable, after)   # outputs too: views keep nothing alive
 
     def _check_call(self, arrays, stream) -> list[str]:
         """Refuse what the kernel cannot read, before anything is converted or launched: the
@@ -342,6 +348,26 @@ class Kernel:
         return kinds
 
     def _outputs(self, arrays, kinds, out, sim):
+        """(what the caller gets, what the kernel writes, copies owed after the launch): the same
+        arrays but where the kernel pads an output's rows (``out_pads``, :mod:`.staged_add`)."""
+        outs = self._given_or_new(arrays, kinds, out, sim)
+        if not any(self.out_pads):
+            return outs, outs, ()
+        gets, stores, after = [], [], []
+        for o, pad, shape, arr, t in zip(outs, self.out_pads, self.out_shapes, self.diagram.cod, self.out_io):
+            if pad and out is not None:
+                store = padded_store(f"out= for {arr}", o, _kind(o), pad, sim, t)
+                after.append((o, unpadded(store, shape[-1])))
+            elif pad:
+                store = o                          # allocated padded: the caller gets the view
+                o = unpadded(store, shape[-1])
+            else:
+                store = o
+            gets.append(o)
+            stores.append(store)
+        return gets, stores, after
+
+    def _given_or_new(self, arrays, kinds, out, sim):
         if out is not None:
             several = isinstance(out, tuple) or (isinstance(out, list) and all(hasattr(o, "shape") for o in out))
             outs = list(out) if several else [out]
@@ -360,7 +386,8 @@ class Kernel:
         like = next((a for a, k in zip(arrays, kinds) if k in ("torch_cuda", "device")), None)
         if like is None:
             like = next((a for a, k in zip(arrays, kinds) if k == "torch_cpu"), None)
-        return [_empty_like(like, shape, sim, t) for shape, t in zip(self.out_shapes, self.out_io)]
+        return [_empty_like(like, padded_shape(shape, p), sim, t)
+                for shape, p, t in zip(self.out_shapes, self.out_pads, self.out_io)]
 
     def compiled_info(self) -> dict:
         """Registers, local memory and shared memory of the compiled kernel (GPU only)."""
@@ -371,217 +398,6 @@ class Kernel:
         sig = next(iter(disp.overloads))
         attrs = kernel_function(disp, sig).attrs
         return {"registers": attrs.regs, "local_bytes": attrs.local, "static_smem": attrs.shared}
-
-
-def _kind(x) -> str:
-    import sys
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return "torch_cuda" if x.is_cuda else "torch_cpu"
-    if getattr(x, "__cuda_ndarray__", False):
-        return "device"
-    if hasattr(x, "__cuda_array_interface__"):
-        return "cai"
-    return "numpy"
-
-
-def _check_array(what: str, x, kind: str) -> None:
-    """``x`` is an array the kernel can read or write: a numpy array, a torch tensor or a CUDA
-    array, of a real (float or integer) dtype."""
-    import numpy as np
-    if kind == "numpy" and not isinstance(x, np.ndarray):
-        raise ShapeError(f"{what}: expected a numpy array, a torch tensor or a CUDA device array, got "
-                         f"{type(x).__name__}" + (" (convert it with np.asarray)" if isinstance(x, (list, tuple)) else ""))
-    if kind in ("torch_cpu", "torch_cuda"):
-        if x.is_complex() or str(x.dtype) == "torch.bool":
-            raise ShapeError(f"{what}: expected a real tensor, got dtype {x.dtype}")
-        return
-    try:
-        dk = np.dtype(str(x.dtype)).kind
-    except TypeError:
-        dk = "?"
-    if dk not in "fiu":
-        raise ShapeError(f"{what}: expected a real (float or integer) array, got dtype {x.dtype}")
-
-
-def _flat_input(x, kind, sim, stream, keep, t="f32"):
-    """``x`` as a flat kernel argument of dtype ``t`` (:mod:`.io`: float32, or 16-bit patterns
-    as int16); a converted copy of a torch tensor is appended to ``keep`` (the numba view of a
-    CUDA tensor does not keep it alive, and a copy freed before the launch could be handed to
-    the outputs by torch's allocator)."""
-    from .runtime import as_device_array, import_cuda
-    if kind in ("torch_cuda", "torch_cpu"):
-        import torch
-        x = io.torch_input(x, t, torch)   # detached: the caller's tensor and graph are left alone
-        keep.append(x)
-        if kind != "torch_cpu":
-            return as_device_array(x)
-        x = x.numpy()   # already the kernel's argument (float32, or 16-bit patterns as int16)
-        return x if sim else import_cuda().to_device(x)
-    if kind == "device":
-        want = "float32" if t == "f32" else "int16"
-        if t == "f16" and str(x.dtype) == "float16":
-            x = x.view("int16")
-        if str(x.dtype) != want or not x.is_c_contiguous():
-            raise LoweringError(f"numba device arrays for a {t} input must be C-contiguous {want}"
-                                f"{' (16-bit patterns)' if t != 'f32' else ''}, got {x.dtype}")
-        return _aligned(x.reshape(x.size))
-    if kind == "cai":
-        return _aligned(as_device_array(x).reshape(-1))
-    x = io.host_input(x, t)
-    if sim:
-        return x
-    return import_cuda().to_device(x)   # an input: no copy back
-
-
-def _aligned(x):
-    """A flat device array whose data starts on an ``io.ALIGN`` boundary: ``x``, or a device
-    copy of it (``cp.async`` reads 16 aligned bytes; a view such as ``arr[1:]`` starts between)."""
-    ptr = getattr(getattr(x, "device_ctypes_pointer", None), "value", None)
-    if not ptr or ptr % io.ALIGN == 0:
-        return x
-    from .runtime import import_cuda
-    out = import_cuda().device_array(x.shape, dtype=x.dtype)
-    out.copy_to_device(x)
-    return out
-
-
-def _flat_output(o, kind, sim):
-    from .runtime import as_device_array
-    if kind == "torch_cuda":
-        return as_device_array(o.reshape(-1))
-    if kind == "torch_cpu":
-        return as_device_array(o.numpy().reshape(-1))
-    if kind == "device":
-        return o.reshape(o.size)
-    if kind == "cai":
-        return as_device_array(o).reshape(-1)
-    import numpy as np
-    if not (isinstance(o, np.ndarray) and o.flags.c_contiguous):
-        raise LoweringError("out= numpy arrays must be C-contiguous float32")
-    return as_device_array(o.reshape(-1))
-
-
-def _empty_like(like, shape, sim, t="f32"):
-    """An output of dtype ``t`` for an input of the same type: a torch tensor on ``like``'s
-    device, a device array for a device array (the simulator's own under the simulator), numpy
-    otherwise (:func:`.io.numpy_output`)."""
-    if like is None:
-        return io.numpy_output(shape, t)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(like, torch.Tensor):
-        return torch.empty(shape, dtype=io.torch_dtype(t, torch), device=like.device)
-    if sim and not getattr(like, "__cuda_ndarray__", False):
-        return io.numpy_output(shape, t)   # another CUDA array: the simulator has none
-    from .runtime import import_cuda
-    return import_cuda().device_array(shape, io.storage(t))
-
-
-class _Prepared:
-    """What :meth:`Kernel.prepare` returns: a launch on arguments converted once.  With
-    ``packable`` (a GPU, the default stream, nothing to copy back) the calls after the first,
-    which numba makes, go through a :class:`~.runtime.PackedLaunch` on the same addresses."""
-
-    __slots__ = ("launcher", "args", "keep", "packed", "pointers")
-
-    def __init__(self, launcher, args, keep, packable):
-        self.launcher, self.args, self.keep = launcher, args, keep   # keep: converted inputs, alive
-        self.packed = None if packable else False
-        self.pointers = [int(a.__cuda_array_interface__["data"][0]) for a in args] if packable else None
-
-    def __call__(self) -> None:
-        packed = self.packed
-        if packed and packed(self.pointers):
-            return
-        self.launcher(*self.args)
-        if packed is None:
-            self.packed = self.launcher.pack(tuple(self.args)) or False
-
-
-class _TorchFastPath:
-    """A :class:`Kernel` called again on torch CUDA tensors (GPU only): the checks of the
-    general path, done with a few attribute reads, and a :class:`~.runtime.PackedLaunch`.
-
-    Each input must be a ``torch.Tensor`` (not a subclass) of the kernel's shape, contiguous, on
-    the device of the first call, of its dtype (:mod:`.io`) or of another kernel dtype or int32 / int64
-    (ids: converted, as the general path does; float64 is left to it); ``out=`` of its dtype and not requiring grad.  The
-    tensors' addresses are read at every call: nothing about them is cached, nothing to
-    invalidate; the overload, launch configuration, parameter layout and stream query depend
-    only on the kernel and the device.  Anything else returns None and the call takes the
-    general path, which converts what it can and raises the usual errors for what it cannot.
-
-    It belongs to one dispatcher: a copy of the kernel given other source (and a fresh
-    dispatcher, as the planted-bug tests make) never launches the original's code through
-    it.  ``packed`` is None where packing does not apply; the general path then serves every
-    call."""
-
-    __slots__ = ("dispatcher", "packed", "in_shapes", "out_shapes", "device", "device_index",
-                 "tensor", "in_dtypes", "out_dtypes", "empty", "zeros", "zeroed", "raw_stream", "convertible")
-
-    def __init__(self, packed, in_shapes, out_shapes, device, torch, dispatcher=None,
-                 in_io=None, out_io=None, zero_args=()):
-        self.dispatcher = dispatcher
-        self.packed = packed
-        # outputs the blocks add into (fp32 atomics): zero-filled by torch on its stream before
-        # the packed launch, as the Launcher does on the general path
-        self.zeroed = frozenset(i - len(in_shapes) for i in zero_args)
-        self.zeros = torch.zeros
-        self.in_shapes = tuple(torch.Size(s) for s in in_shapes)
-        self.out_shapes = tuple(torch.Size(s) for s in out_shapes)
-        self.in_dtypes = tuple(io.torch_dtype(t, torch) for t in (in_io or ("f32",) * len(in_shapes)))
-        self.out_dtypes = tuple(io.torch_dtype(t, torch) for t in (out_io or ("f32",) * len(out_shapes)))
-        self.device = device
-        self.device_index = device.index if device.index is not None else -1
-        self.tensor = torch.Tensor
-        self.empty = torch.empty
-        self.convertible = {getattr(torch, n) for n in ("float32", "float16", "bfloat16", "int64", "int32")}
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # what triton launches on
-        self.raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
-
-    @classmethod
-    def build(cls, kernel, launcher, args, arrays):
-        """After a general call on torch CUDA tensors: the fast path for the next ones."""
-        import torch
-        packed = launcher.pack(tuple(args), zeroed=True)
-        if packed is not None and packed.n_arrays != len(args):
-            packed = None
-        return cls(packed, kernel.in_shapes, kernel.out_shapes, arrays[0].device, torch,
-                   kernel._dispatcher, kernel.in_io, kernel.out_io, kernel.zero_args)
-
-    def _fits(self, t, shape, dtype) -> bool:
-        return (type(t) is self.tensor and t.dtype is dtype and t.get_device() == self.device_index
-                and t.shape == shape and t.is_contiguous())
-
-    def __call__(self, arrays, out):
-        if len(arrays) != len(self.in_shapes):
-            return None
-        pointers, keep = [], []
-        for t, shape, dtype in zip(arrays, self.in_shapes, self.in_dtypes):
-            if not self._fits(t, shape, dtype):   # another real dtype (integer ids): converted, as the general path does
-                if not (t.dtype in self.convertible and self._fits(t, shape, t.dtype)):
-                    return None
-                t = t.to(dtype)
-                keep.append(t)   # freed in stream order, after the launch on torch's stream
-            ptr = t.data_ptr()
-            if ptr % io.ALIGN:      # the general path copies a view that starts off the boundary
-                return None
-            pointers.append(ptr)
-        if out is None:
-            outs = [(self.zeros if i in self.zeroed else self.empty)(shape, dtype=dtype, device=self.device)
-                    for i, (shape, dtype) in enumerate(zip(self.out_shapes, self.out_dtypes))]
-        else:
-            outs = list(out) if isinstance(out, (tuple, list)) else [out]
-            if len(outs) != len(self.out_shapes):
-                return None
-            for o, shape, dtype in zip(outs, self.out_shapes, self.out_dtypes):
-                if not self._fits(o, shape, dtype) or o.requires_grad:
-                    return None
-            for i in self.zeroed:
-                outs[i].zero_()
-        pointers += [o.data_ptr() for o in outs]
-        if not self.packed(pointers, self.raw_stream(self.device_index)):
-            return None
-        return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _late(name: str):

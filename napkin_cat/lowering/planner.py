@@ -153,9 +153,9 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
                                  sixteen, packed, stages or 2)
     targets, accs, buffers, wg_notes = plan_wgmma(ff, ax, st, targets, accs, buffers, threads, len(ff.diagram.dom),
                                                   absorbed, WGMMA)
-    buffers = assign_offsets(staged_add.plan(ff, ax, targets, accs, buffers))   # one bulk add a chunk
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
+    buffers = assign_offsets(staged_add.plan(ff, ax, targets, accs, buffers, any(skips.values())))   # one bulk add a chunk
     launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch, copies)
     plan = KernelPlan(name, d, ff, threads, fastmath, prefetch,
                       CONTRACTION_UNROLL if unroll is None else int(unroll), frozen_map(ax), tuple(grid_loops),

@@ -10,7 +10,11 @@ Here, in a kernel on warpgroup MMAs (sm_90), such an output written once per chu
 loop, whose chunk is one contiguous run of global memory (its axes after the first that the block
 splits are whole), is instead written into a shared buffer laid out as global memory is, and one
 thread adds the whole chunk with one bulk reduction (``cp.reduce.async.bulk ... .add.f32``), which
-the copy engine carries out while the threads go on.  The order, per chunk:
+the copy engine carries out while the threads go on.  The rows of both are padded
+(:func:`row_pad`: 4 words after a row of 128): rows of a multiple of 32 words put a fragment's
+eight rows in four banks, 8-way conflicts on every write.  The kernel's launcher allocates the
+global array padded and hands the caller the view without the padding (:mod:`.calls`).  The
+order, per chunk:
 
 1. before the barrier that precedes the writes, thread 0 waits until the previous chunk's
    reduction has *read* the buffer (``bulk_wait_read``);
@@ -27,29 +31,43 @@ before, :func:`why_not`): an output whose chunk is not contiguous, one not writt
 a stream loop, and a buffer that would take shared memory past :data:`SMEM_LIMIT` (the
 document-masked backward already holds 222 KB).
 
-**Off by default** (:data:`STAGED_ADD`), as measured on the H200 (fp16, N = 4096, B*H = 32, the
-backward kernel against the atomics in the same runs; ``kernels/logs/staged_add_h200.log``):
-2.084 against 1.937 ms at d = 128, 1.141 against 1.011 at d = 64, and faster only causal at
-d = 128, 1.159 against 1.206.  The writes into the buffer are the likely cost: a row of d words,
-d a multiple of 32, puts a fragment's eight rows in one bank (8-way conflicts), and the bulk copy
-needs the buffer laid out as global memory is.  Rows padded apart and one reduction per row (no
-conflicts, 64 reductions a chunk) measured slower still (2.676 ms).  FlashAttention-3 instead
-accumulates dQ in global memory in the fragments' own order and reorders it in a kernel after.
+**Where rows are at least 512 bytes and a mask skips chunks** (:data:`STAGED_ADD` ``"auto"``,
+:data:`MIN_ROW_BYTES`), as measured on the H200 (N = 4096, B*H = 32, the backward kernel against
+the atomics in the same runs; ``kernels/probes/staged_conflicts.py``, ``kernels/probes/op_forms.py``,
+``kernels/logs/staged_rows_h200.log``): causal at d = 128, 1.096 against 1.209 ms (fp16), 1.084
+against 1.199 (bf16); unmasked at d = 128 level or slower over four runs (1.935-2.093 against
+1.919-2.003), where every key tile's block adds into the same query chunk at the same time; at
+d = 64 slower (1.066 against 1.010, causal 0.693 against 0.649).  Unpadded, the staged kernel ran
+2.088 ms at d = 128 (the conflicts); a fragment's column pairs written as one 64-bit store each
+(no conflict at all) ran as the padded single words did, 1.936 ms.  The padded fp32 dQ goes to
+16 bits by a kernel of its own (:mod:`.unpad`: 0.034 ms where torch's strided copy took 0.044, a
+contiguous one 0.024).
 """
 from __future__ import annotations
 
 import math
 import threading
 import weakref
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..relabel.loopnest import Compute, Finalise, Loop
 from .plan import Buffer, Frag
 
-STAGED_ADD = False
-"""Stage outputs the blocks add into in shared memory, one bulk reduction per chunk (sm_90);
-off: measured slower than the atomics but for the causal backward at d = 128 (above)."""
+STAGED_ADD = "auto"
+"""Stage outputs the blocks add into in shared memory, one bulk reduction per chunk (sm_90):
+``True``, ``False`` (atomics), or ``"auto"``: where a row of the output is at least
+:data:`MIN_ROW_BYTES` and a mask skips chunks of the stream loop (measured, module docstring)."""
+
+MIN_ROW_BYTES = 512
+"""``"auto"`` stages an output whose rows (its last axis, fp32) are at least this many bytes: the
+one-kernel backward's dQ at d = 128 (causal: faster staged on the H200, 1.096 against 1.209 ms),
+not at d = 64 (slower, 1.066 against 1.010 unmasked, 0.693 against 0.649 causal)."""
+
+PAD_ROWS = True
+"""Pad the rows of staged outputs (:func:`row_pad`); off: rows of d words, as first built, for
+measuring the two (``kernels/probes/staged_conflicts.py``)."""
 
 SMEM_LIMIT = 227 * 1024
 """Shared memory per block a staged kernel may take in all (the H100's and H200's opt-in limit)."""
@@ -66,25 +84,67 @@ def staged_vars(bufs) -> tuple[int, ...]:
     return tuple(k[1] for k in bufs if k[0] == "stage")
 
 
-def plan(ff, ax, targets, accs, bufs) -> dict:
+def plan(ff, ax, targets, accs, bufs, skipping: bool = True) -> dict:
     """``bufs`` with a staging buffer (at offset 0: the planner assigns them) for each output the
-    blocks add into (:func:`~napkin_cat.relabel.split.added_outputs`) that :func:`why_not` allows."""
+    blocks add into (:func:`~napkin_cat.relabel.split.added_outputs`) that :func:`why_not` allows;
+    ``skipping``: a mask skips chunks of the kernel's stream loops."""
     from ..relabel.split import added_outputs
-    added = added_outputs(ff) if STAGED_ADD else {}
+    added = added_outputs(ff) if STAGED_ADD in (True, "auto") else {}
     if not (added and _on_warpgroups(targets, accs)):
         return bufs
     types = ff.diagram.var_types()
     out = dict(bufs)
     for v in added:
-        if v in targets and why_not(ff, ax, targets[v], types[v], out) is None:
-            axes = tuple(a for a in types[v].axis_names if ax[a].cap > 1)
+        if v in targets and why_not(ff, ax, targets[v], types[v], out, skipping) is None:
+            names = types[v].axis_names
+            axes = tuple(a for a in names if ax[a].cap > 1)
+            pad = row_pad(ax[names[-1]].size) if _padded(ax, names) else 0
+            spread = f", rows padded by {pad} words" if pad else ""
             out[("stage", v)] = Buffer(("stage", v), f"{types[v].name}_add_s", axes, tuple(ax[a].cap for a in axes),
-                                       f"{types[v].name}'s partial sums, added by one bulk reduction a chunk")
+                                       f"{types[v].name}'s partial sums, added by one bulk reduction a chunk{spread}",
+                                       pad=pad)
     return out   # the planner assigns the offsets
 
 
-def why_not(ff, ax, t, arr, bufs) -> str | None:
-    """Why output ``t`` (of array type ``arr``) is not staged, or None."""
+def row_pad(width: int) -> int:
+    """Words added to each row of a staged output ``width`` words wide, in the staging buffer and
+    in the global array the kernel adds into (the copy engine reads one run of both, so both are
+    laid out alike): the fewest, a multiple of 4 (rows stay 16-byte aligned), that spread a warp's
+    stores of a tensor-core accumulator over the most banks.  Such a store writes eight rows, four
+    lanes a row, every other word; rows of a multiple of 32 words put all eight rows in the same
+    four banks (8-way conflicts), 4 words more put them 2-way, the least any row stride gives:
+
+    >>> row_pad(128), row_pad(64), row_pad(16), row_pad(24)
+    (4, 4, 4, 0)
+    >>> [_conflicts(s) for s in (128, 132, 136, 144)]
+    [8, 2, 2, 4]
+    """
+    return min(range(0, 32, 4), key=lambda p: (_conflicts(width + p), p)) if PAD_ROWS else 0
+
+
+def _conflicts(stride: int) -> int:
+    """The most lanes of one fragment store that fall in one bank, rows ``stride`` words apart."""
+    return max(Counter((r * stride + 2 * k) % 32 for r in range(8) for k in range(4)).values())
+
+
+def _padded(ax, names) -> bool:
+    """Whether the rows of an output of axes ``names`` are padded: its last axis comes after the
+    first one the block splits, and the block holds all of it, more than one (the staging buffer's
+    last axis is then the array's)."""
+    first = next(i for i, a in enumerate(names) if ax[a].cap > 1)
+    last = ax[names[-1]]
+    return first < len(names) - 1 and last.cap == last.size > 1
+
+
+def out_pads(plan) -> tuple[int, ...]:
+    """Words of padding after each row of each output of a kernel of ``plan`` (0: not padded):
+    the global arrays its launcher allocates for staged outputs have rows this much longer, and
+    the caller gets the view without them (:class:`~napkin_cat.lowering.Kernel`)."""
+    return tuple(plan.buffers[("stage", v)].pad if ("stage", v) in plan.buffers else 0 for v in plan.dd.outs)
+
+
+def why_not(ff, ax, t, arr, bufs, skipping: bool = True) -> str | None:
+    """Why output ``t`` (of array type ``arr``) is not staged, or None; ``skipping``: as :func:`plan`'s."""
     if not t.to_global or ff.diagram.outs.count(t.var) != 1:
         return "not stored once"
     names = arr.axis_names
@@ -96,10 +156,15 @@ def why_not(ff, ax, t, arr, bufs) -> str | None:
         return f"a chunk of {arr.name} is not contiguous: {', '.join(a for a in inner if ax[a].cap != ax[a].size)} split"
     if math.prod(ax[a].size for a in inner) % 4:
         return "a row is not a multiple of 16 bytes"
+    if STAGED_ADD == "auto" and 4 * ax[names[-1]].size < MIN_ROW_BYTES:
+        return f"rows of {4 * ax[names[-1]].size} bytes, under staged_add.MIN_ROW_BYTES ({MIN_ROW_BYTES}: measured slower)"
+    if STAGED_ADD == "auto" and not skipping:
+        return "no mask skips chunks: every block adds into the same chunks (measured level or slower)"
     if not any(isinstance(n, (Compute, Finalise)) and loops and loops[-1].kind == "stream"
                and t.var in _outputs(ff, n) for n, loops in ff.walk()):
         return "not written once per chunk of a stream loop"
-    words = math.prod(ax[a].cap for a in names)
+    words = math.prod(ax[a].cap for a in names[:-1]) * (ax[names[-1]].cap + (row_pad(ax[names[-1]].size)
+                                                                             if _padded(ax, names) else 0))
     used = sum(-(-b.size // 4) * 4 for b in bufs.values())
     if 4 * (used + -(-words // 4) * 4) > SMEM_LIMIT:
         return "shared memory"
@@ -174,14 +239,27 @@ def before(em, n, src) -> None:
         return
     arr = em.types[v]
     names = arr.axis_names
+    pad = em.bufs[("stage", v)].pad   # the global array's rows are padded alike (:func:`row_pad`)
     row = next(a for a in names if em.ax[a].cap > 1)
-    inner = math.prod(em.ax[a].size for a in names[names.index(row) + 1:])
+    inner = math.prod(em.ax[a].size + (pad if a == names[-1] else 0) for a in names[names.index(row) + 1:])
     rows = em.ax[row].count if em.ax[row].ragged else em.ax[row].cap_c
     src(f"stage_bytes = {rows} * {em.consts.u(4 * inner)}  # {arr.name}'s rows this chunk, in bytes")
     zero = em.consts.u(0, "U0")
-    st.pending = (em.out_args[em.dd.outs.index(v)], em.gindex(arr, {a: zero for a in names}), ("stage", v))
+    st.pending = (em.out_args[em.dd.outs.index(v)], _gindex(em, arr, {a: zero for a in names}, pad), ("stage", v))
     st.waited = False
     em.pending_sync = True
+
+
+def _gindex(em, arr, env, pad: int) -> str:
+    """:meth:`~.emit.Emitter.gindex` in an array whose rows (its last axis) are ``pad`` words longer."""
+    if not pad:
+        return em.gindex(arr, env)
+    names = arr.axis_names
+    expr = em.gidx(names[0], env)
+    for a in names[1:]:
+        size = em.consts.u(em.ax[a].size + pad) if a == names[-1] else em.ax[a].size_c
+        expr = f"({expr}) * {size} + {em.gidx(a, env)}"
+    return expr
 
 
 def before_barrier(em, src) -> None:

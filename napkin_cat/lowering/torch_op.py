@@ -93,6 +93,7 @@ from .backward_forms import (FORMS, BackwardChoice, BackwardPlan, at_dtype, back
 from .backward_parts import has_scatter, relabel_like, run_torch_part
 from .distributed import DistributedOp, device_plan
 from .plan import FP32_ENGINES, kernel_dtype
+from .unpad import to_dtype
 from .torch_dtypes import (HALF_DTYPES, KERNEL_DTYPE, REFERENCE_DTYPE, TORCH_DTYPES, _host, _io_name, _launch,
                            _out_dtypes, _to_torch, kernel_path)
 
@@ -439,7 +440,8 @@ class TorchOp:
         atomic = "-atomic" if any(map(split_axes, plan.parts)) else ""   # dQ added across key tiles
         self.last_backward_path = "executor-fa2" if fell else f"{path}-fa2{atomic}"
         # the one-kernel form's fp32 dQ, converted to the inputs' dtype
-        return tuple(got[a.name].to(t) for a, t in zip(plan.diagram.cod, _out_dtypes(plan.diagram, dtype)))
+        # (a padded one, lowering/staged_add.py, by the conversion kernel of lowering/unpad.py)
+        return tuple(to_dtype(got[a.name], t) for a, t in zip(plan.diagram.cod, _out_dtypes(plan.diagram, dtype)))
 
     def _lowerable_form(self, plan: BackwardPlan, wrt, sizes, dtype, device) -> BackwardPlan:
         """``plan``, or the two kernels where ``plan`` is the one kernel this op chose (not one
