@@ -9,6 +9,7 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from napkin_cat.lowering import unpad  # noqa: E402
 
@@ -26,16 +27,19 @@ def test_padded_rows_finds_views_of_longer_rows_and_nothing_else():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")   # past fp16's range: inf, as torch gives
-@pytest.mark.parametrize("dtype", ["f16", "bf16"])
-def test_the_kernel_writes_torchs_rounding_of_the_unpadded_rows(dtype):
-    """Rows of 6 of 10 words, ragged against the block, values across the 16-bit ranges."""
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(1, 70), half=st.integers(1, 20), pad=st.integers(1, 9), dtype=st.sampled_from(["f16", "bf16"]),
+       seed=st.integers(0, 2 ** 16))
+def test_the_kernel_writes_torchs_rounding_of_the_unpadded_rows(rows, half, pad, dtype, seed):
+    """Any rows, widths and paddings (blocks ragged against the rows), values across the 16-bit
+    ranges and past fp16's; the padding holds NaN and is never read: bit for bit torch's."""
     from napkin_cat.lowering.runtime import compile_kernel
-    rows, width, stride = 37, 6, 10
-    rng = np.random.default_rng(0)
+    width, stride = 2 * half, 2 * half + 2 * pad
+    rng = np.random.default_rng(seed)
     store = (rng.standard_normal((rows, stride)) * np.exp(rng.uniform(-12, 12, (rows, stride)))).astype(np.float32)
-    store[:, width:] = np.nan                                      # the padding is never read
+    store[:, width:] = np.nan
     kernel = compile_kernel(unpad.source(rows, width, stride, dtype), "napkin_unpad")
-    out = np.zeros(rows * width // 2, np.int32)
+    out = np.zeros(rows * half, np.int32)
     kernel[-(-out.size // unpad.THREADS), unpad.THREADS](out, store.reshape(-1))
     want = torch.from_numpy(store)[:, :width].to({"f16": torch.float16, "bf16": torch.bfloat16}[dtype])
     np.testing.assert_array_equal(out.view(np.int16).reshape(rows, width), want.view(torch.int16).numpy())
