@@ -141,3 +141,29 @@ def test_padded_rows_stay_inside_the_call(warpgroups, staged):
     for g, a, b in zip(got, out, again):
         np.testing.assert_array_equal(a, g)
         np.testing.assert_array_equal(b, g)
+
+
+def test_the_rotation_probe_still_finds_its_places(warpgroups):
+    """``kernels/probes/staged_rotation.py`` rewrites the unmasked one-kernel backward (as
+    ``nc.torch_op`` plans it, heads tiled by one) so that each key tile streams the query chunks
+    from its own first chunk: its patterns are still in today's source, for atomics and staged."""
+    import importlib.util
+    from pathlib import Path
+
+    from napkin_cat.lowering.backward_forms import backward_plan
+    spec = importlib.util.spec_from_file_location(
+        "staged_rotation", Path(__file__).resolve().parents[1] / "kernels/probes/staged_rotation.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    (h,) = nc.axes("h")
+    fl = nc.library.attention(q=q, x=x, d=d, heads=h).stream(x, "s_x").tile(q, "g_q").tile(h, 1)
+    part = backward_plan(fl, form="one kernel").at(nc.f16).parts[-1].bind({"q": 256, "x": 256, "d": 16, "h": 2})
+    for on in (False, True):
+        staged_add.STAGED_ADD = on
+        try:
+            kernel = nc.lower(part, tiles={"g_x": 128, "s_q": 64}, threads=256, prefetch="double", verify=False)
+        finally:
+            staged_add.STAGED_ADD = "auto"
+        edited = probe.rotated(kernel.source)
+        compile(edited, "rotated", "exec")
+        assert ("(q0 + ROT) % N_q + U0" in edited) == on and "ROT = bx_rest %" in edited

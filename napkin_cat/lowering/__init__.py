@@ -211,7 +211,7 @@ class Kernel:
         from .atomics import zero_args
         self.zero_args = zero_args(diagram)   # outputs the blocks add into: zero-filled at each launch
         from .staged_add import out_pads
-        self.out_pads = out_pads(gen.plan)    # words after each row of each output, staged: allocated padded
+        self.out_pads = out_pads(getattr(gen, "plan", None), len(diagram.cod))   # staged rows: allocated padded
         self.notes: tuple[str, ...] = gen.notes   # what the generator chose, and what was verified
         self.verified = False                            # compared with the oracle by lower()
         self.options: dict = {}                          # the lower() options that rebuild it

@@ -136,11 +136,15 @@ def _padded(ax, names) -> bool:
     return first < len(names) - 1 and last.cap == last.size > 1
 
 
-def out_pads(plan) -> tuple[int, ...]:
-    """Words of padding after each row of each output of a kernel of ``plan`` (0: not padded):
-    the global arrays its launcher allocates for staged outputs have rows this much longer, and
-    the caller gets the view without them (:class:`~napkin_cat.lowering.Kernel`)."""
-    return tuple(plan.buffers[("stage", v)].pad if ("stage", v) in plan.buffers else 0 for v in plan.dd.outs)
+def out_pads(plan, outputs: int) -> tuple[int, ...]:
+    """Words of padding after each row of each of the ``outputs`` outputs of a kernel of ``plan``
+    (0: not padded; a kernel made without a plan, a gather's, pads none): the global arrays its
+    launcher allocates for staged outputs have rows this much longer, and the caller gets the view
+    without them (:class:`~napkin_cat.lowering.Kernel`)."""
+    bufs = getattr(plan, "buffers", None) or {}
+    if not staged_vars(bufs):
+        return (0,) * outputs
+    return tuple(bufs[("stage", v)].pad if ("stage", v) in bufs else 0 for v in plan.dd.outs)
 
 
 def why_not(ff, ax, t, arr, bufs, skipping: bool = True) -> str | None:
