@@ -50,13 +50,36 @@ def form(name: str):
             setattr(staged_add, k, v)
 
 
+def checked(name: str, op, grads, want, fns: dict, Q, K, V, dO) -> None:
+    """Form ``name``'s gradients against float64 (asserted), then its timed call in ``fns``."""
+    import torch
+    from bench_fwd_bwd import rel
+    err = max(rel(a, b) for a, b in zip(grads, want[1:]))
+    print(f"{name}: error against float64 {err:.2e}", flush=True)
+    assert err < 5e-3, (name, err)
+    fns[name] = (lambda op=op: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
+
+
+def report(args, fns: dict, causal: bool, Q, K, V, dO) -> None:
+    """FlexAttention beside the forms, every one timed in turns; a table row each."""
+    from bench import kernel_ms
+    from op_forms import flex_call, in_turns
+    fns["FlexAttention"] = flex_call(Q, K, V, dO, causal)
+    times = in_turns(fns, args)
+    print(f"\n{args.case} (B*H = {args.bh}), {args.rounds} rounds in turns, median ms of forward + backward; "
+          f"CUDA ms of the three longest kernels:")
+    for name, fn in fns.items():
+        ks = sorted(kernel_ms(fn, 5).values(), reverse=True)[:3]
+        print(f"| {name} | {statistics.median(times[name]):.3f} | spread {min(times[name]):.3f}-{max(times[name]):.3f} | "
+              + " ".join(f"{v:.3f}" for v in ks) + " |")
+
+
 def main():
     import torch
 
     import napkin_cat as nc
-    from bench import kernel_ms
-    from bench_fwd_bwd import flash, rel
-    from op_forms import case_args, case_tensors, flex_call, in_turns
+    from bench_fwd_bwd import flash
+    from op_forms import case_args, case_tensors
     args = case_args(rounds=5).parse_args()
     causal, Q, K, V, dO, want = case_tensors(args)
     fns = {}
@@ -66,19 +89,9 @@ def main():
             grads = torch.autograd.grad(op(Q, K, V), (Q, K, V), dO)
         kernels = [k for k in op._cache.values() if "bulk_add_f32(" in getattr(k, "source", "")]
         assert len(kernels) == int(staged), (name, len(kernels))
-        err = max(rel(a, b) for a, b in zip(grads, want[1:]))
-        print(f"{name}: error against float64 {err:.2e}", flush=True)
-        assert err < 5e-3, (name, err)
-        fns[name] = (lambda op=op: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
+        checked(name, op, grads, want, fns, Q, K, V, dO)
     del want
-    fns["FlexAttention"] = flex_call(Q, K, V, dO, causal)
-    times = in_turns(fns, args)
-    print(f"\n{args.case} (B*H = {args.bh}), {args.rounds} rounds in turns, median ms of forward + backward; "
-          f"CUDA ms of the three longest kernels:")
-    for name, fn in fns.items():
-        ks = sorted(kernel_ms(fn, 5).values(), reverse=True)[:3]
-        print(f"| {name} | {statistics.median(times[name]):.3f} | spread {min(times[name]):.3f}-{max(times[name]):.3f} | "
-              + " ".join(f"{v:.3f}" for v in ks) + " |")
+    report(args, fns, causal, Q, K, V, dO)
 
 
 if __name__ == "__main__":

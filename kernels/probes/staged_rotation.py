@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -53,10 +52,10 @@ def main():
     import torch
 
     import napkin_cat as nc
-    from bench import kernel_ms
-    from bench_fwd_bwd import flash, rel
+    from bench_fwd_bwd import flash
     from napkin_cat.lowering import staged_add
-    from op_forms import case_args, case_tensors, flex_call, in_turns
+    from op_forms import case_args, case_tensors
+    from staged_conflicts import checked, report
     args = case_args(rounds=5).parse_args()
     causal, Q, K, V, dO, want = case_tensors(args)
     assert not causal, "unmasked only"
@@ -74,19 +73,9 @@ def main():
                     and "for q0 in range(U0, N_q, CHUNK_q)" in k.source and "dK" in k.source]
             k.source, k._dispatcher, k._launchers, k._fast = rotated(k.source), None, {}, None
             grads = torch.autograd.grad(op(Q, K, V), (Q, K, V), dO)
-        err = max(rel(a, b) for a, b in zip(grads, want[1:]))
-        print(f"{name}: error against float64 {err:.2e}", flush=True)
-        assert err < 5e-3, (name, err)
-        fns[name] = (lambda op=op: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO))
+        checked(name, op, grads, want, fns, Q, K, V, dO)
     del want
-    fns["FlexAttention"] = flex_call(Q, K, V, dO, causal)
-    times = in_turns(fns, args)
-    print(f"\n{args.case} (B*H = {args.bh}), {args.rounds} rounds in turns, median ms of forward + backward; "
-          f"CUDA ms of the three longest kernels:")
-    for name, fn in fns.items():
-        ks = sorted(kernel_ms(fn, 5).values(), reverse=True)[:3]
-        print(f"| {name} | {statistics.median(times[name]):.3f} | spread {min(times[name]):.3f}-{max(times[name]):.3f} | "
-              + " ".join(f"{v:.3f}" for v in ks) + " |")
+    report(args, fns, causal, Q, K, V, dO)
 
 
 if __name__ == "__main__":
