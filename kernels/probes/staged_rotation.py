@@ -31,7 +31,7 @@ ROTATE = [
     (re.compile(r"(    x0 = bx_rest \* TILE_x\n)"), r"\1    ROT = bx_rest % (N_q // CHUNK_q) * CHUNK_q  # this key tile's first query chunk (probe)\n"),
     (re.compile(r"h0 \* N_q \+ \(U0 \+ i_q"), "h0 * N_q + (ROT + i_q"),                           # chunk 0's copies
     (re.compile(r"h0 \* N_q \+ \(q_next2 \+ i_q"), "h0 * N_q + ((q_next2 + ROT) % N_q + i_q"),    # chunk c + 1's
-    (re.compile(r"\(\(h0\) \* N_q \+ \(q0 \+ U0\)\)"), "((h0) * N_q + ((q0 + ROT) % N_q + U0))"),  # the staged add
+    (re.compile(r"\(h0 \* N_q \+ \(q0 \+ U0\)\)"), "(h0 * N_q + ((q0 + ROT) % N_q + U0))"),        # the staged add
     (re.compile(r"\(h0 \* N_q \+ \(q0 \+ i_q"), "(h0 * N_q + ((q0 + ROT) % N_q + i_q"),           # the atomics
 ]
 

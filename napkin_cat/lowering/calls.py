@@ -11,7 +11,6 @@ from ..core.errors import LoweringError, ShapeError
 from . import io
 
 def _kind(x) -> str:
-    import sys
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         return "torch_cuda" if x.is_cuda else "torch_cpu"

@@ -224,11 +224,13 @@ class Emitter(Loads, Phases):
         dt = DTYPES.get(arr.dtype.name)
         return f"{dt.from_f32}({val})" if dt else val
 
-    def gindex(self, arr, env) -> str:
+    def gindex(self, arr, env, pad: int = 0) -> str:
+        """``arr``'s flat global index at ``env``; ``pad``: its rows (last axis) are that much longer."""
         expr = None
         for a in arr.axis_names:
             g = self.gidx(a, env)
-            expr = g if expr is None else f"{_paren(expr)} * {self.ax[a].size_c} + {g}"
+            size = self.consts.u(self.ax[a].size + pad) if pad and a == arr.axis_names[-1] else self.ax[a].size_c
+            expr = g if expr is None else f"{_paren(expr)} * {size} + {g}"
         return expr if expr is not None else self.consts.u(0, "U0")
 
     def valid(self, axes, env) -> str | None:

@@ -98,7 +98,7 @@ def plan(ff, ax, targets, accs, bufs, skipping: bool = True) -> dict:
         if v in targets and why_not(ff, ax, targets[v], types[v], out, skipping) is None:
             names = types[v].axis_names
             axes = tuple(a for a in names if ax[a].cap > 1)
-            pad = row_pad(ax[names[-1]].size) if _padded(ax, names) else 0
+            pad = _pad(ax, names)
             spread = f", rows padded by {pad} words" if pad else ""
             out[("stage", v)] = Buffer(("stage", v), f"{types[v].name}_add_s", axes, tuple(ax[a].cap for a in axes),
                                        f"{types[v].name}'s partial sums, added by one bulk reduction a chunk{spread}",
@@ -127,13 +127,13 @@ def _conflicts(stride: int) -> int:
     return max(Counter((r * stride + 2 * k) % 32 for r in range(8) for k in range(4)).values())
 
 
-def _padded(ax, names) -> bool:
-    """Whether the rows of an output of axes ``names`` are padded: its last axis comes after the
-    first one the block splits, and the block holds all of it, more than one (the staging buffer's
-    last axis is then the array's)."""
+def _pad(ax, names) -> int:
+    """Words after each row of a staged output of axes ``names`` (:func:`row_pad`), where its last
+    axis comes after the first one the block splits and the block holds all of it, more than one
+    (the staging buffer's last axis is then the array's); else 0."""
     first = next(i for i, a in enumerate(names) if ax[a].cap > 1)
     last = ax[names[-1]]
-    return first < len(names) - 1 and last.cap == last.size > 1
+    return row_pad(last.size) if first < len(names) - 1 and last.cap == last.size > 1 else 0
 
 
 def out_pads(plan, outputs: int) -> tuple[int, ...]:
@@ -167,8 +167,7 @@ def why_not(ff, ax, t, arr, bufs, skipping: bool = True) -> str | None:
     if not any(isinstance(n, (Compute, Finalise)) and loops and loops[-1].kind == "stream"
                and t.var in _outputs(ff, n) for n, loops in ff.walk()):
         return "not written once per chunk of a stream loop"
-    words = math.prod(ax[a].cap for a in names[:-1]) * (ax[names[-1]].cap + (row_pad(ax[names[-1]].size)
-                                                                             if _padded(ax, names) else 0))
+    words = math.prod(ax[a].cap for a in names[:-1]) * (ax[names[-1]].cap + _pad(ax, names))
     used = sum(-(-b.size // 4) * 4 for b in bufs.values())
     if 4 * (used + -(-words // 4) * 4) > SMEM_LIMIT:
         return "shared memory"
@@ -249,21 +248,9 @@ def before(em, n, src) -> None:
     rows = em.ax[row].count if em.ax[row].ragged else em.ax[row].cap_c
     src(f"stage_bytes = {rows} * {em.consts.u(4 * inner)}  # {arr.name}'s rows this chunk, in bytes")
     zero = em.consts.u(0, "U0")
-    st.pending = (em.out_args[em.dd.outs.index(v)], _gindex(em, arr, {a: zero for a in names}, pad), ("stage", v))
+    st.pending = (em.out_args[em.dd.outs.index(v)], em.gindex(arr, {a: zero for a in names}, pad), ("stage", v))
     st.waited = False
     em.pending_sync = True
-
-
-def _gindex(em, arr, env, pad: int) -> str:
-    """:meth:`~.emit.Emitter.gindex` in an array whose rows (its last axis) are ``pad`` words longer."""
-    if not pad:
-        return em.gindex(arr, env)
-    names = arr.axis_names
-    expr = em.gidx(names[0], env)
-    for a in names[1:]:
-        size = em.consts.u(em.ax[a].size + pad) if a == names[-1] else em.ax[a].size_c
-        expr = f"({expr}) * {size} + {em.gidx(a, env)}"
-    return expr
 
 
 def before_barrier(em, src) -> None:
