@@ -54,7 +54,7 @@ def _body(kernel) -> list[str]:
     return kernel.source.split("@cuda.jit(fastmath")[-1].splitlines()
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype,causal,sizes,scale", [
     pytest.param(nc.f16, False, {q: 140, x: 77, d: 16}, 1.0, id="f16-ragged"),
     pytest.param(nc.bf16, True, {q: 128, x: 96, d: 32}, 12.0, id="bf16-causal-x12"),
@@ -78,6 +78,24 @@ def test_the_forward_with_a_copying_warpgroup_matches_the_oracle(copying, monkey
     assert not any("cp_async16(smem16, K_s" in ln or "cp_async16(smem16, V_s" in ln for ln in theirs)
     assert f"setmaxnreg_dec_{producer.REGS}()" in "\n".join(mine)
     out = _check(dia, kernel, scale)
+    assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+@pytest.mark.parametrize("causal", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_four_warpgroups_over_three_buffers_reuse_their_landed_slots(copying, monkeypatch, causal):
+    """Four computing warpgroups (64 rows each) over three buffers: the landed barriers by chunk
+    parity (producer.landed_slots), six chunks so that each slot is reused three times; a slot
+    arrived at again before its warpgroup waited would be a protocol error the simulator raises.
+    Under a mask four warpgroups keep two buffers (producer.MASKED_GROUPS, measured), unless the
+    limit is raised."""
+    dia = _forward(nc.f16, causal, {q: 256, x: 32 * 5 + 5, d: 16}, rows=256)
+    if causal:
+        two = nc.lower(dia, threads=512, prefetch="double", verify=False)
+        assert "(two chunk buffers)" in two.source and "land_x" not in two.source
+        monkeypatch.setattr(producer, "MASKED_GROUPS", 4)
+    kernel = nc.lower(dia, threads=512, prefetch="double", verify=False)
+    assert "(3 chunk buffers)" in kernel.source and "land_x = U1 - land_x" in kernel.source
+    out = _check(dia, kernel, 4.0)
     assert out.failure is None, kernelcheck.describe_failure(out.failure)
 
 
@@ -133,32 +151,38 @@ def test_the_named_hand_over_pairs_every_wait_with_arrivals(copying, monkeypatch
 
 
 def test_three_buffers_pair_every_wait_with_arrivals(copying):
-    """Over three buffers: each computing warpgroup waits at "landed" barrier ``2 + 2 b + w`` for the
-    copying warpgroup's arrival there (chunk c + 1, handed over at chunk c), and arrives at
-    "released" barrier ``8 + b`` where chunk c + 3 will refill its buffer, where the copying
-    warpgroup waits before it issues that chunk (at chunk c + 1, into buffer (c + 3) % 3)."""
+    """Over three buffers: each computing warpgroup waits at "landed" barrier ``2 + 2 s + w`` (slot
+    ``s = c % 2``, producer.landed_slots) for the copying warpgroup's arrival there (chunk c + 1,
+    handed over at chunk c), and arrives at "released" barrier ``6 + b`` (its buffer) after every
+    chunk that another follows, where the copying warpgroup waits at chunk c + 1, before it hands
+    over chunk c + 2 and issues chunk c + 3 into that buffer."""
     kernel = nc.lower(_forward(nc.f16, True, {q: 128, x: 96, d: 16}), threads=256, prefetch="double",
                       verify=False)
     body = _body(kernel)
     split = next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))
     copying_side, computing = _named_barriers(body[:split]), _named_barriers(body[split:])
     full, empty = producer.hand_over_ids(256, 3)
-    assert (full, empty) == (2, 8)
-    assert computing == {(f"U{full} + buf_x * U2 + tid // U128", "U256"): ["bar_named"],
+    assert (full, empty) == (2, 6)
+    assert computing == {(f"U{full} + land_x * U2 + tid // U128", "U256"): ["bar_named"],
                          (f"U{empty} + buf_x", "U384"): ["bar_arrive"]}
-    assert copying_side == {(f"U{full} + ((pbuf_x + U1) % U3) * U2", "U256"): ["bar_arrive"],
-                            (f"U{full + 1} + ((pbuf_x + U1) % U3) * U2", "U256"): ["bar_arrive"],
+    assert copying_side == {(f"U{full} + ((pland_x + U1) % U2) * U2", "U256"): ["bar_arrive"],
+                            (f"U{full + 1} + ((pland_x + U1) % U2) * U2", "U256"): ["bar_arrive"],
                             (f"U{empty} + ((pbuf_x + U2) % U3)", "U384"): ["bar_named"]}
-    assert re.search(r"if x_next\w* \+ U2 \* CHUNK_x < \w+:", "\n".join(body[split:]))   # where chunk c + 3 refills it
+    # released wherever another chunk follows, waited for at every chunk: hand-overs at most two ahead
+    assert not re.search(r"if x_next\w* \+ U2 \* CHUNK_x < \w+:", "\n".join(body[split:]))
     out = _check(_forward(nc.f16, True, {q: 128, x: 96, d: 16}), kernel, 8.0)
     assert out.failure is None, kernelcheck.describe_failure(out.failure)
 
 
 def test_stages_fall_back_to_two_where_the_named_barriers_run_out(copying, monkeypatch):
-    """Four computing warpgroups over three buffers would need 2 + 3 * 4 + 3 = 17 named barriers."""
-    assert producer.hand_over_ids(384, 3) == (2, 11)
+    """Four computing warpgroups over four buffers would need 2 + 3 * 4 + 4 = 18 named barriers (three
+    landed slots, producer.landed_slots); over three, 2 + 2 * 4 + 3 = 13."""
+    assert producer.hand_over_ids(384, 3) == (2, 8)
+    assert producer.hand_over_ids(512, 3) == (2, 10)
+    assert producer.hand_over_ids(384, 4) == (2, 11)
     with pytest.raises(producer.NotSpecialised, match="16 a block has"):
-        producer.hand_over_ids(512, 3)
+        producer.hand_over_ids(512, 4)
+    monkeypatch.setattr(producer, "STAGES", 4)
     kernel = nc.lower(_forward(nc.f16, False, {q: 256, x: 96, d: 16}, rows=256), threads=512, prefetch="double",
                       verify=False)
     assert "(two chunk buffers)" in kernel.source and "chunk buffers)" not in kernel.source.replace("(two chunk", "")
@@ -340,8 +364,9 @@ def _table_inputs(dia, table, seed=3):
                        rng.standard_normal(tuple(a.size for a in arr.axes))) for arr in dia.dom}
 
 
-@pytest.mark.parametrize("hand_over", ["named", pytest.param("block", marks=pytest.mark.slow)])
-def test_chunks_a_block_table_masks_are_skipped_by_both_sides_of_the_copying_warpgroup(hand_over):
+@pytest.mark.parametrize("hand_over,stages", [("named", 3), pytest.param("named", 4, marks=pytest.mark.slow),
+                                               pytest.param("block", 3, marks=pytest.mark.slow)])
+def test_chunks_a_block_table_masks_are_skipped_by_both_sides_of_the_copying_warpgroup(hand_over, stages):
     """The one-kernel backward (key tiles of 128, query chunks of 32) and the forward (query
     tiles of 128, key chunks of 32) with a table whose entries mask the first chunk of a tile,
     one in the middle, the last, and every chunk of the backward's second tile: the copying
@@ -363,6 +388,7 @@ def test_chunks_a_block_table_masks_are_skipped_by_both_sides_of_the_copying_war
     ahead_in = _table_inputs(ahead, np.array([[0, 2, 0, 1, 0], [1, 1, 1, 1, 1]], np.float32))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(producer, "HAND_OVER", hand_over)
+        mp.setattr(producer, "STAGES", stages)   # 4: three landed slots, three hand-overs ahead
         mp.setattr(planner, "WGMMA", True)
         mp.setattr(producer, "SWITCH", True)
         for dia, tiles, ins in ((part, {"g_x": 128, "s_q": 32}, named), (ahead, None, ahead_in)):

@@ -29,21 +29,17 @@ The kernel (``NTHREADS`` multiplying threads, then :data:`THREADS` copying ones)
 
 Buffer ``(c + 1) % 2`` was last read in chunk ``c - 1``, before the barrier that ended it, and
 chunk ``c + 1`` has landed, fenced, before the barrier that ends chunk ``c``.  Every block barrier
-of the multiplying warps has its twin in the copying warpgroup: their count is read off the
-emitted code, and a kernel whose barriers are not all at fixed places (one inside a branch or an
-inner loop) is not specialised (:class:`NotSpecialised`, then emitted as before).  Reductions
-among the multiplying threads through shared memory use a named barrier over them
-(``bar_named(1, NTHREADS)``), and the simulated tensor-core twins synchronise within a warp, so
-the simulator runs the same protocol (:func:`.tensorcore._group_barrier`).
+of the multiplying warps has its twin in the copying warpgroup (counted in the emitted code; a
+barrier at no fixed place: :class:`NotSpecialised`, emitted as before).  The multiplying threads'
+own reductions meet at ``bar_named(1, NTHREADS)``; the simulated tensor-core twins synchronise
+within a warp, so the simulator runs the same protocol (:func:`.tensorcore._group_barrier`).
 
 With ``HAND_OVER = "named"`` (the default) the per-chunk block barrier goes: the copying
-warpgroup arrives (``bar.arrive``) at "landed" barrier ``2 + b W + w`` for each computing
-warpgroup ``w`` once buffer ``b`` holds chunk c + 1; computing warpgroup ``w`` waits at its
-"landed" barrier before each chunk but the first, and arrives at "released" barrier
-``2 + 2W + b`` when done with a chunk that another follows; the copying warpgroup waits there
-before each chunk but the first, so before it refills buffer ``b`` (:func:`hand_over_ids`).
-Their own barriers (a buffer they write and read, such as the backward's dS) meet at
-``bar_named(1, NTHREADS)``, without the copying warpgroup.
+warpgroup arrives (``bar.arrive``) at "landed" barrier ``2 + s W + w`` for each computing
+warpgroup ``w`` once chunk c + 1 has landed, ``s = (c + 1) % L`` its slot (:func:`landed_slots`);
+computing warpgroup ``w`` waits at its "landed" barrier before each chunk but the first, and
+arrives at "released" barrier ``2 + L W + b`` when done with a chunk in buffer ``b`` that another
+follows; the copying warpgroup waits there before it refills buffer ``b`` (:func:`hand_over_ids`).
 
 Stages (:data:`STAGES`, second session of 2026-11-30): with the named hand-over, the chunks of a
 forward cycle through three buffers and the copying warpgroup keeps two chunks' copies in flight,
@@ -52,17 +48,16 @@ chunk is visited (:func:`_ahead_copies`)::
 
         copy chunks 0 .. S - 2 into buffers 0 .. S - 2; wait for chunk 0's; fence; barrier
         for each chunk c:
-            if chunk c + S - 1 exists: wait at "released" barrier of buffer (c - 1) % S (not
-                at c = 0); copy chunk c + S - 1 into it
+            wait at "released" barrier of buffer (c - 1) % S (not at c = 0)
+            if chunk c + S - 1 exists: copy it into that buffer
             if chunk c + 1 exists: wait for all but the newer groups; fence; arrive at chunk
                 c + 1's "landed" barriers
-        (the computing warpgroups release chunk c's buffer where chunk c + S will refill it)
+        (the computing warpgroups release every chunk that another follows)
 
 Where a block table skips chunks, so that chunk c + S - 1 is not known at chunk c
 (:func:`_staged_copies`), the k-th kept chunk is issued at step k and chunk k - 1 handed over
-behind it; the computing warpgroups release every chunk that another follows, and the copying
-warpgroup waits for the releases it did not need after its loop.  The first form was measured
-faster (ptxas kept the computing warps' values in registers with it: kernels/logs/forward_copies_h200.log).
+behind it; the copying warpgroup waits for the releases it did not need after its loop.  The first
+form measured faster (ptxas kept values in registers with it: kernels/logs/forward_copies_h200.log).
 
 Registers: the block starts with ``65536 / (blocks x threads)`` each; ``setmaxnreg`` moves them from
 the copying warpgroup (:data:`REGS`) to the multiplying ones (:func:`consumer_registers`).
@@ -87,9 +82,8 @@ an H100 (fp16, N = 4096, d = 64; kernels/BENCHMARKS.md, "Fifth session of 2026-1
   d = 128).
 
 Not elsewhere: the two-kernel backward's dQ kernel measured slower with it (0.88 against 0.64 ms,
-128 computing threads), and plain sums on their own were not measured.  Under
-``planner.WGMMA = "auto"`` an accumulator rescaled every chunk goes to warpgroup MMAs only with
-this warpgroup (:func:`.wgmma_plan.auto_why_not`)."""
+128 computing threads); plain sums on their own were not measured.  An accumulator rescaled every
+chunk goes to warpgroup MMAs only with it (:func:`.wgmma_plan.auto_why_not`)."""
 
 TABLES = True
 """Give the copying warpgroup a stream loop whose chunks a block table skips: both sides scan the
@@ -126,6 +120,12 @@ every chunk (:func:`stages_for`) keeps two.  Measured on an H200 (fp16, N = 4096
 kernels/BENCHMARKS.md, "Second session of 2026-11-30"): the d = 128 forward kernel on three
 computing warpgroups 0.718-0.721 ms with three buffers of 64 keys, against 0.872 with two of 64
 and 0.780-0.784 with two of 128 (0.529 with its copies removed); causal 0.398-0.400 against 0.462."""
+
+MASKED_GROUPS = 3
+"""The most computing warpgroups a forward whose stream loop a mask bounds takes :data:`STAGES`
+buffers with; more keep two.  Measured on an H200 (fp16, N = 4096, d = 64, four warpgroups;
+kernels/BENCHMARKS.md, "Fourth session of 2026-11-30"), forward kernel ms with three buffers
+against two: unmasked 0.344 against 0.383; causal, block-causal, prefix-LM, GQA causal 1-4% slower."""
 
 MIN_THREADS = 256
 """Computing threads a kernel needs for a copying warpgroup: measured on an H100 (fp16 forward,
@@ -226,14 +226,13 @@ def staged_for_copies(plan, staged):
     return twin
 
 
-def rescaled(accs) -> bool:
-    """Whether an accumulator of ``accs`` is rescaled every chunk (an online softmax's output)."""
+def rescaled(accs) -> bool:   # an accumulator of accs rescaled every chunk (an online softmax's output)
     return any(p.stat is not None for p in accs)
 
 
 def joins(threads: int) -> bool:
-    """Whether a copying warpgroup may join a kernel of ``threads`` computing threads whose
-    accumulator is rescaled every chunk (:data:`SWITCH`, :data:`MIN_THREADS`)."""
+    """Whether a copying warpgroup may join a kernel of ``threads`` computing threads that rescales
+    an accumulator every chunk (:data:`SWITCH`, :data:`MIN_THREADS`)."""
     return bool(SWITCH) and threads >= MIN_THREADS and threads % 128 == 0
 
 
@@ -262,17 +261,31 @@ def hand_overs() -> tuple[str, ...]:
     return ("named", "block") if HAND_OVER == "named" else ("block",)
 
 
+def landed_slots(stages: int) -> int:
+    """The "landed" barriers of each computing warpgroup over ``stages`` buffers: chunk c's is slot
+    ``c % L``.  A slot may be reused once the warpgroup has waited at it, so ``L`` must exceed the
+    hand-overs the copying warpgroup can be ahead by: it arrives for chunk c + 1 after chunk c - 1's
+    release (two ahead) or, where a block table skips chunks, chunk k - 1 after chunk k - S's (S - 1
+    ahead).  A slot per buffer (until 2026-11-30): 17 named barriers for 4 warpgroups, 3 buffers."""
+    return max(2, stages - 1)
+
+
 def hand_over_ids(threads: int, stages: int = 2) -> tuple[int, int]:
-    """The first named barrier of the ``"named"`` hand-over's "landed" barriers (buffer ``b``,
-    computing warpgroup ``w``: ``full + b * W + w``) and of its "released" ones (buffer ``b``:
-    ``empty + b``) over ``stages`` buffers; id 1 is the computing threads' own (reductions), 0 the
-    block's."""
+    """The first named barrier of the ``"named"`` hand-over's "landed" barriers (slot ``s``,
+    computing warpgroup ``w``: ``full + s * W + w``; :func:`landed_slots`) and of its "released"
+    ones (buffer ``b``: ``empty + b``) over ``stages`` buffers; id 1 is the computing threads' own
+    (reductions), 0 the block's."""
     groups = threads // 128
-    full, empty = 2, 2 + stages * groups
+    full, empty = 2, 2 + landed_slots(stages) * groups
     if empty + stages > 16:
         raise NotSpecialised(f"{groups} computing warpgroups over {stages} buffers: more named barriers than the "
                              f"16 a block has")
     return full, empty
+
+
+def _next_slot(slot: str, stages: int, k) -> str:
+    """The statement moving landed slot ``slot`` to the next chunk's (:func:`landed_slots`)."""
+    return _turn(slot, landed_slots(stages), k)
 
 
 def stages_for(plan) -> int:
@@ -287,6 +300,8 @@ def stages_for(plan) -> int:
                          f"groups), got {STAGES!r}")
     if STAGES == 2 or HAND_OVER != "named" or not rescaled(plan.accs) or why_not(plan) is not None:
         return 2
+    if plan.threads // 128 > MASKED_GROUPS and any(plan.skips.values()):
+        return 2
     try:
         hand_over_ids(plan.threads, STAGES)
     except NotSpecialised:
@@ -294,8 +309,7 @@ def stages_for(plan) -> int:
     return STAGES
 
 
-def _stages(bufs) -> int:
-    """The buffers of a stream loop's chunks (``Buffer.copies``)."""
+def _stages(bufs) -> int:   # the buffers of a stream loop's chunks
     return max(b.copies for b in bufs)
 
 
@@ -333,6 +347,9 @@ def emit_loop(em, lp: Loop, src) -> None:
                 f"(warp specialisation, lowering/producer.py)")
     par = em.names.fresh(f"buf_{a.name}")
     src(f"{par} = {k.u(0, 'U0')}  # which copy holds the current chunk")
+    slot = par if stages == 2 else em.names.fresh(f"land_{a.name}")
+    if slot != par:
+        src(f"{slot} = {k.u(0, 'U0')}  # the current chunk's landed barriers (lowering/producer.py, landed_slots)")
     em.pending_sync = True
     em.sync(src)   # chunk 0 has landed (the copying warpgroup's first barrier in the loop's turn)
     with src.block(em._chunk_header(lp, lo, hi, first, src)):
@@ -346,7 +363,7 @@ def emit_loop(em, lp: Loop, src) -> None:
             full, empty_id = hand_over_ids(em.T, stages)
             groups = em.T // 128
             with src.block(f"if {a.start} > {first}:  # chunk 0 landed at the barrier above"):
-                src(f"bar_named({k.u(full, f'U{full}')} + {par} * {k.u(groups, f'U{groups}')} + tid // "
+                src(f"bar_named({k.u(full, f'U{full}')} + {slot} * {k.u(groups, f'U{groups}')} + tid // "
                     f"{k.u(128, 'U128')}, {k.u(128 + THREADS, f'U{128 + THREADS}')})  # this warpgroup's chunk has landed")
         em.pending_sync = False
         em.consumers_only = named     # the computing threads' own barriers: the copying warpgroup is not there
@@ -364,10 +381,7 @@ def emit_loop(em, lp: Loop, src) -> None:
             else:
                 src("fence_proxy_async()  # this chunk's reads are done")
             em.consumers_only = False
-            refill = nxt   # the chunk after the next, or where no table skips chunks, the one this buffer takes next
-            if stages > 2 and not kept_only:
-                refill = f"{nxt} + {k.u(stages - 1, f'U{stages - 1}')} * {a.cap_c}"
-            with src.block(f"if {refill} < {hi}:"):
+            with src.block(f"if {nxt} < {hi}:"):   # the copying warpgroup waits for it (landed_slots)
                 total = em.T + THREADS
                 src(f"bar_arrive({k.u(empty_id, f'U{empty_id}')} + {par}, {k.u(total, f'U{total}')})  "
                     f"# this buffer is free for the chunk after the next")
@@ -375,6 +389,8 @@ def emit_loop(em, lp: Loop, src) -> None:
             em.pending_sync = True
             em.sync(src)
         src(_turn(par, stages, k))
+        if slot != par:
+            src(_next_slot(slot, stages, k))
         if nxt is not None:
             em._advance(lp, nxt, src)
     em._drop_flags(lp)
@@ -479,13 +495,13 @@ def _double_copies(em, lp, loads, bufs, lo, hi, first, par, per, src) -> None:
         em._advance(lp, nxt, src)
 
 
-def _arrive_landed(em, buf: str, which: str, src) -> None:
-    """The copying warpgroup's arrivals at each computing warpgroup's "landed" barrier of buffer
-    ``buf`` (``which``: the chunk, in the comment)."""
+def _arrive_landed(em, slot: str, which: str, src) -> None:
+    """The copying warpgroup's arrivals at each computing warpgroup's "landed" barrier of slot
+    ``slot`` (:func:`landed_slots`; ``which``: the chunk, in the comment)."""
     k, groups = em.consts, em.T // 128
     full = hand_over_ids(em.T)[0]
     for w in range(groups):
-        src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + {buf} * {k.u(groups, f'U{groups}')}, "
+        src(f"bar_arrive({k.u(full + w, f'U{full + w}')} + {slot} * {k.u(groups, f'U{groups}')}, "
             f"{k.u(128 + THREADS, f'U{128 + THREADS}')})  # {which} has landed for warpgroup {w}")
 
 
@@ -521,21 +537,24 @@ def _ahead_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
     src("fence_proxy_async()  # ... and are visible to the tensor cores")
     src("cuda.syncthreads()  # chunk 0 has landed")
     back = f"(({par} + {k.u(stages - 1, f'U{stages - 1}')}) % {S})"
+    slot, slots = em.names.fresh(f"pland_{a.name}"), landed_slots(stages)
+    src(f"{slot} = {k.u(0, 'U0')}  # chunk c's landed slot")
     with src.block(em._chunk_header(lp, lo, hi, first, src)):
         far = em.names.fresh(f"{a.name}_ahead")
         src(f"{far} = {start(a.start, stages - 1)}")
+        with src.block(f"if {a.start} > {first}:"):   # at every chunk: the hand-overs at most two ahead
+            src(f"bar_named({k.u(empty, f'U{empty}')} + {back}, {k.u(total, f'U{total}')})"
+                f"  # chunk c - 1's buffer released by every computing warpgroup")
         with src.block(f"if {far} < {hi}:"):
-            with src.block(f"if {a.start} > {first}:"):
-                src(f"bar_named({k.u(empty, f'U{empty}')} + {back}, {k.u(total, f'U{total}')})"
-                    f"  # chunk c - 1's buffer released by every computing warpgroup")
             em._issue_chunk(lp, loads, bufs, far, back, src)
         nxt = em.names.fresh(f"{a.name}_next")
         src(f"{nxt} = {start(a.start, 1)}")
         with src.block(f"if {nxt} < {hi}:"):
             _wait_but([start(a.start, j) for j in range(2, stages)], hi, src)
             src("fence_proxy_async()  # ... and are visible to the tensor cores")
-            _arrive_landed(em, f"(({par} + {k.u(1, 'U1')}) % {S})", "chunk c + 1", src)
+            _arrive_landed(em, f"(({slot} + {k.u(1, 'U1')}) % {k.u(slots, f'U{slots}')})", "chunk c + 1", src)
         src(f"{par} = ({par} + {k.u(1, 'U1')}) % {S}")
+        src(_next_slot(slot, stages, k))
 
 
 def _staged_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
@@ -555,7 +574,8 @@ def _staged_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
         with src.block("else:"):
             _arrive_landed(em, prev, which, src)
 
-    prev = f"(({par} + {k.u(stages - 1, f'U{stages - 1}')}) % {S})"
+    slots = landed_slots(stages)
+    prev = f"(({n} - {k.u(1, 'U1')}) % {k.u(slots, f'U{slots}')})"   # chunk k - 1's landed slot (k >= 2 here)
     with src.block(em._chunk_header(lp, lo, hi, first, src)):
         nxt = em._next_chunk(lp, hi, src)
         with src.block(f"if {n} >= {S}:"):
@@ -571,9 +591,10 @@ def _staged_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
         em._advance(lp, nxt, src)
     src("cp_async_wait_all()  # the last chunk's copies have landed")
     src("fence_proxy_async()")
-    hand_over("the last chunk")
     for j in range(stages - 1):    # the computing warpgroups released chunks n - S .. n - 2 unwaited
         back = stages - j
         with src.block(f"if {n} >= {k.u(back, f'U{back}')}:"):
             src(f"bar_named({k.u(empty, f'U{empty}')} + ({n} - {k.u(back, f'U{back}')}) % {S}, "
                 f"{k.u(total, f'U{total}')})  # chunk n - {back}'s release")
+        if j == 0:   # chunk n - S's first: the last hand-over at most S - 1 ahead (landed_slots)
+            hand_over("the last chunk")
