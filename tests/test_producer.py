@@ -85,7 +85,7 @@ def test_the_forward_with_a_copying_warpgroup_matches_the_oracle(copying, monkey
 @pytest.mark.parametrize("causal", [False, True])
 def test_four_warpgroups_over_three_buffers_reuse_their_landed_slots(copying, monkeypatch, causal):
     """Four computing warpgroups (64 rows each) over three buffers: the landed barriers by chunk
-    parity (producer.landed_slots), six chunks so that each slot is reused three times; a slot
+    parity (producer.landed_slots), six chunks so that each slot serves three of them; a slot
     arrived at again before its warpgroup waited would be a protocol error the simulator raises.
     Under a mask four warpgroups keep two buffers (producer.MASKED_GROUPS, measured), unless the
     limit is raised."""
