@@ -406,7 +406,6 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV):
                     if j % U2 == U1:
                         smem32[(dS_s * U2 + i_x9 * LD_dS_s + i_q5) // U2] = pack_f16(dS_pair2[0], dS_pair2[1])
                     dS_r[i, j] = dS_212
-        fence_proxy_async()
         bar_named(uint32(1), NTHREADS)  # the computing threads
         # dQ[h=16 q=4096 d=64] f32 = contract(dS, K)  (tensor-core fragments over (q, d): 4x2 warps in 2 warpgroup(s) splitting the columns, each warp 16x32: 1 wgmma.m64n32k16 per warpgroup and step (f16 in, A from registers or, an input's, by descriptor, B from shared memory, fp32 accumulators; requires q % 64, reduced extent % 16))
         ty = tid // U32 % U4 * U8 + tid % U32 // U4
@@ -533,7 +532,6 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV):
         dK_o_wg = wgmma_wait_n64(dK_o_wg)
         dK_o[0, 0], dK_o[0, 1], dK_o[1, 0], dK_o[1, 1], dK_o[0, 2], dK_o[0, 3], dK_o[1, 2], dK_o[1, 3], dK_o[0, 4], dK_o[0, 5], dK_o[1, 4], dK_o[1, 5], dK_o[0, 6], dK_o[0, 7], dK_o[1, 6], dK_o[1, 7], dK_o[0, 8], dK_o[0, 9], dK_o[1, 8], dK_o[1, 9], dK_o[0, 10], dK_o[0, 11], dK_o[1, 10], dK_o[1, 11], dK_o[0, 12], dK_o[0, 13], dK_o[1, 12], dK_o[1, 13], dK_o[0, 14], dK_o[0, 15], dK_o[1, 14], dK_o[1, 15] = dK_o_wg
         q_next = q0 + CHUNK_q
-        fence_proxy_async()
         bar_named(uint32(1), NTHREADS)  # the computing threads
         if q_next < N_q:
             bar_arrive(U6 + buf_q, U384)  # this buffer is free for the chunk after the next

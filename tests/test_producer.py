@@ -344,6 +344,43 @@ def test_the_one_kernel_backward_takes_a_copying_warpgroup_by_default(causal):
     assert out.failure is None, kernelcheck.describe_failure(out.failure)
 
 
+
+@pytest.mark.parametrize("fenced", [False, True])
+def test_the_computing_threads_fence_only_what_the_tensor_cores_read_after_their_writes(monkeypatch, fenced):
+    """Beside a copying warpgroup, the computing threads' barriers are fenced by writes
+    (``wgmma.FENCE_SPECIALISED = False``): the one-kernel backward writes no buffer the tensor cores
+    read by descriptor in its stream loop (dS is read by ``ldmatrix``), so its loop has no
+    ``fence.proxy.async``, which would wait for dQ's ``red.global`` adds; the forward's release of a
+    chunk follows the wait that completes its reads, unfenced.  The copying warpgroup fences every
+    chunk it hands over.  ``FENCE_SPECIALISED = True`` restores a fence before each barrier and
+    release of the computing threads."""
+    from napkin_cat.lowering import wgmma
+    from napkin_cat.lowering.backward_forms import backward_plan
+    monkeypatch.setattr(wgmma, "FENCE_SPECIALISED", fenced)
+    fl = L.attention(q=q, x=x, d=d).stream(x, "s_x").tile(q, "g_q")
+    plan = backward_plan(fl, form="one kernel").at(nc.f16)
+    sizes = {q: 140, x: 140, d: 32}
+    backward = nc.lower(plan.parts[1].bind(sizes), tiles={"g_x": 128, "s_q": 64}, threads=256, prefetch="double",
+                        verify=False)
+    forward = nc.lower(plan.forward.bind(sizes), tiles={"g_q": 128, "s_x": 64}, threads=256, prefetch="double",
+                       verify=False)
+    for kernel, loop_head, waits in ((backward, "    for q0 in range(", 2), (forward, "    for x0 in range(", 1)):
+        assert any("chunks handed over by named barriers" in n for n in kernel.notes), kernel.notes
+        body = [ln.strip() for ln in _body(kernel)]
+        split = next(i for i, ln in enumerate(_body(kernel)) if ln.startswith("    setmaxnreg_inc_"))
+        loop = next(i for i in range(split, len(body)) if _body(kernel)[i].startswith(loop_head))
+        end = next(i for i in range(loop + 1, len(body)) if body[i] and not _body(kernel)[i].startswith(" " * 8))
+        in_loop = body[loop:end]
+        syncs = [i for i, ln in enumerate(in_loop) if ln == "bar_named(uint32(1), NTHREADS)  # the computing threads"]
+        releases = [i for i, ln in enumerate(in_loop) if "# this buffer is free for" in ln]
+        assert len(syncs) == (waits if kernel is backward else 0) and releases
+        before = [in_loop[i - 1] for i in syncs] + [in_loop[i - 2] for i in releases if kernel is forward]
+        assert all(ln.startswith("fence_proxy_async()") == fenced for ln in before), before
+        if not fenced:
+            assert not any(ln.startswith("fence_proxy_async()") for ln in in_loop)
+        handed = [i for i, ln in enumerate(body[:split]) if "has landed for warpgroup 0" in ln]
+        assert handed and all(body[i - 1].startswith("fence_proxy_async()") for i in handed)
+
 def _table_attention(dtype, rows: int, cols: int, logsumexp: bool = False):
     """Attention under a document mask and a block table of the user's over ``rows x cols``
     blocks (``nc.blocked``: the table is part of the mask, so an entry of 0 masks its block)."""

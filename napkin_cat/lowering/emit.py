@@ -170,7 +170,7 @@ class Emitter(Loads, Phases):
         buffer they read by descriptor was written since the last fence (``fence=None``:
         :attr:`core_dirty`; True: copies that land here, or a barrier in an earlier slot)."""
         if fence is None:
-            fence = self.core_dirty or self.specialise or not wg.FENCE_BY_WRITES
+            fence = self.core_dirty or (self.specialise and wg.FENCE_SPECIALISED) or not wg.FENCE_BY_WRITES
             self.core_dirty = False
         staged_add.before_barrier(self, src)
         if self.wgmma and fence:

@@ -59,8 +59,7 @@ Where a block table skips chunks, so that chunk c + S - 1 is not known at chunk 
 behind it; the copying warpgroup waits for the releases it did not need after its loop.  The first
 form measured faster (ptxas kept values in registers with it: kernels/logs/forward_copies_h200.log).
 
-Registers: the block starts with ``65536 / (blocks x threads)`` each; ``setmaxnreg`` moves them from
-the copying warpgroup (:data:`REGS`) to the multiplying ones (:func:`consumer_registers`).
+Registers: ``setmaxnreg`` moves them from the copying warpgroup (:data:`REGS`) to the others (:func:`consumer_registers`).
 """
 
 from __future__ import annotations
@@ -69,6 +68,7 @@ import contextlib
 
 from ..relabel.loopnest import Load, Loop
 from ..relabel.split import split_axes
+from . import wgmma as wg
 
 SWITCH = "auto"
 """Give the copies of a qualifying stream loop to a copying warpgroup (:func:`why_not`): ``True``
@@ -378,7 +378,7 @@ def emit_loop(em, lp: Loop, src) -> None:
             if em.pending_sync or any("bar_named(uint32(1)" in ln for ln in src.since(start)):
                 em.pending_sync = True   # shared memory they wrote this chunk: read by all before the next writes
                 em.sync(src)
-            else:
+            elif wg.FENCE_SPECIALISED:
                 src("fence_proxy_async()  # this chunk's reads are done")
             em.consumers_only = False
             with src.block(f"if {nxt} < {hi}:"):   # the copying warpgroup waits for it (landed_slots)

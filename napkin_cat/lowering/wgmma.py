@@ -24,7 +24,7 @@ assignment is wrong) and are what the simulated twin below reads.
 
 Ordering: shared memory written by ordinary stores (or ``cp.async``) and read by the tensor
 cores' asynchronous proxy needs ``fence.proxy.async`` in each writing thread before the barrier
-(``fence_proxy_async``, emitted before every block barrier of a kernel with a warpgroup MMA);
+(``fence_proxy_async``, emitted before the barriers that publish such writes: :data:`FENCE_BY_WRITES`);
 ``wgmma_fence`` orders the registers before the first ``wgmma`` of a contraction,
 ``wgmma_commit`` closes the group and ``wgmma_wait_n*`` waits for it, passing the accumulators
 through, so nothing reads them early; where later contractions are issued before this one's
@@ -62,6 +62,14 @@ writes to a buffer the tensor cores read by descriptor (False: before every barr
 the fourth session of 2026-11-25).  A barrier that only ends the reads of a chunk (its ``wgmma``
 already waited for) or publishes a buffer read by ``ldmatrix`` needs none.  Measured on an H100:
 kernels/BENCHMARKS.md, "Fourth session of 2026-11-25"."""
+
+FENCE_SPECIALISED = False
+"""Beside a copying warpgroup, ``fence.proxy.async`` before every barrier of the computing threads
+and every release of a chunk's buffers, as until the fifth session of 2026-11-30 (False: by writes,
+as :data:`FENCE_BY_WRITES`).  A release follows the ``wgmma.wait_group`` that completes the chunk's
+reads, so the copies that refill the buffer after it need no fence; the fence did wait for the
+thread's ``red.global`` adds of dQ still in flight (Nsight Compute: 6% of the computing warps'
+samples in the d = 128 backward).  Measured: kernels/BENCHMARKS.md, "Fifth session of 2026-11-30"."""
 
 SHARED_A = True
 """Read the row operand (A) of a warpgroup MMA from its shared buffer by descriptor (``wgmma``'s
