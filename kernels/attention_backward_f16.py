@@ -534,7 +534,7 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV):
         q_next = q0 + CHUNK_q
         bar_named(uint32(1), NTHREADS)  # the computing threads
         if q_next < N_q:
-            bar_arrive(U6 + buf_q, U384)  # this buffer is free for the chunk after the next
+            bar_arrive(U6 + buf_q, U384)  # this buffer is free: chunk c + 2 may be copied into it
         buf_q = U1 - buf_q
     # dV[h=16 x=4096 d=64] f16 = dV: finalise sum_contract  (tensor-core fragments over (x, d): 8x1 warps in 2 warpgroup(s), each warp 16x64: 1 wgmma.m64n64k16 per warpgroup and step (f16 in, A from registers or, an input's, by descriptor, B from shared memory, fp32 accumulators; requires x % 128, reduced extent % 16))
     ty = tid // U4

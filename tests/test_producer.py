@@ -372,7 +372,7 @@ def test_the_computing_threads_fence_only_what_the_tensor_cores_read_after_their
         end = next(i for i in range(loop + 1, len(body)) if body[i] and not _body(kernel)[i].startswith(" " * 8))
         in_loop = body[loop:end]
         syncs = [i for i, ln in enumerate(in_loop) if ln == "bar_named(uint32(1), NTHREADS)  # the computing threads"]
-        releases = [i for i, ln in enumerate(in_loop) if "# this buffer is free for" in ln]
+        releases = [i for i, ln in enumerate(in_loop) if "# this buffer is free: chunk c + " in ln]
         assert len(syncs) == (waits if kernel is backward else 0) and releases
         before = [in_loop[i - 1] for i in syncs] + [in_loop[i - 2] for i in releases if kernel is forward]
         assert all(ln.startswith("fence_proxy_async()") == fenced for ln in before), before

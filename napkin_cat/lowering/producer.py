@@ -384,7 +384,7 @@ def emit_loop(em, lp: Loop, src) -> None:
             with src.block(f"if {nxt} < {hi}:"):   # the copying warpgroup waits for it (landed_slots)
                 total = em.T + THREADS
                 src(f"bar_arrive({k.u(empty_id, f'U{empty_id}')} + {par}, {k.u(total, f'U{total}')})  "
-                    f"# this buffer is free for the chunk after the next")
+                    f"# this buffer is free: chunk c + {stages} may be copied into it")
         else:
             em.pending_sync = True
             em.sync(src)
