@@ -45,6 +45,11 @@ def test_dq_is_staged_and_added_by_one_bulk_reduction_a_chunk(warpgroups, staged
     barrier = re.compile(r"bar_named\(uint32\(1\), NTHREADS\)|cuda\.syncthreads\(\)").search(body, wait).start()
     assert wait < barrier < writes < body.index("bulk_add_f32(dQ, ") \
         < body.index("bulk_commit()") < body.index("bulk_wait_all()")
+    # the copy engine reads the writes through the async proxy: the barrier after them is fenced,
+    # also where the other barriers of the computing threads are not (wgmma.FENCE_SPECIALISED)
+    lines = [ln.strip() for ln in body[:body.index("bulk_add_f32(dQ, ")].splitlines()]
+    after = max(i for i, ln in enumerate(lines) if ln.startswith(("bar_named(uint32(1), NTHREADS)", "cuda.syncthreads()")))
+    assert lines[after - 1] == "fence_proxy_async()", lines[after - 3:after + 1]
     out = _outcome(part, bound, kernel, causal, RAGGED)
     assert out.failure is None, kernelcheck.describe_failure(out.failure)
 
