@@ -344,7 +344,6 @@ def test_the_one_kernel_backward_takes_a_copying_warpgroup_by_default(causal):
     assert out.failure is None, kernelcheck.describe_failure(out.failure)
 
 
-
 @pytest.mark.parametrize("fenced", [False, True])
 def test_the_computing_threads_fence_only_what_the_tensor_cores_read_after_their_writes(monkeypatch, fenced):
     """Beside a copying warpgroup, the computing threads' barriers are fenced by writes
@@ -380,6 +379,7 @@ def test_the_computing_threads_fence_only_what_the_tensor_cores_read_after_their
             assert not any(ln.startswith("fence_proxy_async()") for ln in in_loop)
         handed = [i for i, ln in enumerate(body[:split]) if "has landed for warpgroup 0" in ln]
         assert handed and all(body[i - 1].startswith("fence_proxy_async()") for i in handed)
+
 
 def _table_attention(dtype, rows: int, cols: int, logsumexp: bool = False):
     """Attention under a document mask and a block table of the user's over ``rows x cols``

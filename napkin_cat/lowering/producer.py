@@ -59,7 +59,7 @@ Where a block table skips chunks, so that chunk c + S - 1 is not known at chunk 
 behind it; the copying warpgroup waits for the releases it did not need after its loop.  The first
 form measured faster (ptxas kept values in registers with it: kernels/logs/forward_copies_h200.log).
 
-Registers: ``setmaxnreg`` moves them from the copying warpgroup (:data:`REGS`) to the others (:func:`consumer_registers`).
+``setmaxnreg`` moves registers from the copying warpgroup (:data:`REGS`) to the computing ones (:func:`consumer_registers`).
 """
 
 from __future__ import annotations
