@@ -54,6 +54,16 @@ def _body(kernel) -> list[str]:
     return kernel.source.split("@cuda.jit(fastmath")[-1].splitlines()
 
 
+def _computing_loop(kernel, head: str) -> tuple[int, list[str]]:
+    """Where the computing threads' code starts in :func:`_body` (their ``setmaxnreg_inc``), and
+    the lines of their stream loop, the one opened by ``head``."""
+    body = _body(kernel)
+    split = next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))
+    loop = next(i for i in range(split, len(body)) if body[i].startswith(head))
+    end = next(i for i in range(loop + 1, len(body)) if body[i].strip() and not body[i].startswith(" " * 8))
+    return split, body[loop:end]
+
+
 @pytest.mark.parametrize("stages", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype,causal,sizes,scale", [
     pytest.param(nc.f16, False, {q: 140, x: 77, d: 16}, 1.0, id="f16-ragged"),
@@ -332,11 +342,7 @@ def test_the_one_kernel_backward_takes_a_copying_warpgroup_by_default(causal):
     bound = part.bind(sizes)
     kernel = nc.lower(bound, tiles={"g_x": 128, "s_q": 64}, threads=256, prefetch="double", verify=False)
     assert any("chunks handed over by named barriers" in n for n in kernel.notes), kernel.notes
-    body = _body(kernel)
-    split = next(i for i, ln in enumerate(body) if ln.startswith("    setmaxnreg_inc_"))
-    loop = next(i for i in range(split, len(body)) if body[i].startswith("    for q0 in range("))
-    end = next(i for i in range(loop + 1, len(body)) if body[i].strip() and not body[i].startswith(" " * 8))
-    in_loop = body[loop:end]
+    _, in_loop = _computing_loop(kernel, "    for q0 in range(")
     assert not any(ln.strip() == "cuda.syncthreads()" for ln in in_loop)
     assert sum("bar_named(uint32(1), NTHREADS)" in ln for ln in in_loop) == 2
     inputs = _inputs(sizes, causal, 4.0)
@@ -365,11 +371,9 @@ def test_the_computing_threads_fence_only_what_the_tensor_cores_read_after_their
                        verify=False)
     for kernel, loop_head, waits in ((backward, "    for q0 in range(", 2), (forward, "    for x0 in range(", 1)):
         assert any("chunks handed over by named barriers" in n for n in kernel.notes), kernel.notes
+        split, loop_lines = _computing_loop(kernel, loop_head)
+        in_loop = [ln.strip() for ln in loop_lines]
         body = [ln.strip() for ln in _body(kernel)]
-        split = next(i for i, ln in enumerate(_body(kernel)) if ln.startswith("    setmaxnreg_inc_"))
-        loop = next(i for i in range(split, len(body)) if _body(kernel)[i].startswith(loop_head))
-        end = next(i for i in range(loop + 1, len(body)) if body[i] and not _body(kernel)[i].startswith(" " * 8))
-        in_loop = body[loop:end]
         syncs = [i for i, ln in enumerate(in_loop) if ln == "bar_named(uint32(1), NTHREADS)  # the computing threads"]
         releases = [i for i, ln in enumerate(in_loop) if "# this buffer is free: chunk c + " in ln]
         assert len(syncs) == (waits if kernel is backward else 0) and releases
