@@ -315,9 +315,13 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
 
 
 def _tilings(text: str):
-    """``"q=64,x=64,threads=128;..."`` -> [(tiles, threads)]; empty: the defaults (FLEX_TILES)."""
+    """``"q=64,x=64,threads=128;default;..."`` -> [(tiles, threads)]; ``default`` or
+    nothing: the defaults (FLEX_TILES)."""
     out = []
     for part in (p for p in text.split(";") if p.strip()):
+        if part.strip() == "default":   # what nc.lower chooses
+            out.append((None, None))
+            continue
         kv = dict(item.split("=") for item in part.split(","))
         threads = int(kv.pop("threads")) if "threads" in kv else None
         out.append(({k: int(v) for k, v in kv.items()}, threads))

@@ -137,10 +137,13 @@ def check_fp32(d: Diagram, fp32) -> None:
 def _lower_one(d: Diagram, tiles=None, threads=None, name=None, micro=None, fastmath=True, prefetch=False,
                hw=None, fp32="fma") -> "Kernel":
     """One fused kernel for ``d`` (arguments checked by :func:`lower`), not yet verified."""
+    from ..relabel.row_terms import drop_row_terms
     from .planner import tf32x3
+    d, dropped = drop_row_terms(d)   # a bias's terms that the softmax divides out cost nothing
     with tf32x3(fp32 == "3xtf32"):
         kernel = _lower_planned(d, tiles, threads, name, micro, fastmath, prefetch, hw)
     kernel.options["fp32"] = fp32
+    kernel.notes += dropped
     return kernel
 
 

@@ -170,11 +170,15 @@ class TorchOp:
     names of the arrays the last forward saved for the backward; ``backward_choice``: the
     :class:`~.backward_forms.BackwardChoice` of the last plan (its form, both predicted times;
     None for a plan with no FlashAttention-2 parts); ``notes``: why a path was not the fast one
-    (a refused lowering, a copy to the host), each said once."""
+    (a refused lowering, a copy to the host), each said once; ``rewrites``: how the diagram was
+    rewritten before anything was derived from it (:func:`~napkin_cat.relabel.row_terms.drop_row_terms`)."""
 
     def __init__(self, d: Diagram, tiles: dict, threads, simulate, verify, backward: str | None = None, *,
                  prefetch: bool | str = "auto", fp32: str = "fma"):
-        self.diagram = d
+        from ..relabel.row_terms import drop_row_terms
+        # a bias's terms that the softmax divides out: dropped before the forward and backward
+        # are derived, so the logsumexp both see is that of the scores the kernels compute
+        self.diagram, self.rewrites = drop_row_terms(d)
         self.tiles, self.threads, self.simulate, self.verify = tiles, threads, simulate, verify
         self.prefetch, self.fp32 = prefetch, fp32
         self.backward_form = backward   # the option: None (the cost model chooses) or one of FORMS
