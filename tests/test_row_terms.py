@@ -108,7 +108,14 @@ def test_a_lowered_kernel_computes_the_column_term_only():
     nc.check_equivalent(dia, kernel, examples=6)
 
 
-def test_torch_op_gradients_match_the_bias_as_written():
+def test_torch_op_keeps_the_bias_as_written_by_default():
+    dia = _attention(BIASES["relative"][0], causal=True)
+    op = nc.torch_op(dia.stream(x, "s_x").tile(q, "g_q"))
+    assert op.rewrites == () and op.diagram is not None
+
+
+def test_torch_op_gradients_match_the_bias_as_written(monkeypatch):
+    monkeypatch.setattr(row_terms, "TORCH_OP", True)
     dia = _attention(BIASES["relative"][0], causal=True)
     op = nc.torch_op(dia.stream(x, "s_x").tile(q, "g_q"))
     assert op.rewrites

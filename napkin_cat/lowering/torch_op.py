@@ -175,10 +175,10 @@ class TorchOp:
 
     def __init__(self, d: Diagram, tiles: dict, threads, simulate, verify, backward: str | None = None, *,
                  prefetch: bool | str = "auto", fp32: str = "fma"):
-        from ..relabel.row_terms import drop_row_terms
-        # a bias's terms that the softmax divides out: dropped before the forward and backward
-        # are derived, so the logsumexp both see is that of the scores the kernels compute
-        self.diagram, self.rewrites = drop_row_terms(d)
+        from ..relabel import row_terms
+        # a bias's terms that the softmax divides out, where TORCH_OP says: dropped before the forward
+        # and backward are derived, so the logsumexp both see is that of the scores the kernels compute
+        self.diagram, self.rewrites = row_terms.drop_row_terms(d) if row_terms.TORCH_OP else (d, ())
         self.tiles, self.threads, self.simulate, self.verify = tiles, threads, simulate, verify
         self.prefetch, self.fp32 = prefetch, fp32
         self.backward_form = backward   # the option: None (the cost model chooses) or one of FORMS
