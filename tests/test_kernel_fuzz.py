@@ -269,7 +269,8 @@ def _features(kernel) -> set[str]:
     multi-kernel cut, atomic adds of partial sums, a logsumexp read from an online softmax's
     statistics, a materialised 16-bit operand buffer, a value kept in registers for a later
     epilogue (``register-copy``) or read from them as tensor-core A fragments (``frag-operand``),
-    A fragments of a loop-invariant input read once before a stream loop (``hoisted-fragments``).
+    A fragments of a loop-invariant input read once before a stream loop (``hoisted-fragments``),
+    a bias's row terms dropped before lowering (``row-terms``).
     A multi-kernel: its kernels' features; a kernel whose block tables are derived per launch
     (``derived-table``): its inner kernel's."""
     if isinstance(kernel, MultiKernel):
@@ -304,6 +305,8 @@ def _features(kernel) -> set[str]:
             out.add(feat)
     # the generator's notes in the kernel's docstring: L = mu + log z of the online softmax;
     # a shared buffer "(materialised, 16-bit, ...)" in the shared-memory line
+    if any("dropped before the softmax" in n for n in kernel.notes):   # relabel/row_terms.py
+        out.add("row-terms")
     if "row statistics (L = mu + log z)" in kernel.source:
         out.add("lse-from-stats")
     if "(materialised, 16-bit" in kernel.source:

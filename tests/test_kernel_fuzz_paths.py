@@ -617,7 +617,8 @@ def index_mask_family(draw):
     radius of 0 to 2, a band of blocks, and each joined with a comparison of ``i`` and ``j``
     (``&`` causal, ``|`` a window); fp32 (tiles and chunks of 1 to 9, threads, micro-tiles) or
     f16 / bf16 on tensor cores (16), ragged sizes of up to 40 tokens, so chunks are skipped,
-    kept whole and partial at block edges that fall inside chunks."""
+    kept whole and partial at block edges that fall inside chunks; half of them with a bias whose
+    row term ``nc.lower`` drops (``row-terms``), checked against the bias as written."""
     kind = draw(st.sampled_from(("block_causal", "natten", "block_band", "natten_causal", "block_or_window")),
                 label="mask")
     b, k = draw(st.integers(1, 6), label="block"), draw(st.integers(0, 2), label="radius")
@@ -629,10 +630,15 @@ def index_mask_family(draw):
         "block_or_window": lambda b_, h_, i, j: (i // b == j // b + k) | (abs(i - j) <= 1),
     }
     dt = draw(st.sampled_from((nc.f32, nc.f32, nc.f16, nc.bf16)), label="dtype")
-    att = L.attention(q=q, x=x, d=d, mask=nc.mask_mod(masks[kind]), dtype=dt)
+    # a bias with a term of the row alone, which nc.lower drops (relabel/row_terms.py), half the time
+    bias = draw(st.sampled_from(("none", "relative", "mixed", "none")), label="bias")
+    biases = {"none": None, "relative": lambda s, b_, h_, i, j: s + (i - j) * 0.25,
+              "mixed": lambda s, b_, h_, i, j: s + ((i - j) * 0.5 + abs(i - j) * 0.125)}
+    att = L.attention(q=q, x=x, d=d, mask=nc.mask_mod(masks[kind]), dtype=dt,
+                      **({"score_mod": biases[bias]} if biases[bias] else {}))
     tq, tx, options = _blocks(draw, dt, 9)
     n = draw(st.integers(1, 40), label="n")
-    return Case(f"{dt.name} {kind} (b={b}, k={k})", att, (("stream", "x", tx), ("tile", "q", tq)),
+    return Case(f"{dt.name} {kind} (b={b}, k={k}, bias {bias})", att, (("stream", "x", tx), ("tile", "q", tq)),
                 {q: n, x: n, d: 16}, att, options, None, SMALL_DATA)
 
 
@@ -740,7 +746,8 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                      "register-copy", "frag-operand", "wgmma", "cp.async-f32", "paired-atomic",
                                      "column-values", "paired-store"},
                      "aux_in_place": {"aux-in-place", "aux-in-place-table", "fragments", "batch-table"},
-                     "index_masks": {"quotient-bound", "skipped-arithmetic", "unswitched", "fragments", "ragged-chunk"},
+                     "index_masks": {"quotient-bound", "skipped-arithmetic", "unswitched", "fragments", "ragged-chunk",
+                                     "row-terms"},
                      "gqa_backward": {"nested-streams", "nested-skip", "atomic", "fragments", "ragged-chunk"},
                      "grouped_table": {"grouped-table", "fragments", "ragged-chunk"},
                      "derived_table": {"derived-table", "batch-table", "fragments", "ragged-chunk",
