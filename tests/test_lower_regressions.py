@@ -318,3 +318,23 @@ def test_an_elementwise_map_fills_its_blocks(monkeypatch):
     assert "tile(t, 1)" in k.diagram._sched_str(), k.diagram._sched_str()   # a 512-wide row: one per block
     small = nc.library.layernorm(t, nc.Axis("d", 32))
     assert "tile(t, 8)" in nc.lower(small, verify=False).diagram._sched_str()  # 256 threads / 32 per row
+
+
+def test_launch_bounds_count_a_block_the_register_estimate_passes_by_a_little(monkeypatch):
+    """planner.REGISTER_GRACE: the 16-bit band forward at d = 64 (64-row tiles, 128 threads,
+    estimate 132 registers) asks for 4 blocks an SM, measured faster than 3 on an H200."""
+    from unittest import mock
+
+    import napkin_cat.lowering as lowering
+    from napkin_cat.lowering import planner
+    assert planner.blocks_per_sm(46592, 128, 132) == 4
+    assert planner.blocks_per_sm(46592, 128, 137) == 3
+    q, x, d = nc.axes("q x d")
+    band = nc.library.attention(q=q, x=x, d=d, dtype=nc.f16, mask=nc.mask_mod(lambda b, h, i, j: (j <= i) & (i - j <= 256)))
+    with mock.patch.object(lowering, "_gpu_present", lambda runtime: True):
+        source = nc.lower(band.bind({q: 4096, x: 4096, d: 64}), verify=False, prefetch="auto").source
+        assert '"launch_bounds": (128, 4)' in source
+        monkeypatch.setattr(planner, "REGISTER_GRACE", 0)
+        assert planner.blocks_per_sm(46592, 128, 132) == 3
+        source = nc.lower(band.bind({q: 4096, x: 4096, d: 64}), verify=False, prefetch="auto").source
+        assert '"launch_bounds": (128, 3)' in source

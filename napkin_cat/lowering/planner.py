@@ -42,7 +42,6 @@ from .emit_kinds import CODEGEN_RULES, REDUCE_OPS
 from .frag_operands import frag_operands
 from .fuse import fuse_scores
 from .layouts import FRAG_PAD, plan_layouts
-from .plan import MMA_SLACK
 from .producer import double_for_copies, staged_for_copies
 from .register_copies import register_copies
 from .reindex import check_axes as check_reindexed_axes, remaps
@@ -50,7 +49,7 @@ from .sixteen_bit import sixteen_bit_buffer, sixteen_bit_targets
 from .threads import Threads, _check_micro
 from .wgmma_plan import assign_offsets, plan_wgmma
 from . import staged_add
-from .plan import (AccPlan, AxisPlan, Buffer, Coop, Frag, KernelPlan, LaunchPlan, Micro, Rows,
+from .plan import (MMA_SLACK, AccPlan, AxisPlan, Buffer, Coop, Frag, KernelPlan, LaunchPlan, Micro, Rows,
                    Structure, Target, acc_reduced_axes, axes_set, caps, check_index_width, frozen_map, in_place,
                    kernel_dtype, load_plan, reduced_axes, storage, var_cls)
 
@@ -72,6 +71,9 @@ REGISTER_FLOOR = 128
 
 REGISTER_SLACK = 16
 """Registers for indices and addresses in :func:`register_estimate`."""
+REGISTER_GRACE = 8
+"""Registers the estimate may pass a block's share by, the block still counted (:func:`blocks_per_sm`;
+kernels/BENCHMARKS.md, "Sixth session of 2026-11-30").  0: the estimate's share, as before."""
 
 
 CONTRACTION_UNROLL = 8
@@ -531,10 +533,9 @@ def _grows_with_rows(skip) -> bool:
 
 
 def register_estimate(ff: FinalForm, ax, targets, accs, T: int, prefetch, copies=()) -> int:
-    """Registers a thread needs, roughly: values live across a stream loop (accumulator
-    states, scores kept in registers, chunks prefetched into registers), register copies
-    (:mod:`.register_copies`), the largest
-    fragment pair of a micro-tile, and ``REGISTER_SLACK`` for indices and addresses."""
+    """Registers a thread needs, roughly: values live across a stream loop (accumulator states,
+    scores kept in registers, chunks prefetched into registers), register copies
+    (:mod:`.register_copies`), the largest fragment pair of a micro-tile, and ``REGISTER_SLACK``."""
     types = ff.diagram.var_types()
     live, frag = 0, 0
     for p in accs:
@@ -589,12 +590,11 @@ def auto_prefetch(ff: FinalForm, ax, targets, accs, T: int, copies, dtype: str) 
 
 
 def blocks_per_sm(smem_bytes: int, T: int, registers: int) -> int:
-    """Blocks per SM for the launch bounds: as many as shared memory and threads allow when
-    the :func:`register_estimate` fits the registers that leaves (never fewer than
-    ``REGISTER_FLOOR``); else 1, so the compiler keeps every value in registers (H100 / H200
-    limits: the source does not depend on the machine)."""
+    """Blocks per SM for the launch bounds: as many as shared memory, threads and the
+    :func:`register_estimate` (less :data:`REGISTER_GRACE`, at least ``REGISTER_FLOOR``) allow;
+    at least 1 (H100 / H200 limits: the source does not depend on the machine)."""
     from .runtime import H100_DEFAULTS as lim
     by_smem = lim.max_shared_per_sm // (smem_bytes + lim.reserved_shared_per_block)
     by_threads = lim.max_threads_per_sm // T
-    by_regs = lim.max_registers_per_sm // (T * max(REGISTER_FLOOR, registers))
+    by_regs = lim.max_registers_per_sm // (T * max(REGISTER_FLOOR, registers - REGISTER_GRACE))
     return max(1, min(by_smem, by_threads, by_regs, lim.max_blocks_per_sm))
