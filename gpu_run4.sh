@@ -1,1 +1,0 @@
-python3 kernels/variants.py --out $OUT --only flex --dtypes f16 --variants document,document_table,batch_documents,gqa_head_windows_derived,head_windows_derived,gqa_head_windows --tiles 'default;q=256,x=64,threads=512' > $OUT/data_masks.log 2>&1; grep -v "^{" $OUT/data_masks.log | tail -22
