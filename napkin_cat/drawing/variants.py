@@ -19,6 +19,7 @@ from ..costmodel.model import cost
 from ..library import attention
 from ..library.variant_gallery import GALLERY, build
 from ..ops.derived_tables import derivable
+from ..relabel.row_terms import drop_row_terms
 from .diagram import draw
 
 N_COST, TILE = 4096, 64
@@ -59,6 +60,11 @@ def entry(v, out: Path) -> str:
     if exprs:
         lines += ["Bound to the diagram's axes (`q` query, `x` key, `h` head, `b` batch):", "", "```"]
         lines += exprs + ["```", ""]
+    lowered = [f"index_bias: {e.box.param('bias').expr}" for e in drop_row_terms(dia)[0].eqns
+               if e.box.kind == "index_bias" and e.box.param("bias").kind == "expr"]
+    if drop_row_terms(dia)[1]:   # the terms a softmax divides out, dropped before lowering
+        lines += ["As `nc.lower` computes it in 16-bit kernels, its terms of the row alone dropped before the softmax "
+                  "(`napkin_cat/relabel/row_terms.py`):", "", "```", *lowered, "```", ""]
     why = ("the chunks its block table masks are skipped as the kernel runs; counted with the gallery's "
            "random data, each batch and head by its own slice of the table" if tables else
            "the chunks its data masks are skipped by the block table a kernel derives from the data at each "

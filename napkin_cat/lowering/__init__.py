@@ -138,8 +138,11 @@ def _lower_one(d: Diagram, tiles=None, threads=None, name=None, micro=None, fast
                hw=None, fp32="fma") -> "Kernel":
     """One fused kernel for ``d`` (arguments checked by :func:`lower`), not yet verified."""
     from ..relabel.row_terms import drop_row_terms
+    from .plan import kernel_dtype
     from .planner import tf32x3
-    d, dropped = drop_row_terms(d)   # a bias's terms that the softmax divides out cost nothing
+    # a bias's terms that the softmax divides out cost nothing; in 16-bit kernels only, whose inputs'
+    # rounding dwarfs what the kept term's size costs in fp32 (row_terms.SWITCH)
+    d, dropped = drop_row_terms(d) if kernel_dtype(d) != "f32" else (d, ())
     with tf32x3(fp32 == "3xtf32"):
         kernel = _lower_planned(d, tiles, threads, name, micro, fastmath, prefetch, hw)
     kernel.options["fp32"] = fp32
