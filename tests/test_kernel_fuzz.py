@@ -270,7 +270,8 @@ def _features(kernel) -> set[str]:
     statistics, a materialised 16-bit operand buffer, a value kept in registers for a later
     epilogue (``register-copy``) or read from them as tensor-core A fragments (``frag-operand``),
     A fragments of a loop-invariant input read once before a stream loop (``hoisted-fragments``),
-    a bias's row terms dropped before lowering (``row-terms``).
+    a bias's row terms dropped before lowering (``row-terms``), column values read before the
+    wait of the warpgroup contraction whose epilogue reads them (``columns-before-wait``).
     A multi-kernel: its kernels' features; a kernel whose block tables are derived per launch
     (``derived-table``): its inner kernel's."""
     if isinstance(kernel, MultiKernel):
@@ -305,6 +306,10 @@ def _features(kernel) -> set[str]:
             out.add(feat)
     # the generator's notes in the kernel's docstring: L = mu + log z of the online softmax;
     # a shared buffer "(materialised, 16-bit, ...)" in the shared-memory line
+    for m in re.finditer(r"(\w+_cols\d*) = cuda\.local\.array", body):   # column_values.BEFORE_WAIT
+        read = re.search(rf"[^\w]{m[1]}\[j\](?! =)", body[m.end():])
+        if read and "= wgmma_wait" in body[m.end():m.end() + read.start()]:
+            out.add("columns-before-wait")
     if any("dropped before the softmax" in n for n in kernel.notes):   # relabel/row_terms.py
         out.add("row-terms")
     if "row statistics (L = mu + log z)" in kernel.source:

@@ -755,7 +755,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                        "table-kernel-leads", "table-kernel-bounds"},
                      "copying": {"copying-warpgroup", "named-hand-over", "block-hand-over", "computing-barrier",
                                  "wgmma", "paired-atomic", "copying-table", "unswitched", "wgmma-shared-a",
-                                 "issued-ahead", "staged-add"},
+                                 "issued-ahead", "staged-add", "columns-before-wait"},
                      "copying_forward": {"copying-warpgroup", "named-hand-over", "block-hand-over", "wgmma",
                                          "copying-table", "three-buffers", "three-buffers-table"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",

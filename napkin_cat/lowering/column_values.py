@@ -49,12 +49,22 @@ class ColumnHoist:
             self.body = self.pre.slot()
 
 
+BEFORE_WAIT = True
+"""Compute them before the wait for the warpgroup contraction whose epilogue reads them
+(:func:`.issue_ahead.columns_before_wait`), not after it: the wait is an ``asm volatile`` with a
+memory clobber, which the compiler moves no load across.  False: after the wait, as until the
+sixth session of 2026-11-30 (kernels/BENCHMARKS.md)."""
+
+
 def column_hoist(em, m: Micro, src: Source) -> ColumnHoist | None:
-    """The place for values of a column alone, before a micro-tile's row loop (None with one
-    row or column per thread, or under :data:`COLUMN_VALUES` off)."""
+    """The place for values of a column alone, before a micro-tile's row loop, or before the
+    wait of the warpgroup contraction just issued on ``m`` (:data:`BEFORE_WAIT`); None with one
+    row or column per thread, or under :data:`COLUMN_VALUES` off."""
+    pending, em.columns_slot = em.columns_slot, None
     if not COLUMN_VALUES or m.RY < 2 or m.RX < 2:
         return None
-    return ColumnHoist(src.slot(), m.row, m.col, em.consts.u(m.RX), m.RX, lambda j: em.micro_cols(m, j))
+    pre = pending[1] if pending is not None and pending[0] is m else src.slot()
+    return ColumnHoist(pre, m.row, m.col, em.consts.u(m.RX), m.RX, lambda j: em.micro_cols(m, j))
 
 
 def column_value(em, v: int, env: dict, col: ColumnHoist, define: int | None) -> str | None:

@@ -108,9 +108,9 @@ class Emitter(Loads, Phases):
         self.cur: dict[tuple, str] = {}         # copy in use of a double-buffered chunk
         self.state_names: dict[int, dict] = {}  # accumulator -> state -> identifier
         self.deferred_z: set[int] = set()  # online softmaxes whose z lanes hold parts (emit_acc)
-        self.pending_sync = False               # a shared write not yet behind a barrier
-        self.pending_async = False              # cp.async copies not yet waited for (.emit_loads)
+        self.pending_sync = self.pending_async = False   # a shared write not behind a barrier; cp.async not waited for
         self.core_dirty = False                 # a descriptor-read buffer written, not yet fenced
+        self.columns_slot = None                # (mapping, slot before a wait): the next epilogue's column values
         self.full_flags: dict = {}              # (row, col, predicate) -> its chunk's 'keeps all' flag
         self.assumed_full: frozenset = frozenset()   # flags true where the code is written (.unswitch)
         self.arg_names, self.out_args = {}, []
@@ -166,9 +166,9 @@ class Emitter(Loads, Phases):
         return expr
 
     def barrier(self, src: Source, fence: bool | None = None):
-        """A block barrier, fenced for the tensor cores' async proxy (:mod:`.wgmma`) where a
-        buffer they read by descriptor was written since the last fence (``fence=None``:
-        :attr:`core_dirty`; True: copies that land here, or a barrier in an earlier slot)."""
+        """A block barrier, fenced for the tensor cores' async proxy (:mod:`.wgmma`) where a buffer they read by descriptor
+        was written since the last fence (``fence=None``: :attr:`core_dirty`; True: copies that land here, or a barrier in an earlier slot)."""
+        self.columns_slot = None   # column values are never read above a barrier (.column_values)
         if fence is None:
             fence = self.core_dirty or (self.specialise and wg.FENCE_SPECIALISED) or not wg.FENCE_BY_WRITES
             self.core_dirty = False

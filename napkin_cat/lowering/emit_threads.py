@@ -208,6 +208,7 @@ class Phases:
             emit = CONTRACTION_ENGINES[engine]
         except KeyError:
             raise LoweringError(f"internal: no emitter for contraction engine {engine!r}") from None
+        self.columns_slot = None   # a slot before an earlier contraction's wait serves its epilogue alone
         emit(self, m, acc, operands, red, src, init, prescale, env)
 
     def contract_cuda_core(self, m, acc: str, operands: list[Operand], red: list[str], src: Source,

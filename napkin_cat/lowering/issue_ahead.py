@@ -158,12 +158,22 @@ def after_commit(em, m: Frag, waits: list, src: Source) -> Source:
         if run is not None:
             close(em)
         if not (ISSUE_AHEAD and st["base"] == src.depth and st["member"] is not None):
+            columns_before_wait(em, m, src)
             write_waits(waits, 0, src)
             return src
         run = st["run"] = Run(src, src.slot())
     restore = src.slot()
+    columns_before_wait(em, m, src)
     run.members.append(Member(m, waits, src.slot(), restore))
     return src
+
+
+def columns_before_wait(em, m: Frag, src: Source) -> None:
+    """A slot before the wait for the values of a column alone that the epilogue on ``m`` reads
+    (:mod:`.column_values`, :data:`~.column_values.BEFORE_WAIT`): they read shared memory,
+    indices and constants, never the pending accumulators, so their loads overlap the wait."""
+    from .column_values import BEFORE_WAIT
+    em.columns_slot = (m, src.slot()) if BEFORE_WAIT else None
 
 
 def write_waits(waits: list, depth: int, src: Source) -> None:
