@@ -326,15 +326,15 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV):
         wgmma_commit()
         ty = tid // U4
         tx = tid % U4
-        L_cols = cuda.local.array(16, float32)  # L per column of this thread
-        for j in range(U16):
-            i_col = tx * U2 + j // U2 * U8 + j % U2
-            lowest_9 = F_m3_4028234663852886e38
-            L_10 = (max((smem[L_s_cur + i_col]), lowest_9) if lowest_9 == lowest_9 else lowest_9)
-            L_cols[j] = L_10
         acc2_wg = wgmma_wait1_n64(acc2_wg)
         acc2[0, 0], acc2[0, 1], acc2[1, 0], acc2[1, 1], acc2[0, 2], acc2[0, 3], acc2[1, 2], acc2[1, 3], acc2[0, 4], acc2[0, 5], acc2[1, 4], acc2[1, 5], acc2[0, 6], acc2[0, 7], acc2[1, 6], acc2[1, 7], acc2[0, 8], acc2[0, 9], acc2[1, 8], acc2[1, 9], acc2[0, 10], acc2[0, 11], acc2[1, 10], acc2[1, 11], acc2[0, 12], acc2[0, 13], acc2[1, 12], acc2[1, 13], acc2[0, 14], acc2[0, 15], acc2[1, 14], acc2[1, 15] = acc2_wg
         if q_full2:  # the masks keep the whole chunk: its elements without them
+            L_cols = cuda.local.array(16, float32)  # L per column of this thread
+            for j in range(U16):
+                i_col = tx * U2 + j // U2 * U8 + j % U2
+                lowest_9 = F_m3_4028234663852886e38
+                L_10 = (max((smem[L_s_cur + i_col]), lowest_9) if lowest_9 == lowest_9 else lowest_9)
+                L_cols[j] = L_10
             for i in range(U2):
                 i_x6 = ty // U8 * U16 + ty % U8 + i // U2 * U16 + i % U2 * U8
                 for j in range(U16):
@@ -362,13 +362,13 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV):
                     P_r[i, j] = P_122
         ty = tid // U4
         tx = tid % U4
-        D_cols = cuda.local.array(16, float32)  # D per column of this thread
-        for j in range(U16):
-            i_col3 = tx * U2 + j // U2 * U8 + j % U2
-            D_cols[j] = smem[D_s_cur + i_col3]
         acc3_wg = wgmma_wait_n64(acc3_wg)
         acc3[0, 0], acc3[0, 1], acc3[1, 0], acc3[1, 1], acc3[0, 2], acc3[0, 3], acc3[1, 2], acc3[1, 3], acc3[0, 4], acc3[0, 5], acc3[1, 4], acc3[1, 5], acc3[0, 6], acc3[0, 7], acc3[1, 6], acc3[1, 7], acc3[0, 8], acc3[0, 9], acc3[1, 8], acc3[1, 9], acc3[0, 10], acc3[0, 11], acc3[1, 10], acc3[1, 11], acc3[0, 12], acc3[0, 13], acc3[1, 12], acc3[1, 13], acc3[0, 14], acc3[0, 15], acc3[1, 14], acc3[1, 15] = acc3_wg
         if q_full2:  # the masks keep the whole chunk: its elements without them
+            D_cols = cuda.local.array(16, float32)  # D per column of this thread
+            for j in range(U16):
+                i_col3 = tx * U2 + j // U2 * U8 + j % U2
+                D_cols[j] = smem[D_s_cur + i_col3]
             for i in range(U2):
                 i_x8 = ty // U8 * U16 + ty % U8 + i // U2 * U16 + i % U2 * U8
                 dS_pair = cuda.local.array(2, float32)  # a column pair of dS, stored as one word

@@ -79,8 +79,9 @@ def _column_arrays(body: str):
 def test_column_values_are_read_before_the_wait_of_the_contraction_they_serve(warpgroups, causal, monkeypatch):
     """column_values.BEFORE_WAIT: the one-kernel backward on warpgroups reads L and D per column
     before the wait for S and dP (the loads overlap it), never across a barrier; matches the oracle
-    (ragged sizes, several chunks); off, they follow the wait."""
+    (ragged sizes, several chunks); off, or above the contraction's steps, they follow the wait."""
     from test_issue_ahead import _backward, _body, _outcome
+    monkeypatch.setattr(column_values, "BEFORE_WAIT", 2)   # 32 wide: two steps of 16
     part, bound, kernel = _backward(causal)
     body = _body(kernel)
     arrays = list(_column_arrays(body))
@@ -91,6 +92,7 @@ def test_column_values_are_read_before_the_wait_of_the_contraction_they_serve(wa
     if causal:
         out = _outcome(part, bound, kernel, causal)
         assert out.failure is None, kernelcheck.describe_failure(out.failure)
-    monkeypatch.setattr(column_values, "BEFORE_WAIT", False)
-    body = _body(_backward(causal)[2])
-    assert not [n for n, start, read in _column_arrays(body) if "= wgmma_wait" in body[start:read]]
+    for off in (0, 3):
+        monkeypatch.setattr(column_values, "BEFORE_WAIT", off)
+        body = _body(_backward(causal)[2])
+        assert not [n for n, start, read in _column_arrays(body) if "= wgmma_wait" in body[start:read]]

@@ -69,7 +69,7 @@ import napkin_cat as nc  # noqa: E402
 from napkin_cat.core import Axis  # noqa: E402
 from napkin_cat.ops import Builder, merge_box, slice_box, split_box  # noqa: E402
 from napkin_cat.verify import kernelcheck  # noqa: E402
-from napkin_cat.lowering import staged_add  # noqa: E402
+from napkin_cat.lowering import column_values, staged_add  # noqa: E402
 from napkin_cat.verify.check import REGIMES  # noqa: E402
 from test_kernel_fuzz import (FUZZ_EXAMPLES, MICRO, PREFETCH, REGIME_NAMES, SETTINGS, THREADS,  # noqa: E402
                               _features, _unary_chain, hand_over, module_setting, planner_switches)
@@ -439,6 +439,9 @@ def copying_family(draw, forwards: bool = False):
     # dQ staged in shared memory, one bulk reduction a chunk (lowering/staged_add.py), in the named
     # hand-over's lowering; by atomics in the block barriers' (both lowered: _lower_and_check)
     options["staged"] = True
+    # the column values (L, D) read before the wait of a contraction of at least one step, not the
+    # default's 8 (d = 128): column_values.BEFORE_WAIT
+    options["before_wait"] = 1
     fwd = L.attention(q=q, x=x, d=d, causal=causal, logsumexp=True)
     return Case(f"{dt.name} one-kernel attention backward, copying warpgroup (causal={causal})",
                 part, (), sizes, part.unrelabelled(), options, _residuals(fwd, sizes, part), SMALL_DATA)
@@ -783,9 +786,10 @@ def _lower_and_check(case, rel, options, mode, regime, seed, stats):
     try:
         with planner_switches(WGMMA=options.get("wgmma", False)), hand_over(mode), \
                 aux_whole_bytes(options.get("aux_whole_bytes")), \
-                module_setting(staged_add, "STAGED_ADD", options.get("staged", False) and mode == "named"):
+                module_setting(staged_add, "STAGED_ADD", options.get("staged", False) and mode == "named"), \
+                module_setting(column_values, "BEFORE_WAIT", options.get("before_wait", column_values.BEFORE_WAIT)):
             kernel = nc.lower(rel, verify=False, **{k: v for k, v in options.items()
-                                                    if k not in ("wgmma", "aux_whole_bytes", "staged")})
+                                                    if k not in ("wgmma", "aux_whole_bytes", "staged", "before_wait")})
     except nc.LoweringError as err:
         stats["lowering refused"] += 1
         stats["refusal: " + str(err).split(":")[0][:60]] += 1

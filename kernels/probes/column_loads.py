@@ -7,7 +7,9 @@ wait is an ``asm volatile`` with a memory clobber, so the compiler cannot lift t
 Nsight Compute put 4% of the d = 128 backward's computing-warp samples on their short scoreboard
 (kernels/BENCHMARKS.md, "Fifth session of 2026-11-30").  This probe edits the generated backward's
 text (a measurement, not the generator) to read them before the wait, and times it beside the
-generated op and FlexAttention, every form checked against float64 first.
+generated op and FlexAttention, every form checked against float64 first.  It lowers with
+``column_values.BEFORE_WAIT = 0`` (the loads after the wait), the form it was written against; the
+generator now reads them before the wait itself where the contraction has 8 steps or more.
 
     NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/column_loads.py --case f16,4096,128,0
 """
@@ -30,6 +32,9 @@ from bench import kernel_ms  # noqa: E402
 from bench_fwd_bwd import rel  # noqa: E402
 from probes.forward_stages import edited  # noqa: E402
 from probes.op_forms import build, case_args, case_tensors, flex_call, in_turns  # noqa: E402
+from napkin_cat.lowering import column_values  # noqa: E402
+
+column_values.BEFORE_WAIT = 0   # the generated form this probe edits: the loads after the wait
 
 # a contraction's wait and its unpacking, then a column-values block (its array and its loop)
 WAIT_THEN_COLUMNS = re.compile(

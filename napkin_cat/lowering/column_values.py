@@ -49,11 +49,13 @@ class ColumnHoist:
             self.body = self.pre.slot()
 
 
-BEFORE_WAIT = True
-"""Compute them before the wait for the warpgroup contraction whose epilogue reads them
-(:func:`.issue_ahead.columns_before_wait`), not after it: the wait is an ``asm volatile`` with a
-memory clobber, which the compiler moves no load across.  False: after the wait, as until the
-sixth session of 2026-11-30 (kernels/BENCHMARKS.md)."""
+BEFORE_WAIT = 8
+"""Compute them before the wait for the warpgroup contraction whose epilogue reads them where it
+has at least this many steps of 16 (:func:`.issue_ahead.columns_before_wait`), not after it: the
+wait is an ``asm volatile`` with a memory clobber, which the compiler moves no load across.  On an
+H200 (kernels/BENCHMARKS.md, "Sixth session of 2026-11-30"), the one-kernel backward at d = 128
+(8 steps) 1.867 ms against 1.885 (a text edit, 1.854 against 1.906), at d = 64 (4 steps) 0.995
+against 0.967 (0.985 against 1.002).  0: after the wait, as until then."""
 
 
 def column_hoist(em, m: Micro, src: Source) -> ColumnHoist | None:

@@ -146,10 +146,10 @@ def node(em, n, src: Source):
     run.mark = src.mark()
 
 
-def after_commit(em, m: Frag, waits: list, src: Source) -> Source:
-    """After ``wgmma_commit`` of a contraction on ``m`` with accumulators ``waits`` (``(tuple
-    name, N, its elements)``): the source for the rest of its node; its waits, each followed by
-    the accumulators' unpacking, are written now or when its run closes."""
+def after_commit(em, m: Frag, waits: list, src: Source, steps: int = 0) -> Source:
+    """After ``wgmma_commit`` of a contraction of ``steps`` steps on ``m`` with accumulators
+    ``waits`` (``(tuple name, N, its elements)``): the source for the rest of its node; its waits,
+    each followed by the accumulators' unpacking, are written now or when its run closes."""
     st = _state(em)
     run = st["run"]
     if run is not None and isinstance(src, SplitSource) and src is run.split:
@@ -158,22 +158,23 @@ def after_commit(em, m: Frag, waits: list, src: Source) -> Source:
         if run is not None:
             close(em)
         if not (ISSUE_AHEAD and st["base"] == src.depth and st["member"] is not None):
-            columns_before_wait(em, m, src)
+            columns_before_wait(em, m, src, steps)
             write_waits(waits, 0, src)
             return src
         run = st["run"] = Run(src, src.slot())
     restore = src.slot()
-    columns_before_wait(em, m, src)
+    columns_before_wait(em, m, src, steps)
     run.members.append(Member(m, waits, src.slot(), restore))
     return src
 
 
-def columns_before_wait(em, m: Frag, src: Source) -> None:
+def columns_before_wait(em, m: Frag, src: Source, steps: int) -> None:
     """A slot before the wait for the values of a column alone that the epilogue on ``m`` reads
-    (:mod:`.column_values`, :data:`~.column_values.BEFORE_WAIT`): they read shared memory,
-    indices and constants, never the pending accumulators, so their loads overlap the wait."""
+    (:mod:`.column_values`), for a contraction of at least :data:`~.column_values.BEFORE_WAIT`
+    steps: they read shared memory, indices and constants, never the pending accumulators, so
+    their loads overlap the wait."""
     from .column_values import BEFORE_WAIT
-    em.columns_slot = (m, src.slot()) if BEFORE_WAIT else None
+    em.columns_slot = (m, src.slot()) if BEFORE_WAIT and steps >= BEFORE_WAIT else None
 
 
 def write_waits(waits: list, depth: int, src: Source) -> None:

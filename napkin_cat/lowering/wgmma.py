@@ -256,7 +256,7 @@ def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src, fres
             else:
                 src(f"{t} = {fn}(smem16, {d}, {k.u(trans)}, {regs}, {t})")
     src("wgmma_commit()")
-    issue_ahead.after_commit(em, m, [(t, n, elems) for t, elems in tuples], src)
+    issue_ahead.after_commit(em, m, [(t, n, elems) for t, elems in tuples], src, steps)
 
 
 # --------------------------------------------------------------------------- the GPU's source
