@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -38,11 +37,10 @@ import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 import variants  # noqa: E402
-from bench import kernel_ms  # noqa: E402
 from bench_fwd_bwd import rel  # noqa: E402
 from napkin_cat.relabel import row_terms  # noqa: E402
 from probes.forward_stages import edited  # noqa: E402
-from probes.op_forms import case_args, in_turns  # noqa: E402
+from probes.op_forms import case_args, timed_table  # noqa: E402
 
 BIAS_LINE = "S_5 = S_4 + ((f_row - float32(uint32(x0 + i_x2))) * F_0_01)"
 EDITS = {
@@ -126,16 +124,8 @@ def fwd_bwd(args):
     print(f"FlexAttention: error against float64 {rel(fo[0].detach(), want[0]):.2e}", flush=True)
     fns["FlexAttention"] = lambda: torch.autograd.grad(flex(q4, k4, v4, score_mod=rel_bias), (q4, k4, v4), dO.unsqueeze(0))
     del want
-    times = in_turns(fns, args)
-    flex_ms = statistics.median(times["FlexAttention"])
-    print(f"\nrelative bias, f16, N = 4096, d = 64, B*H = {args.bh}, forward + backward, {args.rounds} rounds "
-          f"in turns, {args.steady} calls each, median ms; then the three longest kernels (CUPTI):")
-    for name, fn in fns.items():
-        ms = statistics.median(times[name])
-        kernels = sorted(kernel_ms(fn, 5).items(), key=lambda kv: -kv[1])[:3]
-        print(f"| {name} | {ms:.3f} | {flex_ms / ms:.2f}x Flex | spread {min(times[name]):.3f}-{max(times[name]):.3f} | "
-              + " ".join(f"{v:.3f}" for _, v in kernels) + " |")
-
+    timed_table(fns, args, f"\nrelative bias, f16, N = 4096, d = 64, B*H = {args.bh}, forward + backward, {args.rounds} "
+                           f"rounds in turns, {args.steady} calls each, median ms; then the three longest kernels (CUPTI):")
 
 if __name__ == "__main__":
     ap = case_args(rounds=9)

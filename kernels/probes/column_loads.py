@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,10 +27,9 @@ sys.path.insert(0, str(ROOT / "kernels"))
 
 import torch  # noqa: E402
 
-from bench import kernel_ms  # noqa: E402
 from bench_fwd_bwd import rel  # noqa: E402
 from probes.forward_stages import edited  # noqa: E402
-from probes.op_forms import build, case_args, case_tensors, flex_call, in_turns  # noqa: E402
+from probes.op_forms import build, case_args, case_tensors, flex_call, timed_table  # noqa: E402
 from napkin_cat.lowering import column_values  # noqa: E402
 
 column_values.BEFORE_WAIT = 0   # the generated form this probe edits: the loads after the wait
@@ -70,16 +68,8 @@ def main():
         fns[name] = lambda op=op: torch.autograd.grad(op(Q, K, V), (Q, K, V), dO)
     del want
     fns["FlexAttention"] = flex_call(Q, K, V, dO, causal)
-    times = in_turns(fns, args)
-    flex_ms = statistics.median(times["FlexAttention"])
-    print(f"\n{args.case} (B*H = {args.bh}), forward + backward, {args.rounds} rounds in turns, {args.steady} calls "
-          f"each, median ms; then the three longest kernels (CUPTI):")
-    for name, fn in fns.items():
-        ms = statistics.median(times[name])
-        kernels = sorted(kernel_ms(fn, 5).items(), key=lambda kv: -kv[1])[:3]
-        print(f"| {name} | {ms:.3f} | {flex_ms / ms:.2f}x Flex | spread {min(times[name]):.3f}-{max(times[name]):.3f} | "
-              + " ".join(f"{v:.3f}" for _, v in kernels) + " |")
-
+    timed_table(fns, args, f"\n{args.case} (B*H = {args.bh}), forward + backward, {args.rounds} rounds in turns, "
+                           f"{args.steady} calls each, median ms; then the three longest kernels (CUPTI):")
 
 if __name__ == "__main__":
     main()

@@ -149,14 +149,21 @@ def main():
     fns["FlexAttention"] = flex_call(Q, K, V, dO, causal)
     if args.ncu:    # no timing: one call of each form and of Flex for `ncu --profile-from-start off`
         return profile_once(fns)
+    timed_table(fns, args, f"\n{args.case} (B*H = {args.bh}), {args.rounds} rounds in turns, {args.steady} calls each, "
+                           f"median ms:")
+
+
+def timed_table(fns: dict, args, title: str) -> None:
+    """``fns`` timed in turns (:func:`in_turns`), then ``title`` and a row per form: its median ms
+    against FlexAttention's (``fns["FlexAttention"]``), the spread, its three longest kernels (CUPTI)."""
     times = in_turns(fns, args)
     flex_ms = statistics.median(times["FlexAttention"])
-    print(f"\n{args.case} (B*H = {args.bh}), {args.rounds} rounds in turns, {args.steady} calls each, median ms:")
+    print(title)
     for name, fn in fns.items():
         ms = statistics.median(times[name])
-        kernels = sorted(((k[:40], v) for k, v in kernel_ms(fn, 5).items()), key=lambda kv: -kv[1])[:3]
+        kernels = sorted(kernel_ms(fn, 5).values(), reverse=True)[:3]
         print(f"| {name} | {ms:.3f} | {flex_ms / ms:.2f}x Flex | spread {min(times[name]):.3f}-{max(times[name]):.3f} | "
-              + " ".join(f"{v:.3f}" for _, v in kernels) + " |")
+              + " ".join(f"{v:.3f}" for v in kernels) + " |")
 
 
 if __name__ == "__main__":
