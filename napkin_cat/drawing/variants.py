@@ -60,9 +60,10 @@ def entry(v, out: Path) -> str:
     if exprs:
         lines += ["Bound to the diagram's axes (`q` query, `x` key, `h` head, `b` batch):", "", "```"]
         lines += exprs + ["```", ""]
-    lowered = [f"index_bias: {e.box.param('bias').expr}" for e in drop_row_terms(dia)[0].eqns
-               if e.box.kind == "index_bias" and e.box.param("bias").kind == "expr"]
-    if drop_row_terms(dia)[1]:   # the terms a softmax divides out, dropped before lowering
+    rewritten, dropped = drop_row_terms(dia)   # the terms a softmax divides out, dropped before lowering
+    if dropped:
+        lowered = [f"index_bias: {e.box.param('bias').expr}" for e in rewritten.eqns
+                   if e.box.kind == "index_bias" and e.box.param("bias").kind == "expr"]
         lines += ["As `nc.lower` computes it in 16-bit kernels, its terms of the row alone dropped before the softmax "
                   "(`napkin_cat/relabel/row_terms.py`):", "", "```", *lowered, "```", ""]
     why = ("the chunks its block table masks are skipped as the kernel runs; counted with the gallery's "

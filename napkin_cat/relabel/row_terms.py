@@ -27,13 +27,14 @@ from ..ops.index import IndexBias
 
 SWITCH = True
 """Drop the row terms of a bias before a softmax in :func:`napkin_cat.lower`'s 16-bit kernels
-(False: compute the bias as written).  Not in fp32 kernels: the kept term grows with the key
-index (``slope[h] * j`` up to ``slope * N``) where the bias as written stays near 0 on the
-diagonal, and fp32 carries an absolute error of about its size times 2**-24 into the exponent; on an
-H200 the fp32 per-head ALiBi (slopes up to 0.25, N = 4096) matched float64 to 6e-5 with it, 2e-7
-without.  16-bit inputs round at 2**-8 to 2**-11, far above that.  Measured on an H200 (fp16, N = 4096, d = 64, B*H = 32, ``s + (i - j) * 0.01``;
-kernels/BENCHMARKS.md, "Sixth session of 2026-11-30"): the forward kernel 0.375 ms against
-0.407 (FlexAttention 0.365); a per-head ALiBi written as a ``score_mod``, causal, 0.248 against 0.253."""
+(False: compute the bias as written).  Measured on an H200 (fp16, N = 4096, d = 64, B*H = 32;
+kernels/BENCHMARKS.md, "Sixth session of 2026-11-30"): ``s + (i - j) * 0.01``, the forward kernel
+0.375 ms against 0.407 (FlexAttention 0.365); a per-head ALiBi written as a ``score_mod``, causal,
+0.248 (0.260 in an earlier session).  Not in fp32 kernels: the kept term grows with the key index
+(``slope[h] * j`` up to ``slope * N``) where the bias as written stays near 0 on the diagonal, and
+fp32 carries an absolute error of about its size times 2**-24 into the exponent: the fp32 per-head
+ALiBi (slopes up to 0.25, N = 4096) matched float64 to 6e-5 with it, 2e-7 without.  16-bit inputs
+round at 2**-8 to 2**-11, far above that."""
 
 TORCH_OP = False
 """Drop them in :func:`napkin_cat.torch_op` too, before its forward and backward are derived (both
