@@ -33,8 +33,8 @@ kernels/BENCHMARKS.md, "Sixth session of 2026-11-30"): ``s + (i - j) * 0.01``, t
 0.248 (0.260 in an earlier session).  Not in fp32 kernels: the kept term grows with the key index
 (``slope[h] * j`` up to ``slope * N``) where the bias as written stays near 0 on the diagonal, and
 fp32 carries an absolute error of about its size times 2**-24 into the exponent: the fp32 per-head
-ALiBi (slopes up to 0.25, N = 4096) matched float64 to 6e-5 with it, 2e-7 without.  16-bit inputs
-round at 2**-8 to 2**-11, far above that."""
+ALiBi (slopes up to 0.25, N = 4096) matched float64 to 6e-5 with it on the H200, 2e-7 to 4e-7
+without it in earlier runs on an H100.  16-bit inputs round at 2**-8 to 2**-11, far above that."""
 
 TORCH_OP = False
 """Drop them in :func:`napkin_cat.torch_op` too, before its forward and backward are derived (both
