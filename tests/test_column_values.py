@@ -22,6 +22,7 @@ import napkin_cat as nc  # noqa: E402
 from napkin_cat.lowering import column_values  # noqa: E402
 from napkin_cat.verify import kernelcheck  # noqa: E402
 from test_frag_operands import _inputs, _parts, q, x, d  # noqa: E402
+from test_kernel_fuzz import column_arrays  # noqa: E402
 from test_wgmma import warpgroups  # noqa: E402,F401  (the fixture: planner.WGMMA on)
 
 BLOCKS = {"g_x": 16, "s_q": 16, "g_q": 16, "s_x": 16}
@@ -68,13 +69,6 @@ def test_values_of_the_row_or_the_element_are_not_hoisted_to_the_columns():
     assert "per column of this thread" not in src
 
 
-def _column_arrays(body: str):
-    """``(name, its declaration, its first read)`` of each column-values array in ``body``."""
-    for m in re.finditer(r"(\w+_cols\d*) = cuda\.local\.array", body):
-        read = re.search(rf"[^\w]{m[1]}\[j\](?! =)", body[m.end():])
-        yield m[1], m.start(), m.end() + read.start()
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 def test_column_values_are_read_before_the_wait_of_the_contraction_they_serve(warpgroups, causal, monkeypatch):
     """column_values.BEFORE_WAIT: the one-kernel backward on warpgroups reads L and D per column
@@ -84,7 +78,7 @@ def test_column_values_are_read_before_the_wait_of_the_contraction_they_serve(wa
     monkeypatch.setattr(column_values, "BEFORE_WAIT", 2)   # 32 wide: two steps of 16
     part, bound, kernel = _backward(causal)
     body = _body(kernel)
-    arrays = list(_column_arrays(body))
+    arrays = list(column_arrays(body))
     before = [n for n, start, read in arrays if "= wgmma_wait" in body[start:read]]
     assert {n.split("_")[0] for n in before} == {"L", "D"}, arrays
     for name, start, read in arrays:
@@ -95,4 +89,4 @@ def test_column_values_are_read_before_the_wait_of_the_contraction_they_serve(wa
     for off in (0, 3):
         monkeypatch.setattr(column_values, "BEFORE_WAIT", off)
         body = _body(_backward(causal)[2])
-        assert not [n for n, start, read in _column_arrays(body) if "= wgmma_wait" in body[start:read]]
+        assert not [n for n, start, read in column_arrays(body) if "= wgmma_wait" in body[start:read]]

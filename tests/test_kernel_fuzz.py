@@ -262,6 +262,14 @@ MAPPING_WORDS = {"register micro-tiles": "micro", "per thread": "flat", "lanes e
                  "row statistics": "rows"}
 
 
+def column_arrays(body: str):
+    """``(name, its declaration, its first read)`` of each column-values array in a kernel's
+    ``body`` (:mod:`napkin_cat.lowering.column_values`)."""
+    for m in re.finditer(r"(\w+_cols\d*) = cuda\.local\.array", body):
+        read = re.search(rf"[^\w]{m[1]}\[j\](?! =)", body[m.end():])
+        yield m[1], m.start(), m.end() + read.start()
+
+
 def _features(kernel) -> set[str]:
     """The thread mappings a kernel uses, its fused-scores path and its chunk loops, and the
     generator paths of :mod:`test_kernel_fuzz_paths`: reindexings read through their index maps
@@ -304,14 +312,12 @@ def _features(kernel) -> set[str]:
                          ("mma_tf32x3(", "tf32x3"), ("bulk_add_f32(", "staged-add")):
         if marker in body or marker in "".join(kernel.mappings.values()):
             out.add(feat)
-    # the generator's notes in the kernel's docstring: L = mu + log z of the online softmax;
-    # a shared buffer "(materialised, 16-bit, ...)" in the shared-memory line
-    for m in re.finditer(r"(\w+_cols\d*) = cuda\.local\.array", body):   # column_values.BEFORE_WAIT
-        read = re.search(rf"[^\w]{m[1]}\[j\](?! =)", body[m.end():])
-        if read and "= wgmma_wait" in body[m.end():m.end() + read.start()]:
-            out.add("columns-before-wait")
+    if any("= wgmma_wait" in body[start:read] for _, start, read in column_arrays(body)):   # column_values.BEFORE_WAIT
+        out.add("columns-before-wait")
     if any("dropped before the softmax" in n for n in kernel.notes):   # relabel/row_terms.py
         out.add("row-terms")
+    # the generator's notes in the kernel's docstring: L = mu + log z of the online softmax;
+    # a shared buffer "(materialised, 16-bit, ...)" in the shared-memory line
     if "row statistics (L = mu + log z)" in kernel.source:
         out.add("lse-from-stats")
     if "(materialised, 16-bit" in kernel.source:

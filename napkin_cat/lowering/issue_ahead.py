@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ..core.errors import LoweringError
 from ..relabel.loopnest import Compute, Update
+from . import column_values
 from .plan import Frag
 from .source import Source
 
@@ -173,8 +174,8 @@ def columns_before_wait(em, m: Frag, src: Source, steps: int) -> None:
     (:mod:`.column_values`), for a contraction of at least :data:`~.column_values.BEFORE_WAIT`
     steps: they read shared memory, indices and constants, never the pending accumulators, so
     their loads overlap the wait."""
-    from .column_values import BEFORE_WAIT
-    em.columns_slot = (m, src.slot()) if BEFORE_WAIT and steps >= BEFORE_WAIT else None
+    least = column_values.BEFORE_WAIT
+    em.columns_slot = (m, src.slot()) if least and steps >= least else None
 
 
 def write_waits(waits: list, depth: int, src: Source) -> None:
