@@ -33,10 +33,10 @@ import napkin_cat as nc  # noqa: E402
 from bench import kernel_ms, profile_once  # noqa: E402
 from bench_fwd_bwd import DTYPES, PREFETCH, flash, flex_fn, reference, rel, switch_value  # noqa: E402
 from napkin_cat.lowering import (column_values, emit, emit_acc, emit_loads, emit_mma, emit_states, issue_ahead, staged_add,  # noqa: E402
-                                 paired_stores, planner, producer, unswitch, wgmma, wgmma_plan)
+                                 paired_stores, planner, producer, tma, unswitch, wgmma, wgmma_plan)
 
 MODULES = (planner, emit_mma, emit_acc, producer, emit, emit_loads, emit_states, column_values, paired_stores, wgmma, wgmma_plan,
-           unswitch, issue_ahead, staged_add)
+           unswitch, issue_ahead, staged_add, tma)
 
 
 def parse_form(spec: str):

@@ -36,6 +36,7 @@ from ..core.errors import LoweringError, RelabelError, ShapeError
 from . import io
 from .calls import (_Prepared, _TorchFastPath, _check_array, _empty_like, _flat_input, _flat_output, _kind,  # noqa: F401
                     copy_into, padded_shape, padded_store, unpadded)
+from .tma import map_args
 
 __all__ = ["lower", "Kernel", "Launch", "MultiKernel", "TabledKernel"]
 
@@ -218,6 +219,8 @@ class Kernel:
         self.zero_args = zero_args(diagram)   # outputs the blocks add into: zero-filled at each launch
         from .staged_add import out_pads
         self.out_pads = out_pads(getattr(gen, "plan", None), len(diagram.cod))   # staged rows: allocated padded
+        from .tma import inputs as tma_inputs
+        self.tma = tma_inputs(getattr(gen, "plan", None))   # inputs copied by TMA: a map argument each
         self.notes: tuple[str, ...] = gen.notes   # what the generator chose, and what was verified
         self.verified = False                            # compared with the oracle by lower()
         self.options: dict = {}                          # the lower() options that rebuild it
@@ -289,6 +292,7 @@ class Kernel:
         out_kinds = [_kind(o) for o in stores]
         for o, kind, t in zip(stores, out_kinds, self.out_io):
             args.append(_flat_output(io.kernel_view(o, t), kind, sim))
+        args += map_args(self, args, sim)   # the tensor maps of the inputs TMA copies (.tma)
         if stream is None and "torch_cuda" in kinds and not sim:
             launcher = self._torch_launcher(runtime)
         else:
@@ -332,6 +336,7 @@ class Kernel:
         args = [_flat_input(x, k, sim, stream, keep, t) for x, k, t in zip(arrays, kinds, self.in_io)]
         outs, stores, after = self._outputs(arrays, kinds, out, sim)
         args += [_flat_output(io.kernel_view(o, t), _kind(o), sim) for o, t in zip(stores, self.out_io)]
+        args += map_args(self, args, sim)
         launcher = self._launcher(stream)
         packable = not (sim or stream is not None
                         or any(getattr(a, runtime.HOST_ATTR, None) is not None for a in args))

@@ -188,12 +188,13 @@ class _TorchFastPath:
     call."""
 
     __slots__ = ("dispatcher", "packed", "in_shapes", "out_shapes", "device", "device_index", "tensor",
-                 "in_dtypes", "out_dtypes", "empty", "zeros", "zeroed", "raw_stream", "convertible", "pads")
+                 "in_dtypes", "out_dtypes", "empty", "zeros", "zeroed", "raw_stream", "convertible", "pads", "maps")
 
     def __init__(self, packed, in_shapes, out_shapes, device, torch, dispatcher=None,
                  in_io=None, out_io=None, zero_args=(), out_pads=()):
         self.dispatcher = dispatcher
         self.packed = packed
+        self.maps = None   # input addresses -> their tensor maps' addresses (.tma)
         # outputs the blocks add into (fp32 atomics): zero-filled by torch on its stream before
         # the packed launch, as the Launcher does on the general path
         self.zeroed = frozenset(i - len(in_shapes) for i in zero_args)
@@ -220,8 +221,12 @@ class _TorchFastPath:
         packed = launcher.pack(tuple(args), zeroed=True)
         if packed is not None and packed.n_arrays != len(args):
             packed = None
-        return cls(packed, kernel.in_shapes, kernel.out_shapes, arrays[0].device, torch,
+        fast = cls(packed, kernel.in_shapes, kernel.out_shapes, arrays[0].device, torch,
                    kernel._dispatcher, kernel.in_io, kernel.out_io, kernel.zero_args, kernel.out_pads)
+        if kernel.tma:   # the tensor maps of the inputs TMA copies, by their addresses (.tma)
+            from .tma import map_pointers
+            fast.maps = lambda pointers: map_pointers(kernel, pointers)
+        return fast
 
     def _fits(self, t, shape, dtype) -> bool:
         return (type(t) is self.tensor and t.dtype is dtype and t.get_device() == self.device_index
@@ -256,6 +261,8 @@ class _TorchFastPath:
             for i in self.zeroed:
                 outs[i].zero_()
         pointers += [o.data_ptr() for o in outs]
+        if self.maps is not None:
+            pointers += self.maps(pointers)
         if not self.packed(pointers, self.raw_stream(self.device_index)):
             return None
         for i, (_, width) in pads.items():

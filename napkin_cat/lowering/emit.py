@@ -4,9 +4,8 @@
 with the plan's decisions: loads (global -> shared, fixed trip counts), stream loops (chunk
 skipping, prefetch into registers, double buffering), computes (a target's phase, on its thread
 mapping: :mod:`.emit_threads`), accumulators (:data:`.emit_acc.ACC_CODEGEN`) and stores.  The
-renderer's own state is the source being written: identifiers and constants
-(:mod:`.source`), the barrier owed before the next shared read, and the copy of each
-double-buffered chunk in use.
+renderer's own state is the source being written: identifiers and constants (:mod:`.source`),
+the barrier owed before the next shared read, and the copy of each double-buffered chunk in use.
 """
 
 from __future__ import annotations
@@ -22,13 +21,13 @@ from .column_values import column_value
 from .paired_stores import adds_pairs, column_pair, stored_pair
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, scaled_exponent
-from . import issue_ahead, reindex, staged_add
+from . import issue_ahead, producer, reindex, staged_add
 from .emit_loads import Loads
 from .emit_mma import FragHoist, loaded_vars
-from . import producer
 from .emit_threads import GROUP_HELPERS, Phases
 from .plan import Buffer, KernelPlan, Target
 from .source import Constants, Names, Source, paren as _paren
+from .tma import inputs as tma_inputs, map_name, swizzled_index
 from .tensorcore import DTYPES, FP32_COPIES, PRIMITIVES, SHARED_PRIMITIVES, TF32X3
 from .wgmma import core_index, primitive_names, uses_wgmma
 from . import wgmma as wg
@@ -155,8 +154,9 @@ class Emitter(Loads, Phases):
             return env["_lanes"]
         if not b.axes:
             return self.consts.u(0, "U0")
-        if b.core:
-            return core_index(env[b.axes[0]], env[b.axes[1]], b.ld, self.consts.u)
+        if b.core:   # 8 x 8 core matrices, or TMA's swizzled panels (.tma)
+            return (swizzled_index(env[b.axes[0]], env[b.axes[1]], b, self.consts.u) if b.swizzle else
+                    core_index(env[b.axes[0]], env[b.axes[1]], b.ld, self.consts.u))
         expr = env[b.axes[0]]
         for pos, a in enumerate(b.axes[1:], 1):
             mult = self.ax[a].cap_c
@@ -362,7 +362,7 @@ class Emitter(Loads, Phases):
             helpers = GROUP_HELPERS.replace("cuda.syncthreads()", "bar_named(uint32(1), NTHREADS)") \
                 if self.producer_threads else GROUP_HELPERS
             lines += helpers.splitlines() + [""]
-        args = [self.arg_names[i] for i in range(self.n_in)] + self.out_args
+        args = [self.arg_names[i] for i in range(self.n_in)] + self.out_args + [map_name(self, t.index) for t in tma_inputs(self.plan)]
         blocks = self.blocks()
         threads = self.T + self.producer_threads
         lines += [f"# launch bounds: {blocks} block(s) of {threads} threads per SM (shared memory "

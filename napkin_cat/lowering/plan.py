@@ -83,17 +83,23 @@ class Buffer:
     bits: int = 32               # 32: fp32 values; 16: 16-bit patterns (an f16 / bf16 input, or an
                                  # intermediate read only by tensor cores: .sixteen_bit)
     core: bool = False           # the 8 x 8 "core matrix" layout a wgmma descriptor reads (.wgmma)
+    swizzle: bool = False        # core, as 128-byte swizzled panels of 64 columns: what TMA writes (.tma)
 
     @property
     def ld(self) -> int:
         """Elements between consecutive indices of the second-to-last axis (a core-matrix
-        buffer: the last axis rounded up to 8, its rows' extent in every panel of 8 rows)."""
+        buffer: the last axis rounded up to 8, its rows' extent in every panel of 8 rows;
+        swizzled: 64, a panel's row)."""
+        if self.swizzle:
+            return 64
         if self.core:
             return -(-self.caps[-1] // 8) * 8
         return self.caps[-1] + self.pad if self.caps else 1
 
     @property
     def elems(self) -> int:
+        if self.swizzle:   # panels of 64 columns, each its rows of 128 bytes
+            return -(-self.caps[-1] // 64) * -(-self.caps[0] // 8) * 8 * 64
         if self.core:   # panels of 8 rows, the last one whole
             return -(-self.caps[0] // 8) * 8 * self.ld
         return max(1, math.prod(self.caps[:-1]) * self.ld) if self.caps else 1

@@ -47,8 +47,8 @@ from .register_copies import register_copies
 from .reindex import check_axes as check_reindexed_axes, remaps
 from .sixteen_bit import sixteen_bit_buffer, sixteen_bit_targets
 from .threads import Threads, _check_micro
-from .wgmma_plan import assign_offsets, plan_wgmma
-from . import staged_add
+from .wgmma_plan import assign_offsets, column_only, plan_wgmma
+from . import staged_add, tma
 from .plan import (MMA_SLACK, AccPlan, AxisPlan, Buffer, Coop, Frag, KernelPlan, LaunchPlan, Micro, Rows,
                    Structure, Target, acc_reduced_axes, axes_set, caps, check_index_width, frozen_map, in_place,
                    kernel_dtype, load_plan, reduced_axes, storage, var_cls)
@@ -75,13 +75,11 @@ REGISTER_GRACE = 8
 """Registers the estimate may pass a block's share by, the block still counted (:func:`blocks_per_sm`;
 kernels/BENCHMARKS.md, "Sixth session of 2026-11-30").  0: the estimate's share, as before."""
 
-
 CONTRACTION_UNROLL = 8
 """Steps of a contraction's innermost reduction loop written out per iteration of the emitted
 loop (when the step count is static and divisible; 1 turns it off)."""
 
-MAX_THREADS = 1024
-"""Threads per block on every CUDA device."""
+MAX_THREADS = 1024  # threads per block on every CUDA device
 
 PREFETCH_MODES = (False, True, "double", "auto")
 
@@ -91,8 +89,7 @@ into a second shared buffer) only while :func:`register_estimate` stays at or be
 H100 the dK, dV kernel at d = 128, estimated 256, spilled and ran 2x slower with them), or where
 a copying warpgroup takes their copies (:func:`.producer.double_for_copies`)."""
 
-ENGINE = "cuda_core"
-"""The engine contractions are planned on (see :data:`.plan.ENGINES`)."""
+ENGINE = "cuda_core"  # the engine contractions are planned on (see :data:`.plan.ENGINES`)
 
 WGMMA = "auto"
 """Multiply 16-bit contractions by warpgroups (``wgmma``, :mod:`.wgmma`) where their fragments and
@@ -157,7 +154,9 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
                                                   absorbed, WGMMA)
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
-    buffers = assign_offsets(staged_add.plan(ff, ax, targets, accs, buffers, any(skips.values())))   # one bulk add a chunk
+    buffers = staged_add.plan(ff, ax, targets, accs, buffers, any(skips.values()))   # one bulk add a chunk
+    buffers = assign_offsets(tma.plan(ff, ax, buffers, skips, stages or 2, threads_.dtype, len(ff.diagram.dom), functools.partial(
+        column_only, ff, ax, st, targets, accs, buffers, len(ff.diagram.dom))))   # tensor copies of the chunks
     launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch, copies)
     plan = KernelPlan(name, d, ff, threads, fastmath, prefetch,
                       CONTRACTION_UNROLL if unroll is None else int(unroll), frozen_map(ax), tuple(grid_loops),

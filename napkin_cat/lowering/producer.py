@@ -2,10 +2,8 @@
 producer), for a stream loop double-buffered by ``cp.async`` whose contractions run on ``wgmma``.
 
 Why (measured on an H100, kernels/BENCHMARKS.md, "Fourth session of 2026-11-24"): ``wgmma.fence``
-and ``fence.proxy.async`` wait for the executing thread's ``cp.async`` copies still in flight.  When
-the warps that multiply also issue the next chunk's copies, every chunk's multiplications wait for
-the next chunk's copies: the double buffer overlaps nothing.  Given to warps that never multiply,
-the copies overlap the multiplications.
+and ``fence.proxy.async`` wait for the executing thread's ``cp.async`` copies in flight, so copies
+issued by the warps that multiply overlap nothing; given to warps that never multiply, they do.
 
 The kernel (``NTHREADS`` multiplying threads, then :data:`THREADS` copying ones)::
 
@@ -20,19 +18,14 @@ The kernel (``NTHREADS`` multiplying threads, then :data:`THREADS` copying ones)
         (the barriers they pass after the loop)
         return
     setmaxnreg_inc_R()
-    ... the kernel as before, the stream loop without copies: one barrier before it, the
-    loop's closing barrier(s) ...
+    ... the kernel as before, the stream loop without copies ...
 
-"Each chunk" is each chunk the loop visits: where a block table masks whole chunks
-(:data:`TABLES`), both sides scan the table for the next chunk it keeps
-(:meth:`.emit_loads.Loads._next_kept`), so they visit the same chunks in the same order.
-
-Buffer ``(c + 1) % 2`` was last read in chunk ``c - 1``, before the barrier that ended it, and
-chunk ``c + 1`` has landed, fenced, before the barrier that ends chunk ``c``.  Every block barrier
-of the multiplying warps has its twin in the copying warpgroup (counted in the emitted code; a
-barrier at no fixed place: :class:`NotSpecialised`, emitted as before).  The multiplying threads'
-own reductions meet at ``bar_named(1, NTHREADS)``; the simulated tensor-core twins synchronise
-within a warp, so the simulator runs the same protocol (:func:`.tensorcore._group_barrier`).
+"Each chunk" is each chunk the loop visits: where a block table masks whole chunks (:data:`TABLES`),
+both sides scan it for the next chunk it keeps (:meth:`.emit_loads.Loads._next_kept`).  Buffer
+``(c + 1) % 2`` was last read in chunk ``c - 1``, before the barrier that ended it, and chunk
+``c + 1`` has landed, fenced, before the barrier that ends chunk ``c``.  Every block barrier of the
+multiplying warps has its twin in the copying warpgroup (counted in the emitted code; else
+:class:`NotSpecialised`, emitted as before); their own reductions meet at ``bar_named(1, NTHREADS)``.
 
 With ``HAND_OVER = "named"`` (the default) the per-chunk block barrier goes: the copying
 warpgroup arrives (``bar.arrive``) at "landed" barrier ``2 + s W + w`` for each computing
@@ -41,25 +34,15 @@ computing warpgroup ``w`` waits at its "landed" barrier before each chunk but th
 arrives at "released" barrier ``2 + L W + b`` when done with a chunk in buffer ``b`` that another
 follows; the copying warpgroup waits there before it refills buffer ``b`` (:func:`hand_over_ids`).
 
-Stages (:data:`STAGES`, second session of 2026-11-30): with the named hand-over, the chunks of a
-forward cycle through three buffers and the copying warpgroup keeps two chunks' copies in flight,
-waiting for the older alone (``cp.async.wait_group 1``) before it hands that one over.  Where every
-chunk is visited (:func:`_ahead_copies`)::
-
-        copy chunks 0 .. S - 2 into buffers 0 .. S - 2; wait for chunk 0's; fence; barrier
-        for each chunk c:
-            wait at "released" barrier of buffer (c - 1) % S (not at c = 0)
-            if chunk c + S - 1 exists: copy it into that buffer
-            if chunk c + 1 exists: wait for all but the newer groups; fence; arrive at chunk
-                c + 1's "landed" barriers
-        (the computing warpgroups release every chunk that another follows)
-
-Where a block table skips chunks, so that chunk c + S - 1 is not known at chunk c
-(:func:`_staged_copies`), the k-th kept chunk is issued at step k and chunk k - 1 handed over
-behind it; the copying warpgroup waits for the releases it did not need after its loop.  The first
-form measured faster (ptxas kept values in registers with it: kernels/logs/forward_copies_h200.log).
-
-``setmaxnreg`` moves registers from the copying warpgroup (:data:`REGS`) to the computing ones (:func:`consumer_registers`).
+Stages (:data:`STAGES`, second session of 2026-11-30): with the named hand-over, a forward's chunks
+cycle through three buffers, two chunks' copies in flight.  Where every chunk is visited
+(:func:`_ahead_copies`): chunks 0 .. S - 2 copied before the loop; at chunk c, once buffer
+(c - 1) % S is released, chunk c + S - 1 copied into it, then chunk c + 1 waited for alone
+(``cp.async.wait_group``, or its mbarrier where TMA copies it: :mod:`.tma`), fenced and handed
+over.  Where a block table skips chunks (:func:`_staged_copies`), the k-th kept chunk is issued
+at step k and chunk k - 1 handed over behind it (the first form measured faster: ptxas kept values
+in registers with it, kernels/logs/forward_copies_h200.log).  ``setmaxnreg`` moves registers from
+the copying warpgroup (:data:`REGS`) to the computing ones (:func:`consumer_registers`).
 """
 
 from __future__ import annotations
@@ -68,7 +51,7 @@ import contextlib
 
 from ..relabel.loopnest import Load, Loop
 from ..relabel.split import split_axes
-from . import wgmma as wg
+from . import tma, wgmma as wg
 
 SWITCH = "auto"
 """Give the copies of a qualifying stream loop to a copying warpgroup (:func:`why_not`): ``True``
@@ -91,8 +74,7 @@ table (in shared memory, published before the copying warpgroup's first copy) fo
 keeps, so it copies and hands over those only.  ``False``: such a kernel keeps its copies (the
 computing threads' ``cp.async``, or single-buffered), as before 2026-11-29."""
 
-THREADS = 128
-"""Threads of the copying warpgroup (``setmaxnreg`` acts on whole warpgroups)."""
+THREADS = 128  # threads of the copying warpgroup (setmaxnreg acts on whole warpgroups)
 
 REGS = 24
 """Registers per thread the copying warpgroup keeps, the fewest ``setmaxnreg`` allows: its copies
@@ -519,26 +501,43 @@ def _wait_but(ahead: list[str], hi: str, src) -> None:
 
 
 def _ahead_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
-    """The copying warpgroup's loop over :data:`STAGES` buffers where every chunk is visited: chunks
-    0 .. S - 2 issued before the loop; in the loop, at chunk c, chunk c + S - 1 issued into buffer
-    (c - 1) % S once chunk c - 1 released it, then chunk c + 1 waited for alone and handed over."""
+    """The copying warpgroup's loop over :data:`STAGES` buffers where every chunk is visited (the
+    module's docstring); swizzled buffers by tensor copies, waited for at mbarriers (:mod:`.tma`)."""
     k, a = em.consts, em.ax[lp.axis]
     stages = _stages(bufs)
     empty, total = hand_over_ids(em.T, stages)[1], em.T + THREADS
-    S, C = k.u(stages, f"U{stages}"), a.cap_c
+    S, C, U0, U1 = k.u(stages, f"U{stages}"), a.cap_c, k.u(0, "U0"), k.u(1, "U1")
+    tensor = tma.uses(em, bufs)
+    def issue(at: str, copy: str):
+        if tensor:
+            return tma.issue_chunk(em, lp, loads, bufs, at, copy, src)
+        em._issue_chunk(lp, loads, bufs, at, copy, src)
 
     def start(base: str, j: int) -> str:
         return base if j == 0 else f"{base} + {k.u(j, f'U{j}')} * {C}"
 
+    def landed(buf: str, chunk: str, ahead: list[str]):   # chunk c's copies have landed
+        if tensor:
+            return tma.wait(em, buf, f"({chunk}) // {S} % {k.u(2, 'U2')}", src)
+        _wait_but(ahead, hi, src)
+        src("fence_proxy_async()  # ... and are visible to the tensor cores")
+
+    if tensor:   # the first named barrier the hand-over leaves free
+        if empty + stages > 15:
+            raise NotSpecialised("no named barrier left for the TMA mbarriers' initialisation")
+        tma.init(em, stages, empty + stages, THREADS, src)
     for j in range(stages - 1):
         with src.block(f"if {start(first, j)} < {hi}:"):
-            em._issue_chunk(lp, loads, bufs, start(first, j), k.u(j, f"U{j}"), src)
-    _wait_but([start(first, j) for j in range(1, stages - 1)], hi, src)
-    src("fence_proxy_async()  # ... and are visible to the tensor cores")
+            issue(start(first, j), k.u(j, f"U{j}"))
+    with src.maybe(f"{first} < {hi}" if tensor else None):
+        landed(U0, U0, [start(first, j) for j in range(1, stages - 1)])
     src("cuda.syncthreads()  # chunk 0 has landed")
     back = f"(({par} + {k.u(stages - 1, f'U{stages - 1}')}) % {S})"
     slot, slots = em.names.fresh(f"pland_{a.name}"), landed_slots(stages)
-    src(f"{slot} = {k.u(0, 'U0')}  # chunk c's landed slot")
+    src(f"{slot} = {U0}  # chunk c's landed slot")
+    count = em.names.fresh(f"pchunk_{a.name}")
+    if tensor:
+        src(f"{count} = {U0}  # chunk c's position among the chunks visited")
     with src.block(em._chunk_header(lp, lo, hi, first, src)):
         far = em.names.fresh(f"{a.name}_ahead")
         src(f"{far} = {start(a.start, stages - 1)}")
@@ -546,15 +545,16 @@ def _ahead_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
             src(f"bar_named({k.u(empty, f'U{empty}')} + {back}, {k.u(total, f'U{total}')})"
                 f"  # chunk c - 1's buffer released by every computing warpgroup")
         with src.block(f"if {far} < {hi}:"):
-            em._issue_chunk(lp, loads, bufs, far, back, src)
+            issue(far, back)
         nxt = em.names.fresh(f"{a.name}_next")
         src(f"{nxt} = {start(a.start, 1)}")
         with src.block(f"if {nxt} < {hi}:"):
-            _wait_but([start(a.start, j) for j in range(2, stages)], hi, src)
-            src("fence_proxy_async()  # ... and are visible to the tensor cores")
-            _arrive_landed(em, f"(({slot} + {k.u(1, 'U1')}) % {k.u(slots, f'U{slots}')})", "chunk c + 1", src)
-        src(f"{par} = ({par} + {k.u(1, 'U1')}) % {S}")
+            landed(f"(({par} + {U1}) % {S})", f"{count} + {U1}", [start(a.start, j) for j in range(2, stages)])
+            _arrive_landed(em, f"(({slot} + {U1}) % {k.u(slots, f'U{slots}')})", "chunk c + 1", src)
+        src(f"{par} = ({par} + {U1}) % {S}")
         src(_next_slot(slot, stages, k))
+        if tensor:
+            src(f"{count} += {U1}")
 
 
 def _staged_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:

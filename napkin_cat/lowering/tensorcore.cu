@@ -328,3 +328,70 @@ extern "C" __device__ int nc_bar_arrive(int* ret, unsigned id, unsigned count) {
   *ret = 0;
   return 0;
 }
+
+// ---- the tensor memory accelerator (tma.py), sm_90: mbarriers at 32-bit shared addresses; a
+// tensor copy of the box at coordinates c0.. (innermost first) of the map at generic address
+// `map` (device memory), completing on the mbarrier at `bar` with its bytes.
+extern "C" __device__ int nc_mbar_init(int* ret, unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+  *ret = 0;
+  return 0;
+}
+
+extern "C" __device__ int nc_mbar_fence_init(int* ret) {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  *ret = 0;
+  return 0;
+}
+
+// Arrive once and expect `bytes` more transaction bytes in the current phase.
+extern "C" __device__ int nc_mbar_expect(int* ret, unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+  *ret = 0;
+  return 0;
+}
+
+// Wait until the phase of parity `parity` has completed.
+extern "C" __device__ int nc_mbar_wait(int* ret, unsigned bar, unsigned parity) {
+  unsigned done = 0;
+  while (!done) {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  }
+  *ret = 0;
+  return 0;
+}
+
+#define NC_TMA_PREFIX "cp.async.bulk.tensor."
+#define NC_TMA_SUFFIX ".shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+extern "C" __device__ int nc_tma_load2(int* ret, unsigned dst, unsigned long long map, int c0, int c1,
+                                       unsigned bar) {
+  asm volatile(NC_TMA_PREFIX "2d" NC_TMA_SUFFIX " [%0], [%1, {%2, %3}], [%4];\n"
+               :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+  *ret = 0;
+  return 0;
+}
+
+extern "C" __device__ int nc_tma_load3(int* ret, unsigned dst, unsigned long long map, int c0, int c1, int c2,
+                                       unsigned bar) {
+  asm volatile(NC_TMA_PREFIX "3d" NC_TMA_SUFFIX " [%0], [%1, {%2, %3, %4}], [%5];\n"
+               :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+  *ret = 0;
+  return 0;
+}
+
+extern "C" __device__ int nc_tma_load4(int* ret, unsigned dst, unsigned long long map, int c0, int c1, int c2,
+                                       int c3, unsigned bar) {
+  asm volatile(NC_TMA_PREFIX "4d" NC_TMA_SUFFIX " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+               :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+  *ret = 0;
+  return 0;
+}
+
+extern "C" __device__ int nc_tma_load5(int* ret, unsigned dst, unsigned long long map, int c0, int c1, int c2,
+                                       int c3, int c4, unsigned bar) {
+  asm volatile(NC_TMA_PREFIX "5d" NC_TMA_SUFFIX " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n"
+               :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
+  *ret = 0;
+  return 0;
+}

@@ -405,12 +405,8 @@ def _sim_primitives() -> dict:
 def _by_descriptor(values, smem16, desc, n: int, trans) -> np.ndarray:
     """The 16 x ``n`` operand a descriptor names in ``smem16`` (core matrices; ``trans``: the
     operand's own axis fastest), as the hardware reads B, or A (``n = 64``, transposed)."""
-    from .wgmma import desc_fields
-    addr, lbo, sbo = desc_fields(desc)
-    k = np.arange(16)[:, None]
-    c = np.arange(n)[None, :]
-    inner = (k % 8) * 16 + (c % 8) * 2 if int(trans) else (c % 8) * 16 + (k % 8) * 2
-    byte = addr + (c // 8) * sbo + (k // 8) * lbo + inner
+    from .wgmma import operand_bytes
+    byte = operand_bytes(desc, n, trans)
     return values(np.asarray(smem16)[byte // 2].astype(np.int16).view(np.uint16))
 
 
@@ -528,6 +524,9 @@ def sim_wgmma_primitive(name: str):
         return sim_wgmma_commit
     if name in STAGED:
         return sim_primitive(name, _context, _per_launch)   # bulk reductions of staged partial sums
+    from . import tma
+    if name in tma.PRIMITIVES:
+        return tma.sim_primitive(name, _context, _per_launch)   # tensor copies and their mbarriers
     if name in FIXED:
         return lambda: 0
     hit = parse(name)

@@ -36,6 +36,9 @@ SIGNATURES = {
     "bulk_wait_all": "int32()",
     "pack_tf32x3": "UniTuple(uint64, 2)(float32, float32)",
     "mma_tf32x3": _MMA_TF32X3, "mma_tf32x3s": _MMA_TF32X3,
+    "mbar_init": "int32(uint32, uint32)", "mbar_fence_init": "int32()", "mbar_expect": "int32(uint32, uint32)",
+    "mbar_wait": "int32(uint32, uint32)",
+    **{f"tma_load{r}": f"int32(uint32, uint64, {'int32, ' * r}uint32)" for r in range(2, 6)},
 }
 """The linked functions of ``tensorcore.cu`` (``nc_`` + name) and their numba signatures; the
 ``ldsm_*`` and ``cp_async16`` that kernels call wrap them (:mod:`.tensorcore_gpu`)."""
@@ -158,6 +161,45 @@ def wgmma_desc16(smem16, off, lbo, sbo):
     return wgmma_desc(uint64(shared_addr(smem16) + uint32(off) * uint32(2)), lbo, sbo)
 
 
+_mbar_init, _mbar_expect, _mbar_wait = _linked["mbar_init"], _linked["mbar_expect"], _linked["mbar_wait"]
+
+
+@cuda.jit(device=True, inline=True)
+def mbar_init(smem, word, count):
+    """Initialise the ``mbarrier`` at word ``word`` of shared array ``smem`` for ``count`` arrivals (:mod:`.tma`)."""
+    return _mbar_init(shared_addr(smem) + uint32(word) * uint32(4), uint32(count))
+
+
+@cuda.jit(device=True, inline=True)
+def mbar_expect(smem, word, nbytes):
+    return _mbar_expect(shared_addr(smem) + uint32(word) * uint32(4), uint32(nbytes))
+
+
+@cuda.jit(device=True, inline=True)
+def mbar_wait(smem, word, parity):
+    return _mbar_wait(shared_addr(smem) + uint32(word) * uint32(4), uint32(parity))
+
+
+mbar_fence_init = _linked["mbar_fence_init"]
+
+_TMA_WRAPPER = """
+@cuda.jit(device=True, inline=True)
+def tma_load(smem16, dst, arr, tmap, {coords}, smem, bar):
+    return linked(shared_addr(smem16) + uint32(dst) * uint32(2), addr_of(tmap), {ints},
+                  shared_addr(smem) + uint32(bar) * uint32(4))
+"""
+"""``tma_load{r}``: ``arr`` (the input the map describes) names it for the simulated twin only."""
+
+
+def _tma_load(r: int):
+    coords = ", ".join(f"c{i}" for i in range(r))
+    ns = {"cuda": cuda, "uint32": uint32, "int32": int32, "linked": _linked[f"tma_load{r}"],
+          "shared_addr": shared_addr, "addr_of": addr_of}
+    exec(compile(_TMA_WRAPPER.format(coords=coords, ints=", ".join(f"int32(c{i})" for i in range(r))),
+                 f"<tma_load{r}>", "exec"), ns)
+    return ns["tma_load"]
+
+
 _WGMMA_WRAPPER = """
 @cuda.jit(device=True, inline=True)
 def wgmma(smem16, desc, trans, a0, a1, a2, a3{acc}):
@@ -205,6 +247,10 @@ def wgmma_primitive(name: str):
         return wgmma_desc16
     if name == "bulk_add_f32":
         return bulk_add_f32
+    if name.startswith("tma_load"):
+        return _tma_load(int(name[len("tma_load"):]))
+    if name in ("mbar_init", "mbar_expect", "mbar_wait", "mbar_fence_init"):
+        return globals()[name]
     if name in FIXED or name in _linked:
         return _linked[name]
     hit = parse(name)

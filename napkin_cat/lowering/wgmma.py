@@ -92,9 +92,12 @@ SETMAXNREG = re.compile(r"^setmaxnreg_(inc|dec)_(\d+)$")
 
 
 def known(name: str) -> bool:
-    """Whether ``name`` is a primitive of this module (fixed, an MMA or wait, or ``setmaxnreg``)."""
+    """Whether ``name`` is a primitive of this module (fixed, an MMA or wait, or ``setmaxnreg``), of
+    :mod:`.staged_add` or of :mod:`.tma`."""
     from .staged_add import PRIMITIVES as STAGED
-    return name in FIXED or name in STAGED or parse(name) is not None or SETMAXNREG.match(name) is not None
+    from .tma import PRIMITIVES as TMA
+    return (name in FIXED or name in STAGED or name in TMA or parse(name) is not None
+            or SETMAXNREG.match(name) is not None)
 
 
 def parse(name: str):
@@ -111,6 +114,29 @@ def shared_a(name: str) -> bool:
     """Whether MMA primitive ``name`` reads A by descriptor (``_ss``)."""
     hit = NAME.match(name)
     return bool(hit and hit["ss"])
+
+
+def operand_bytes(desc, n: int, trans):
+    """The shared byte address of each element ``(k, c)`` (16 x ``n``) of the operand descriptor
+    ``desc`` names: core matrices (swizzle mode 0), or 128-byte swizzled rows (mode 1, :mod:`.tma`):
+    K-major, row ``c`` 128 bytes from row ``c - 1`` within 8-row groups SBO apart, ``k`` along it;
+    MN-major (``trans``), row ``k`` 128 bytes from ``k - 1`` within groups SBO apart, 64 columns
+    ``c`` along it, panels of 64 LBO apart; then the 16-byte unit XOR the row within 1024 bytes."""
+    import numpy as np
+    addr, lbo, sbo = desc_fields(desc)
+    mode = (int(desc) >> 62) & 3
+    k = np.arange(16)[:, None]
+    c = np.arange(n)[None, :]
+    if mode == 0:
+        inner = (k % 8) * 16 + (c % 8) * 2 if int(trans) else (c % 8) * 16 + (k % 8) * 2
+        return addr + (c // 8) * sbo + (k // 8) * lbo + inner
+    if mode != 1:
+        raise ValueError(f"descriptor swizzle mode {mode}: only 0 and 1 (128 bytes) are read")
+    if int(trans):
+        byte = addr + (c // 64) * lbo + (k // 8) * sbo + (k % 8) * 128 + (c % 64) * 2
+    else:
+        byte = addr + (c // 8) * sbo + (c % 8) * 128 + k * 2
+    return byte ^ (((byte >> 7) & 7) << 4)
 
 
 def desc_fields(desc) -> tuple[int, int, int]:
@@ -148,9 +174,11 @@ def primitive_names(plan) -> tuple[str, ...]:
     if not ms:
         return ()
     from .staged_add import PRIMITIVES as STAGED, staged_vars
+    from .tma import PRIMITIVES as TMA
     return (*FIXED, *sorted({f"wgmma_{dt}_n{n}{a}{z}" for dt, n in ms for a in ("", "_ss") for z in ("", "_z")}
                             | {f"wgmma_wait{d or ''}_n{n}" for _, n in ms for d in range(1 + issue_ahead.MAX_AHEAD)}),
-            *(STAGED if staged_vars(plan.buffers) else ()))
+            *(STAGED if staged_vars(plan.buffers) else ()),
+            *(TMA if any(b.swizzle for b in plan.buffers.values()) else ()))
 
 
 # --------------------------------------------------------------------------- layout and emission
@@ -169,11 +197,26 @@ def core_index(s: str, f: str, ld: int, u) -> str:
 
 def strides(b, kax: str) -> tuple[int, int, int, int]:
     """``(trans, LBO, SBO, elements per 16-wide step)`` of a core-matrix buffer read as B along
-    ``kax``: K-major (``kax`` fastest, ``trans = 0``) or MN-major (``trans = 1``)."""
+    ``kax``: K-major (``kax`` fastest, ``trans = 0``) or MN-major (``trans = 1``); a swizzled one
+    (:mod:`.tma`): LBO the panel's bytes (MN-major; K-major: unused), SBO 8 rows of 128 bytes, and
+    its steps :func:`step_units`."""
+    if b.swizzle:
+        panel = 128 * -(-b.caps[0] // 8) * 8
+        return (0, 16, 1024, 0) if b.axes[-1] == kax else (1, panel, 1024, 0)
     F = b.ld
     if b.axes[-1] == kax:
         return 0, 128, 16 * F, 128
     return 1, 16 * F, 128, 16 * F
+
+
+def step_units(b, kax: str, ks: int) -> int:
+    """16-byte units from step 0's descriptor to step ``ks``'s (16 along ``kax`` a step): a swizzled
+    K-major buffer's steps go 32 bytes along its 128-byte rows, then to the next panel."""
+    if not b.swizzle:
+        return 2 * strides(b, kax)[3] * ks // 16
+    if b.axes[-1] == kax:
+        return (16 * ks // 64) * 8 * -(-b.caps[0] // 8) * 8 + (16 * ks % 64) * 2 // 16
+    return 16 * ks * 128 // 16
 
 
 def shared_a_fits(m: Frag, key, b, kax: str, n_in: int) -> bool:
@@ -191,7 +234,8 @@ def shared_a_buffer(em, m: Frag, A, kax: str):
     """The buffer key of row operand ``A`` where this warpgroup MMA reads it by descriptor
     (:func:`shared_a_fits`, the buffer in core matrices, A not in registers already), else None."""
     b = em.bufs.get(A.buffer) if A.buffer is not None else None
-    fits = m.wg and A.frag is None and b is not None and b.core and shared_a_fits(m, A.buffer, b, kax, em.n_in)
+    fits = (m.wg and A.frag is None and b is not None and b.core and not b.swizzle
+            and shared_a_fits(m, A.buffer, b, kax, em.n_in))
     return A.buffer if fits else None
 
 
@@ -214,12 +258,16 @@ def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src, fres
     desc = em.names.fresh(f"{b.name}_desc")
     src.comment(f"{acc} {'=' if fresh else '+='} on tensor cores by warpgroups: {steps} step(s) of 16 along {kax}, "
                 f"{m.MT} wgmma.m64n{n}k16 ({m.dtype}) per step, B = {b.name} by descriptor "
-                f"({'MN' if trans else 'K'}-major core matrices), advanced {2 * step} bytes a step")
+                f"({'MN' if trans else 'K'}-major {'128-byte swizzled rows' if b.swizzle else 'core matrices'}), advanced "
+                f"{16 * step_units(b, kax, 1)} bytes a step")
     base = em.s16base(B.buffer)
     if m.Wn > 1:   # this warpgroup's slice of the columns: its first column, 8 NT (tx // 4), in the core layout
         first = f"tx // {k.u(4)} * {k.u(8 * m.NT)}"
         base = f"{base} + {core_index(first, k.u(0), b.ld, k.u) if trans == 0 else core_index(k.u(0), first, b.ld, k.u)}"
-    src(f"{desc} = wgmma_desc16(smem16, {base}, {k.u(lbo)}, {k.u(sbo)})")
+    if b.swizzle and m.Wn > 1:
+        raise LoweringError(f"{b.name}: a swizzled buffer read by warpgroups holding part of its columns")
+    swz = f" | uint64({1 << 62})  # swizzle mode 1: 128-byte rows (.tma)" if b.swizzle else ""
+    src(f"{desc} = wgmma_desc16(smem16, {base}, {k.u(lbo)}, {k.u(sbo)}){swz}")
     adesc = None
     if a_shared is not None:   # this warpgroup's first row: its first warp's (MT == 1), in the core layout
         a = em.bufs[a_shared]
@@ -241,7 +289,7 @@ def emit_wgmma(em, m: Frag, acc: str, B, kax: str, steps: int, a_regs, src, fres
     pre = [a_regs(ks) for ks in range(steps)] if PRELOAD_A and adesc is None else None
     src("wgmma_fence()")
     for ks in range(steps):
-        d = f"{desc} + {k.u(2 * step * ks // 16)}" if ks else desc
+        d = f"{desc} + {k.u(step_units(b, kax, ks))}" if ks else desc
         if adesc is not None:
             (t, _), = tuples
             ad = f"{adesc} + {k.u(2 * astep * ks // 16)}" if ks else adesc

@@ -73,6 +73,16 @@ def row_buffer(ff, ax, m: Frag, ins, red, bufs, n_in):
     return key if shared_a_fits(m, key, b, kax[0], n_in) else None
 
 
+def column_only(ff, ax, st, targets, accs, bufs, n_in, v) -> bool:
+    """Whether variable ``v`` is read by contractions only as the column operand (B, by descriptor)
+    of warpgroup MMAs whose warps each hold all its columns (``Wn == 1``): no ``ldmatrix`` reads
+    it, nor a descriptor of a slice (:mod:`.tma`)."""
+    key = ("var", v)
+    return all(m.wg and m.Wn == 1 and row_buffer(ff, ax, m, ins, red, bufs, n_in) != key
+               and column_buffer(ff, ax, m, ins, red, bufs, n_in, targets, {}) == key
+               for _, m, ins, red in _contractions(ff, st, targets, accs) if v in ins)
+
+
 def wgmma_capable() -> bool:
     """Whether the GPU kernels are built for (the current one; without one, the H100 of
     :data:`~.devices.H100_DEFAULTS`) has warpgroup MMAs."""
@@ -225,9 +235,10 @@ def _reshaped(ff, ax, found, targets, accs, bufs, T: int, n_in: int, absorbed) -
 
 
 def assign_offsets(bufs: dict) -> dict:
-    """Each buffer at a 16-byte aligned word offset, in order."""
+    """Each buffer at a 16-byte aligned word offset, in order (a swizzled one at 1024 bytes: .tma)."""
     off, out = 0, {}
     for key, b in bufs.items():
+        off = -(-off // 256) * 256 if b.swizzle else off
         out[key] = replace(b, offset=off)
         off += -(-b.size // 4) * 4
     return out
