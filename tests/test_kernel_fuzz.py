@@ -279,7 +279,8 @@ def _features(kernel) -> set[str]:
     epilogue (``register-copy``) or read from them as tensor-core A fragments (``frag-operand``),
     A fragments of a loop-invariant input read once before a stream loop (``hoisted-fragments``),
     a bias's row terms dropped before lowering (``row-terms``), column values read before the
-    wait of the warpgroup contraction whose epilogue reads them (``columns-before-wait``).
+    wait of the warpgroup contraction whose epilogue reads them (``columns-before-wait``), a
+    stream loop's chunks copied by the tensor memory accelerator (``tma``).
     A multi-kernel: its kernels' features; a kernel whose block tables are derived per launch
     (``derived-table``): its inner kernel's."""
     if isinstance(kernel, MultiKernel):
@@ -332,6 +333,8 @@ def _features(kernel) -> set[str]:
             out.add("three-buffers")
         if "issued_" in copying:     # ... over three buffers, chunks a table skips (producer._staged_copies)
             out.add("three-buffers-table")
+        if "tma_load" in copying:    # ... by tensor copies into swizzled panels (lowering/tma.py)
+            out.add("tma")
     if "bar_named(uint32(1), NTHREADS)  # the computing threads" in body:   # ... their own barriers
         out.add("computing-barrier")
     if re.search(r"wgmma_b?f16_n\d+_ss(_z)?\(smem16", body):   # wgmma.shared_a_buffer: A by descriptor too

@@ -47,7 +47,9 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   the computing threads alone (``computing-barrier``); the same backward and the forward under a
   block table of random entries, whose masked chunks both sides skip (``copying-table``);
 * ``copying_forward``: the forward with a copying warpgroup over three chunk buffers
-  (``three-buffers``), with a block table or without (``three-buffers-table``).
+  (``three-buffers``), with a block table or without (``three-buffers-table``);
+* ``copying_tma``: that forward at head widths of 64 and 128, its chunks copied by the tensor
+  memory accelerator into swizzled panels (``tma``, :mod:`napkin_cat.lowering.tma`).
 
 ``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
 """
@@ -453,6 +455,24 @@ def copying_forward_family(draw):
     return draw(copying_family(forwards=True))
 
 
+@st.composite
+def copying_tma_family(draw):
+    """The forward over three buffers at ``d`` = 64 or 128 (one or two 64-column panels a copy):
+    K and V by tensor copies completing on mbarriers, read by swizzle-mode descriptors; causal or
+    not, ragged; its own family, since each example simulates a 64-wide forward (the named
+    hand-over only: the block one keeps two buffers and ``cp.async``, which ``copying_forward``
+    covers)."""
+    dt = draw(st.sampled_from((nc.f16, nc.bf16)))
+    causal = draw(st.booleans(), label="causal")
+    att = L.attention(q=q, x=x, d=d, causal=causal, dtype=dt)
+    steps = (("stream", "x", 32), ("tile", "q", 128), ("place", "O", "registers"))
+    sizes = {q: draw(st.integers(33, 140), label="q"), x: draw(st.integers(1, 200), label="x"),
+             d: draw(st.sampled_from((64, 64, 128)), label="d")}
+    options = {"threads": 256, "wgmma": True, "hand_over": "named", "prefetch": "double"}
+    return Case(f"{dt.name} forward, copying warpgroup, TMA (causal={causal})", att, steps, sizes, att, options,
+                None, SMALL_DATA)
+
+
 def _copying_table_case(draw, dt, what, options):
     """:func:`copying_family`'s block-table examples: 33 to 140 tokens (a multiple of 4, so ``L``
     and ``D`` go by cp.async), a table over blocks of 32 queries by 128 keys (the backward's
@@ -737,7 +757,7 @@ COPYING_SETTINGS = settings(SETTINGS, max_examples=min(FUZZ_EXAMPLES, COPYING_EX
 
 FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family,
             "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family, "tf32x3": tf32x3_family,
-            "copying": copying_family, "copying_forward": copying_forward_family,
+            "copying": copying_family, "copying_forward": copying_forward_family, "copying_tma": copying_tma_family,
             "aux_in_place": aux_in_place_family, "index_masks": index_mask_family,
             "gqa_backward": gqa_backward_family, "grouped_table": grouped_table_family,
             "derived_table": derived_table_family}
@@ -761,6 +781,7 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                  "issued-ahead", "staged-add", "columns-before-wait"},
                      "copying_forward": {"copying-warpgroup", "named-hand-over", "block-hand-over", "wgmma",
                                          "copying-table", "three-buffers", "three-buffers-table"},
+                     "copying_tma": {"copying-warpgroup", "named-hand-over", "three-buffers", "tma", "ragged-chunk"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
                                 "paired-atomic", "column-values"}}
 
@@ -833,7 +854,7 @@ def _table_kernels_agree(kernel, inputs) -> set[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_kernel_fuzz_reaches_generator_path(family):
-    if family in ("sixteen_bit", "tf32x3", "copying", "copying_forward"):
+    if family in ("sixteen_bit", "tf32x3", "copying", "copying_forward", "copying_tma"):
         pytest.importorskip("torch")   # the backward parts come from napkin_cat.lowering.torch_op
     stats: Counter = Counter()
     # a copying example lowers and runs two kernels of 384 simulated threads: fewer of them (the

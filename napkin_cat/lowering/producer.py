@@ -105,9 +105,10 @@ and 0.780-0.784 with two of 128 (0.529 with its copies removed); causal 0.398-0.
 
 MASKED_GROUPS = 3
 """The most computing warpgroups a forward whose stream loop a mask bounds takes :data:`STAGES`
-buffers with; more keep two.  Measured on an H200 (fp16, N = 4096, d = 64, four warpgroups;
-kernels/BENCHMARKS.md, "Fourth session of 2026-11-30"), forward kernel ms with three buffers
-against two: unmasked 0.344 against 0.383; causal, block-causal, prefix-LM, GQA causal 1-4% slower."""
+buffers with copied by ``cp.async``; more keep two, unless TMA copies them (:mod:`.tma`).  Measured
+on an H200 (fp16, N = 4096, d = 64, four warpgroups), forward kernel ms with three buffers against
+two: by ``cp.async`` unmasked 0.344 against 0.383, causal, block-causal, prefix-LM, GQA causal 1-4%
+slower ("Fourth session of 2026-11-30"); by TMA causal 0.200 against 0.238 ("Seventh session")."""
 
 MIN_THREADS = 256
 """Computing threads a kernel needs for a copying warpgroup: measured on an H100 (fp16 forward,
@@ -202,8 +203,9 @@ def staged_for_copies(plan, staged):
     if stages == 2:
         return plan
     twin = staged(stages)
+    crowded = plan.threads // 128 > MASKED_GROUPS and any(plan.skips.values())
     if (twin.smem_bytes > lim.max_shared_per_block_optin or twin.launch.blocks_per_sm < plan.launch.blocks_per_sm
-            or why_not(twin) is not None):
+            or why_not(twin) is not None or (crowded and not any(b.swizzle for b in twin.buffers.values()))):
         return plan
     return twin
 
@@ -281,8 +283,6 @@ def stages_for(plan) -> int:
         raise ValueError(f"producer.STAGES must be an int from 2 to 4 (cp.async waits for all but up to 2 "
                          f"groups), got {STAGES!r}")
     if STAGES == 2 or HAND_OVER != "named" or not rescaled(plan.accs) or why_not(plan) is not None:
-        return 2
-    if plan.threads // 128 > MASKED_GROUPS and any(plan.skips.values()):
         return 2
     try:
         hand_over_ids(plan.threads, STAGES)

@@ -272,14 +272,17 @@ def map_pointers(kernel, pointers: list) -> list[int]:
 # --------------------------------------------------------------------------- the simulator's twins
 
 class _MBarrier:
-    """An ``mbarrier``: a phase completes once its expected arrivals and transaction bytes are in."""
+    """An ``mbarrier``: a phase completes once its expected arrivals are in and its tensor copies
+    have landed.  A copy lands only when a thread waits for the phase it belongs to (the copy
+    engine may write any time before that wait returns), so a missing wait, or one for the wrong
+    phase, reads the buffer as it was."""
 
     def __init__(self, count: int):
-        self.count, self.arrivals, self.tx, self.phase = count, 0, 0, 0
+        self.count, self.arrivals, self.tx, self.phase, self.pending = count, 0, 0, 0, []
         self.cv = threading.Condition()
 
     def _check(self) -> None:
-        if self.arrivals == self.count and self.tx == 0:
+        if self.arrivals == self.count and self.tx == 0 and not self.pending:
             self.arrivals, self.phase = 0, self.phase + 1
             self.cv.notify_all()
 
@@ -290,15 +293,28 @@ class _MBarrier:
             if self.arrivals > self.count:
                 raise RuntimeError("mbarrier: more arrivals than its count in one phase")
             self._check()
+            self.cv.notify_all()
 
-    def complete(self, nbytes: int) -> None:
+    def issue(self, land) -> None:
+        """A tensor copy of the current phase: ``land()`` writes it and returns its bytes."""
         with self.cv:
-            self.tx -= nbytes
+            self.pending.append(land)
+            self.cv.notify_all()
+
+    def _landed(self, parity: int) -> bool:
+        """Whether the phase of ``parity`` has completed; waiting for the current one lands its copies."""
+        if self.phase % 2 == parity:
+            for land in self.pending:
+                self.tx -= land()
+            self.pending.clear()
+            if self.tx < 0:
+                raise RuntimeError("mbarrier: more bytes landed than were expected")
             self._check()
+        return self.phase % 2 != parity
 
     def wait(self, parity: int) -> None:
         with self.cv:
-            if not self.cv.wait_for(lambda: self.phase % 2 != parity, timeout=600):
+            if not self.cv.wait_for(lambda: self._landed(parity), timeout=600):
                 raise RuntimeError(f"mbarrier: phase of parity {parity} never completed")
 
 
@@ -339,13 +355,16 @@ def sim_primitive(name: str, context, per_launch):
         for i in range(r):
             inside &= (pos[i] >= 0) & (pos[i] < dims[i])
             flat += np.clip(pos[i], 0, dims[i] - 1) * strides[i]
-        vals = np.where(inside, np.asarray(arr)[flat], 0).reshape(-1, int(box[0]))   # rows of the box
-        rows = vals.shape[0]
-        e = np.arange(rows)[:, None] * PANEL + np.arange(int(box[0]))[None, :]
+        vals = np.where(inside, np.asarray(arr)[flat], 0).reshape(-1, int(box[0]))   # rows of the box, read now
+        e = np.arange(vals.shape[0])[:, None] * PANEL + np.arange(int(box[0]))[None, :]
         byte = 2 * (int(dst) + e)
         byte ^= ((byte >> 7) & 7) << 4                                  # the 128-byte swizzle
-        np.asarray(smem16)[byte // 2] = vals.astype(np.asarray(smem16).dtype)
-        bar(word).complete(2 * vals.size)
+
+        def land() -> int:
+            np.asarray(smem16)[byte // 2] = vals.astype(np.asarray(smem16).dtype)
+            return 2 * vals.size
+
+        bar(word).issue(land)
         return 0
 
     fns = {"mbar_init": mbar_init, "mbar_fence_init": lambda: 0, "mbar_expect": mbar_expect, "mbar_wait": mbar_wait}
