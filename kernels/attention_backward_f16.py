@@ -38,8 +38,8 @@ Loop nest:
         finalise dK[1 128 64] = sum_contract(o)  @registers
         store dK[1 128 64] -> HBM
 
-Launch: grid (512, 1, 1), block (384, 1, 1), dynamic shared memory 84992 bytes
-Shared memory: Q_s[64 x 64] (input Q (16-bit) (two chunk buffers) (core matrices for wgmma)), K_s[128 x 64] (input K (16-bit) (core matrices for wgmma)), V_s[128 x 64] (input V (16-bit) (core matrices for wgmma)), L_s[64] (input L (two chunk buffers)), dO_s[64 x 64] (input dO (16-bit) (two chunk buffers) (core matrices for wgmma)), D_s[64] (input D (two chunk buffers)), dS_s[128 x 64] (dS (materialised, 16-bit, rows padded by 8))
+Launch: grid (512, 1, 1), block (384, 1, 1), dynamic shared memory 85520 bytes
+Shared memory: Q_s[64 x 64] (input Q (16-bit) (two chunk buffers) (128-byte swizzled panels, copied by TMA)), K_s[128 x 64] (input K (16-bit) (core matrices for wgmma)), V_s[128 x 64] (input V (16-bit) (core matrices for wgmma)), L_s[64] (input L (two chunk buffers) (copied by TMA)), dO_s[64 x 64] (input dO (16-bit) (two chunk buffers) (128-byte swizzled panels, copied by TMA)), D_s[64] (input D (two chunk buffers) (copied by TMA)), dS_s[128 x 64] (dS (materialised, 16-bit, rows padded by 8)), mbar_s[4] (an mbarrier per chunk buffer (TMA))
 Tensor cores: S = contract on tensor-core fragments over (x, q): 8x1 warps in 2 warpgroup(s), each warp 16x64: 1 wgmma.m64n64k16 per warpgroup and step (f16 in, A from registers or, an input's, by descriptor, B from shared memory, fp32 accumulators; requires x % 128, reduced extent % 16)
 Tensor cores: dP = contract on tensor-core fragments over (x, q): 8x1 warps in 2 warpgroup(s), each warp 16x64: 1 wgmma.m64n64k16 per warpgroup and step (f16 in, A from registers or, an input's, by descriptor, B from shared memory, fp32 accumulators; requires x % 128, reduced extent % 16)
 Tensor cores: dQ = contract on tensor-core fragments over (q, d): 4x2 warps in 2 warpgroup(s) splitting the columns, each warp 16x32: 1 wgmma.m64n32k16 per warpgroup and step (f16 in, A from registers or, an input's, by descriptor, B from shared memory, fp32 accumulators; requires q % 64, reduced extent % 16)
@@ -57,7 +57,7 @@ from napkin_cat.lowering.runtime import simulator_active
 
 from numba import int16
 
-from napkin_cat.lowering.tensorcore import mma_f16, pack_f16, h2f, f2h, ldsm_x4, ldsm_x4_t, ldsm_x2, ldsm_x2_t, pin, cp_async16, cp_async16_f32, cp_async_wait_all, cp_async_commit, cp_async_wait1, cp_async_wait2, red_add2, wgmma_fence, wgmma_commit, fence_proxy_async, wgmma_desc16, wgmma_f16_n32, wgmma_f16_n32_ss, wgmma_f16_n32_ss_z, wgmma_f16_n32_z, wgmma_f16_n64, wgmma_f16_n64_ss, wgmma_f16_n64_ss_z, wgmma_f16_n64_z, wgmma_wait1_n32, wgmma_wait1_n64, wgmma_wait2_n32, wgmma_wait2_n64, wgmma_wait_n32, wgmma_wait_n64, bar_named, bar_arrive, setmaxnreg_dec_24, setmaxnreg_inc_240  # noqa: F401
+from napkin_cat.lowering.tensorcore import mma_f16, pack_f16, h2f, f2h, ldsm_x4, ldsm_x4_t, ldsm_x2, ldsm_x2_t, pin, cp_async16, cp_async16_f32, cp_async_wait_all, cp_async_commit, cp_async_wait1, cp_async_wait2, red_add2, wgmma_fence, wgmma_commit, fence_proxy_async, wgmma_desc16, wgmma_f16_n32, wgmma_f16_n32_ss, wgmma_f16_n32_ss_z, wgmma_f16_n32_z, wgmma_f16_n64, wgmma_f16_n64_ss, wgmma_f16_n64_ss_z, wgmma_f16_n64_z, wgmma_wait1_n32, wgmma_wait1_n64, wgmma_wait2_n32, wgmma_wait2_n64, wgmma_wait_n32, wgmma_wait_n64, mbar_init, mbar_fence_init, mbar_expect, mbar_wait, tma_load1, tma_load2, tma_load3, tma_load4, tma_load5, bar_named, bar_arrive, setmaxnreg_dec_24, setmaxnreg_inc_240  # noqa: F401
 
 ZERO16 = int16(0)
 
@@ -76,10 +76,11 @@ N_x = uint32(4096)  # size of axis x
 TILE_x = uint32(128)  # tile of x
 K_s = uint32(4096)  # shared offset of input K (16-bit) (core matrices for wgmma), layout [x d], 4096 floats
 V_s = uint32(8192)  # shared offset of input V (16-bit) (core matrices for wgmma), layout [x d], 4096 floats
-L_s = uint32(12288)  # shared offset of input L (two chunk buffers), layout [q], 128 floats
-dO_s = uint32(12416)  # shared offset of input dO (16-bit) (two chunk buffers) (core matrices for wgmma), layout [q d], 4096 floats
-D_s = uint32(16512)  # shared offset of input D (two chunk buffers), layout [q], 128 floats
-dS_s = uint32(16640)  # shared offset of dS (materialised, 16-bit, rows padded by 8), layout [x q], 4608 floats
+L_s = uint32(12288)  # shared offset of input L (two chunk buffers) (copied by TMA), layout [q], 128 floats
+dO_s = uint32(12544)  # shared offset of input dO (16-bit) (two chunk buffers) (128-byte swizzled panels, copied by TMA), layout [q d], 4096 floats
+D_s = uint32(16640)  # shared offset of input D (two chunk buffers) (copied by TMA), layout [q], 128 floats
+dS_s = uint32(16768)  # shared offset of dS (materialised, 16-bit, rows padded by 8), layout [x q], 4608 floats
+mbar_s = uint32(21376)  # shared offset of an mbarrier per chunk buffer (TMA), layout [_bars], 4 floats
 TILES_h = uint32(16)  # tiles along h
 TILES_x = uint32(32)  # tiles along x
 U4 = uint32(4)
@@ -98,6 +99,7 @@ U256 = uint32(256)
 U1 = uint32(1)
 U1024 = uint32(1024)
 U32 = uint32(32)
+U6 = uint32(6)
 U48 = uint32(48)
 LD_dS_s = uint32(72)  # padded row of dS_s
 U384 = uint32(384)
@@ -107,19 +109,20 @@ U768 = uint32(768)
 U96 = uint32(96)
 U896 = uint32(896)
 U112 = uint32(112)
-U6 = uint32(6)
+U8192 = uint32(8192)
 NPRODUCER = uint32(128)  # threads of the copying warpgroup
+U16896 = uint32(16896)
 U3 = uint32(3)
 ZERO = float32(0.0)
 C_SCALE = float32(0.125)  # scale constant
 F_m3_4028234663852886e38 = float32(-3.4028234663852886e+38)  # const -3.40282e+38
 NEG_INF = float32(-math.inf)
 
-# launch bounds: 1 block(s) of 384 threads per SM (shared memory 84992 B per block, about 192 registers per thread estimated)
+# launch bounds: 1 block(s) of 384 threads per SM (shared memory 85520 B per block, about 192 registers per thread estimated)
 LAUNCH_BOUNDS = {} if SIMULATOR else {"launch_bounds": (384, 1)}
 
 @cuda.jit(fastmath=True, **LAUNCH_BOUNDS)
-def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV):
+def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV, Q_tmap, L_tmap, dO_tmap, D_tmap):
     tid = uint32(cuda.threadIdx.x)
     smem = cuda.shared.array(0, dtype=float32, alignment=SMEM_ALIGN)
     smem16 = cuda.shared.array(0, dtype=int16, alignment=SMEM_ALIGN)  # the same memory, 16-bit elements
@@ -133,102 +136,37 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV):
         ptid = tid - NTHREADS
         q_begin2 = x0 // CHUNK_q * CHUNK_q  # earlier chunks are masked for every column of the tile (transposed support)
         pbuf_q = U0
+        if ptid == U0:
+            for s in range(U2):
+                mbar_init(smem, mbar_s + (s) * U2, U1)
+            mbar_fence_init()
+        bar_named(U8, U128)  # the mbarriers are initialised before the copying warpgroup waits there
+        pchunk_q = U0  # chunk c's position among the chunks visited
         if q_begin2 < N_q:
-            Q_s_fill = U0 + U0 * STRIDE_Q_s
-            # load Q[h=16 q=4096 d=64] f16 -> shared Q_s [q d]: cp.async, 16 bytes (8 elements of d) per thread and step
-            for u in range(U4):
-                e = ptid + u * NPRODUCER
-                e_in3 = ptid % U64  # the same every step
-                i_r83 = e_in3 % U8
-                e_in3__r8 = e_in3 // U8
-                i_g83 = e_in3__r8
-                i_p83 = ptid // U64 + u * U2
-                i_q7 = i_p83 * U8 + i_r83
-                i_d9 = i_g83 * U8
-                cp_async16(smem16, Q_s_fill * U2 + (i_q7) // U8 * U512 + (i_q7) % U8 * U8 + (i_d9) // U8 * U64 + (i_d9) % U8, Q, (h0 * N_q + (q_begin2 + i_q7)) * N_d + i_d9, True)
-            L_s_fill = L_s + U0 * STRIDE_L_s
-            # load L[h=16 q=4096] f32 -> shared L_s [q]: cp.async, 16 bytes (4 elements of q) per thread and step
-            for u in range(U1):
-                e = ptid + u * NPRODUCER
-                if e < U16:
-                    i_g4 = e
-                    i_q8 = i_g4 * U4
-                    cp_async16_f32(smem, L_s_fill + i_q8, L, h0 * N_q + (q_begin2 + i_q8), True)
-            dO_s_fill = dO_s + U0 * STRIDE_dO_s
-            # load dO[h=16 q=4096 d=64] f16 -> shared dO_s [q d]: cp.async, 16 bytes (8 elements of d) per thread and step
-            for u in range(U4):
-                e = ptid + u * NPRODUCER
-                e_in4 = ptid % U64  # the same every step
-                i_r84 = e_in4 % U8
-                e_in4__r8 = e_in4 // U8
-                i_g84 = e_in4__r8
-                i_p84 = ptid // U64 + u * U2
-                i_q9 = i_p84 * U8 + i_r84
-                i_d10 = i_g84 * U8
-                cp_async16(smem16, dO_s_fill * U2 + (i_q9) // U8 * U512 + (i_q9) % U8 * U8 + (i_d10) // U8 * U64 + (i_d10) % U8, dO, (h0 * N_q + (q_begin2 + i_q9)) * N_d + i_d10, True)
-            D_s_fill = D_s + U0 * STRIDE_D_s
-            # load D[h=16 q=4096] f32 -> shared D_s [q]: cp.async, 16 bytes (4 elements of q) per thread and step
-            for u in range(U1):
-                e = ptid + u * NPRODUCER
-                if e < U16:
-                    i_g42 = e
-                    i_q10 = i_g42 * U4
-                    cp_async16_f32(smem, D_s_fill + i_q10, D, h0 * N_q + (q_begin2 + i_q10), True)
-            cp_async_commit()
-            cp_async_wait_all()  # this warpgroup's copies of the chunk have landed
-            fence_proxy_async()  # ... and are visible to the tensor cores
+            if ptid == U0:  # one thread issues the chunk's tensor copies
+                mbar_expect(smem, mbar_s + (U0) * U2, U16896)
+                tma_load3(smem16, (U0 + (U0) * STRIDE_Q_s) * U2, Q, Q_tmap, U0, q_begin2, h0, smem, mbar_s + (U0) * U2)
+                tma_load2(smem16, (L_s + (U0) * STRIDE_L_s) * U2, L, L_tmap, q_begin2, h0, smem, mbar_s + (U0) * U2)
+                tma_load3(smem16, (dO_s + (U0) * STRIDE_dO_s) * U2, dO, dO_tmap, U0, q_begin2, h0, smem, mbar_s + (U0) * U2)
+                tma_load2(smem16, (D_s + (U0) * STRIDE_D_s) * U2, D, D_tmap, q_begin2, h0, smem, mbar_s + (U0) * U2)
+            mbar_wait(smem, mbar_s + (U0) * U2, (U0) // U2 % U2)  # the chunk's tensor copies have landed
         cuda.syncthreads()  # chunk 0 has landed
         for q0 in range(q_begin2, N_q, CHUNK_q):
             q_next2 = q0 + CHUNK_q
             if q0 > q_begin2:
                 bar_named(U6 + (U1 - pbuf_q), U384)  # chunk c - 1's buffer released by every computing warpgroup
             if q_next2 < N_q:
-                Q_s_fill2 = U0 + (U1 - pbuf_q) * STRIDE_Q_s
-                # load Q[h=16 q=4096 d=64] f16 -> shared Q_s [q d]: cp.async, 16 bytes (8 elements of d) per thread and step
-                for u in range(U4):
-                    e = ptid + u * NPRODUCER
-                    e_in5 = ptid % U64  # the same every step
-                    i_r85 = e_in5 % U8
-                    e_in5__r8 = e_in5 // U8
-                    i_g85 = e_in5__r8
-                    i_p85 = ptid // U64 + u * U2
-                    i_q11 = i_p85 * U8 + i_r85
-                    i_d11 = i_g85 * U8
-                    cp_async16(smem16, Q_s_fill2 * U2 + (i_q11) // U8 * U512 + (i_q11) % U8 * U8 + (i_d11) // U8 * U64 + (i_d11) % U8, Q, (h0 * N_q + (q_next2 + i_q11)) * N_d + i_d11, True)
-                L_s_fill2 = L_s + (U1 - pbuf_q) * STRIDE_L_s
-                # load L[h=16 q=4096] f32 -> shared L_s [q]: cp.async, 16 bytes (4 elements of q) per thread and step
-                for u in range(U1):
-                    e = ptid + u * NPRODUCER
-                    if e < U16:
-                        i_g43 = e
-                        i_q12 = i_g43 * U4
-                        cp_async16_f32(smem, L_s_fill2 + i_q12, L, h0 * N_q + (q_next2 + i_q12), True)
-                dO_s_fill2 = dO_s + (U1 - pbuf_q) * STRIDE_dO_s
-                # load dO[h=16 q=4096 d=64] f16 -> shared dO_s [q d]: cp.async, 16 bytes (8 elements of d) per thread and step
-                for u in range(U4):
-                    e = ptid + u * NPRODUCER
-                    e_in6 = ptid % U64  # the same every step
-                    i_r86 = e_in6 % U8
-                    e_in6__r8 = e_in6 // U8
-                    i_g86 = e_in6__r8
-                    i_p86 = ptid // U64 + u * U2
-                    i_q13 = i_p86 * U8 + i_r86
-                    i_d12 = i_g86 * U8
-                    cp_async16(smem16, dO_s_fill2 * U2 + (i_q13) // U8 * U512 + (i_q13) % U8 * U8 + (i_d12) // U8 * U64 + (i_d12) % U8, dO, (h0 * N_q + (q_next2 + i_q13)) * N_d + i_d12, True)
-                D_s_fill2 = D_s + (U1 - pbuf_q) * STRIDE_D_s
-                # load D[h=16 q=4096] f32 -> shared D_s [q]: cp.async, 16 bytes (4 elements of q) per thread and step
-                for u in range(U1):
-                    e = ptid + u * NPRODUCER
-                    if e < U16:
-                        i_g44 = e
-                        i_q14 = i_g44 * U4
-                        cp_async16_f32(smem, D_s_fill2 + i_q14, D, h0 * N_q + (q_next2 + i_q14), True)
-                cp_async_commit()
-                cp_async_wait_all()  # this warpgroup's copies of the chunk have landed
-                fence_proxy_async()  # ... and are visible to the tensor cores
+                if ptid == U0:  # one thread issues the chunk's tensor copies
+                    mbar_expect(smem, mbar_s + ((U1 - pbuf_q)) * U2, U16896)
+                    tma_load3(smem16, (U0 + ((U1 - pbuf_q)) * STRIDE_Q_s) * U2, Q, Q_tmap, U0, q_next2, h0, smem, mbar_s + ((U1 - pbuf_q)) * U2)
+                    tma_load2(smem16, (L_s + ((U1 - pbuf_q)) * STRIDE_L_s) * U2, L, L_tmap, q_next2, h0, smem, mbar_s + ((U1 - pbuf_q)) * U2)
+                    tma_load3(smem16, (dO_s + ((U1 - pbuf_q)) * STRIDE_dO_s) * U2, dO, dO_tmap, U0, q_next2, h0, smem, mbar_s + ((U1 - pbuf_q)) * U2)
+                    tma_load2(smem16, (D_s + ((U1 - pbuf_q)) * STRIDE_D_s) * U2, D, D_tmap, q_next2, h0, smem, mbar_s + ((U1 - pbuf_q)) * U2)
+                mbar_wait(smem, mbar_s + ((U1 - pbuf_q)) * U2, (pchunk_q + U1) // U2 % U2)  # the chunk's tensor copies have landed
                 bar_arrive(U2 + (U1 - pbuf_q) * U2, U256)  # chunk c + 1 has landed for warpgroup 0
                 bar_arrive(U3 + (U1 - pbuf_q) * U2, U256)  # chunk c + 1 has landed for warpgroup 1
             pbuf_q = U1 - pbuf_q
+            pchunk_q += U1
         return
     setmaxnreg_inc_240()  # the multiplying warps take the registers
     # load K[h=16 x=4096 d=64] f16 -> shared K_s [x d]: cp.async, 16 bytes (8 elements of d) per thread and step
@@ -295,15 +233,15 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV):
             for j in range(U16):
                 acc2[i, j] = ZERO
         kq = tx % U4 * U2  # this lane's pair of columns in a 16-wide step
-        # acc2 = on tensor cores by warpgroups: 4 step(s) of 16 along d, 1 wgmma.m64n64k16 (f16) per step, B = Q_s by descriptor (K-major core matrices), advanced 256 bytes a step
-        Q_s_desc = wgmma_desc16(smem16, Q_s_cur * U2, U128, U1024)
+        # acc2 = on tensor cores by warpgroups: 4 step(s) of 16 along d, 1 wgmma.m64n64k16 (f16) per step, B = Q_s by descriptor (K-major 128-byte swizzled rows), advanced 32 bytes a step
+        Q_s_desc = wgmma_desc16(smem16, Q_s_cur * U2, U16, U1024) | uint64(4611686018427387904)  # swizzle mode 1: 128-byte rows (.tma)
         # A = K_s by descriptor too (K-major core matrices): this warpgroup's 64 rows, advanced 256 bytes a step
         K_s_desc = wgmma_desc16(smem16, K_s * U2 + (tid // U128 * U4 % U8 * U16) // U8 * U512 + (tid // U128 * U4 % U8 * U16) % U8 * U8, U128, U1024)
         wgmma_fence()
         acc2_wg = wgmma_f16_n64_ss_z(smem16, K_s_desc, Q_s_desc, U0)
-        acc2_wg = wgmma_f16_n64_ss(smem16, K_s_desc + U16, Q_s_desc + U16, U0, acc2_wg)
-        acc2_wg = wgmma_f16_n64_ss(smem16, K_s_desc + U32, Q_s_desc + U32, U0, acc2_wg)
-        acc2_wg = wgmma_f16_n64_ss(smem16, K_s_desc + U48, Q_s_desc + U48, U0, acc2_wg)
+        acc2_wg = wgmma_f16_n64_ss(smem16, K_s_desc + U16, Q_s_desc + U2, U0, acc2_wg)
+        acc2_wg = wgmma_f16_n64_ss(smem16, K_s_desc + U32, Q_s_desc + U4, U0, acc2_wg)
+        acc2_wg = wgmma_f16_n64_ss(smem16, K_s_desc + U48, Q_s_desc + U6, U0, acc2_wg)
         wgmma_commit()
         # dS[h=16 q=4096 x=4096] f16 = scale(mul(mul(exp(sub(mask causal(scale(contract(Q, K))), maximum(L, const -3.40282e+38()))), sub(contract(dO, V), D)), exp(mask causal(const 0()))))  (tensor-core fragments over (x, q): 8x1 warps in 2 warpgroup(s), each warp 16x64: 1 wgmma.m64n64k16 per warpgroup and step (f16 in, A from registers or, an input's, by descriptor, B from shared memory, fp32 accumulators; requires x % 128, reduced extent % 16))
         ty = tid // U4
@@ -314,15 +252,15 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV):
             for j in range(U16):
                 acc3[i, j] = ZERO
         kq2 = tx % U4 * U2  # this lane's pair of columns in a 16-wide step
-        # acc3 = on tensor cores by warpgroups: 4 step(s) of 16 along d, 1 wgmma.m64n64k16 (f16) per step, B = dO_s by descriptor (K-major core matrices), advanced 256 bytes a step
-        dO_s_desc = wgmma_desc16(smem16, dO_s_cur * U2, U128, U1024)
+        # acc3 = on tensor cores by warpgroups: 4 step(s) of 16 along d, 1 wgmma.m64n64k16 (f16) per step, B = dO_s by descriptor (K-major 128-byte swizzled rows), advanced 32 bytes a step
+        dO_s_desc = wgmma_desc16(smem16, dO_s_cur * U2, U16, U1024) | uint64(4611686018427387904)  # swizzle mode 1: 128-byte rows (.tma)
         # A = V_s by descriptor too (K-major core matrices): this warpgroup's 64 rows, advanced 256 bytes a step
         V_s_desc = wgmma_desc16(smem16, V_s * U2 + (tid // U128 * U4 % U8 * U16) // U8 * U512 + (tid // U128 * U4 % U8 * U16) % U8 * U8, U128, U1024)
         wgmma_fence()
         acc3_wg = wgmma_f16_n64_ss_z(smem16, V_s_desc, dO_s_desc, U0)
-        acc3_wg = wgmma_f16_n64_ss(smem16, V_s_desc + U16, dO_s_desc + U16, U0, acc3_wg)
-        acc3_wg = wgmma_f16_n64_ss(smem16, V_s_desc + U32, dO_s_desc + U32, U0, acc3_wg)
-        acc3_wg = wgmma_f16_n64_ss(smem16, V_s_desc + U48, dO_s_desc + U48, U0, acc3_wg)
+        acc3_wg = wgmma_f16_n64_ss(smem16, V_s_desc + U16, dO_s_desc + U2, U0, acc3_wg)
+        acc3_wg = wgmma_f16_n64_ss(smem16, V_s_desc + U32, dO_s_desc + U4, U0, acc3_wg)
+        acc3_wg = wgmma_f16_n64_ss(smem16, V_s_desc + U48, dO_s_desc + U6, U0, acc3_wg)
         wgmma_commit()
         ty = tid // U4
         tx = tid % U4
@@ -449,8 +387,8 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV):
         ty = tid // U4
         tx = tid % U4
         kq4 = tx % U4 * U2  # this lane's pair of columns in a 16-wide step
-        # dV_o += on tensor cores by warpgroups: 4 step(s) of 16 along q, 1 wgmma.m64n64k16 (f16) per step, B = dO_s by descriptor (MN-major core matrices), advanced 2048 bytes a step
-        dO_s_desc2 = wgmma_desc16(smem16, dO_s_cur * U2, U1024, U128)
+        # dV_o += on tensor cores by warpgroups: 4 step(s) of 16 along q, 1 wgmma.m64n64k16 (f16) per step, B = dO_s by descriptor (MN-major 128-byte swizzled rows), advanced 2048 bytes a step
+        dO_s_desc2 = wgmma_desc16(smem16, dO_s_cur * U2, U8192, U1024) | uint64(4611686018427387904)  # swizzle mode 1: 128-byte rows (.tma)
         dV_o_wg = (dV_o[0, 0], dV_o[0, 1], dV_o[1, 0], dV_o[1, 1], dV_o[0, 2], dV_o[0, 3], dV_o[1, 2], dV_o[1, 3], dV_o[0, 4], dV_o[0, 5], dV_o[1, 4], dV_o[1, 5], dV_o[0, 6], dV_o[0, 7], dV_o[1, 6], dV_o[1, 7],) + (dV_o[0, 8], dV_o[0, 9], dV_o[1, 8], dV_o[1, 9], dV_o[0, 10], dV_o[0, 11], dV_o[1, 10], dV_o[1, 11], dV_o[0, 12], dV_o[0, 13], dV_o[1, 12], dV_o[1, 13], dV_o[0, 14], dV_o[0, 15], dV_o[1, 14], dV_o[1, 15],)
         wgmma_fence()
         kb9 = kq4 + U0
@@ -482,8 +420,8 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV):
         ty = tid // U4
         tx = tid % U4
         kq5 = tx % U4 * U2  # this lane's pair of columns in a 16-wide step
-        # dK_o += on tensor cores by warpgroups: 4 step(s) of 16 along q, 1 wgmma.m64n64k16 (f16) per step, B = Q_s by descriptor (MN-major core matrices), advanced 2048 bytes a step
-        Q_s_desc2 = wgmma_desc16(smem16, Q_s_cur * U2, U1024, U128)
+        # dK_o += on tensor cores by warpgroups: 4 step(s) of 16 along q, 1 wgmma.m64n64k16 (f16) per step, B = Q_s by descriptor (MN-major 128-byte swizzled rows), advanced 2048 bytes a step
+        Q_s_desc2 = wgmma_desc16(smem16, Q_s_cur * U2, U8192, U1024) | uint64(4611686018427387904)  # swizzle mode 1: 128-byte rows (.tma)
         dK_o_wg = (dK_o[0, 0], dK_o[0, 1], dK_o[1, 0], dK_o[1, 1], dK_o[0, 2], dK_o[0, 3], dK_o[1, 2], dK_o[1, 3], dK_o[0, 4], dK_o[0, 5], dK_o[1, 4], dK_o[1, 5], dK_o[0, 6], dK_o[0, 7], dK_o[1, 6], dK_o[1, 7],) + (dK_o[0, 8], dK_o[0, 9], dK_o[1, 8], dK_o[1, 9], dK_o[0, 10], dK_o[0, 11], dK_o[1, 10], dK_o[1, 11], dK_o[0, 12], dK_o[0, 13], dK_o[1, 12], dK_o[1, 13], dK_o[0, 14], dK_o[0, 15], dK_o[1, 14], dK_o[1, 15],)
         wgmma_fence()
         kb13 = kq5 + U0

@@ -103,20 +103,22 @@ def test_the_simulated_tensor_copy_writes_the_index_functions_layout():
 
 # --------------------------------------------------------------------------- the kernels
 
+@pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("dtype,causal,sizes,scale", [
     pytest.param(nc.f16, False, {q: 128, x: 32 * 5 + 5, d: 64}, 1.0, id="f16-ragged-six-chunks"),
     pytest.param(nc.bf16, True, {q: 128, x: 96, d: 128}, 12.0, id="bf16-causal-two-panels-x12"),
 ])
-def test_the_forward_copied_by_tma_matches_the_oracle(copying, dtype, causal, sizes, scale):
-    """Chunks of K and V by tensor copies over three buffers (64 columns a copy, a ragged last
-    chunk zero-filled), read by swizzle-mode descriptors: the oracle's values."""
+def test_the_forward_copied_by_tma_matches_the_oracle(copying, monkeypatch, stages, dtype, causal, sizes, scale):
+    """Chunks of K and V by tensor copies over three buffers, or two (64 columns a copy, a ragged
+    last chunk zero-filled), read by swizzle-mode descriptors: the oracle's values."""
+    monkeypatch.setattr(producer, "STAGES", stages)
     dia = _forward(dtype, causal, sizes)
     kernel = nc.lower(dia, threads=256, prefetch="double", verify=False)
     assert [(t.index, t.box) for t in kernel.tma] == [(1, (32, 64)), (2, (32, 64))]
     body = kernel.source.split("@cuda.jit(fastmath")[-1]
     mine = body[:body.index("setmaxnreg_inc_")]
     panels = sizes[d] // 64
-    assert mine.count("tma_load2(") == 2 * 3 * panels and "cp_async16(" not in mine   # chunks 0, 1, then c + 2
+    assert mine.count("tma_load2(") == 2 * stages * panels and "cp_async16(" not in mine   # chunks 0 (, 1), c + S - 1
     assert mine.count("mbar_wait(") == 2 and "fence_proxy_async" not in mine
     assert body.count("| uint64(4611686018427387904)") == 2                          # K's and V's descriptors
     assert "(128-byte swizzled panels, copied by TMA)" in kernel.source
@@ -142,16 +144,17 @@ def test_planted_faults_are_caught(copying, fault):
 
 
 def test_where_tma_applies(copying, monkeypatch):
-    """Not at d = 16 (a panel is 64 columns), not over two buffers, not with the switch off: those
-    kernels are the ``cp.async`` ones, core matrices, no map arguments."""
-    def lowered(width, **kw):
-        return nc.lower(_forward(nc.f16, False, {q: 128, x: 96, d: width}), threads=256, prefetch="double",
-                        verify=False, **kw)
+    """Not at d = 16 (a panel is 64 columns), not without a copying warpgroup, not with the switch
+    off: those kernels are the ``cp.async`` ones, no map arguments (core matrices, or swizzled
+    panels the computing threads fill)."""
+    def lowered(width, threads=256):
+        return nc.lower(_forward(nc.f16, False, {q: 128, x: 96, d: width}), threads=threads, prefetch="double",
+                        verify=False)
     assert lowered(64).tma
     assert not lowered(16).tma and "tma_load" not in lowered(16).source
-    monkeypatch.setattr(producer, "STAGES", 2)
-    assert not lowered(64).tma
-    monkeypatch.setattr(producer, "STAGES", 3)
+    alone = lowered(64, threads=128)     # one computing warpgroup: no copying one (producer.MIN_THREADS)
+    assert alone.launch.block == (128, 1, 1) and not alone.tma and "K_tmap" not in alone.source
+    assert _check(_forward(nc.f16, False, {q: 128, x: 96, d: 64}), alone).failure is None
     monkeypatch.setattr(tma, "TMA", False)
     off = lowered(64)
     assert not off.tma and "(core matrices for wgmma)" in off.source and "mbar_" not in off.source
@@ -174,4 +177,4 @@ def test_the_gpu_plans_copy_by_tma_with_maps_per_address(monkeypatch):
         for name in ("K_s", "V_s"):
             assert int(re.search(rf"^{name} = uint32\((\d+)\)", kernel.source, re.M).group(1)) % 256 == 0
         maps = tma.map_args(kernel, [None] * 4, sim=True)
-        assert [m.tolist() for m in maps] == [[3, width, 4096, 4, 1, width, 4096 * width, 64, 64, 1]] * 2
+        assert [m.tolist() for m in maps] == [[3, width, 4096, 4, 1, width, 4096 * width, 64, 64, 1, 1]] * 2   # swizzled

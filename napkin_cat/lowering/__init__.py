@@ -220,7 +220,7 @@ class Kernel:
         from .staged_add import out_pads
         self.out_pads = out_pads(getattr(gen, "plan", None), len(diagram.cod))   # staged rows: allocated padded
         from .tma import inputs as tma_inputs
-        self.tma = tma_inputs(getattr(gen, "plan", None))   # inputs copied by TMA: a map argument each
+        self.tma = tma_inputs(getattr(gen, "plan", None)) if "_tmap):" in source else ()   # a map parameter each
         self.notes: tuple[str, ...] = gen.notes   # what the generator chose, and what was verified
         self.verified = False                            # compared with the oracle by lower()
         self.options: dict = {}                          # the lower() options that rebuild it

@@ -27,7 +27,7 @@ from .emit_mma import FragHoist, loaded_vars
 from .emit_threads import GROUP_HELPERS, Phases
 from .plan import Buffer, KernelPlan, Target
 from .source import Constants, Names, Source, paren as _paren
-from .tma import inputs as tma_inputs, map_name, swizzled_index
+from .tma import params as tma_params, swizzled_index
 from .tensorcore import DTYPES, FP32_COPIES, PRIMITIVES, SHARED_PRIMITIVES, TF32X3
 from .wgmma import core_index, primitive_names, uses_wgmma
 from . import wgmma as wg
@@ -362,7 +362,7 @@ class Emitter(Loads, Phases):
             helpers = GROUP_HELPERS.replace("cuda.syncthreads()", "bar_named(uint32(1), NTHREADS)") \
                 if self.producer_threads else GROUP_HELPERS
             lines += helpers.splitlines() + [""]
-        args = [self.arg_names[i] for i in range(self.n_in)] + self.out_args + [map_name(self, t.index) for t in tma_inputs(self.plan)]
+        args = [self.arg_names[i] for i in range(self.n_in)] + self.out_args + tma_params(self)
         blocks = self.blocks()
         threads = self.T + self.producer_threads
         lines += [f"# launch bounds: {blocks} block(s) of {threads} threads per SM (shared memory "

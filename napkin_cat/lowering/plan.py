@@ -84,6 +84,7 @@ class Buffer:
                                  # intermediate read only by tensor cores: .sixteen_bit)
     core: bool = False           # the 8 x 8 "core matrix" layout a wgmma descriptor reads (.wgmma)
     swizzle: bool = False        # core, as 128-byte swizzled panels of 64 columns: what TMA writes (.tma)
+    tma: bool = False            # a stream loop's chunks, copied by TMA (swizzled, or a row of the streamed axis)
 
     @property
     def ld(self) -> int:

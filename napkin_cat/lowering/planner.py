@@ -154,9 +154,10 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
                                                   absorbed, WGMMA)
     skips = {n.axis: tuple(s for s in chunk_skips(ff, n) if ax[s.row].role == "grid")
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
-    buffers = staged_add.plan(ff, ax, targets, accs, buffers, any(skips.values()))   # one bulk add a chunk
-    buffers = assign_offsets(tma.plan(ff, ax, buffers, skips, stages or 2, threads_.dtype, len(ff.diagram.dom), functools.partial(
-        column_only, ff, ax, st, targets, accs, buffers, len(ff.diagram.dom))))   # tensor copies of the chunks
+    buffers = tma.plan(ff, ax, buffers, skips, stages or 2, threads_.dtype, len(ff.diagram.dom), functools.partial(
+        column_only, ff, ax, st, targets, accs, buffers, len(ff.diagram.dom)))   # tensor copies of the chunks
+    buffers = assign_offsets(staged_add.plan(ff, ax, targets, accs, buffers, any(skips.values()) or any(
+        b.tma for b in buffers.values())))   # one bulk add a chunk
     launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch, copies)
     plan = KernelPlan(name, d, ff, threads, fastmath, prefetch,
                       CONTRACTION_UNROLL if unroll is None else int(unroll), frozen_map(ax), tuple(grid_loops),
@@ -518,7 +519,7 @@ def plan_launch(ff: FinalForm, ax, grid_loops, targets, accs, bufs, skips, T: in
         # decreasing order of work (the longest first keeps the last wave short)
         grid, batch = grid + batch, []
         gx, gy = gx * gy, 1
-    smem_floats = sum(-(-b.size // 4) * 4 for b in bufs.values())
+    smem_floats = max((b.offset + -(-b.size // 4) * 4 for b in bufs.values()), default=0)   # offsets aligned (.tma)
     regs = register_estimate(ff, ax, targets, accs, T, prefetch, copies)
     return LaunchPlan((gx, gy, 1), tuple(grid), tuple(batch), heavy, smem_floats, regs,
                       blocks_per_sm(4 * smem_floats, T, regs))

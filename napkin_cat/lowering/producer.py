@@ -52,6 +52,7 @@ import contextlib
 from ..relabel.loopnest import Load, Loop
 from ..relabel.split import split_axes
 from . import tma, wgmma as wg
+from .chunk_copies import Copies
 
 SWITCH = "auto"
 """Give the copies of a qualifying stream loop to a copying warpgroup (:func:`why_not`): ``True``
@@ -451,14 +452,11 @@ def _double_copies(em, lp, loads, bufs, lo, hi, first, par, per, src) -> None:
     c is computed."""
     k, a = em.consts, em.ax[lp.axis]
     named = em.specialise == "named"
-
-    def issue(start: str, copy: str):
-        em._issue_chunk(lp, loads, bufs, start, copy, src)
-        src("cp_async_wait_all()  # this warpgroup's copies of the chunk have landed")
-        src("fence_proxy_async()  # ... and are visible to the tensor cores")
+    copies = _copies(em, lp, loads, bufs, 2, src)
 
     with src.block(f"if {first} < {hi}:"):
-        issue(first, k.u(0, "U0"))
+        copies.issue(first, k.u(0, "U0"))
+        copies.landed(k.u(0, "U0"), k.u(0, "U0"), [], hi)
     src("cuda.syncthreads()  # chunk 0 has landed")
     with src.block(em._chunk_header(lp, lo, hi, first, src)):
         nxt = em._next_chunk(lp, hi, src)
@@ -468,13 +466,24 @@ def _double_copies(em, lp, loads, bufs, lo, hi, first, par, per, src) -> None:
                 src(f"bar_named({k.u(empty, f'U{empty}')} + ({k.u(1, 'U1')} - {par}), {k.u(total, f'U{total}')})"
                     f"  # chunk c - 1's buffer released by every computing warpgroup")
         with src.block(f"if {nxt} < {hi}:"):
-            issue(nxt, f"({k.u(1, 'U1')} - {par})")
+            copies.issue(nxt, f"({k.u(1, 'U1')} - {par})")
+            copies.landed(f"({k.u(1, 'U1')} - {par})", f"{copies.count} + {k.u(1, 'U1')}", [], hi)
             if named:
                 _arrive_landed(em, f"({k.u(1, 'U1')} - {par})", "chunk c + 1", src)
         for _ in range(per):
             src("cuda.syncthreads()  # the next chunk has landed; the buffer of this one is free")
         src(f"{par} = {k.u(1, 'U1')} - {par}")
+        copies.next()
         em._advance(lp, nxt, src)
+
+
+def _copies(em, lp, loads, bufs, stages: int, src) -> Copies:
+    """The chunk copies of the copying warpgroup; by TMA, its mbarriers initialised at the first
+    named barrier the hand-over leaves free."""
+    bar = hand_over_ids(em.T, stages)[1] + stages
+    if tma.uses(em, bufs) and bar > 15:
+        raise NotSpecialised("no named barrier left for the TMA mbarriers' initialisation")
+    return Copies(em, lp, loads, bufs, stages, bar, THREADS, src)
 
 
 def _arrive_landed(em, slot: str, which: str, src) -> None:
@@ -487,19 +496,6 @@ def _arrive_landed(em, slot: str, which: str, src) -> None:
             f"{k.u(128 + THREADS, f'U{128 + THREADS}')})  # {which} has landed for warpgroup {w}")
 
 
-def _wait_but(ahead: list[str], hi: str, src) -> None:
-    """Wait for the oldest committed group of copies: ``ahead`` are the starts of the chunks that
-    may have been issued after it, nearest first (a group for each one below ``hi``)."""
-    for depth in range(len(ahead), 0, -1):
-        with src.block(f"{'if' if depth == len(ahead) else 'elif'} {ahead[depth - 1]} < {hi}:"):
-            src(f"cp_async_wait{depth}()  # the oldest chunk's copies have landed; {depth} more in flight")
-    if not ahead:
-        src("cp_async_wait_all()")
-        return
-    with src.block("else:"):
-        src("cp_async_wait_all()")
-
-
 def _ahead_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
     """The copying warpgroup's loop over :data:`STAGES` buffers where every chunk is visited (the
     module's docstring); swizzled buffers by tensor copies, waited for at mbarriers (:mod:`.tma`)."""
@@ -507,37 +503,20 @@ def _ahead_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
     stages = _stages(bufs)
     empty, total = hand_over_ids(em.T, stages)[1], em.T + THREADS
     S, C, U0, U1 = k.u(stages, f"U{stages}"), a.cap_c, k.u(0, "U0"), k.u(1, "U1")
-    tensor = tma.uses(em, bufs)
-    def issue(at: str, copy: str):
-        if tensor:
-            return tma.issue_chunk(em, lp, loads, bufs, at, copy, src)
-        em._issue_chunk(lp, loads, bufs, at, copy, src)
+    copies = _copies(em, lp, loads, bufs, stages, src)
 
     def start(base: str, j: int) -> str:
         return base if j == 0 else f"{base} + {k.u(j, f'U{j}')} * {C}"
 
-    def landed(buf: str, chunk: str, ahead: list[str]):   # chunk c's copies have landed
-        if tensor:
-            return tma.wait(em, buf, f"({chunk}) // {S} % {k.u(2, 'U2')}", src)
-        _wait_but(ahead, hi, src)
-        src("fence_proxy_async()  # ... and are visible to the tensor cores")
-
-    if tensor:   # the first named barrier the hand-over leaves free
-        if empty + stages > 15:
-            raise NotSpecialised("no named barrier left for the TMA mbarriers' initialisation")
-        tma.init(em, stages, empty + stages, THREADS, src)
     for j in range(stages - 1):
         with src.block(f"if {start(first, j)} < {hi}:"):
-            issue(start(first, j), k.u(j, f"U{j}"))
-    with src.maybe(f"{first} < {hi}" if tensor else None):
-        landed(U0, U0, [start(first, j) for j in range(1, stages - 1)])
+            copies.issue(start(first, j), k.u(j, f"U{j}"))
+    with src.maybe(f"{first} < {hi}" if copies.tensor else None):
+        copies.landed(U0, U0, [start(first, j) for j in range(1, stages - 1)], hi)
     src("cuda.syncthreads()  # chunk 0 has landed")
     back = f"(({par} + {k.u(stages - 1, f'U{stages - 1}')}) % {S})"
     slot, slots = em.names.fresh(f"pland_{a.name}"), landed_slots(stages)
     src(f"{slot} = {U0}  # chunk c's landed slot")
-    count = em.names.fresh(f"pchunk_{a.name}")
-    if tensor:
-        src(f"{count} = {U0}  # chunk c's position among the chunks visited")
     with src.block(em._chunk_header(lp, lo, hi, first, src)):
         far = em.names.fresh(f"{a.name}_ahead")
         src(f"{far} = {start(a.start, stages - 1)}")
@@ -545,16 +524,15 @@ def _ahead_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
             src(f"bar_named({k.u(empty, f'U{empty}')} + {back}, {k.u(total, f'U{total}')})"
                 f"  # chunk c - 1's buffer released by every computing warpgroup")
         with src.block(f"if {far} < {hi}:"):
-            issue(far, back)
+            copies.issue(far, back)
         nxt = em.names.fresh(f"{a.name}_next")
         src(f"{nxt} = {start(a.start, 1)}")
         with src.block(f"if {nxt} < {hi}:"):
-            landed(f"(({par} + {U1}) % {S})", f"{count} + {U1}", [start(a.start, j) for j in range(2, stages)])
+            copies.landed(f"(({par} + {U1}) % {S})", f"{copies.count} + {U1}", [start(a.start, j) for j in range(2, stages)], hi)
             _arrive_landed(em, f"(({slot} + {U1}) % {k.u(slots, f'U{slots}')})", "chunk c + 1", src)
         src(f"{par} = ({par} + {U1}) % {S}")
         src(_next_slot(slot, stages, k))
-        if tensor:
-            src(f"{count} += {U1}")
+        copies.next()
 
 
 def _staged_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:

@@ -58,7 +58,9 @@ from .plan import Buffer, Frag
 STAGED_ADD = "auto"
 """Stage outputs the blocks add into in shared memory, one bulk reduction per chunk (sm_90):
 ``True``, ``False`` (atomics), or ``"auto"``: where a row of the output is at least
-:data:`MIN_ROW_BYTES` and a mask skips chunks of the stream loop (measured, module docstring)."""
+:data:`MIN_ROW_BYTES` and a mask skips chunks of the stream loop, or TMA copies its chunks (:mod:`.tma`;
+measured: the module docstring; by TMA, unmasked at d = 128 on an H200, the backward kernel 1.608 ms
+against the atomics' 1.818, FlexAttention's 1.639: kernels/BENCHMARKS.md, "Seventh session of 2026-11-30")."""
 
 MIN_ROW_BYTES = 512
 """``"auto"`` stages an output whose rows (its last axis, fp32) are at least this many bytes: the
@@ -87,7 +89,7 @@ def staged_vars(bufs) -> tuple[int, ...]:
 def plan(ff, ax, targets, accs, bufs, skipping: bool = True) -> dict:
     """``bufs`` with a staging buffer (at offset 0: the planner assigns them) for each output the
     blocks add into (:func:`~napkin_cat.relabel.split.added_outputs`) that :func:`why_not` allows;
-    ``skipping``: a mask skips chunks of the kernel's stream loops."""
+    ``skipping``: a mask skips chunks of the kernel's stream loops, or TMA copies them."""
     from ..relabel.split import added_outputs
     added = added_outputs(ff) if STAGED_ADD in (True, "auto") else {}
     if not (added and _on_warpgroups(targets, accs)):
@@ -163,12 +165,14 @@ def why_not(ff, ax, t, arr, bufs, skipping: bool = True) -> str | None:
     if STAGED_ADD == "auto" and 4 * ax[names[-1]].size < MIN_ROW_BYTES:
         return f"rows of {4 * ax[names[-1]].size} bytes, under staged_add.MIN_ROW_BYTES ({MIN_ROW_BYTES}: measured slower)"
     if STAGED_ADD == "auto" and not skipping:
-        return "no mask skips chunks: every block adds into the same chunks (measured level or slower)"
+        return ("no mask skips chunks and cp.async copies them: every block adds into the same chunks "
+                "(measured level or slower)")
     if not any(isinstance(n, (Compute, Finalise)) and loops and loops[-1].kind == "stream"
                and t.var in _outputs(ff, n) for n, loops in ff.walk()):
         return "not written once per chunk of a stream loop"
     words = math.prod(ax[a].cap for a in names[:-1]) * (ax[names[-1]].cap + _pad(ax, names))
-    used = sum(-(-b.size // 4) * 4 for b in bufs.values())
+    used = sum(-(-b.size // 4) * 4 + (255 if getattr(b, "swizzle", False) else 0)   # TMA's alignment
+               for b in bufs.values())
     if 4 * (used + -(-words // 4) * 4) > SMEM_LIMIT:
         return "shared memory"
     return None

@@ -364,6 +364,13 @@ extern "C" __device__ int nc_mbar_wait(int* ret, unsigned bar, unsigned parity) 
 
 #define NC_TMA_PREFIX "cp.async.bulk.tensor."
 #define NC_TMA_SUFFIX ".shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+extern "C" __device__ int nc_tma_load1(int* ret, unsigned dst, unsigned long long map, int c0, unsigned bar) {
+  asm volatile(NC_TMA_PREFIX "1d" NC_TMA_SUFFIX " [%0], [%1, {%2}], [%3];\n"
+               :: "r"(dst), "l"(map), "r"(c0), "r"(bar) : "memory");
+  *ret = 0;
+  return 0;
+}
+
 extern "C" __device__ int nc_tma_load2(int* ret, unsigned dst, unsigned long long map, int c0, int c1,
                                        unsigned bar) {
   asm volatile(NC_TMA_PREFIX "2d" NC_TMA_SUFFIX " [%0], [%1, {%2, %3}], [%4];\n"

@@ -38,7 +38,7 @@ SIGNATURES = {
     "mma_tf32x3": _MMA_TF32X3, "mma_tf32x3s": _MMA_TF32X3,
     "mbar_init": "int32(uint32, uint32)", "mbar_fence_init": "int32()", "mbar_expect": "int32(uint32, uint32)",
     "mbar_wait": "int32(uint32, uint32)",
-    **{f"tma_load{r}": f"int32(uint32, uint64, {'int32, ' * r}uint32)" for r in range(2, 6)},
+    **{f"tma_load{r}": f"int32(uint32, uint64, {'int32, ' * r}uint32)" for r in range(1, 6)},
 }
 """The linked functions of ``tensorcore.cu`` (``nc_`` + name) and their numba signatures; the
 ``ldsm_*`` and ``cp_async16`` that kernels call wrap them (:mod:`.tensorcore_gpu`)."""

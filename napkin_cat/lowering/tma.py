@@ -54,12 +54,16 @@ TMA = "auto"
 every eligible kernel was measured faster), ``False`` never (``cp.async``, as until the seventh
 session of 2026-11-30)."""
 
+MIN_STAGES = 2
+"""The fewest chunk buffers a stream loop copied by TMA has: 2 takes the one-kernel backward's
+double buffer too, 3 the forwards' three buffers only."""
+
 PANEL = 64
 """16-bit elements in one 128-byte swizzled row (and columns per tensor copy)."""
 
 MAX_RANK = 5
 PRIMITIVES = ("mbar_init", "mbar_fence_init", "mbar_expect", "mbar_wait",
-              *(f"tma_load{r}" for r in range(2, MAX_RANK + 1)))
+              *(f"tma_load{r}" for r in range(1, MAX_RANK + 1)))
 """``mbar_init(smem, word, count)``, ``mbar_fence_init()``, ``mbar_expect(smem, word, nbytes)``,
 ``mbar_wait(smem, word, parity)`` (the ``mbarrier`` at word offset ``word`` of the shared array);
 ``tma_load{r}(smem16, dst, arr, tmap, c_0 .. c_{r-1}, smem, bar)``: the box of ``arr``'s map at
@@ -77,6 +81,8 @@ class TmaInput:
     index: int
     shape: tuple[int, ...]
     box: tuple[int, ...]
+    swizzle: bool = True       # 128-byte swizzled panels (a 16-bit matrix); False: a row as it is
+    nbytes: int = 2            # bytes an element
 
 
 def swizzled_index(s: str, f: str, b, u) -> str:
@@ -97,8 +103,8 @@ def why_not(ff, ax, bufs, skips, stages: int, dtype: str, n_in: int, column_only
         raise ValueError(f"tma.TMA must be True, False or 'auto', got {TMA!r}")
     if not TMA:
         return "tma.TMA is off"
-    if dtype not in ("f16", "bf16") or stages < 3:
-        return "not a 16-bit stream loop over three or more buffers"
+    if dtype not in ("f16", "bf16") or stages < max(2, MIN_STAGES):
+        return "not a 16-bit kernel's stream loop over chunk buffers"
     loops = [n for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"]
     if len(loops) != 1 or any(s.pred.block_atoms() for s in skips.get(loops[0].axis, ())):
         return "not one stream loop visiting every chunk"
@@ -107,8 +113,12 @@ def why_not(ff, ax, bufs, skips, stages: int, dtype: str, n_in: int, column_only
     types = ff.diagram.var_types()
     for n in loads:
         b, arr = bufs.get(("var", n.var)), types[n.var]
+        if n.var < n_in and b is not None and b.axes == (lp.axis,) and arr.axis_names[-1] == lp.axis \
+                and (b.bits * b.caps[0]) % 1024 == 0 and (b.bits * ax[lp.axis].size) % 128 == 0 and not b.pad \
+                and len(arr.axis_names) <= MAX_RANK and arr.dtype.name in ("f32", "f16", "bf16"):
+            continue   # a row of the streamed axis, as it is (a logsumexp's chunk)
         if n.var >= n_in or b is None or not b.core or b.bits != 16 or len(b.axes) != 2 or b.axes[0] != lp.axis:
-            return f"{arr}: not a 16-bit input chunk in core matrices over ({lp.axis}, ...)"
+            return f"{arr}: not a 16-bit input chunk in core matrices over ({lp.axis}, ...) nor a row of 128-byte copies"
         f = b.axes[1]
         if arr.axis_names[-1] != f or ax[f].cap != ax[f].size or ax[f].cap % PANEL or b.caps[0] % 8 \
                 or len(arr.axis_names) > MAX_RANK or ax[lp.axis].cap > 256:
@@ -128,8 +138,9 @@ def plan(ff, ax, bufs, skips, stages: int, dtype: str, n_in: int, column_only) -
     out = {}
     for key, b in bufs.items():
         if any(key == ("var", n.var) for n in lp.body if isinstance(n, Load)):
-            b = replace(b, swizzle=True, what=b.what.replace("(core matrices for wgmma)",
-                                                           "(128-byte swizzled panels, copied by TMA)"))
+            b = (replace(b, tma=True, swizzle=True, what=b.what.replace(
+                "(core matrices for wgmma)", "(128-byte swizzled panels, copied by TMA)")) if b.core
+                 else replace(b, tma=True, what=b.what + " (copied by TMA)"))
         out[key] = b
     out[MBAR_KEY] = Buffer(MBAR_KEY, "mbar_s", ("_bars",), (2 * stages,), "an mbarrier per chunk buffer (TMA)")
     return out
@@ -141,21 +152,29 @@ def inputs(plan_) -> tuple[TmaInput, ...]:
         return ()
     types, out = plan_.dd.var_types(), []
     for key, b in plan_.buffers.items():
-        if b.swizzle:
+        if b.tma:
             arr = types[key[1]]
-            box = tuple(b.caps[0] if a == b.axes[0] else PANEL if a == b.axes[1] else 1 for a in arr.axis_names)
-            out.append(TmaInput(key[1], tuple(plan_.axes[a].size for a in arr.axis_names), box))
+            box = tuple(b.caps[0] if a == b.axes[0] else PANEL if a == b.axes[-1] and b.swizzle else 1
+                        for a in arr.axis_names)
+            out.append(TmaInput(key[1], tuple(plan_.axes[a].size for a in arr.axis_names), box, b.swizzle,
+                                4 if arr.dtype.name == "f32" else 2))
     return tuple(sorted(out, key=lambda t: t.index))
 
 
 # --------------------------------------------------------------------------- emission
 
 def uses(em, bufs) -> bool:
-    return any(b.swizzle for b in bufs)
+    return any(b.tma for b in bufs)
 
 
 def map_name(em, v: int) -> str:
     return f"{em.garg(v)}_tmap"
+
+
+def params(em) -> list[str]:
+    """The map parameters of the kernel ``em`` writes: one per input it copies by TMA, where it did
+    (a kernel planned for TMA but emitted without its copying warpgroup copies by ``cp.async``)."""
+    return [map_name(em, t.index) for t in inputs(em.plan)] if getattr(em, "tma_used", False) else []
 
 
 def init(em, stages: int, bar: int, threads: int, src) -> None:
@@ -180,17 +199,18 @@ def issue_chunk(em, lp: Loop, loads, bufs, start: str, copy: str, src) -> None:
     bytes and issues the tensor copies of the chunk of ``lp`` at ``start``: one per 64-column panel
     of each input."""
     k = em.consts
+    em.tma_used = True
     stride, base = em._copy_layout(bufs)
-    nbytes = sum(2 * b.caps[0] * b.caps[1] for b in bufs)
+    nbytes = sum(b.bits // 8 * math.prod(b.caps) for b in bufs)
     with src.block(f"if ptid == {k.u(0, 'U0')}:  # one thread issues the chunk's tensor copies"):
         src(f"mbar_expect(smem, {_bar(em, copy)}, {k.u(nbytes)})")
         for n, b in zip(loads, bufs):
             arr = em.types[n.var]
             rows = -(-b.caps[0] // 8) * 8
-            for p in range(b.caps[1] // PANEL):
+            for p in range(b.caps[1] // PANEL if b.swizzle else 1):
                 coords = []
                 for a in reversed(arr.axis_names):
-                    coords.append(start if a == lp.axis else k.u(p * PANEL) if a == b.axes[1] else em.gidx(a, {}))
+                    coords.append(start if a == lp.axis else k.u(p * PANEL) if a == b.axes[-1] else em.gidx(a, {}))
                 dst = f"({base[b.name]} + ({copy}) * {stride[b.name]}) * {k.u(2, 'U2')}"
                 if p:
                     dst += f" + {k.u(p * rows * PANEL)}"
@@ -210,7 +230,7 @@ _DRIVER = {}
 
 
 def _encode(ptr: int, t: TmaInput) -> bytes:
-    """The 128-byte CUtensorMap of ``t`` at device address ``ptr`` (16-bit words, contiguous)."""
+    """The 128-byte CUtensorMap of ``t`` at device address ``ptr`` (16- or 32-bit words, contiguous)."""
     import ctypes
     if "fn" not in _DRIVER:
         fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
@@ -218,12 +238,13 @@ def _encode(ptr: int, t: TmaInput) -> bytes:
         _DRIVER["fn"] = fn
     r = len(t.shape)
     dims = list(reversed(t.shape))
-    strides = [2 * math.prod(dims[:i + 1]) for i in range(r - 1)]
+    strides = [t.nbytes * math.prod(dims[:i + 1]) for i in range(r - 1)]
     raw = (ctypes.c_uint8 * 256)()
     at = (ctypes.addressof(raw) + 63) // 64 * 64
-    rc = _DRIVER["fn"](ctypes.c_void_p(at), 1, r, ctypes.c_void_p(ptr), (ctypes.c_uint64 * r)(*dims),
-                       (ctypes.c_uint64 * max(1, r - 1))(*strides), (ctypes.c_uint32 * r)(*reversed(t.box)),
-                       (ctypes.c_uint32 * r)(*([1] * r)), 0, 3, 2, 0)   # no interleave, 128-byte swizzle, L2 128 B
+    rc = _DRIVER["fn"](ctypes.c_void_p(at), {2: 1, 4: 2}[t.nbytes], r, ctypes.c_void_p(ptr),   # UINT16 / UINT32
+                       (ctypes.c_uint64 * r)(*dims), (ctypes.c_uint64 * max(1, r - 1))(*strides),
+                       (ctypes.c_uint32 * r)(*reversed(t.box)), (ctypes.c_uint32 * r)(*([1] * r)),
+                       0, 3 if t.swizzle else 0, 2, 0)   # no interleave, 128-byte swizzle or none, L2 128 B
     if rc:
         from ..core.errors import LoweringError
         raise LoweringError(f"cuTensorMapEncodeTiled refused the map of input {t.index} {t.shape} "
@@ -232,10 +253,11 @@ def _encode(ptr: int, t: TmaInput) -> bytes:
 
 
 def sim_map(t: TmaInput) -> np.ndarray:
-    """The simulator's map: rank, then dimensions, element strides and box, innermost first."""
+    """The simulator's map: rank, then dimensions, element strides and box, innermost first, then
+    whether it swizzles."""
     dims = list(reversed(t.shape))
     strides = [math.prod(dims[:i]) for i in range(len(dims))]
-    return np.array([len(dims), *dims, *strides, *reversed(t.box)], dtype=np.int64)
+    return np.array([len(dims), *dims, *strides, *reversed(t.box), int(t.swizzle)], dtype=np.int64)
 
 
 MAX_CACHED = 256
@@ -355,14 +377,16 @@ def sim_primitive(name: str, context, per_launch):
         for i in range(r):
             inside &= (pos[i] >= 0) & (pos[i] < dims[i])
             flat += np.clip(pos[i], 0, dims[i] - 1) * strides[i]
-        vals = np.where(inside, np.asarray(arr)[flat], 0).reshape(-1, int(box[0]))   # rows of the box, read now
-        e = np.arange(vals.shape[0])[:, None] * PANEL + np.arange(int(box[0]))[None, :]
-        byte = 2 * (int(dst) + e)
-        byte ^= ((byte >> 7) & 7) << 4                                  # the 128-byte swizzle
+        src_ = np.asarray(arr)
+        vals = np.where(inside, src_[flat], 0).astype(src_.dtype).reshape(-1, int(box[0]))   # rows, read now
+        raw = vals.view(np.uint8).reshape(vals.shape[0], -1)            # their bytes, row by row
+        byte = 2 * int(dst) + np.arange(raw.shape[0])[:, None] * raw.shape[1] + np.arange(raw.shape[1])[None, :]
+        if tmap[1 + 3 * r]:
+            byte ^= ((byte >> 7) & 7) << 4                              # the 128-byte swizzle
 
         def land() -> int:
-            np.asarray(smem16)[byte // 2] = vals.astype(np.asarray(smem16).dtype)
-            return 2 * vals.size
+            np.asarray(smem16).view(np.uint8)[byte] = raw
+            return raw.size
 
         bar(word).issue(land)
         return 0

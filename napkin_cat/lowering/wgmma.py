@@ -178,7 +178,7 @@ def primitive_names(plan) -> tuple[str, ...]:
     return (*FIXED, *sorted({f"wgmma_{dt}_n{n}{a}{z}" for dt, n in ms for a in ("", "_ss") for z in ("", "_z")}
                             | {f"wgmma_wait{d or ''}_n{n}" for _, n in ms for d in range(1 + issue_ahead.MAX_AHEAD)}),
             *(STAGED if staged_vars(plan.buffers) else ()),
-            *(TMA if any(b.swizzle for b in plan.buffers.values()) else ()))
+            *(TMA if any(b.tma for b in plan.buffers.values()) else ()))
 
 
 # --------------------------------------------------------------------------- layout and emission

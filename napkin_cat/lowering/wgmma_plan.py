@@ -235,10 +235,11 @@ def _reshaped(ff, ax, found, targets, accs, bufs, T: int, n_in: int, absorbed) -
 
 
 def assign_offsets(bufs: dict) -> dict:
-    """Each buffer at a 16-byte aligned word offset, in order (a swizzled one at 1024 bytes: .tma)."""
+    """Each buffer at a 16-byte aligned word offset, in order (TMA's at 128 bytes, swizzled ones at 1024: .tma)."""
     off, out = 0, {}
     for key, b in bufs.items():
-        off = -(-off // 256) * 256 if b.swizzle else off
+        align = 256 if b.swizzle else 32 if b.tma else 4    # words: TMA's swizzle atoms, its 128-byte boxes
+        off = -(-off // align) * align
         out[key] = replace(b, offset=off)
         off += -(-b.size // 4) * 4
     return out
