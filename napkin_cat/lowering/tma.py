@@ -148,7 +148,7 @@ def plan(ff, ax, bufs, skips, stages: int, dtype: str, n_in: int, column_only) -
 
 def inputs(plan_) -> tuple[TmaInput, ...]:
     """The inputs a kernel of ``plan_`` copies by TMA (its map parameters, in order)."""
-    if plan_ is None or MBAR_KEY not in plan_.buffers:
+    if MBAR_KEY not in getattr(plan_, "buffers", {}):   # none planned (or no plan: a gather kernel)
         return ()
     types, out = plan_.dd.var_types(), []
     for key, b in plan_.buffers.items():
