@@ -16,31 +16,14 @@ import pytest  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 from napkin_cat import lowering as lw  # noqa: E402
-from napkin_cat.lowering import planner, producer, tma  # noqa: E402
+from napkin_cat.lowering import producer, tma  # noqa: E402
 from napkin_cat.lowering.plan import Buffer  # noqa: E402
 from napkin_cat.lowering.wgmma import descriptor, operand_bytes, step_units, strides  # noqa: E402
 from napkin_cat.verify import kernelcheck  # noqa: E402
+from test_producer import _check, _forward, copying  # noqa: E402,F401  (copying: the fixture)
 
 L = nc.library
 q, x, d, h = nc.axes("q x d h")
-
-
-@pytest.fixture
-def copying(monkeypatch):
-    monkeypatch.setattr(planner, "WGMMA", True)
-    monkeypatch.setattr(producer, "SWITCH", True)
-
-
-def _forward(dtype, causal, sizes, chunk=32, rows=128):
-    return L.attention(q=q, x=x, d=d, causal=causal, dtype=dtype).stream(x, chunk).tile(q, rows) \
-        .place("O", "registers").bind(sizes)
-
-
-def _check(dia, kernel, scale=1.0, seed=1):
-    rng = np.random.default_rng(seed)
-    ins = [(scale if arr.name == "Q" else 1.0) * rng.standard_normal(tuple(a.size for a in arr.axes))
-           for arr in dia.dom]
-    return kernelcheck.kernel_outcome(dia.unrelabelled(), kernel, ins)
 
 
 def _mutant(kernel, old: str, new: str, count: int):
@@ -178,3 +161,22 @@ def test_the_gpu_plans_copy_by_tma_with_maps_per_address(monkeypatch):
             assert int(re.search(rf"^{name} = uint32\((\d+)\)", kernel.source, re.M).group(1)) % 256 == 0
         maps = tma.map_args(kernel, [None] * 4, sim=True)
         assert [m.tolist() for m in maps] == [[3, width, 4096, 4, 1, width, 4096 * width, 64, 64, 1, 1]] * 2   # swizzled
+
+
+def test_the_probe_still_rewrites_the_cp_async_forward(monkeypatch):
+    """``kernels/probes/tma_copies.py`` (the measurement this module was built on) rewrites the
+    forward the generator writes with ``TMA = False``: its text patterns are still found, and what
+    it writes parses."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "tma_copies", Path(__file__).resolve().parents[1] / "kernels" / "probes" / "tma_copies.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    monkeypatch.setattr(lw, "_gpu_present", lambda runtime: True)
+    monkeypatch.setattr(tma, "TMA", False)
+    dia = L.attention(q=q, x=x, d=d, heads=h, dtype=nc.f16).bind({q: 4096, x: 4096, d: 128, h: 4})
+    kernel = nc.lower(dia, verify=False, prefetch="auto")
+    src, extra = probe.tma_source(kernel.source, kernel.launch.dynamic_smem_bytes, 1 << 40, 1 << 41)
+    compile(src, "<probe>", "exec")
+    assert src.count("tma3(") == 3 * 2 * 2 and src.count("| SW128") == 2 and extra == 24

@@ -27,8 +27,11 @@ The tensor maps (``cuTensorMapEncodeTiled``, through ctypes) describe the probe'
 tensors; the kernel reads them from device memory at addresses written into its source, so the
 rewritten kernel is only right for those tensors (the probe's check calls it on them).
 
+It rewrites the ``cp.async`` forward, which the generator writes with ``TMA=0`` since it copies by
+TMA itself (``napkin_cat/lowering/tma.py``, built after this probe's measurement):
+
     NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/tma_copies.py --case f16,4096,128,0 \\
-        --form default= --form tma=:tma
+        --form default=TMA=0 --form tma=TMA=0:tma
 """
 from __future__ import annotations
 
@@ -42,61 +45,21 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from forward_stages import checked, edited, forward_key, time_forwards  # noqa: E402  (which puts the project on the path)
 
-CU = r"""
-extern "C" __device__ int nc_mbar_init(int* ret, unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
-  *ret = 0;
-  return 0;
-}
-
-extern "C" __device__ int nc_mbar_fence_init(int* ret) {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  *ret = 0;
-  return 0;
-}
-
-extern "C" __device__ int nc_mbar_expect(int* ret, unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
-  *ret = 0;
-  return 0;
-}
-
-extern "C" __device__ int nc_mbar_wait(int* ret, unsigned bar, unsigned parity) {
-  unsigned done = 0;
-  while (!done) {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  }
-  *ret = 0;
-  return 0;
-}
-
-extern "C" __device__ int nc_tma3(int* ret, unsigned dst, unsigned long long map, int c0, int c1, int c2, unsigned bar) {
-  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-               " [%0], [%1, {%2, %3, %4}], [%5];\n"
-               :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
-  *ret = 0;
-  return 0;
-}
-"""
-
-SIGNATURES = {"mbar_init": "int32(uint32, uint32)", "mbar_fence_init": "int32()",
-              "mbar_expect": "int32(uint32, uint32)", "mbar_wait": "int32(uint32, uint32)",
-              "tma3": "int32(uint32, uint64, int32, int32, int32, uint32)"}
-
 DTYPE_ENUM = {"f16": 6, "bf16": 9}       # CUtensorMapDataType (cuda.h)
 SWIZZLE_128B, L2_128B, L2_256B = 3, 2, 3
 
 
 def primitives():
-    """The probe's device functions, linked from a ``.cu`` written once (module ``tma_prims``)."""
+    """The probe's device functions (module ``tma_prims``), over the project's linked PTX
+    (``napkin_cat/lowering/tensorcore.cu``): byte offsets into the shared array, a map's address
+    as an integer."""
     import types
 
     from numba import cuda, uint32, uint64, int32
 
-    from napkin_cat.lowering.tensorcore_gpu import _cu_file, shared_addr
-    linked = {n: cuda.declare_device(f"nc_{n}", s, link=_cu_file("tma_probe", CU)) for n, s in SIGNATURES.items()}
-    _init, _fence, _expect, _wait, _tma = (linked[n] for n in SIGNATURES)
+    from napkin_cat.lowering.tensorcore_gpu import _linked, shared_addr
+    _init, _fence, _expect, _wait, _tma = (_linked[n] for n in ("mbar_init", "mbar_fence_init", "mbar_expect",
+                                                                  "mbar_wait", "tma_load3"))
 
     @cuda.jit(device=True, inline=True)
     def mbar_init(smem, off, count):
