@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import planner, producer  # noqa: E402
+from napkin_cat.lowering import planner, producer, tma  # noqa: E402
 from napkin_cat.verify import kernelcheck  # noqa: E402
 from test_frag_operands import _inputs  # noqa: E402
 from test_wgmma import _parts  # noqa: E402
@@ -316,7 +316,7 @@ def test_the_decoupling_probe_still_edits_what_the_generator_writes():
     qq, xx, dd, hh = nc.axes("q x d h")
     dia = L.attention(q=qq, x=xx, d=dd, heads=hh, dtype=nc.f16).bind({qq: 512, xx: 256, dd: 64, hh: 2})
     src = probe.lower(dia, "256,64,256", True).source
-    assert planner.WGMMA == "auto" and producer.SWITCH == "auto" and producer.HAND_OVER == "named"   # restored
+    assert planner.WGMMA == "auto" and producer.SWITCH == "auto" and producer.HAND_OVER == "named" and tma.TMA == "auto"   # restored
     for flags in ({}, {"pingpong": True}, {"overlap": True}, {"overlap": True, "split": True}):
         edited = probe.decouple(src, 256, **flags)
         compile(edited, "edited", "exec")

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "kernels"))
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import planner, producer, wgmma  # noqa: E402
+from napkin_cat.lowering import planner, producer, tma, wgmma  # noqa: E402
 from probes.wgmma_pipeline import chunk_parts, find_line  # noqa: E402
 
 ARRIVE_CU = r"""
@@ -214,13 +214,13 @@ def decouple(src: str, computing: int, pingpong: bool = False, overlap: bool = F
 
 def lower(dia, blocks: str, wg: bool):
     tq, tx, thr = map(int, blocks.split(","))
-    saved = planner.WGMMA, producer.SWITCH, producer.HAND_OVER, wgmma.FENCE_SPECIALISED
-    # the edits start from block barriers, each fenced as when this was measured
-    planner.WGMMA, producer.SWITCH, producer.HAND_OVER, wgmma.FENCE_SPECIALISED = wg, wg, "block", True
+    saved = planner.WGMMA, producer.SWITCH, producer.HAND_OVER, wgmma.FENCE_SPECIALISED, tma.TMA
+    # the edits start from block barriers, each fenced, and cp.async copies, as when this was measured
+    planner.WGMMA, producer.SWITCH, producer.HAND_OVER, wgmma.FENCE_SPECIALISED, tma.TMA = wg, wg, "block", True, False
     try:
         return nc.lower(dia, prefetch="auto", verify=False, tiles={"q": tq, "x": tx}, threads=thr)
     finally:
-        planner.WGMMA, producer.SWITCH, producer.HAND_OVER, wgmma.FENCE_SPECIALISED = saved
+        planner.WGMMA, producer.SWITCH, producer.HAND_OVER, wgmma.FENCE_SPECIALISED, tma.TMA = saved
 
 
 def main():
