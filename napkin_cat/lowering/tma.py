@@ -3,39 +3,41 @@
 
 Why (measured on an H200, fp16, N = 4096, B*H = 32; kernels/BENCHMARKS.md, "Seventh session of
 2026-11-30"; ``kernels/probes/tma_copies.py`` rewrote the generated forward's text first): the
-attention forward kernel's copying warpgroup issued 16-byte ``cp.async`` copies, through the
-load/store units and the queue the computing warps' shuffles and ``wgmma`` share.  With TMA the
-d = 128 forward kernel ran 0.593 ms against 0.717 (FlexAttention 0.606), causal 0.330 against
-0.397 (0.413), d = 64 0.321 against 0.361 (0.364).
+copying warpgroup issued 16-byte ``cp.async`` copies, through the load/store units and the queue
+the computing warps' shuffles, ``wgmma`` issue and dQ's atomic adds share.  With TMA the d = 128
+forward kernel ran 0.599 ms against 0.717 (FlexAttention 0.572), the one-kernel backward at d = 64
+0.853 against 0.972 (1.150); forward + backward through ``nc.torch_op`` 1.03x FlexAttention at
+d = 128 (0.91x before), 1.32x at d = 64 (1.18x).
 
-Where (:func:`plan`): a stream loop whose chunks cycle through three or more buffers
-(:data:`.producer.STAGES`), every chunk visited (no block table skips any), each of whose loads is
-a 16-bit input read only as the column operand (B) of warpgroup MMAs whose warps hold all its
-columns (``Wn == 1``), the input's last axis whole and a multiple of 64, its rows (the streamed
-axis) a multiple of 8, at most 5 axes.  Such a buffer is laid out as TMA's 128-byte swizzle
-writes it (:attr:`.plan.Buffer.swizzle`): panels of 64 columns, each of the chunk's rows 128
-bytes, the 16-byte units of row ``r`` permuted by ``unit ^ r % 8`` (:func:`swizzled_index`), each
-panel on a 1024-byte boundary; ``wgmma`` reads it by a descriptor with swizzle mode 1
-(:func:`.wgmma.strides`, :func:`.wgmma.operand_bytes`).  Every other reader indexes it through
-:func:`swizzled_index`, so a kernel that ends up without the copying warpgroup copies it by
-``cp.async`` correctly.
+Where (:func:`plan`): a 16-bit kernel's stream loop over :data:`MIN_STAGES` or more chunk buffers,
+every chunk visited (no block table skips any), each of whose loads is either
 
-The protocol (:mod:`.producer`, ``_ahead_copies``): the copying warpgroup's first thread
-initialises one ``mbarrier`` per chunk buffer (a named barrier of the warpgroup then orders the
-initialisation before any wait), and for each chunk arms the buffer's ``mbarrier`` with the
-chunk's bytes (``mbarrier.arrive.expect_tx``) and issues one tensor copy per panel of each input;
-the whole warpgroup waits on that ``mbarrier`` (its parity: how many times the buffer was filled
-before, mod 2) where it waited for its ``cp.async`` groups, and hands the chunk over at the same
-named barriers.  TMA writes through the async proxy that ``wgmma`` reads through: no
-``fence.proxy.async``.
+- a 16-bit input read only as the column operand (B) of warpgroup MMAs whose warps hold all its
+  columns (``Wn == 1``), its last axis whole and a multiple of 64, its rows (the streamed axis) a
+  multiple of 8: laid out as TMA's 128-byte swizzle writes it (:attr:`.plan.Buffer.swizzle`),
+  panels of 64 columns, each of the chunk's rows 128 bytes, the 16-byte units of row ``r``
+  permuted by ``unit ^ r % 8`` (:func:`swizzled_index`), each panel on a 1024-byte boundary, read
+  by ``wgmma`` descriptors of swizzle mode 1 (:func:`.wgmma.strides`, :func:`.wgmma.operand_bytes`);
+  every other reader indexes it through :func:`swizzled_index`, so a kernel that ends up without
+  its copying warpgroup fills it by ``cp.async`` correctly;
+- or a row of the streamed axis whose chunk is a multiple of 128 bytes (the backward's ``L``,
+  ``D``): copied as it is, no swizzle.
 
-The tensor maps are made at launch (:func:`map_args`): ``cuTensorMapEncodeTiled`` over the
-input's own shape, contiguous, as 16-bit words, boxes of the chunk's rows by 64 columns,
-128-byte swizzle, zeros outside the array (a ragged chunk's rows); cached per kernel, input and
-address.  The kernel reads each map from device memory (a parameter ``<input>_tmap`` after the
-outputs).  Under the simulator the map is the array's dimensions, strides and box, and the twins
-(:func:`sim_primitive`) copy the box at once and complete the ``mbarrier`` as the hardware
-does: a thread waiting for a phase blocks until the armed arrivals and bytes are in.
+The protocol (:class:`.chunk_copies.Copies`, for both loops of :mod:`.producer`): the copying
+warpgroup's first thread initialises one ``mbarrier`` per chunk buffer (a named barrier of the
+warpgroup then orders that before any wait), and for each chunk arms the buffer's ``mbarrier`` with
+the chunk's bytes (``mbarrier.arrive.expect_tx``) and issues the tensor copies; the whole warpgroup
+waits on that ``mbarrier`` (its parity: how many times the buffer was filled before, mod 2) where
+it waited for its ``cp.async`` groups, and hands the chunk over at the same named barriers.  TMA
+writes through the async proxy that ``wgmma`` reads through: no ``fence.proxy.async``.
+
+The tensor maps are made at launch (:func:`map_args`): ``cuTensorMapEncodeTiled`` over the input's
+own shape, contiguous, as 16- or 32-bit words, boxes of the chunk's rows (by 64 columns), zeros
+outside the array (a ragged chunk's rows); cached per kernel, input and address.  The kernel reads
+each map from device memory (a parameter ``<input>_tmap`` after the outputs).  Under the simulator
+the map is the array's dimensions, strides, box and swizzle, and the twins (:func:`sim_primitive`)
+read the box when the copy is issued and land it when a thread waits for the phase it belongs to:
+a missing wait, or one for the wrong phase, reads the buffer as it was.
 """
 
 from __future__ import annotations
@@ -115,8 +117,9 @@ def why_not(ff, ax, bufs, skips, stages: int, dtype: str, n_in: int, column_only
         b, arr = bufs.get(("var", n.var)), types[n.var]
         if n.var < n_in and b is not None and b.axes == (lp.axis,) and arr.axis_names[-1] == lp.axis \
                 and (b.bits * b.caps[0]) % 1024 == 0 and (b.bits * ax[lp.axis].size) % 128 == 0 and not b.pad \
-                and len(arr.axis_names) <= MAX_RANK and arr.dtype.name in ("f32", "f16", "bf16"):
-            continue   # a row of the streamed axis, as it is (a logsumexp's chunk)
+                and len(arr.axis_names) <= MAX_RANK and arr.dtype.name in ("f32", "f16", "bf16") \
+                and ax[lp.axis].cap <= 256:
+            continue   # a row of the streamed axis, as it is (a logsumexp's chunk; a box is at most 256 long)
         if n.var >= n_in or b is None or not b.core or b.bits != 16 or len(b.axes) != 2 or b.axes[0] != lp.axis:
             return f"{arr}: not a 16-bit input chunk in core matrices over ({lp.axis}, ...) nor a row of 128-byte copies"
         f = b.axes[1]
