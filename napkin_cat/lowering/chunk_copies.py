@@ -13,7 +13,7 @@ class Copies:
 
     def __init__(self, em, lp, loads, bufs, stages: int, bar: int, threads: int, src):
         self.em, self.lp, self.loads, self.bufs, self.stages, self.src = em, lp, loads, bufs, stages, src
-        self.tensor, k = tma.uses(em, bufs), em.consts
+        self.tensor, k = tma.copied(bufs), em.consts
         self.count = em.names.fresh(f"pchunk_{em.ax[lp.axis].name}")
         if self.tensor:   # named barrier ``bar`` of the ``threads`` copying threads orders the initialisation
             tma.init(em, stages, bar, threads, src)

@@ -156,8 +156,8 @@ def plan_kernel(d: Diagram, name: str, threads: int, batch_axes=(), *, fastmath:
              for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"}
     buffers = tma.plan(ff, ax, buffers, skips, stages or 2, threads_.dtype, len(ff.diagram.dom), functools.partial(
         column_only, ff, ax, st, targets, accs, buffers, len(ff.diagram.dom)))   # tensor copies of the chunks
-    buffers = assign_offsets(staged_add.plan(ff, ax, targets, accs, buffers, any(skips.values()) or any(
-        b.tma for b in buffers.values())))   # one bulk add a chunk
+    buffers = assign_offsets(staged_add.plan(ff, ax, targets, accs, buffers, any(skips.values()) or tma.copied(
+        buffers.values())))   # one bulk add a chunk
     launch = plan_launch(ff, ax, grid_loops, targets, accs, buffers, skips, threads, prefetch, copies)
     plan = KernelPlan(name, d, ff, threads, fastmath, prefetch,
                       CONTRACTION_UNROLL if unroll is None else int(unroll), frozen_map(ax), tuple(grid_loops),

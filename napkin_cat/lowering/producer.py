@@ -206,7 +206,7 @@ def staged_for_copies(plan, staged):
     twin = staged(stages)
     crowded = plan.threads // 128 > MASKED_GROUPS and any(plan.skips.values())
     if (twin.smem_bytes > lim.max_shared_per_block_optin or twin.launch.blocks_per_sm < plan.launch.blocks_per_sm
-            or why_not(twin) is not None or (crowded and not any(b.swizzle for b in twin.buffers.values()))):
+            or why_not(twin) is not None or (crowded and not tma.copied(twin.buffers.values()))):
         return plan
     return twin
 
@@ -481,7 +481,7 @@ def _copies(em, lp, loads, bufs, stages: int, src) -> Copies:
     """The chunk copies of the copying warpgroup; by TMA, its mbarriers initialised at the first
     named barrier the hand-over leaves free."""
     bar = hand_over_ids(em.T, stages)[1] + stages
-    if tma.uses(em, bufs) and bar > 15:
+    if tma.copied(bufs) and bar > 15:
         raise NotSpecialised("no named barrier left for the TMA mbarriers' initialisation")
     return Copies(em, lp, loads, bufs, stages, bar, THREADS, src)
 

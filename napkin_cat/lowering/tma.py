@@ -166,7 +166,8 @@ def inputs(plan_) -> tuple[TmaInput, ...]:
 
 # --------------------------------------------------------------------------- emission
 
-def uses(em, bufs) -> bool:
+def copied(bufs) -> bool:
+    """Whether any of the buffers ``bufs`` is copied by TMA (a plan's, or a stream loop's)."""
     return any(b.tma for b in bufs)
 
 

@@ -174,11 +174,11 @@ def primitive_names(plan) -> tuple[str, ...]:
     if not ms:
         return ()
     from .staged_add import PRIMITIVES as STAGED, staged_vars
-    from .tma import PRIMITIVES as TMA
+    from .tma import PRIMITIVES as TMA, copied
     return (*FIXED, *sorted({f"wgmma_{dt}_n{n}{a}{z}" for dt, n in ms for a in ("", "_ss") for z in ("", "_z")}
                             | {f"wgmma_wait{d or ''}_n{n}" for _, n in ms for d in range(1 + issue_ahead.MAX_AHEAD)}),
             *(STAGED if staged_vars(plan.buffers) else ()),
-            *(TMA if any(b.tma for b in plan.buffers.values()) else ()))
+            *(TMA if copied(plan.buffers.values()) else ()))
 
 
 # --------------------------------------------------------------------------- layout and emission
