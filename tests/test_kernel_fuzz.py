@@ -335,6 +335,8 @@ def _features(kernel) -> set[str]:
             out.add("three-buffers-table")
         if "tma_load" in copying:    # ... by tensor copies into swizzled panels (lowering/tma.py)
             out.add("tma")
+            if "_kept" in copying:   # ... of the chunks a block table keeps
+                out.add("tma-table")
     if "bar_named(uint32(1), NTHREADS)  # the computing threads" in body:   # ... their own barriers
         out.add("computing-barrier")
     if re.search(r"wgmma_b?f16_n\d+_ss(_z)?\(smem16", body):   # wgmma.shared_a_buffer: A by descriptor too

@@ -49,7 +49,8 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
 * ``copying_forward``: the forward with a copying warpgroup over three chunk buffers
   (``three-buffers``), with a block table or without (``three-buffers-table``);
 * ``copying_tma``: that forward at head widths of 64 and 128, its chunks copied by the tensor
-  memory accelerator into swizzled panels (``tma``, :mod:`napkin_cat.lowering.tma`).
+  memory accelerator into swizzled panels (``tma``, :mod:`napkin_cat.lowering.tma`), also those a
+  block table keeps (``tma-table``).
 
 ``HYPOTHESIS_PROFILE`` selects the budget as in :mod:`test_kernel_fuzz`.
 """
@@ -461,22 +462,27 @@ def copying_tma_family(draw):
     K and V by tensor copies completing on mbarriers, read by swizzle-mode descriptors; causal or
     not, ragged; its own family, since each example simulates a 64-wide forward (the named
     hand-over only: the block one keeps two buffers and ``cp.async``, which ``copying_forward``
-    covers)."""
+    covers).  Or, one time in two, the forward under a block table of random entries
+    (:func:`_copying_table_case` at d = 64): the chunks the table keeps, by tensor copies
+    (``tma-table``, ``producer._staged_copies``)."""
     dt = draw(st.sampled_from((nc.f16, nc.bf16)))
+    options = {"threads": 256, "wgmma": True, "hand_over": "named", "prefetch": "double"}
+    if draw(st.sampled_from(("forward", "forward-table")), label="variant") == "forward-table":
+        return _copying_table_case(draw, dt, "forward-table", options, width=64)
     causal = draw(st.booleans(), label="causal")
     att = L.attention(q=q, x=x, d=d, causal=causal, dtype=dt)
     steps = (("stream", "x", 32), ("tile", "q", 128), ("place", "O", "registers"))
     sizes = {q: draw(st.integers(33, 140), label="q"), x: draw(st.integers(1, 200), label="x"),
              d: draw(st.sampled_from((64, 64, 128)), label="d")}
-    options = {"threads": 256, "wgmma": True, "hand_over": "named", "prefetch": "double"}
     return Case(f"{dt.name} forward, copying warpgroup, TMA (causal={causal})", att, steps, sizes, att, options,
                 None, SMALL_DATA)
 
 
-def _copying_table_case(draw, dt, what, options):
+def _copying_table_case(draw, dt, what, options, width: int = 16):
     """:func:`copying_family`'s block-table examples: 33 to 140 tokens (a multiple of 4, so ``L``
     and ``D`` go by cp.async), a table over blocks of 32 queries by 128 keys (the backward's
-    chunks by its tiles) or 128 by 32 (the forward's), documents of ids 0 and 1 in runs of 8."""
+    chunks by its tiles) or 128 by 32 (the forward's), documents of ids 0 and 1 in runs of 8;
+    heads ``width`` wide."""
     from napkin_cat.lowering.torch_op import backward_plan
     n = 4 * draw(st.integers(9, 35), label="n / 4")
     rows, cols = (32, 128) if what == "backward-table" else (128, 32)
@@ -488,11 +494,11 @@ def _copying_table_case(draw, dt, what, options):
     entries = st.lists(st.sampled_from((0.0, 0.0, 1.0, 2.0)), min_size=count, max_size=count)
     table = np.array(draw(entries, label="table"), np.float32).reshape(shape)
     att = L.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, rows, cols), dtype=dt)
-    sizes = {q: n, x: n, d: 16}
+    sizes = {q: n, x: n, d: width}
 
     def named(rng, regime):
         ids = np.repeat(rng.integers(0, 2, n // 8 + 1), 8)[:n].astype(np.float32)
-        return {"doc": ids, "bt": table} | {k: REGIMES[regime][0](rng, (n, 16)) for k in "QKV"}
+        return {"doc": ids, "bt": table} | {k: REGIMES[regime][0](rng, (n, width)) for k in "QKV"}
     if what == "forward-table":
         steps = (("stream", "x", 32), ("tile", "q", 128), ("place", "O", "registers"))
         options = {**options, "tiles": None}
@@ -752,8 +758,13 @@ COPYING_EXAMPLES = 8
 with 5, a random run (the dev profile) drew no backward the copying warpgroup could join and
 reached no ``computing-barrier``; with 8, and queries a multiple of 4 three times in four, a
 random run misses a feature about once in 1000."""
+TMA_EXAMPLES = 12
+"""Examples of the ``copying_tma`` family in any profile: two variants (with a block table or
+without), each of which must reach its own features; with 12, a random run misses one about once
+in 2000."""
 FAMILY_SETTINGS = SETTINGS
 COPYING_SETTINGS = settings(SETTINGS, max_examples=min(FUZZ_EXAMPLES, COPYING_EXAMPLES))
+TMA_SETTINGS = settings(SETTINGS, max_examples=min(FUZZ_EXAMPLES, TMA_EXAMPLES))
 
 FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family,
             "logsumexp": logsumexp_family, "sixteen_bit": sixteen_bit_family, "tf32x3": tf32x3_family,
@@ -781,7 +792,8 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                  "issued-ahead", "staged-add", "columns-before-wait"},
                      "copying_forward": {"copying-warpgroup", "named-hand-over", "block-hand-over", "wgmma",
                                          "copying-table", "three-buffers", "three-buffers-table"},
-                     "copying_tma": {"copying-warpgroup", "named-hand-over", "three-buffers", "tma", "ragged-chunk"},
+                     "copying_tma": {"copying-warpgroup", "named-hand-over", "three-buffers", "tma", "ragged-chunk",
+                                     "tma-table"},
                      "tf32x3": {"tf32x3", "tf32x3-atomic", "frag-operand", "double-buffered", "cp.async-f32",
                                 "paired-atomic", "column-values"}}
 
@@ -859,7 +871,8 @@ def test_kernel_fuzz_reaches_generator_path(family):
     stats: Counter = Counter()
     # a copying example lowers and runs two kernels of 384 simulated threads: fewer of them (the
     # decorator's text is kept: hypothesis derives a derandomised run's seed from it)
-    SETTINGS = COPYING_SETTINGS if family.startswith("copying") else FAMILY_SETTINGS
+    SETTINGS = TMA_SETTINGS if family == "copying_tma" else COPYING_SETTINGS if family.startswith("copying") \
+        else FAMILY_SETTINGS
     examples = SETTINGS.max_examples
 
     @SETTINGS

@@ -20,7 +20,7 @@ from napkin_cat.lowering import producer, tma  # noqa: E402
 from napkin_cat.lowering.plan import Buffer  # noqa: E402
 from napkin_cat.lowering.wgmma import descriptor, operand_bytes, step_units, strides  # noqa: E402
 from napkin_cat.verify import kernelcheck  # noqa: E402
-from test_producer import _check, _forward, copying  # noqa: E402,F401  (copying: the fixture)
+from test_producer import TOKENS, _check, _forward, _table_attention, _table_inputs, copying  # noqa: E402,F401
 
 L = nc.library
 q, x, d, h = nc.axes("q x d h")
@@ -108,6 +108,29 @@ def test_the_forward_copied_by_tma_matches_the_oracle(copying, monkeypatch, stag
     assert kernel.source.count("K_tmap") >= 2 and re.search(r"def kernel_\w+\(Q, K, V, O, K_tmap, V_tmap\)",
                                                             kernel.source)
     out = _check(dia, kernel, scale)
+    assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+@pytest.mark.parametrize("stages", [3, pytest.param(2, marks=pytest.mark.slow)])
+def test_chunks_a_block_table_skips_are_copied_by_tma(copying, monkeypatch, stages):
+    """A document mask with the user's block table over query blocks of 128 by key chunks of 32
+    (``producer._staged_copies`` over three buffers, ``_double_copies`` over two): only the chunks
+    the table keeps are copied, each waited for at its buffer's mbarrier in the order both sides
+    scan the table (tile 0 keeps chunks 1 and 3, its first and last masked; tile 1 every chunk, the
+    last ragged), and the results match the oracle.  (The kernel fuzzer's ``copying_tma`` family
+    draws random tables too.)"""
+    monkeypatch.setattr(producer, "STAGES", stages)
+    sizes = {q: TOKENS, x: TOKENS, d: 64}
+    dia = _table_attention(nc.f16, 128, 32).stream(x, 32).tile(q, 128).place("O", "registers").bind(sizes)
+    named = _table_inputs(dia, np.array([[0, 2, 0, 1, 0], [1, 1, 1, 1, 1]], np.float32))
+    kernel = nc.lower(dia, threads=256, prefetch="double", verify=False)
+    assert [(t.index, t.box) for t in kernel.tma] == [(1, (32, 64)), (2, (32, 64))]
+    body = kernel.source.split("@cuda.jit(fastmath")[-1]
+    mine = body[:body.index("setmaxnreg_inc_")]
+    assert "_kept" in mine and "cp_async16(" not in mine and "fence_proxy_async" not in mine
+    assert ("issued_x" in mine) == (stages == 3)     # three buffers: the staged loop's own count
+    assert mine.count("mbar_wait(") == 2             # the chunk before the newest, and the last
+    out = kernelcheck.kernel_outcome(dia.unrelabelled(), kernel, [named[a.name] for a in dia.dom])
     assert out.failure is None, kernelcheck.describe_failure(out.failure)
 
 

@@ -10,7 +10,8 @@ times: back-to-back calls of ``torch.autograd.grad(op(...), (Q, K, V), dO)``.  T
 makes two tables (the forward's blocks and the backward's); it keeps them for an ids tensor it
 has seen (the layers of one training step), and the second derived row passes a new tensor
 each call, so it pays both tables every time.  One more row lowers the kept form with
-``producer.TABLES`` off: no copying warpgroup where a table skips chunks, as before.
+``tma.TABLE_LOOPS`` off: the chunks a table keeps copied by ``cp.async``, not by TMA, as before
+2026-12-01.
 GPU only.
 
     NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/document_training.py [--n 4096] [--d 64] [--dtype f16]
@@ -32,11 +33,11 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.lowering import producer  # noqa: E402
+from napkin_cat.lowering import tma  # noqa: E402
 from bench import compiled_flex, cuda_time, device_ms  # noqa: E402
 
 TABLE = 128   # the user's table blocks (FlexAttention's default)
-BEFORE = "derived tables kept, no copying warpgroup where a table skips chunks (producer.TABLES off)"
+BEFORE = "derived tables kept, the kept chunks copied by cp.async (tma.TABLE_LOOPS off)"
 
 
 def doc_ids(n: int, gen) -> torch.Tensor:
@@ -105,7 +106,7 @@ def main():
     rows = []
     for name, f in forms.items():
         leaves = [t.detach().clone().requires_grad_() for t in (Q, K, V)]
-        with mock.patch.object(producer, "TABLES", name != BEFORE):   # the kernels are lowered here, then kept
+        with mock.patch.object(tma, "TABLE_LOOPS", name != BEFORE):   # the kernels are lowered here, then kept
             out = f(*leaves)
             grads = torch.autograd.grad(out, leaves, dO)
         errs = [rel(a, b) for a, b in zip((out.detach(), *grads), want)]

@@ -5,8 +5,7 @@ with the plan's decisions: loads (global -> shared, fixed trip counts), stream l
 skipping, prefetch into registers, double buffering), computes (a target's phase, on its thread
 mapping: :mod:`.emit_threads`), accumulators (:data:`.emit_acc.ACC_CODEGEN`) and stores.  The
 renderer's own state is the source being written: identifiers and constants (:mod:`.source`),
-the barrier owed before the next shared read, and the copy of each double-buffered chunk in use.
-"""
+the barrier owed before the next shared read, and the copy of each double-buffered chunk in use."""
 
 from __future__ import annotations
 
@@ -322,10 +321,11 @@ class Emitter(Loads, Phases):
                 if self.producer_loop is None:
                     raise producer.NotSpecialised("the stream loop's inputs are not all copied by cp.async")
                 producer.finish(self, body, slot)
+                how = "TMA" if getattr(self, "tma_used", False) else "cp.async"
                 self.notes += (f"Copying warpgroup: threads {self.T}..{self.T + self.producer_threads - 1} copy the "
-                               f"stream loop's chunks (cp.async, {producer.REGS} registers each by setmaxnreg); "
-                               f"threads 0..{self.T - 1} compute ({producer.consumer_registers(self.T, self.blocks())} "
-                               f"registers each); chunks handed over by {self.specialise} barriers.",)
+                               f"stream loop's chunks ({how}, {producer.REGS} registers each by setmaxnreg); threads "
+                               f"0..{self.T - 1} compute ({producer.consumer_registers(self.T, self.blocks())} registers "
+                               f"each); chunks handed over by {self.specialise} barriers.",)
             return self._assemble(body)
         except LoweringError:
             raise

@@ -538,37 +538,45 @@ def _ahead_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
 def _staged_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
     """The copying warpgroup's loop over :data:`STAGES` buffers (the module's docstring): the k-th
     chunk's copies issued into buffer k % S once chunk k - S released it, then chunk k - 1 handed
-    over; the last chunk after the loop, then the releases not yet waited for."""
+    over; the last chunk after the loop, then the releases not yet waited for.  Chunk k - 1 is
+    waited for by ``cp.async.wait_group 1``, or at its buffer's mbarrier where TMA copies it."""
     k, a = em.consts, em.ax[lp.axis]
     stages = _stages(bufs)
     empty, total = hand_over_ids(em.T, stages)[1], em.T + THREADS
-    S = k.u(stages, f"U{stages}")
+    S, U0, U1 = k.u(stages, f"U{stages}"), k.u(0, "U0"), k.u(1, "U1")
+    copies = _copies(em, lp, loads, bufs, stages, src)
     n = em.names.fresh(f"issued_{a.name}")
-    src(f"{n} = {k.u(0, 'U0')}  # chunks issued")
+    src(f"{n} = {U0}  # chunks issued")
+
+    def landed(last: bool) -> None:   # chunk n - 1 (buffer par - 1); the newest but one unless ``last``
+        if copies.tensor:
+            return copies.landed(f"(({par} + {k.u(stages - 1, f'U{stages - 1}')}) % {S})", f"{n} - {U1}", [], "")
+        src("cp_async_wait_all()  # the last chunk's copies have landed" if last else
+            "cp_async_wait1()  # the previous chunk's copies have landed; this one's may not")
+        src("fence_proxy_async()  # ... and are visible to the tensor cores")
 
     def hand_over(which: str):   # the newest chunk but one (k - 1); n <= 1: chunk 0, or none
-        with src.block(f"if {n} <= {k.u(1, 'U1')}:"):
+        with src.block(f"if {n} <= {U1}:"):
             src("cuda.syncthreads()  # chunk 0 has landed (or there is none)")
         with src.block("else:"):
             _arrive_landed(em, prev, which, src)
 
     slots = landed_slots(stages)
-    prev = f"(({n} - {k.u(1, 'U1')}) % {k.u(slots, f'U{slots}')})"   # chunk k - 1's landed slot (k >= 2 here)
+    prev = f"(({n} - {U1}) % {k.u(slots, f'U{slots}')})"   # chunk k - 1's landed slot (k >= 2 here)
     with src.block(em._chunk_header(lp, lo, hi, first, src)):
         nxt = em._next_chunk(lp, hi, src)
         with src.block(f"if {n} >= {S}:"):
             src(f"bar_named({k.u(empty, f'U{empty}')} + {par}, {k.u(total, f'U{total}')})"
                 f"  # chunk k - {stages}'s buffer released by every computing warpgroup")
-        em._issue_chunk(lp, loads, bufs, a.start, par, src)
-        with src.block(f"if {n} > {k.u(0, 'U0')}:"):
-            src("cp_async_wait1()  # the previous chunk's copies have landed; this one's may not")
-            src("fence_proxy_async()  # ... and are visible to the tensor cores")
+        copies.issue(a.start, par)
+        with src.block(f"if {n} > {U0}:"):
+            landed(False)
             hand_over("the previous chunk")
-        src(f"{par} = ({par} + {k.u(1, 'U1')}) % {S}")
-        src(f"{n} += {k.u(1, 'U1')}")
+        src(f"{par} = ({par} + {U1}) % {S}")
+        src(f"{n} += {U1}")
         em._advance(lp, nxt, src)
-    src("cp_async_wait_all()  # the last chunk's copies have landed")
-    src("fence_proxy_async()")
+    with src.maybe(f"{n} > {U0}" if copies.tensor else None):   # no chunk: no mbarrier phase to wait for
+        landed(True)
     for j in range(stages - 1):    # the computing warpgroups released chunks n - S .. n - 2 unwaited
         back = stages - j
         with src.block(f"if {n} >= {k.u(back, f'U{back}')}:"):

@@ -9,8 +9,8 @@ forward kernel ran 0.599 ms against 0.717 (FlexAttention 0.572), the one-kernel 
 0.853 against 0.972 (1.150); forward + backward through ``nc.torch_op`` 1.03x FlexAttention at
 d = 128 (0.91x before), 1.32x at d = 64 (1.18x).
 
-Where (:func:`plan`): a 16-bit kernel's stream loop over :data:`MIN_STAGES` or more chunk buffers,
-every chunk visited (no block table skips any), each of whose loads is either
+Where (:func:`plan`): a 16-bit kernel's stream loop over :data:`MIN_STAGES` or more chunk buffers
+(every chunk, or those a block table keeps), each of whose loads is either
 
 - a 16-bit input read only as the column operand (B) of warpgroup MMAs whose warps hold all its
   columns (``Wn == 1``), its last axis whole and a multiple of 64, its rows (the streamed axis) a
@@ -23,7 +23,7 @@ every chunk visited (no block table skips any), each of whose loads is either
 - or a row of the streamed axis whose chunk is a multiple of 128 bytes (the backward's ``L``,
   ``D``): copied as it is, no swizzle.
 
-The protocol (:class:`.chunk_copies.Copies`, for both loops of :mod:`.producer`): the copying
+The protocol (:class:`.chunk_copies.Copies`, for every loop of :mod:`.producer`): the copying
 warpgroup's first thread initialises one ``mbarrier`` per chunk buffer (a named barrier of the
 warpgroup then orders that before any wait), and for each chunk arms the buffer's ``mbarrier`` with
 the chunk's bytes (``mbarrier.arrive.expect_tx``) and issues the tensor copies; the whole warpgroup
@@ -55,6 +55,11 @@ TMA = "auto"
 """TMA copies for the stream loops :func:`plan` finds eligible: ``True`` / ``"auto"`` (the same:
 every eligible kernel was measured faster), ``False`` never (``cp.async``, as until the seventh
 session of 2026-11-30)."""
+
+TABLE_LOOPS = True
+"""TMA copies for a stream loop whose chunks a block table skips too (the chunk's coordinates read
+from the table, as the ``cp.async`` copies read them); ``False``: those keep ``cp.async``, as until
+the first session of 2026-12-01."""
 
 MIN_STAGES = 2
 """The fewest chunk buffers a stream loop copied by TMA has: 2 takes the one-kernel backward's
@@ -108,8 +113,10 @@ def why_not(ff, ax, bufs, skips, stages: int, dtype: str, n_in: int, column_only
     if dtype not in ("f16", "bf16") or stages < max(2, MIN_STAGES):
         return "not a 16-bit kernel's stream loop over chunk buffers"
     loops = [n for n, _ in ff.walk() if isinstance(n, Loop) and n.kind == "stream"]
-    if len(loops) != 1 or any(s.pred.block_atoms() for s in skips.get(loops[0].axis, ())):
-        return "not one stream loop visiting every chunk"
+    if len(loops) != 1:
+        return "not one stream loop"
+    if not TABLE_LOOPS and any(s.pred.block_atoms() for s in skips.get(loops[0].axis, ())):
+        return "chunks skipped by a block table (tma.TABLE_LOOPS is off)"
     lp = loops[0]
     loads = [n for n in lp.body if isinstance(n, Load)]
     types = ff.diagram.var_types()
