@@ -46,7 +46,7 @@ Tensor cores: dQ = contract on tensor-core fragments over (q, d): 4x2 warps in 2
 Tensor cores: dV (sum_contract) on tensor-core fragments over (x, d): 8x1 warps in 2 warpgroup(s), each warp 16x64: 1 wgmma.m64n64k16 per warpgroup and step (f16 in, A from registers or, an input's, by descriptor, B from shared memory, fp32 accumulators; requires x % 128, reduced extent % 16)
 Tensor cores: dK (sum_contract) on tensor-core fragments over (x, d): 8x1 warps in 2 warpgroup(s), each warp 16x64: 1 wgmma.m64n64k16 per warpgroup and step (f16 in, A from registers or, an input's, by descriptor, B from shared memory, fp32 accumulators; requires x % 128, reduced extent % 16)
 Block sizes: heuristic.
-Copying warpgroup: threads 256..383 copy the stream loop's chunks (cp.async, 24 registers each by setmaxnreg); threads 0..255 compute (240 registers each); chunks handed over by named barriers.
+Copying warpgroup: threads 256..383 copy the stream loop's chunks (TMA, 24 registers each by setmaxnreg); threads 0..255 compute (240 registers each); chunks handed over by named barriers.
 """
 
 import math
