@@ -9,15 +9,17 @@ from . import tma
 class Copies:
     """How the copying warpgroup copies a chunk (:meth:`issue`) and waits for it (:meth:`landed`):
     ``cp.async`` groups, or tensor copies completing on each buffer's mbarrier (:mod:`.tma`; the
-    mbarriers initialised here, ``count`` the visited chunk's position, for their parity)."""
+    mbarriers initialised here, ``count`` the visited chunk's position, for their parity: the
+    caller's own counter where it passes one, else one kept here)."""
 
-    def __init__(self, em, lp, loads, bufs, stages: int, bar: int, threads: int, src):
+    def __init__(self, em, lp, loads, bufs, stages: int, bar: int, threads: int, src, count: str | None = None):
         self.em, self.lp, self.loads, self.bufs, self.stages, self.src = em, lp, loads, bufs, stages, src
         self.tensor, k = tma.copied(bufs), em.consts
-        self.count = em.names.fresh(f"pchunk_{em.ax[lp.axis].name}")
+        self.count = count or em.names.fresh(f"pchunk_{em.ax[lp.axis].name}")
         if self.tensor:   # named barrier ``bar`` of the ``threads`` copying threads orders the initialisation
             tma.init(em, stages, bar, threads, src)
-            src(f"{self.count} = {k.u(0, 'U0')}  # chunk c's position among the chunks visited")
+            if count is None:
+                src(f"{self.count} = {k.u(0, 'U0')}  # chunk c's position among the chunks visited")
 
     def issue(self, start: str, copy: str) -> None:
         if self.tensor:

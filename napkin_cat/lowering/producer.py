@@ -477,13 +477,13 @@ def _double_copies(em, lp, loads, bufs, lo, hi, first, par, per, src) -> None:
         em._advance(lp, nxt, src)
 
 
-def _copies(em, lp, loads, bufs, stages: int, src) -> Copies:
+def _copies(em, lp, loads, bufs, stages: int, src, count: str | None = None) -> Copies:
     """The chunk copies of the copying warpgroup; by TMA, its mbarriers initialised at the first
-    named barrier the hand-over leaves free."""
+    named barrier the hand-over leaves free (``count``: the caller's counter of visited chunks)."""
     bar = hand_over_ids(em.T, stages)[1] + stages
     if tma.copied(bufs) and bar > 15:
         raise NotSpecialised("no named barrier left for the TMA mbarriers' initialisation")
-    return Copies(em, lp, loads, bufs, stages, bar, THREADS, src)
+    return Copies(em, lp, loads, bufs, stages, bar, THREADS, src, count)
 
 
 def _arrive_landed(em, slot: str, which: str, src) -> None:
@@ -544,8 +544,8 @@ def _staged_copies(em, lp, loads, bufs, lo, hi, first, par, src) -> None:
     stages = _stages(bufs)
     empty, total = hand_over_ids(em.T, stages)[1], em.T + THREADS
     S, U0, U1 = k.u(stages, f"U{stages}"), k.u(0, "U0"), k.u(1, "U1")
-    copies = _copies(em, lp, loads, bufs, stages, src)
     n = em.names.fresh(f"issued_{a.name}")
+    copies = _copies(em, lp, loads, bufs, stages, src, count=n)
     src(f"{n} = {U0}  # chunks issued")
 
     def landed(last: bool) -> None:   # chunk n - 1 (buffer par - 1); the newest but one unless ``last``
