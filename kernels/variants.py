@@ -89,7 +89,7 @@ def attention_variant(N, D, causal, BH, tiles, pf, sw, gen):
         with_switches(old)
     Q, K, V = (torch.randn(B, H, N, D, device=DEV, generator=gen) for _ in range(3))
     O = torch.full_like(Q, float("nan"))
-    run = kernel.prepare(Q, K, V, out=O)
+    run = chooser.prepare(Q, K, V, out=O)
     run()
     torch.cuda.synchronize()
     rows = torch.randperm(N, device=DEV, generator=gen)[:128].sort().values
@@ -116,7 +116,7 @@ def matmul_variant(M, tiles, pf, sw, gen):
     A = torch.randn(M, M, device=DEV, generator=gen)
     Bm = torch.randn(M, M, device=DEV, generator=gen)
     C = torch.full((M, M), float("nan"), device=DEV)
-    run = kernel.prepare(A, Bm, out=C)
+    run = chooser.prepare(A, Bm, out=C)
     run()
     torch.cuda.synchronize()
     rows = torch.randperm(M, device=DEV, generator=gen)[:128]
@@ -255,16 +255,19 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
         {q: N, x: N, d: D, h: H // G, b: B, **({g: G} if G > 1 else {})})
     t, th, pf = FLEX_TILES.get(dt, FLEX_TILES["f16"])
     tiles, threads, prefetch = tiles or t, threads or th, pf if prefetch is None else prefetch
-    kernel = nc.lower(dia, tiles=tiles, threads=threads, prefetch=prefetch, verify=False)
-    tiles = {r.axis: r.size for r in kernel.diagram.schedule if r.op in ("tile", "stream") and r.axis in ("q", "x")}
-    threads = kernel.options["threads"]   # the blocks and computing threads it was lowered with
+    chooser = nc.lower(dia, tiles=tiles, threads=threads, prefetch=prefetch, verify=False)
     Q = torch.randn(B, H, N, D, device=DEV, generator=gen).to(TORCH_DT[dt])
     K, V = (torch.randn(B, H // G, N, D, device=DEV, generator=gen).to(TORCH_DT[dt]) for _ in range(2))
     # auxiliary inputs in the dtype the diagram declares for them (16-bit in a 16-bit kernel)
     extra = [aux_tensors[a.name].to(TORCH_DT.get(a.dtype.name, torch.float32)).contiguous() for a in dia.dom[3:]]
+    # two forms chosen at each launch from their tables (lowering/tabled.py, TableChoice): the one these inputs run
+    kernel = (chooser.chosen(*((Q.view(B, H // G, G, N, D),) if G > 1 else (Q,)), K, V, *extra)[0]
+              if hasattr(chooser, "forms") else chooser)
+    tiles = {r.axis: r.size for r in kernel.diagram.schedule if r.op in ("tile", "stream") and r.axis in ("q", "x")}
+    threads = kernel.options["threads"] or kernel.inner.options["threads"]   # the blocks and computing threads it runs
     O = torch.full_like(Q, float("nan"))
     # query head kvh * G + g is Q[b, kvh, g]: a view, as napkin_cat's grouped diagram takes it
-    run = kernel.prepare(*((Q.view(B, H // G, G, N, D),) if G > 1 else (Q,)), K, V, *extra,
+    run = chooser.prepare(*((Q.view(B, H // G, G, N, D),) if G > 1 else (Q,)), K, V, *extra,
                          out=O.view(B, H // G, G, N, D) if G > 1 else O)
     run()
     torch.cuda.synchronize()
@@ -297,14 +300,15 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
         from napkin_cat.lowering.table_kernel import make_table
         derived = {"table_ms": cuda_time(lambda: [t.values(inputs) for t in kernel.tables]),
                    "table_kernel_ms": cuda_time(lambda: [make_table(t, inputs) for t in kernel.tables]),
-                   "call_ms": cuda_time(lambda: kernel(*inputs[:3], *(a.clone() for a in inputs[3:]), out=out)),
-                   "kept_call_ms": cuda_time(lambda: kernel(*inputs, out=out)),
+                   "call_ms": cuda_time(lambda: chooser(*inputs[:3], *(a.clone() for a in inputs[3:]), out=out)),
+                   "kept_call_ms": cuda_time(lambda: chooser(*inputs, out=out)),
                    "table_blocks": [kernel.tables[0].rows, kernel.tables[0].cols],
                    # the peer's own table, made the same way each call
                    "flex_block_mask_ms": cuda_time(lambda: create_block_mask(
                        mask, B=flex_kw.get("B"), H=flex_kw.get("H"), Q_LEN=N, KV_LEN=N, device=DEV))}
     share = float(nc.cost(costed, data=data).flops["tensor"]) / dense
     r = {"kind": "flex", "variant": name, "dtype": dt, "N": N, "d": D, "BH": B * H, "tiles": tiles,
+         "forms": len(getattr(chooser, "forms", ())) or 1,
          "threads": threads, "prefetch": prefetch, "mma": "mma_" in kernel.source, "ms": ms,
          "rel_err": err, "flex_ms": flex_ms, "flex_rel_err": flex_err, "kept_share": share,
          "kernel_ms": kernel_ms, "flex_kernel_ms": flex_kernel_ms,

@@ -38,7 +38,7 @@ from .calls import (_Prepared, _TorchFastPath, _check_array, _empty_like, _flat_
                     copy_into, padded_shape, padded_store, unpadded)
 from .tma import map_args
 
-__all__ = ["lower", "Kernel", "Launch", "MultiKernel", "TabledKernel"]
+__all__ = ["lower", "Kernel", "Launch", "MultiKernel", "TabledKernel", "TableChoice"]
 
 TARGETS = ("numba.cuda",)
 SELF_CHECK_RUNS = 2   # inputs every lowered kernel is run on against the oracle before lower() returns it
@@ -107,7 +107,13 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     kernel = tabled.lower_with_tables(d, opts, _lower_any, lambda: _gpu_present(runtime))
     if runs:
         from ..verify.kernelcheck import self_check
-        kernel.notes += (self_check(kernel, runs, check_inputs),)
+        forms = getattr(kernel, "forms", ())   # a choice made at each launch (.tabled): each form
+        for n, k in enumerate(forms):
+            k.notes += (self_check(k, runs, check_inputs),)
+            k.verified = True
+            kernel.notes += (f"Form {n + 1}: {k.notes[-1]}",)
+        if not forms:
+            kernel.notes += (self_check(kernel, runs, check_inputs),)
         kernel.verified = True
     else:
         kernel.notes += ("Not verified: lower(..., verify=False); run nc.check_equivalent(oracle, kernel).",)
@@ -422,6 +428,6 @@ def _late(name: str):
 from ..verify import backend as _backend  # noqa: E402 -- the table verification reads kernels through
 
 from .multi import MultiKernel  # noqa: E402
-from .tabled import TabledKernel  # noqa: E402
-_backend.register(lower=lower, Kernel=Kernel, MultiKernel=MultiKernel, TabledKernel=TabledKernel,
+from .tabled import TableChoice, TabledKernel  # noqa: E402
+_backend.register(lower=lower, Kernel=Kernel, MultiKernel=MultiKernel, TabledKernel=TabledKernel, TableChoice=TableChoice,
                   simulator_active=_late("simulator_active"), driver_present=_late("driver_present"), Launch=Launch)

@@ -16,6 +16,12 @@ A mask that reads an index other than its rows' and columns' (``doc[b, i] == doc
 window of each head ``w[h]``) gets a table of each value of those indices (the lead axes, in the
 diagram's axis order), read by a block that holds one of each.
 
+Which blocks run fastest depends on the data: wide windows keep whole chunks and run faster on
+taller tiles, short documents and narrow bands keep partial chunks and run faster on shorter ones.
+On a GPU with warpgroup MMAs the 16-bit forward at d <= 64 is therefore lowered twice (128-row
+``mma.sync`` blocks, and four warpgroups of 64 rows: :func:`.wgmma_plan.data_masks`), and a
+:class:`TableChoice` runs, at each call, the form whose tables keep less area (:data:`TALLER`).
+
 Cost: a table is O(rows x columns) work on the inputs' device (FlexAttention's
 ``create_block_mask``); on a GPU it is one launch of a generated kernel (:mod:`.table_kernel`).
 Tables of torch tensors are kept by the tensors' identity and version (:func:`fill`): the layers
@@ -173,6 +179,72 @@ class TabledKernel:
         return self.inner.prepare(*arrays, *self.derive(*arrays), out=out, stream=stream)
 
 
+TALLER = 1.13
+"""A mask that reads data runs on four warpgroups of 64 rows (256-row blocks) where their tables
+keep less than ``TALLER`` times the area the 128-row blocks' tables keep, else on the 128-row
+``mma.sync`` blocks (:class:`TableChoice`; measured: ``kernels/probes/table_choice.py``)."""
+
+
+class TableChoice:
+    """A mask that reads data lowered twice (:func:`lower_with_tables`): ``forms``, two
+    :class:`TabledKernel` on different blocks, the one to launch chosen at each call from the
+    tables each would read: the taller blocks where they keep less than :data:`TALLER` times the
+    area the others keep (a wide window), else the others (short documents, narrow bands: tall
+    tiles would keep many partial chunks).  The choice reads two counts back to the host; for torch
+    tensors it is kept with their tables (:func:`fill`).  ``nc.lower`` verifies both forms."""
+
+    def __init__(self, forms: tuple[TabledKernel, ...]):
+        self.forms = forms
+        first = forms[0]
+        self.diagram, self.name = first.diagram, first.name
+        self.in_shapes, self.out_shapes, self.in_io, self.out_io = first.in_shapes, first.out_shapes, first.in_io, first.out_io
+        self.options = first.options
+        blocks = " and ".join(f"{t.rows} x {t.cols}" for t in (f.tables[0] for f in forms))
+        self.notes: tuple[str, ...] = (
+            f"Two forms, chosen at each launch from their block tables (lowering/tabled.py, TableChoice): blocks "
+            f"of {blocks}; the second where its tables keep less than {TALLER} times the first's area.",)
+        self.verified = False
+        self._chosen: OrderedDict = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"TableChoice({', '.join(repr(f) for f in self.forms)})"
+
+    @staticmethod
+    def kept(form: TabledKernel, tables) -> float:
+        """The area (entries) the blocks ``tables`` keep, whole or in part, cover."""
+        return sum(float((t > 0).sum()) * spec.rows * spec.cols for spec, t in zip(form.tables, tables))
+
+    def chosen(self, *arrays) -> tuple[TabledKernel, tuple]:
+        """The form these arrays run on, and its tables."""
+        first = self.forms[0]
+        first._check_call(arrays)
+        key = _identity([arrays[k] for t in first.tables for _, k in t.aux])
+        if key is not None and key in self._chosen:
+            self._chosen.move_to_end(key)
+            form = self.forms[self._chosen[key]]
+            return form, form.derive(*arrays)
+        derived = [f.derive(*arrays) for f in self.forms]
+        area = [self.kept(f, t) for f, t in zip(self.forms, derived)]
+        pick = 1 if area[1] < TALLER * area[0] else 0
+        if key is not None:
+            self._chosen[key] = pick
+            while len(self._chosen) > CACHED:
+                self._chosen.popitem(last=False)
+        return self.forms[pick], derived[pick]
+
+    def __call__(self, *arrays, out=None, stream=None):
+        form, tables = self.chosen(*arrays)
+        return form.inner(*arrays, *tables, out=out, stream=stream)
+
+    def prepare(self, *arrays, out=None, stream=None):
+        """As :meth:`TabledKernel.prepare`, on the form chosen for these arrays."""
+        form, tables = self.chosen(*arrays)
+        return form.inner.prepare(*arrays, *tables, out=out, stream=stream)
+
+    def compiled_info(self) -> dict:
+        return self.forms[0].compiled_info()
+
+
 def lower_with_tables(d: Diagram, opts: dict, lower_any, on_gpu):
     """``lower_any(d, opts)``, or where ``d`` has masks that read data: their tables derived
     (module docstring), the kernel that reads them wrapped in a :class:`TabledKernel`;
@@ -180,13 +252,34 @@ def lower_with_tables(d: Diagram, opts: dict, lower_any, on_gpu):
     if not derivable(d):
         return lower_any(d, opts)
     from .schedule import choose
+    simulate = not on_gpu()
     try:   # one kernel's blocks; where there is none (a split into kernels), no table
-        sched = choose(d, opts.get("tiles"), opts.get("threads"), simulate=not on_gpu(), hw=opts.get("hw"))
-        d2, tables = with_tables(sched.diagram)
+        sched = choose(d, opts.get("tiles"), opts.get("threads"), simulate=simulate, hw=opts.get("hw"))
+        kernel = _tabled(sched, opts, lower_any)
     except (LoweringError, RelabelError, NotInputs):
         return lower_any(d, opts)
-    if not tables:
+    if kernel is None:
         return lower_any(d, opts)
+    if simulate or opts.get("tiles") is not None or opts.get("threads") is not None:
+        return kernel   # blocks the user chose, or the simulator's
+    from .wgmma_plan import data_masks
+    try:
+        with data_masks():   # the warpgroups' blocks, where they are another form
+            taller = choose(d, None, None, simulate=False, hw=opts.get("hw"))
+        if taller.threads == sched.threads:
+            return kernel
+        other = _tabled(taller, opts, lower_any)
+    except (LoweringError, RelabelError, NotInputs) as e:
+        kernel.notes += (f"One form: the warpgroups' blocks did not lower: {e}",)
+        return kernel
+    return TableChoice((kernel, other)) if other is not None else kernel
+
+
+def _tabled(sched, opts: dict, lower_any) -> TabledKernel | None:
+    """The kernel of schedule ``sched`` reading derived tables, or None where it has none."""
+    d2, tables = with_tables(sched.diagram)
+    if not tables:
+        return None
     inner = lower_any(d2, {**opts, "tiles": None, "threads": sched.threads})
     kernel = TabledKernel(sched.diagram, inner, tables)
     kernel.options = {**inner.options, "threads": opts.get("threads")}

@@ -5,6 +5,7 @@ out, before the launch is sized)."""
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import replace
 
 from ..relabel.loopnest import Loop
@@ -265,8 +266,10 @@ def warpgroup_forward(d0, simulate: bool, mode) -> int:
       ``mma.sync``'s 0.475 at 128 rows on 128 threads, d = 64).  Masked from the first column on
       (causal; :data:`FORWARD_NARROW_MASKED`) likewise: 0.241 against ``mma.sync``'s 0.258 at 128
       rows (two warpgroups of 128 rows: 0.261, as 0.263 against 0.257 in the "Fifth session of
-      2026-11-25"; block-causal, prefix-LM and grouped causal 5-8% faster too); not under a band, a
-      mask of unknown support (as at d = 128) nor one that reads data (a document's ids: not measured);
+      2026-11-25"; block-causal, prefix-LM and grouped causal 5-8% faster too); not under a band nor
+      a mask of unknown support (as at d = 128); under a mask that reads data (a document's ids) only
+      inside :func:`data_masks`: :mod:`.tabled` lowers that form beside the other and chooses
+      between them at each launch, from their block tables;
     - at width :data:`FORWARD_WIDE`, unmasked or masked from the first column on (causal): 384
       threads and 192 rows (three warpgroups of 64 rows: 0.837 ms against ``mma.sync``'s 0.955 at
       64 rows on 128 threads, causal 0.464 against 0.528, ALiBi 0.474 against 0.535; two warpgroups
@@ -288,8 +291,24 @@ def warpgroup_forward(d0, simulate: bool, mode) -> int:
     if max(widths) == FORWARD_WIDE:
         return 384 if all(_from_first_column(p) for p in masks) else 0
     data = any(len(e.ins) > 1 for e in d0.eqns if e.box.kind == "mask")   # a mask reading auxiliary tensors
+    if data and _DATA_MASKS[0]:   # the second form of such a mask, chosen at each launch (.tabled)
+        return FORWARD_NARROW_THREADS if max(widths) <= FORWARD_MAX_WIDTH else 0
     narrow = not masks or (FORWARD_NARROW_MASKED and not data and all(_from_first_column(p) for p in masks))
     return FORWARD_NARROW_THREADS if max(widths) <= FORWARD_MAX_WIDTH and narrow else 0
+
+
+_DATA_MASKS = [False]
+
+
+@contextmanager
+def data_masks():
+    """Within: :func:`warpgroup_forward` gives masks that read data four warpgroups too (at widths
+    up to :data:`FORWARD_MAX_WIDTH`), whatever their bounds: the second form :mod:`.tabled` lowers."""
+    _DATA_MASKS[0] = True
+    try:
+        yield
+    finally:
+        _DATA_MASKS[0] = False
 
 
 def forward_chunk(d0, simulate: bool, mode) -> int | None:

@@ -102,7 +102,7 @@ LOWER_OPTIONS = ("threads", "micro", "prefetch", "fastmath", "tiles", "fp32")
 
 def is_kernel(x) -> bool:
     from .backend import BACKEND
-    kinds = tuple(BACKEND[k] for k in ("Kernel", "MultiKernel", "TabledKernel") if k in BACKEND)   # or several, or tabled
+    kinds = tuple(BACKEND[k] for k in ("Kernel", "MultiKernel", "TabledKernel", "TableChoice") if k in BACKEND)   # or several, or tabled
     return bool(kinds) and isinstance(x, kinds)
 
 

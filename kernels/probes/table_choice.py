@@ -1,0 +1,93 @@
+"""Probe: which forward a mask that reads data should run, measured over the data.
+
+Masks that read data (``lowering/tabled.py``) get their block tables at each launch.  Two
+forwards can read them: ``nc.lower``'s own blocks (128 rows on ``mma.sync``) and four warpgroups
+of 64 rows with a copying one (256 rows, the dense forward's blocks at d = 64).  Taller tiles
+keep more of a narrow mask's partial chunks; the warpgroups do more per kept chunk.  This probe
+runs both (blocks given, so each is one form) over masks whose kept share moves: causal windows of each head ``(h + 1) * W`` wide
+and packed documents (``cuts`` boundaries at multiples of 64), with FlexAttention's kernels in
+the same run, and prints each form's kept share (its derived tables, by the cost model), the
+ratio of the two shares and of the two kernel times.  Every kernel is checked against float64
+first (``kernels/variants.py``'s ``flex_variant``).  GPU only; N = 4096, d = 64, B * H = 32, f16.
+
+    NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/table_choice.py [--widths 32,96,256] [--cuts 3,12,40]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "kernels"))
+
+import torch  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+import variants as V  # noqa: E402
+
+FORMS = {"128 rows": ({"q": 128, "x": 64}, 128), "four warpgroups": ({"q": 256, "x": 64}, 512)}
+"""The two forms ``nc.lower`` lowers such a mask to (``lowering/tabled.py``, ``TableChoice``), forced here."""
+
+
+def doc_ids(n: int, cuts: int, gen) -> torch.Tensor:
+    """Sorted ids of ``cuts + 1`` packed documents, boundaries at random multiples of 64."""
+    at = torch.sort(torch.randperm(n // 64 - 1, generator=gen)[:cuts] + 1).values * 64
+    ids = torch.zeros(n, dtype=torch.int64)
+    ids[at] = 1
+    return torch.cumsum(ids, 0)
+
+
+def cases(widths, cuts):
+    N, H = V.FLEX_N, V.FLEX_H
+    nh, n_ax = nc.Axis("nh", H), nc.Axis("n", N)
+    cpu = torch.Generator().manual_seed(0)
+    out = {}
+    for w in widths:
+        wv = torch.arange(1, H + 1, device=V.DEV, dtype=torch.float32) * w
+        wq = nc.aux("wq", nh)
+        m = nc.mask_mod(lambda b, h, i, j, wq=wq: (j <= i) & (i - j <= wq[h]))
+        out[f"head windows (h+1) x {w}"] = (dict(mask=m), None,
+                                            lambda b, h, i, j, wv=wv: (j <= i) & (i - j <= wv[h]), {"wq": wv}, {"H": H})
+    for c in cuts:
+        doc = doc_ids(N, c, cpu).to(V.DEV)
+        dd = nc.aux("doc", n_ax)
+        m = nc.mask_mod(lambda b, h, i, j, dd=dd: (dd[i] == dd[j]) & (j <= i))
+        out[f"documents, {c + 1}"] = (dict(mask=m), None, lambda b, h, i, j, doc=doc: (doc[i] == doc[j]) & (j <= i),
+                                      {"doc": doc.float()})
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--widths", default="32,96,256")
+    ap.add_argument("--cuts", default="3,12,40")
+    args = ap.parse_args(argv)
+    gen = torch.Generator(device=V.DEV).manual_seed(0)
+    print(torch.cuda.get_device_name(0), torch.__version__, flush=True)
+    rows = []
+    specs = cases([int(w) for w in args.widths.split(",") if w], [int(c) for c in args.cuts.split(",") if c])
+    for name, spec in specs.items():
+        got = {}
+        for form, (tiles, threads) in FORMS.items():
+            r = V.flex_variant(name, spec, gen, tiles=tiles, dt="f16", threads=threads, prefetch="auto")
+            got[form] = r
+            print(name, form, {k: r[k] for k in ("kept_share", "kernel_ms", "flex_kernel_ms", "rel_err", "threads")},
+                  flush=True)
+        rows.append((name, got))
+    a, b = FORMS
+    print(f"\n| mask | kept ({a}) | kept ({b}) | kept ratio | kernel ms ({a}) | kernel ms ({b}) | time ratio | "
+          f"Flex kernel ms | err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, got in rows:
+        ra, rb = got[a], got[b]
+        print(f"| {name} | {ra['kept_share']:.3f} | {rb['kept_share']:.3f} | {rb['kept_share'] / ra['kept_share']:.3f} | "
+              f"{ra['kernel_ms']:.3f} | {rb['kernel_ms']:.3f} | {rb['kernel_ms'] / ra['kernel_ms']:.3f} | "
+              f"{ra['flex_kernel_ms']:.3f} | {max(ra['rel_err'], rb['rel_err']):.0e} |")
+
+
+if __name__ == "__main__":
+    main()
