@@ -307,3 +307,19 @@ def test_a_tensor_core_kernel_may_err_as_much_as_truncated_products_do():
     dS = np.exp(S - L[..., None]) * (np.einsum("hgqd,hxd->hgqx", dO, V) - D[..., None]) / 8
     dropped = exact[0] - np.einsum("hqx,hqd->hxd", dS[:, 1, :64], Q[:, 1, :64])
     assert failure((dropped, exact[1]), packed) is not None
+
+
+def test_a_16_bit_kernel_on_huge_data_on_a_gpu_names_the_known_gap(monkeypatch):
+    """docs/NAN_POLICY.md, "Known gap on the GPU": a 16-bit forward differs on scores past ~1e8
+    on a GPU only; a counterexample there says so (``kernelcheck.known_gap``), nowhere else."""
+    from napkin_cat.verify import backend
+    from napkin_cat.verify.kernelcheck import known_gap
+    qq, xx, dd = nc.axes("q x d")
+    half = nc.lower(nc.library.attention(q=qq, x=xx, d=dd, dtype=nc.f16).bind({qq: 16, xx: 16, dd: 16}), verify=False)
+    full = nc.lower(nc.library.attention(q=qq, x=xx, d=dd).bind({qq: 8, xx: 8, dd: 4}), verify=False)
+    assert known_gap(half, "huge") is None                  # the simulator: no fused multiply-add
+    monkeypatch.setitem(backend.BACKEND, "simulator_active", lambda: False)
+    assert "NAN_POLICY.md" in known_gap(half, "huge") and known_gap(half, "huge_one_sign")
+    assert known_gap(half, "normal") is None and known_gap(half, "jumps") is None
+    assert known_gap(full, "huge") is None                  # fp32 kernels pass there
+    assert known_gap(None, "huge") is None                  # two diagrams, no kernel

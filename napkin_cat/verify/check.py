@@ -359,6 +359,10 @@ def _counterexample(problem, ex, failure, run, seconds, rtol, atol, rerun=None):
     if failure.get("kernel") is not None:
         k = failure["kernel"]
         lines.append(f"  kernel: {k!r}" + (f", lower options {failure['options']}" if failure.get("options") else ""))
+    from .kernelcheck import known_gap
+    gap = known_gap(failure.get("kernel"), ex.regime)
+    if gap:
+        lines.append(f"  known  : {gap}")
     if rerun is not None:
         hits, tries = rerun
         lines.append(f"  re-run: the counterexample failed again {hits} of {tries} time(s)"
