@@ -264,7 +264,8 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
     kernel = (chooser.chosen(*((Q.view(B, H // G, G, N, D),) if G > 1 else (Q,)), K, V, *extra)[0]
               if hasattr(chooser, "forms") else chooser)
     tiles = {r.axis: r.size for r in kernel.diagram.schedule if r.op in ("tile", "stream") and r.axis in ("q", "x")}
-    threads = kernel.options["threads"] or kernel.inner.options["threads"]   # the blocks and computing threads it runs
+    inner = getattr(kernel, "inner", kernel)   # a TabledKernel's options say the user's threads (None: its own)
+    threads = kernel.options.get("threads") or inner.options.get("threads")   # the blocks and threads it runs
     O = torch.full_like(Q, float("nan"))
     # query head kvh * G + g is Q[b, kvh, g]: a view, as napkin_cat's grouped diagram takes it
     run = chooser.prepare(*((Q.view(B, H // G, G, N, D),) if G > 1 else (Q,)), K, V, *extra,
