@@ -323,3 +323,20 @@ def test_a_16_bit_kernel_on_huge_data_on_a_gpu_names_the_known_gap(monkeypatch):
     assert known_gap(half, "normal") is None and known_gap(half, "jumps") is None
     assert known_gap(full, "huge") is None                  # fp32 kernels pass there
     assert known_gap(None, "huge") is None                  # two diagrams, no kernel
+
+
+def test_lower_s_self_check_names_the_known_gap_on_huge_data_on_a_gpu(monkeypatch):
+    """``lower(verify=3)`` reaches the regime ``huge_one_sign``; a difference there, on a GPU, is
+    reported as the known gap, not as a code generation bug (the difference itself is planted)."""
+    from napkin_cat.core.errors import EquivalenceError
+    from napkin_cat.verify import backend
+    qq, xx, dd = nc.axes("q x d")
+    half = nc.lower(nc.library.attention(q=qq, x=xx, d=dd, dtype=nc.f16).bind({qq: 16, xx: 16, dd: 16}), verify=False)
+    bad = {"kind": "error", "side": "kernel", "error": "planted"}
+    monkeypatch.setattr(kernelcheck, "kernel_outcome", lambda o, k, ins: kernelcheck.KernelDiff(failure=bad))
+    monkeypatch.setattr(kernelcheck, "SELF_CHECK_REGIMES", ("huge_one_sign",))
+    with pytest.raises(EquivalenceError, match="code generation bug"):
+        kernelcheck.self_check(half, 1)
+    monkeypatch.setitem(backend.BACKEND, "simulator_active", lambda: False)
+    with pytest.raises(EquivalenceError, match="a known gap: a 16-bit kernel on a GPU"):
+        kernelcheck.self_check(half, 1)
