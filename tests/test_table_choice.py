@@ -176,3 +176,15 @@ def test_lower_verifies_both_forms_and_names_a_wrong_one(monkeypatch):
     monkeypatch.setattr(tabled, "lower_with_tables", choice(True))
     with pytest.raises(EquivalenceError, match="differs from the NumPy oracle"):
         nc.lower(dia, verify=2)
+
+
+def test_a_choice_refuses_what_its_forms_cannot_read_and_keeps_nothing(gpu):
+    from napkin_cat.core.errors import NapkinError, ShapeError
+    _, dia = _head_windows()
+    k = nc.lower(dia, verify=False, prefetch="auto")
+    ins = _inputs(dia, (np.arange(1, H + 1) * 256).astype(np.float32))
+    with pytest.raises(ShapeError, match=r"input wq\[nh=16\].*expected shape \(16,\), got \(15,\)"):
+        k.chosen(*ins[:-1], ins[-1][:15])
+    with pytest.raises(ShapeError, match="takes 4 arrays"):
+        k(*ins[:-1])
+    assert issubclass(ShapeError, NapkinError) and not k._chosen
