@@ -89,7 +89,7 @@ def attention_variant(N, D, causal, BH, tiles, pf, sw, gen):
         with_switches(old)
     Q, K, V = (torch.randn(B, H, N, D, device=DEV, generator=gen) for _ in range(3))
     O = torch.full_like(Q, float("nan"))
-    run = chooser.prepare(Q, K, V, out=O)
+    run = kernel.prepare(Q, K, V, out=O)
     run()
     torch.cuda.synchronize()
     rows = torch.randperm(N, device=DEV, generator=gen)[:128].sort().values
@@ -116,7 +116,7 @@ def matmul_variant(M, tiles, pf, sw, gen):
     A = torch.randn(M, M, device=DEV, generator=gen)
     Bm = torch.randn(M, M, device=DEV, generator=gen)
     C = torch.full((M, M), float("nan"), device=DEV)
-    run = chooser.prepare(A, Bm, out=C)
+    run = kernel.prepare(A, Bm, out=C)
     run()
     torch.cuda.synchronize()
     rows = torch.randperm(M, device=DEV, generator=gen)[:128]
@@ -260,16 +260,16 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
     K, V = (torch.randn(B, H // G, N, D, device=DEV, generator=gen).to(TORCH_DT[dt]) for _ in range(2))
     # auxiliary inputs in the dtype the diagram declares for them (16-bit in a 16-bit kernel)
     extra = [aux_tensors[a.name].to(TORCH_DT.get(a.dtype.name, torch.float32)).contiguous() for a in dia.dom[3:]]
+    # query head kvh * G + g is Q[b, kvh, g]: a view, as napkin_cat's grouped diagram takes it
+    inputs = (Q.view(B, H // G, G, N, D) if G > 1 else Q, K, V, *extra)
     # two forms chosen at each launch from their tables (lowering/tabled.py, TableChoice): the one these inputs run
-    kernel = (chooser.chosen(*((Q.view(B, H // G, G, N, D),) if G > 1 else (Q,)), K, V, *extra)[0]
-              if hasattr(chooser, "forms") else chooser)
+    kernel = chooser.chosen(*inputs)[0] if hasattr(chooser, "forms") else chooser
     tiles = {r.axis: r.size for r in kernel.diagram.schedule if r.op in ("tile", "stream") and r.axis in ("q", "x")}
     inner = getattr(kernel, "inner", kernel)   # a TabledKernel's options say the user's threads (None: its own)
     threads = kernel.options.get("threads") or inner.options.get("threads")   # the blocks and threads it runs
     O = torch.full_like(Q, float("nan"))
-    # query head kvh * G + g is Q[b, kvh, g]: a view, as napkin_cat's grouped diagram takes it
-    run = chooser.prepare(*((Q.view(B, H // G, G, N, D),) if G > 1 else (Q,)), K, V, *extra,
-                         out=O.view(B, H // G, G, N, D) if G > 1 else O)
+    out = O.view(B, H // G, G, N, D) if G > 1 else O
+    run = chooser.prepare(*inputs, out=out)
     run()
     torch.cuda.synchronize()
     rows = torch.randperm(N, device=DEV, generator=gen)[:128].sort().values
@@ -292,12 +292,10 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
     costed = dia.stream("x", tiles["x"]).tile("q", tiles["q"])
     derived = {}
     if hasattr(kernel, "tables"):   # a mask that reads data: its block table derived per launch (lowering/tabled.py)
-        inputs = (Q.view(B, H // G, G, N, D) if G > 1 else Q, K, V, *extra)
         tables = kernel.derive(*inputs)
         data, costed = {t.name: v.cpu().float().numpy() for t, v in zip(kernel.tables, tables)}, kernel.inner.diagram
         # what a call that derives its table costs (auxiliary tensors it has not seen: the tables
         # of tensors it has seen are kept, lowering/tabled.py): the tables alone, and the whole call
-        out = O.view(B, H // G, G, N, D) if G > 1 else O
         from napkin_cat.lowering.table_kernel import make_table
         derived = {"table_ms": cuda_time(lambda: [t.values(inputs) for t in kernel.tables]),
                    "table_kernel_ms": cuda_time(lambda: [make_table(t, inputs) for t in kernel.tables]),

@@ -241,9 +241,6 @@ class TableChoice:
         form, tables = self.chosen(*arrays)
         return form.inner.prepare(*arrays, *tables, out=out, stream=stream)
 
-    def compiled_info(self) -> dict:
-        return self.forms[0].compiled_info()
-
 
 def lower_with_tables(d: Diagram, opts: dict, lower_any, on_gpu):
     """``lower_any(d, opts)``, or where ``d`` has masks that read data: their tables derived
