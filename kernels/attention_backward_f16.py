@@ -294,7 +294,7 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV, Q_tmap, L_tmap, dO_tma
                 for j in range(U16):
                     i_q3 = tx * U2 + j // U2 * U8 + j % U2
                     S_72 = (acc2[i, j]) * C_SCALE
-                    S_82 = S_72 if (q_full2 or (x0 + i_x7) <= (q0 + i_q3)) else NEG_INF
+                    S_82 = S_72 if (x0 + i_x7) <= (q0 + i_q3) else NEG_INF
                     S_112 = S_82 - L_cols2[j]
                     P_122 = math.exp(S_112)
                     P_r[i, j] = P_122
@@ -336,7 +336,7 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV, Q_tmap, L_tmap, dO_tma
                     dP_152 = (acc3[i, j]) - D_cols2[j]
                     dS_162 = (P_r[i, j]) * dP_152
                     v_0_keep_172 = ZERO
-                    v_0_keep_182 = v_0_keep_172 if (q_full2 or (x0 + i_x9) <= (q0 + i_q5)) else NEG_INF
+                    v_0_keep_182 = v_0_keep_172 if (x0 + i_x9) <= (q0 + i_q5) else NEG_INF
                     v_0_keep_192 = math.exp(v_0_keep_182)
                     dS_202 = dS_162 * v_0_keep_192
                     dS_212 = dS_202 * C_SCALE

@@ -288,7 +288,7 @@ def causal_attention(Q, K, V, O):
                 for j in range(U8):
                     i_x11 = tx * U4 + j // U4 * U32 + j % U4
                     S_42 = (S_regs[i, j]) * C_SCALE
-                    S_52 = S_42 if (x_full or (x0 + i_x11) <= (q0 + i_q12)) else NEG_INF
+                    S_52 = S_42 if (x0 + i_x11) <= (q0 + i_q12) else NEG_INF
                     S_regs[i, j] = S_52
         # row statistics: 8 lanes per row (warp shuffles; shared memory in the simulator); weights -> warp-private O_p_s
         for i in range(U4):

@@ -369,6 +369,8 @@ def _features(kernel) -> set[str]:
         out.add("skipped-arithmetic")
     if "the masks keep the whole chunk: its elements without them" in body:   # lowering/unswitch.py
         out.add("unswitched")
+    if "holds over the whole chunk" in body:   # unswitch._by_value: a partial chunk by its table entry's value
+        out.add("table-versions")
     if len(re.findall(r"# stream \w+ in chunks of", body)) >= 2:   # loopnest._updates_per_chunk: GQA's dK
         out.add("nested-streams")
         if "chunks are masked for every" in body:   # skipping.chunk_skips: a sum over both streams' axes

@@ -39,7 +39,8 @@ def test_causal_scores_are_written_for_whole_chunks_without_the_mask(n):
     kernel = nc.lower(dia, tiles={"q": 8, "x": 4}, threads=16)
     whole, rest = _branches(kernel.source)
     # the mask's comparison of indices in the other branch only (a ragged chunk's padding is -inf in both)
-    assert "<=" not in whole and "_full" not in whole and re.search(r"if \(x_full\w* or .*<=.*else NEG_INF", rest)
+    assert "<=" not in whole and "_full" not in whole and re.search(r"S_\w+ if .*<=.*else NEG_INF", rest)
+    assert "x_full" not in rest     # known false in the other branch: not tested again in each element
     assert _outcome(dia, kernel).failure is None
 
 
@@ -83,3 +84,106 @@ def test_a_data_mask_with_its_block_table_is_written_twice():
     ids = np.repeat([0, 1, 2], [5, 8, 3]).astype(np.float64)     # three documents, cut inside chunks
     inputs = [rng.standard_normal((16, 4)) * 4 for _ in range(3)] + [ids]
     assert kernelcheck.kernel_outcome(dia, kernel, inputs).failure is None
+
+
+def _documents(n: int):
+    doc = nc.aux("doc", nc.Axis("n", n))
+    return L.attention(q=q, x=x, d=d, mask=lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i)).bind(
+        {q: n, x: n, d: 4})
+
+
+def _document_inputs(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, n), size=3, replace=False))
+    ids = np.searchsorted(cuts, np.arange(n), side="right").astype(np.float64)   # four documents, cut anywhere
+    return [rng.standard_normal((n, 4)) * 4 for _ in range(3)] + [ids]
+
+
+def _versions(src: str) -> dict[tuple, list[str]]:
+    """The mask lines (``... if ... else NEG_INF``) by the block-table values they are written under:
+    the enclosing tests' comparisons, ``not ...`` in their ``else`` branches, outermost first."""
+    lines = src.splitlines()
+    indent = lambda ln: len(ln) - len(ln.lstrip())
+    head = re.compile(r"# the block table.s (bt\[.*\] \S+ \S+) holds over the whole chunk")
+    out: dict[tuple, list[str]] = {}
+    for n, ln in enumerate(lines):
+        if "else NEG_INF" not in ln or "< len_" in ln:   # a ragged chunk's padding: not the mask
+            continue
+        conds, level = [], indent(ln)
+        for k in range(n - 1, -1, -1):
+            up = lines[k]
+            if not up.strip() or indent(up) >= level:
+                continue
+            level = indent(up)
+            if up.strip() == "else:":
+                match = next(lines[m] for m in range(k - 1, -1, -1) if indent(lines[m]) == level and lines[m].strip())
+                found = head.search(match)
+                if found:
+                    conds.append("not " + found.group(1))
+            elif head.search(up):
+                conds.append(head.search(up).group(1))
+        if conds:
+            out.setdefault(tuple(reversed(conds)), []).append(ln.strip())
+    return out
+
+
+@pytest.mark.parametrize("n", [16, 14])
+def test_a_data_masks_partial_chunks_are_written_once_for_each_table_value(n):
+    """The derived table's 'whole' value (2) leaves the bounds alone, its 'partial' value (1) the
+    data's comparison and the bounds; neither reads the table in its elements."""
+    dia = _documents(n)
+    kernel = nc.lower(dia, tiles={"q": 8, "x": 4}, threads=16, verify=False)
+    versions = _versions(kernel.source)
+    whole = versions[("bt[i // 8, j // 4] >= 2",)]
+    partial = versions[("not bt[i // 8, j // 4] >= 2", "bt[i // 8, j // 4] >= 1")]
+    assert whole and partial and all("bt_" not in ln for ln in whole + partial)
+    assert all("doc_s" not in ln and "<=" in ln for ln in whole)
+    assert any("doc_s" in ln and "<=" in ln for ln in partial)
+    for seed in range(3):
+        assert kernelcheck.kernel_outcome(dia, kernel, _document_inputs(n, seed)).failure is None
+
+
+def test_without_versions_each_element_compares_the_table_entry():
+    dia = _documents(16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(unswitch, "ATOM_VERSIONS", 0)
+        kernel = nc.lower(dia, tiles={"q": 8, "x": 4}, threads=16, verify=False)
+    assert not _versions(kernel.source) and re.search(r"bt_row\w* >= ", kernel.source)
+    assert kernelcheck.kernel_outcome(dia, kernel, _document_inputs(16, 0)).failure is None
+
+
+def test_versions_under_the_wrong_table_value_are_caught():
+    """Planted: each version written for the opposite value of the comparisons it tests."""
+    real = unswitch._assuming
+
+    def flipped(em, facts):
+        return real(em, tuple(f[1] if isinstance(f, tuple) else ("not", f) for f in facts))
+
+    dia = _documents(16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(unswitch, "_assuming", flipped)
+        kernel = nc.lower(dia, tiles={"q": 8, "x": 4}, threads=16, verify=False)
+    assert any(kernelcheck.kernel_outcome(dia, kernel, _document_inputs(16, s)).failure is not None for s in range(3))
+
+
+def test_fold_keeps_what_the_constants_leave():
+    from napkin_cat.ops.index_expr import Ix
+    i, j = Ix("idx", (), "i"), Ix("idx", (), "j")
+    t, f = Ix("const", (), True), Ix("const", (), False)
+    c = j <= i
+    assert unswitch.fold((t | (c & c)) & c).same(c)
+    assert unswitch.fold((f | (t & ((i == j) & c))) & c).same((i == j) & c)
+    assert unswitch.fold(f & c).same(f) and unswitch.fold(t | c).same(t)
+    assert unswitch.fold(~t).same(f)
+    assert unswitch.fold((i + j) & (i + j)).same((i + j) & (i + j))    # bitwise on ints: left alone
+
+
+def test_only_table_values_an_entry_can_take_are_written():
+    from napkin_cat.ops.index_support import BlockAtom
+    bt = nc.aux("bt", nc.Axis("r", 2), nc.Axis("c", 2))
+    two, one = BlockAtom(bt, 8, 4, "ge", 2), BlockAtom(bt, 8, 4, "ge", 1)
+    ok = lambda *vals: unswitch._reachable(tuple((a, "f", v) for a, v in vals))
+    assert ok((two, True), (one, True)) and ok((two, False), (one, True)) and ok((two, False), (one, False))
+    assert not ok((two, True), (one, False))
+    eq = BlockAtom(bt, 8, 4, "eq", 1)
+    assert ok((eq, True), (one, True)) and not ok((eq, True), (two, True))

@@ -5,8 +5,9 @@ forms beside FlexAttention's kernels, in one run: the default op; its backward a
 raised past them) instead of read in place; each element of a chunk testing its mask's flag
 (``unswitch.UNSWITCH`` off); the rows of a warpgroup MMA's A from registers (``wgmma.SHARED_A``
 off); each warpgroup contraction waited for before the next is issued (``issue_ahead.ISSUE_AHEAD``
-off; ``--only-tiles`` keeps this one beside the default).  Every form is checked against float64 first.
-GPU only.
+off); a partial chunk's elements written once, comparing the block table's entry in each
+(``unswitch.ATOM_VERSIONS = 0``; ``--only-tiles`` keeps these two beside the default).  Every
+form is checked against float64 first.  GPU only.
 
     NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/document_breakdown.py [--n 16384] [--heads 16]
 """
@@ -67,12 +68,14 @@ def main():
            "masks tested in each element (unswitch.UNSWITCH off)": (op_of(), ((unswitch, "UNSWITCH", False),)),
            "A from registers (wgmma.SHARED_A off)": (op_of(), ((wgmma, "SHARED_A", False),)),
            "each contraction waited for before the next (issue_ahead.ISSUE_AHEAD off)":
-               (op_of(), ((issue_ahead, "ISSUE_AHEAD", False),))}
+               (op_of(), ((issue_ahead, "ISSUE_AHEAD", False),)),
+           "one partial version, the table compared in each element (unswitch.ATOM_VERSIONS = 0)":
+               (op_of(), ((unswitch, "ATOM_VERSIONS", 0),))}
     for spec in args.tiles:      # "g_x=128,s_q=128": the backward's blocks given
         blocks = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
         ops[f"backward blocks {spec}"] = (op_of(tiles=blocks), ())
     if args.only_tiles:
-        ops = {k: v for k, v in ops.items() if k.startswith(("default", "backward blocks", "each contraction"))}
+        ops = {k: v for k, v in ops.items() if k.startswith(("default", "backward blocks", "each contraction", "one partial"))}
     want = reference(Q, K, V, dO, doc)
     print(torch.cuda.get_device_name(0), torch.__version__, f"N={N} d={D} heads={H} f16", flush=True)
     rows = {}

@@ -8,9 +8,11 @@ runs both (blocks given, so each is one form) over masks whose kept share moves:
 and packed documents (``cuts`` boundaries at multiples of 64), with FlexAttention's kernels in
 the same run, and prints each form's kept share (its derived tables, by the cost model), the
 ratio of the two shares and of the two kernel times.  Every kernel is checked against float64
-first (``kernels/variants.py``'s ``flex_variant``).  GPU only; N = 4096, d = 64, B * H = 32, f16.
+first (``kernels/variants.py``'s ``flex_variant``).  GPU only; N = 4096, B * H = 32, f16; d = 64, or
+``--d 128`` with that width's two forms (64 rows on ``mma.sync``, three warpgroups of 64 rows);
+``--forms`` gives others (``name=rows,chunk,threads``, the first the one the ratios divide by).
 
-    NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/table_choice.py [--widths 32,96,256] [--cuts 3,12,40]
+    NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/table_choice.py [--widths 32,96,256] [--cuts 3,12,40] [--d 128]
 """
 from __future__ import annotations
 
@@ -29,8 +31,22 @@ import torch  # noqa: E402
 import napkin_cat as nc  # noqa: E402
 import variants as V  # noqa: E402
 
-FORMS = {"128 rows": ({"q": 128, "x": 64}, 128), "four warpgroups": ({"q": 256, "x": 64}, 512)}
-"""The two forms ``nc.lower`` lowers such a mask to (``lowering/tabled.py``, ``TableChoice``), forced here."""
+FORMS = {64: {"128 rows": ({"q": 128, "x": 64}, 128), "four warpgroups": ({"q": 256, "x": 64}, 512)},
+         128: {"64 rows": ({"q": 64, "x": 64}, 128), "three warpgroups": ({"q": 192, "x": 64}, 384)}}
+"""The two forms ``nc.lower`` lowers such a mask to at each head width (``lowering/tabled.py``,
+``TableChoice``), forced here."""
+
+
+def forms_of(specs: list[str], d: int) -> dict:
+    """``name=rows,chunk,threads`` each, or the head width's two forms (:data:`FORMS`)."""
+    if not specs:
+        return FORMS[d]
+    out = {}
+    for spec in specs:
+        name, nums = spec.split("=")
+        rows, chunk, threads = (int(v) for v in nums.split(","))
+        out[name] = ({"q": rows, "x": chunk}, threads)
+    return out
 
 
 def doc_ids(n: int, cuts: int, gen) -> torch.Tensor:
@@ -65,28 +81,33 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--widths", default="32,96,256")
     ap.add_argument("--cuts", default="3,12,40")
+    ap.add_argument("--d", type=int, default=64, choices=(64, 128))
+    ap.add_argument("--forms", nargs="*", default=[], help="name=rows,chunk,threads ... (default: the width's two)")
     args = ap.parse_args(argv)
+    V.FLEX_D = args.d
+    forms = forms_of(args.forms, args.d)
     gen = torch.Generator(device=V.DEV).manual_seed(0)
-    print(torch.cuda.get_device_name(0), torch.__version__, flush=True)
+    print(torch.cuda.get_device_name(0), torch.__version__, f"d={args.d}", flush=True)
     rows = []
     specs = cases([int(w) for w in args.widths.split(",") if w], [int(c) for c in args.cuts.split(",") if c])
     for name, spec in specs.items():
         got = {}
-        for form, (tiles, threads) in FORMS.items():
+        for form, (tiles, threads) in forms.items():
             r = V.flex_variant(name, spec, gen, tiles=tiles, dt="f16", threads=threads, prefetch="auto")
             got[form] = r
             print(name, form, {k: r[k] for k in ("kept_share", "kernel_ms", "flex_kernel_ms", "rel_err", "threads")},
                   flush=True)
         rows.append((name, got))
-    a, b = FORMS
-    print(f"\n| mask | kept ({a}) | kept ({b}) | kept ratio | kernel ms ({a}) | kernel ms ({b}) | time ratio | "
-          f"Flex kernel ms | err |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    a, *others = forms
+    head = " | ".join(f"kept, ratio, ms, time ratio ({b})" for b in others)
+    print(f"\n| mask | kept ({a}) | kernel ms ({a}) | {head} | Flex kernel ms | err |")
+    print("|---|---|---|" + "---|" * len(others) + "---|---|")
     for name, got in rows:
-        ra, rb = got[a], got[b]
-        print(f"| {name} | {ra['kept_share']:.3f} | {rb['kept_share']:.3f} | {rb['kept_share'] / ra['kept_share']:.3f} | "
-              f"{ra['kernel_ms']:.3f} | {rb['kernel_ms']:.3f} | {rb['kernel_ms'] / ra['kernel_ms']:.3f} | "
-              f"{ra['flex_kernel_ms']:.3f} | {max(ra['rel_err'], rb['rel_err']):.0e} |")
+        ra = got[a]
+        cols = " | ".join(f"{got[b]['kept_share']:.3f}, {got[b]['kept_share'] / ra['kept_share']:.3f}, "
+                          f"{got[b]['kernel_ms']:.3f}, {got[b]['kernel_ms'] / ra['kernel_ms']:.3f}" for b in others)
+        err = max(r["rel_err"] for r in got.values())
+        print(f"| {name} | {ra['kept_share']:.3f} | {ra['kernel_ms']:.3f} | {cols} | {ra['flex_kernel_ms']:.3f} | {err:.0e} |")
 
 
 if __name__ == "__main__":

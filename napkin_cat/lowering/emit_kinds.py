@@ -17,7 +17,7 @@ from ..ops.functions import CUDA_CONSTANTS, FUNCTIONS
 from ..ops.index import constant_value
 from ..ops.index_expr import COMPARISONS, Ix
 from ..ops.kinds import NORMALISATIONS
-from . import reindex
+from . import reindex, unswitch
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,8 @@ def index_code(em, box, fn, args, env, as_float: bool = False) -> str:
 
     fconst = lambda value: em.consts.f(value, comment=f"{box.name} constant")
     fn_code = lambda name, x: fn_expr(em.consts, name, [f"({x})" if compound(x) else x])
-    expr = block_quotients(em, fn.expr)
+    # a block table's comparisons the code is written for are constants there (.unswitch)
+    expr = block_quotients(em, unswitch.assumed(em, box, fn, fn.expr) if box.kind == "mask" else fn.expr)
     if as_float and expr.dtype == "int" and EXACT_FLOATS and _int_bounds(em, expr) is not None:
         return float_leaf(expr)
     code = exact_floats(em, expr).to_code(any_leaf, fconst, fn_code)
@@ -327,7 +328,7 @@ def _expr_mask(em, box, args, env):
         if conds is None:
             raise LoweringError(f"{box.name}: its predicate has no numba.cuda code (a custom predicate)")
         cond = " and ".join(conds)
-    if full is not None:
+    if full is not None and ("not", full) not in em.assumed_full:
         cond = f"({full} or {cond if ' ' not in cond or cond.startswith('(') and cond.endswith(')') else f'({cond})'})"
     return f"{args[0]} if {cond} else {em.consts.f(-math.inf, 'NEG_INF')}"
 

@@ -38,6 +38,8 @@ class TableReads:
                 src(f"{entries[v, one]} = {aux_read(self, v, dict(zip(lead_axes + axes, one)))}")
             src(f"{full} = {entries[v, one]} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}")
             src(f"{empty} = not {full}")
+            # the comparison's value at every entry (.unswitch); its slice's indices in the key too
+            self.full_flags[(*over, pred, (at, tuple(k.key() for k in at.lead)))] = full
             return full, empty
         src(f"{full} = True")
         src(f"{empty} = True")

@@ -17,19 +17,62 @@ diverges.  ``UNSWITCH = False`` gives the single loop with the test in each elem
 measurement: on the H200 the document mask's forward at N = 16384 took 0.407 ms with it against
 0.446 without (FlexAttention 0.417), its backward 0.964 against 0.977, and masks that compare
 indices only (causal, windows) were level (kernels/BENCHMARKS.md, "fourth" session of 2026-11-29).
+
+The chunks that are not kept whole are written once more for each value of the block-table
+comparisons their masks read (``bt[i // R, j // C] >= 1``, ``>= 2``: :class:`~napkin_cat.ops.index_support.BlockAtom`)
+where the tile and the chunk read one table entry: such a comparison has one value over the whole
+chunk (its flag, :meth:`.emit_tables.TableReads._block_atom`), so each version has the mask with
+those comparisons replaced by constants and folded (:func:`assumed`).  A derived table's
+"partial" chunk then compares only the data (``doc[i] == doc[j]`` and the bounds), its "whole"
+chunk on the diagonal only the bounds.  Before, each element of such a chunk compared the entry
+twice and the bound twice besides the ids (five float compares an element in the SASS; Nsight
+Compute on the H200, the causal document mask at d = 128, N = 4096, f16: the forward ran 50.4 M
+warp instructions to FlexAttention's 31.4 M, 7.0 M of them FSETP to its 0.17 M).  Measured there,
+kernel ms with and without (``ATOM_VERSIONS = 0``, the form before, in the same run): forward
+0.153 against 0.156, backward 0.329 against 0.341; at d = 64 forward + backward 0.322 against 0.328
+(kernels/BENCHMARKS.md, "Third session of 2026-12-01"; kernels/logs/table_versions_h200.log).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
+from ..ops.index_expr import COMPARISONS, Ix
+from ..ops.index_support import BlockAtom, block_atom
+
 UNSWITCH = True
+
+ATOM_VERSIONS = 2
+"""At most this many block-table comparisons are written out by value (2 ** n versions of a
+partial chunk's element loop, those no table value reaches left out); more: one version."""
 
 
 def chunk_flags(em, v: int, stop: frozenset = frozenset()) -> tuple[str, ...]:
     """The chunk flags (:attr:`em.full_flags`) of the masks in the chain that computes ``v`` in
     registers (``v``'s own box, then its inline operands; not past ``stop``), in order."""
     out: list[str] = []
+    for key in _chain_masks(em, v, stop):
+        flag = em.full_flags.get(key)
+        if flag is not None and flag not in out:
+            out.append(flag)
+    return tuple(out)
+
+
+def atom_flags(em, v: int, stop: frozenset = frozenset()) -> tuple[tuple[BlockAtom, str], ...]:
+    """``(comparison, flag)`` of the block-table comparisons that the masks of ``v``'s chain
+    (:func:`chunk_flags`) read at one entry per chunk: the flag is the comparison's value there."""
+    out: list = []
+    for key in _chain_masks(em, v, stop):
+        for k, flag in em.full_flags.items():
+            if len(k) == 4 and k[:3] == key and (k[3][0], flag) not in out:
+                out.append((k[3][0], flag))
+    return tuple(out)
+
+
+def _chain_masks(em, v: int, stop: frozenset) -> list[tuple]:
+    """``(row, col, predicate)`` of each mask in the chain that computes ``v`` in registers."""
+    out: list[tuple] = []
     seen: set[int] = set()
 
     def walk(u: int, first: bool = False):
@@ -40,9 +83,9 @@ def chunk_flags(em, v: int, stop: frozenset = frozenset()) -> tuple[str, ...]:
             return
         e = em.dd.eqns[em.st.eqn_of[u]]
         if e.box.kind == "mask":
-            flag = em.full_flags.get((e.box.param("row"), e.box.param("col"), e.box.param("pred")))
-            if flag is not None and flag not in out:
-                out.append(flag)
+            key = (e.box.param("row"), e.box.param("col"), e.box.param("pred"))
+            if key not in out:
+                out.append(key)
         for a in e.ins:
             if isinstance(a, int):
                 walk(a)
@@ -56,15 +99,131 @@ def unswitched(em, t, src, body: Callable[[], None]) -> None:
     registers), under ``if flags: (masks left out) else: (as before)`` with the chunk flags of
     its masks (:func:`chunk_flags`); once, as before, where there are none or ``UNSWITCH`` is off."""
     flags = chunk_flags(em, t.var, frozenset({t.source})) if UNSWITCH else ()
+    atoms = atom_flags(em, t.var, frozenset({t.source})) if UNSWITCH else ()
+    atoms = atoms if len(atoms) <= ATOM_VERSIONS else ()
     if not flags:
-        body()
+        _by_value(em, src, atoms, body)
         return
     with src.block(f"if {' and '.join(flags)}:  # the masks keep the whole chunk: its elements without them"):
-        before = em.assumed_full
-        em.assumed_full = before | frozenset(flags)
-        try:
+        with _assuming(em, flags):
             body()
-        finally:
-            em.assumed_full = before
+    with src.block("else:"):    # one flag: known false here
+        with _assuming(em, (("not", flags[0]),) if len(flags) == 1 else ()):
+            _by_value(em, src, atoms, body)
+
+
+def _by_value(em, src, atoms, body: Callable[[], None], values: tuple = ()) -> None:
+    """``body()`` once for each value of the block-table comparisons ``atoms`` (``(comparison,
+    flag)``) that some table entry gives, under tests of their flags; inside, each comparison is
+    assumed (``values``: ``(comparison, flag, value)``; :func:`assumed`)."""
+    if not atoms:
+        with _assuming(em, tuple(flag if value else ("not", flag) for _, flag, value in values)):
+            body()
+        return
+    (at, flag), rest = atoms[0], atoms[1:]
+    reached = [value for value in (True, False) if _reachable(values + ((at, flag, value),))]
+    if len(reached) == 1:
+        _by_value(em, src, rest, body, values + ((at, flag, reached[0]),))
+        return
+    with src.block(f"if {flag}:  # the block table's {_describe(at)} holds over the whole chunk"):
+        _by_value(em, src, rest, body, values + ((at, flag, True),))
     with src.block("else:"):
-        body()
+        _by_value(em, src, rest, body, values + ((at, flag, False),))
+
+
+@contextmanager
+def _assuming(em, facts: tuple):
+    """Within: ``facts`` (flags known true, ``("not", flag)`` known false) in ``em.assumed_full``."""
+    before = em.assumed_full
+    em.assumed_full = before | frozenset(facts)
+    try:
+        yield
+    finally:
+        em.assumed_full = before
+
+
+def _describe(at: BlockAtom) -> str:
+    ops = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+    return f"{at.table.name}[i // {at.rows}, j // {at.cols}] {ops[at.cmp]} {at.c}"
+
+
+def _reachable(values: tuple) -> bool:
+    """Whether one entry of each table gives every comparison of ``values`` (``(comparison, flag,
+    value)``) its value: comparisons of one entry with constants, tried at each constant, between
+    each two and beyond them."""
+    groups: dict = {}
+    for at, flag, value in values:
+        groups.setdefault((at.table.name, at.rows, at.cols, tuple(k.key() for k in at.lead)), []).append((at, value))
+    for group in groups.values():
+        cs = sorted({float(at.c) for at, _ in group})
+        tries = cs + [(a + b) / 2 for a, b in zip(cs, cs[1:])] + [cs[0] - 1, cs[-1] + 1]
+        if not any(all(at.holds(v) == value for at, value in group) for v in tries):
+            return False
+    return True
+
+
+def assumed(em, box, pred, expr: Ix) -> Ix:
+    """``expr``, the mask ``box``'s index expression over its rows and columns, with each block-table
+    comparison whose value the code being written assumes (:func:`_by_value`) replaced by that
+    value, and folded (:func:`fold`); ``expr`` itself where there is none."""
+    key = (box.param("row"), box.param("col"), pred)
+    known = {}     # (comparison, its slice's indices) -> value
+    for k, flag in em.full_flags.items():
+        if len(k) == 4 and k[:3] == key:
+            if flag in em.assumed_full:
+                known[k[3]] = True
+            elif ("not", flag) in em.assumed_full:
+                known[k[3]] = False
+    if not known:
+        return expr
+    row, col = box.param("row"), box.param("col")
+
+    def sub(e: Ix) -> Ix:
+        if e.op in COMPARISONS:
+            at = block_atom(e.op, e.args[0], e.args[1], row, col)
+            at = None if at is None else (at, tuple(k.key() for k in at.lead))
+            if at is not None and at in known:
+                return Ix("const", (), known[at])
+        if not e.args:
+            return e
+        return Ix(e.op, tuple(sub(a) for a in e.args), e.value)
+    return fold(sub(expr))
+
+
+def fold(e: Ix) -> Ix:
+    """``e`` with boolean constants folded: ``True | x`` is ``True``, ``False & x`` is ``False``,
+    ``True & x`` is ``x``, ``~True`` is ``False``, ``where(True, x, y)`` is ``x``, and a
+    conjunction or disjunction that names one operand twice keeps it once."""
+    if not e.args:
+        return e
+    args = tuple(fold(a) for a in e.args)
+    const = lambda a: a.op == "const" and isinstance(a.value, bool)
+    if e.op == "invert" and const(args[0]):
+        return Ix("const", (), not args[0].value)
+    if e.op == "where" and const(args[0]):
+        return args[1] if args[0].value else args[2]
+    if e.op in ("and", "or") and all(a.dtype == "bool" for a in args):
+        absorbing = e.op == "or"       # True absorbs a disjunction, False a conjunction
+        terms: list[Ix] = []
+        for a in args:
+            for t in _terms(a, e.op):
+                if const(t):
+                    if t.value == absorbing:
+                        return Ix("const", (), absorbing)
+                    continue
+                if not any(t.same(u) for u in terms):
+                    terms.append(t)
+        if not terms:
+            return Ix("const", (), not absorbing)
+        out = terms[0]
+        for t in terms[1:]:
+            out = Ix(e.op, (out, t))
+        return out
+    return Ix(e.op, args, e.value)
+
+
+def _terms(e: Ix, op: str) -> list[Ix]:
+    """The operands of a chain of ``op`` (``and`` / ``or``) rooted at ``e``."""
+    if e.op == op and e.dtype == "bool":
+        return [t for a in e.args for t in _terms(a, op)]
+    return [e]
