@@ -445,3 +445,25 @@ def test_chunks_a_block_table_masks_are_skipped_by_both_sides_of_the_copying_war
             assert any("issued_x" in ln for ln in body[:split]) == (dia is ahead and hand_over == "named")
             out = kernelcheck.kernel_outcome(dia.unrelabelled(), kernel, [ins[a.name] for a in dia.dom])
             assert out.failure is None, kernelcheck.describe_failure(out.failure)
+
+
+def test_a_release_never_arrived_at_is_reported_as_a_deadlock_in_seconds(copying, monkeypatch):
+    """Planted: the computing warpgroups never release a buffer (their ``bar_arrive`` at "released"
+    dropped).  The copying warpgroup then waits at that barrier for ever, the others at the next
+    "landed" one: the simulator reports the deadlock and what each thread waits at
+    (lowering/sim_waits.py), where it waited out a 300 s timeout before."""
+    from napkin_cat.lowering import sim_waits
+    import time
+    monkeypatch.setattr(sim_waits, "STALL_S", 1.0)
+    dia = _forward(nc.f16, True, {q: 128, x: 96, d: 16})
+    kernel = nc.lower(dia, threads=256, prefetch="double", verify=False)
+    _, empty = producer.hand_over_ids(256, 3)
+    released = re.compile(rf"bar_arrive\(U{empty} \+ buf_x, U384\)(?=  # this buffer is free)")
+    assert len(released.findall(kernel.source)) == 1
+    mutant = copy.copy(kernel)
+    mutant.source, mutant._dispatcher, mutant._launchers, mutant._fast = released.sub("pass", kernel.source), None, {}, None
+    start = time.monotonic()
+    out = _check(dia, mutant, 8.0)
+    assert out.failure is not None and time.monotonic() - start < 120
+    message = kernelcheck.describe_failure(out.failure)
+    assert "deadlock in block" in message and f"at named barrier {empty}" in message, message

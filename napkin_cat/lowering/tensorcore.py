@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ops.arrays import bf16_bits, bf16_values
+from . import sim_waits
 
 MMA_SHAPE = (16, 8, 16)
 """``(m, n, k)`` of one ``mma.sync``: a warp multiplies a 16 x 16 tile by a 16 x 8 one."""
@@ -193,7 +194,9 @@ def _group_barrier(ctx, key, parties: int):
     (:mod:`.producer`).  Barriers
     belong to one launch (its block manager), so threads a failed launch left waiting never meet
     a later launch's."""
-    _per_launch(_BARRIERS, ctx, (key, parties), lambda: threading.Barrier(parties)).wait(timeout=600)
+    barrier = _per_launch(_BARRIERS, ctx, (key, parties), lambda: threading.Barrier(parties))
+    sim_waits.progress()
+    sim_waits.blocked_at(f"the {key[0]} exchange {key[1]} ({parties} threads)", lambda: barrier.wait(timeout=600))
 
 
 _EXCHANGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # launch -> {(block, name): array}
@@ -220,11 +223,12 @@ class _NamedBarrier:
     thread arriving twice in one phase is refused: on the GPU that is a protocol error (the count
     reached early), here it would pass silently."""
 
-    def __init__(self, parties: int):
+    def __init__(self, parties: int, name: str = "a named barrier"):
         self.parties, self.phase, self.arrived = parties, 0, set()
-        self.cv = threading.Condition()
+        self.cv, self.name = threading.Condition(), name
 
     def arrive(self, me, wait: bool) -> None:
+        sim_waits.progress()
         with self.cv:
             if me in self.arrived:
                 raise RuntimeError(f"thread {me} arrived twice at one named barrier of {self.parties} "
@@ -235,13 +239,14 @@ class _NamedBarrier:
                 self.arrived.clear()
                 self.phase += 1
                 self.cv.notify_all()
-            elif wait and not self.cv.wait_for(lambda: self.phase != phase, timeout=300):
+            elif wait and not sim_waits.wait_for(self.cv, lambda: self.phase != phase, f"{self.name} of {self.parties}",
+                                                 300, lambda: f"phase {self.phase}, {len(self.arrived)} arrived"):
                 raise threading.BrokenBarrierError(f"named barrier of {self.parties}: timed out")
 
 
 def _sim_named(bid, count, wait: bool):
     ctx = _context()
-    barrier = _per_launch(_BARRIERS, ctx, (("named", int(bid)), int(count)), lambda: _NamedBarrier(int(count)))
+    barrier = _per_launch(_BARRIERS, ctx, (("named", int(bid)), int(count)), lambda: _NamedBarrier(int(count), f"named barrier {int(bid)}"))
     barrier.arrive(int(ctx.threadIdx.x), wait)
     return 0
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..relabel.loopnest import Load, Loop
+from . import sim_waits
 
 TMA = "auto"
 """TMA copies for the stream loops :func:`plan` finds eligible: ``True`` / ``"auto"`` (the same:
@@ -310,9 +311,9 @@ class _MBarrier:
     engine may write any time before that wait returns), so a missing wait, or one for the wrong
     phase, reads the buffer as it was."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, name: str = "an mbarrier"):
         self.count, self.arrivals, self.tx, self.phase, self.pending = count, 0, 0, 0, []
-        self.cv = threading.Condition()
+        self.cv, self.name = threading.Condition(), name
 
     def _check(self) -> None:
         if self.arrivals == self.count and self.tx == 0 and not self.pending:
@@ -320,6 +321,7 @@ class _MBarrier:
             self.cv.notify_all()
 
     def expect(self, nbytes: int) -> None:
+        sim_waits.progress()
         with self.cv:
             self.arrivals += 1
             self.tx += nbytes
@@ -330,6 +332,7 @@ class _MBarrier:
 
     def issue(self, land) -> None:
         """A tensor copy of the current phase: ``land()`` writes it and returns its bytes."""
+        sim_waits.progress()
         with self.cv:
             self.pending.append(land)
             self.cv.notify_all()
@@ -347,7 +350,8 @@ class _MBarrier:
 
     def wait(self, parity: int) -> None:
         with self.cv:
-            if not self.cv.wait_for(lambda: self._landed(parity), timeout=600):
+            if not sim_waits.wait_for(self.cv, lambda: self._landed(parity), f"{self.name}, parity {parity}", 600,
+                                      lambda: f"phase {self.phase}, {self.arrivals} of {self.count} arrivals"):
                 raise RuntimeError(f"mbarrier: phase of parity {parity} never completed")
 
 
@@ -364,7 +368,7 @@ def sim_primitive(name: str, context, per_launch):
         return got[0]
 
     def mbar_init(smem, word, count):
-        per_launch(_BARS, context(), ("mbar", int(word)), lambda: [None])[0] = _MBarrier(int(count))
+        per_launch(_BARS, context(), ("mbar", int(word)), lambda: [None])[0] = _MBarrier(int(count), f"the mbarrier at word {int(word)}")
         return 0
 
     def mbar_expect(smem, word, nbytes):
