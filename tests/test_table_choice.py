@@ -123,10 +123,25 @@ def test_torch_tensors_keep_their_choice_until_they_change(gpu, monkeypatch):
     real = TableChoice.kept
     monkeypatch.setattr(TableChoice, "kept", staticmethod(lambda f, t: counted.append(1) or real(f, t)))
     first = k.chosen(*ins)[0]
-    assert first is k.forms[1] and len(counted) == 2
-    assert k.chosen(*ins)[0] is first and len(counted) == 2   # kept with the tensor's identity and version
+    assert first is k.forms[1] and len(counted) == 1           # both forms' counts in one read
+    assert k.chosen(*ins)[0] is first and len(counted) == 1   # kept with the tensor's identity and version
     w.mul_(1 / 8)   # narrow windows now: the version moved, the choice is made again
-    assert k.chosen(*ins)[0] is k.forms[0] and len(counted) == 4
+    assert k.chosen(*ins)[0] is k.forms[0] and len(counted) == 2
+
+
+def test_both_forms_kept_areas_come_back_in_one_read():
+    """``TableChoice.kept`` stacks the forms' counts on the tables' device: one copy to the host."""
+    torch = pytest.importorskip("torch")
+    spec = type("Spec", (), {"rows": 128, "cols": 64})
+    forms = [type("Form", (), {"tables": (spec,)}), type("Form", (), {"tables": (spec, spec)})]
+    derived = [(torch.tensor([[0, 1], [2, 0]]),), (torch.tensor([[1, 1]]), torch.tensor([[0, 2]]))]
+    reads = []
+    real = torch.Tensor.cpu
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "cpu", lambda self, *a, **k: reads.append(1) or real(self, *a, **k))
+        area = TableChoice.kept(forms, derived)
+    assert area == [2 * 128 * 64, 3 * 128 * 64] and len(reads) == 1
+    assert TableChoice.kept(forms, [tuple(t.numpy() for t in ts) for ts in derived]) == area
 
 
 def _two_forms(dia, broken=False, lower=None):

@@ -210,9 +210,17 @@ class TableChoice:
         return f"TableChoice({', '.join(repr(f) for f in self.forms)})"
 
     @staticmethod
-    def kept(form: TabledKernel, tables) -> float:
-        """The area (entries) the blocks ``tables`` keep, whole or in part, cover."""
-        return sum(float((t > 0).sum()) * spec.rows * spec.cols for spec, t in zip(form.tables, tables))
+    def kept(forms, derived) -> list[float]:
+        """The area (entries) that each form's blocks its tables keep, whole or in part, cover:
+        one read back to the host for all of them (a stack of the counts on the tables' device)."""
+        counts = [(t > 0).sum() for tables in derived for t in tables]
+        if counts and hasattr(counts[0], "cpu"):
+            import torch
+            counts = torch.stack(counts).cpu().tolist()
+        counts, out = iter(float(c) for c in counts), []
+        for form, tables in zip(forms, derived):
+            out.append(sum(next(counts) * spec.rows * spec.cols for spec, _ in zip(form.tables, tables)))
+        return out
 
     def chosen(self, *arrays) -> tuple[TabledKernel, tuple]:
         """The form these arrays run on, and its tables."""
@@ -224,7 +232,7 @@ class TableChoice:
             form = self.forms[self._chosen[key]]
             return form, form.derive(*arrays)
         derived = [f.derive(*arrays) for f in self.forms]
-        area = [self.kept(f, t) for f, t in zip(self.forms, derived)]
+        area = self.kept(self.forms, derived)
         pick = 1 if area[1] < TALLER * area[0] else 0
         if key is not None:
             self._chosen[key] = pick
