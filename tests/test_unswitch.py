@@ -143,10 +143,11 @@ def test_a_data_masks_partial_chunks_are_written_once_for_each_table_value(n):
         assert kernelcheck.kernel_outcome(dia, kernel, _document_inputs(n, seed)).failure is None
 
 
-def test_without_versions_each_element_compares_the_table_entry():
+@pytest.mark.parametrize("limit", [0, 1])   # none, or fewer than the mask's two comparisons: one version
+def test_without_versions_each_element_compares_the_table_entry(limit):
     dia = _documents(16)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(unswitch, "ATOM_VERSIONS", 0)
+        mp.setattr(unswitch, "ATOM_VERSIONS", limit)
         kernel = nc.lower(dia, tiles={"q": 8, "x": 4}, threads=16, verify=False)
     assert not _versions(kernel.source) and re.search(r"bt_row\w* >= ", kernel.source)
     assert kernelcheck.kernel_outcome(dia, kernel, _document_inputs(16, 0)).failure is None
