@@ -334,16 +334,10 @@ def document_attention(Q, K, V, doc, bt, O):
                                 S_73 = S_63 if ((doc_row == smem[doc_s + uint32((x0 + i_x12))]) & (float32(uint32(x0 + i_x12)) <= f_row2)) else NEG_INF
                                 S_regs[i, j] = S_73
                     else:
-                        for i in range(U4):
-                            i_q14 = ty * U4 + i
-                            for j in range(U8):
-                                i_x13 = tx * U4 + j // U4 * U32 + j % U4
-                                S_64 = (S_regs[i, j]) * C_SCALE
-                                S_74 = S_64 if False else NEG_INF
-                                S_regs[i, j] = S_74
+                        pass  # the block table masks such a chunk whole: the loop skips it
             # row statistics: 8 lanes per row (warp shuffles; shared memory in the simulator); weights -> warp-private O_p_s
             for i in range(U4):
-                i_q15 = ty * U4 + i
+                i_q14 = ty * U4 + i
                 mx = NEG_INF
                 for j in range(U8):
                     mx = max(mx, S_regs[i, j])
@@ -363,10 +357,10 @@ def document_attention(Q, K, V, doc, bt, O):
                 for j in range(U8):
                     O_o[i, j] *= delta
             for j in range(U8):
-                i_x14 = tx * U4 + j // U4 * U32 + j % U4
+                i_x13 = tx * U4 + j // U4 * U32 + j % U4
                 for i in range(U4):
-                    i_q16 = ty * U4 + i
-                    smem[O_p_s + i_x14 * TILE_q + i_q16] = S_regs[i, j]
+                    i_q15 = ty * U4 + i
+                    smem[O_p_s + i_x13 * TILE_q + i_q15] = S_regs[i, j]
             if SIMULATOR:
                 cuda.syncthreads()
             else:
@@ -375,83 +369,83 @@ def document_attention(Q, K, V, doc, bt, O):
             fa2 = cuda.local.array(4, float32)
             fb2 = cuda.local.array(8, float32)
             for i_x_base in range(U0, CHUNK_x, U8):
-                i_x16 = i_x_base
+                i_x15 = i_x_base
+                for i in range(U4):
+                    i_q16 = ty * U4 + i
+                    fa2[i] = smem[O_p_s + i_x15 * TILE_q + i_q16]
+                for j in range(U8):
+                    i_d12 = tx * U4 + j // U4 * U32 + j % U4
+                    fb2[j] = smem[V_s + i_x15 * N_d + i_d12]
+                for i in range(U4):
+                    for j in range(U8):
+                        O_o[i, j] += fa2[i] * fb2[j]
+                i_x16 = i_x_base + U1
                 for i in range(U4):
                     i_q17 = ty * U4 + i
                     fa2[i] = smem[O_p_s + i_x16 * TILE_q + i_q17]
                 for j in range(U8):
-                    i_d12 = tx * U4 + j // U4 * U32 + j % U4
-                    fb2[j] = smem[V_s + i_x16 * N_d + i_d12]
+                    i_d13 = tx * U4 + j // U4 * U32 + j % U4
+                    fb2[j] = smem[V_s + i_x16 * N_d + i_d13]
                 for i in range(U4):
                     for j in range(U8):
                         O_o[i, j] += fa2[i] * fb2[j]
-                i_x17 = i_x_base + U1
+                i_x17 = i_x_base + U2
                 for i in range(U4):
                     i_q18 = ty * U4 + i
                     fa2[i] = smem[O_p_s + i_x17 * TILE_q + i_q18]
                 for j in range(U8):
-                    i_d13 = tx * U4 + j // U4 * U32 + j % U4
-                    fb2[j] = smem[V_s + i_x17 * N_d + i_d13]
+                    i_d14 = tx * U4 + j // U4 * U32 + j % U4
+                    fb2[j] = smem[V_s + i_x17 * N_d + i_d14]
                 for i in range(U4):
                     for j in range(U8):
                         O_o[i, j] += fa2[i] * fb2[j]
-                i_x18 = i_x_base + U2
+                i_x18 = i_x_base + U3
                 for i in range(U4):
                     i_q19 = ty * U4 + i
                     fa2[i] = smem[O_p_s + i_x18 * TILE_q + i_q19]
                 for j in range(U8):
-                    i_d14 = tx * U4 + j // U4 * U32 + j % U4
-                    fb2[j] = smem[V_s + i_x18 * N_d + i_d14]
+                    i_d15 = tx * U4 + j // U4 * U32 + j % U4
+                    fb2[j] = smem[V_s + i_x18 * N_d + i_d15]
                 for i in range(U4):
                     for j in range(U8):
                         O_o[i, j] += fa2[i] * fb2[j]
-                i_x19 = i_x_base + U3
+                i_x19 = i_x_base + U4
                 for i in range(U4):
                     i_q20 = ty * U4 + i
                     fa2[i] = smem[O_p_s + i_x19 * TILE_q + i_q20]
                 for j in range(U8):
-                    i_d15 = tx * U4 + j // U4 * U32 + j % U4
-                    fb2[j] = smem[V_s + i_x19 * N_d + i_d15]
+                    i_d16 = tx * U4 + j // U4 * U32 + j % U4
+                    fb2[j] = smem[V_s + i_x19 * N_d + i_d16]
                 for i in range(U4):
                     for j in range(U8):
                         O_o[i, j] += fa2[i] * fb2[j]
-                i_x20 = i_x_base + U4
+                i_x20 = i_x_base + U5
                 for i in range(U4):
                     i_q21 = ty * U4 + i
                     fa2[i] = smem[O_p_s + i_x20 * TILE_q + i_q21]
                 for j in range(U8):
-                    i_d16 = tx * U4 + j // U4 * U32 + j % U4
-                    fb2[j] = smem[V_s + i_x20 * N_d + i_d16]
+                    i_d17 = tx * U4 + j // U4 * U32 + j % U4
+                    fb2[j] = smem[V_s + i_x20 * N_d + i_d17]
                 for i in range(U4):
                     for j in range(U8):
                         O_o[i, j] += fa2[i] * fb2[j]
-                i_x21 = i_x_base + U5
+                i_x21 = i_x_base + U6
                 for i in range(U4):
                     i_q22 = ty * U4 + i
                     fa2[i] = smem[O_p_s + i_x21 * TILE_q + i_q22]
                 for j in range(U8):
-                    i_d17 = tx * U4 + j // U4 * U32 + j % U4
-                    fb2[j] = smem[V_s + i_x21 * N_d + i_d17]
+                    i_d18 = tx * U4 + j // U4 * U32 + j % U4
+                    fb2[j] = smem[V_s + i_x21 * N_d + i_d18]
                 for i in range(U4):
                     for j in range(U8):
                         O_o[i, j] += fa2[i] * fb2[j]
-                i_x22 = i_x_base + U6
+                i_x22 = i_x_base + U7
                 for i in range(U4):
                     i_q23 = ty * U4 + i
                     fa2[i] = smem[O_p_s + i_x22 * TILE_q + i_q23]
                 for j in range(U8):
-                    i_d18 = tx * U4 + j // U4 * U32 + j % U4
-                    fb2[j] = smem[V_s + i_x22 * N_d + i_d18]
-                for i in range(U4):
-                    for j in range(U8):
-                        O_o[i, j] += fa2[i] * fb2[j]
-                i_x23 = i_x_base + U7
-                for i in range(U4):
-                    i_q24 = ty * U4 + i
-                    fa2[i] = smem[O_p_s + i_x23 * TILE_q + i_q24]
-                for j in range(U8):
                     i_d19 = tx * U4 + j // U4 * U32 + j % U4
-                    fb2[j] = smem[V_s + i_x23 * N_d + i_d19]
+                    fb2[j] = smem[V_s + i_x22 * N_d + i_d19]
                 for i in range(U4):
                     for j in range(U8):
                         O_o[i, j] += fa2[i] * fb2[j]
@@ -465,8 +459,8 @@ def document_attention(Q, K, V, doc, bt, O):
     ty = tid // U8
     tx = tid % U8
     for i in range(U4):
-        i_q25 = ty * U4 + i
+        i_q24 = ty * U4 + i
         for j in range(U8):
             i_d20 = tx * U4 + j // U4 * U32 + j % U4
             z = O_z[i]
-            O[(h0 * N_q + (q0 + i_q25)) * N_d + i_d20] = (O_o[i, j] / z if z != ZERO else ZERO)
+            O[(h0 * N_q + (q0 + i_q24)) * N_d + i_d20] = (O_o[i, j] / z if z != ZERO else ZERO)

@@ -130,7 +130,8 @@ def _versions(src: str) -> dict[tuple, list[str]]:
 @pytest.mark.parametrize("n", [16, 14])
 def test_a_data_masks_partial_chunks_are_written_once_for_each_table_value(n):
     """The derived table's 'whole' value (2) leaves the bounds alone, its 'partial' value (1) the
-    data's comparison and the bounds; neither reads the table in its elements."""
+    data's comparison and the bounds; neither reads the table in its elements; its 'masked' value
+    (0) gets no code."""
     dia = _documents(n)
     kernel = nc.lower(dia, tiles={"q": 8, "x": 4}, threads=16, verify=False)
     versions = _versions(kernel.source)
@@ -139,6 +140,9 @@ def test_a_data_masks_partial_chunks_are_written_once_for_each_table_value(n):
     assert whole and partial and all("bt_" not in ln for ln in whole + partial)
     assert all("doc_s" not in ln and "<=" in ln for ln in whole)
     assert any("doc_s" in ln and "<=" in ln for ln in partial)
+    # an entry that masks the chunk: the loop skips it, so no code is written for it
+    assert set(versions) == {("bt[i // 8, j // 4] >= 2",), ("not bt[i // 8, j // 4] >= 2", "bt[i // 8, j // 4] >= 1")}
+    assert "pass  # the block table masks such a chunk whole: the loop skips it" in kernel.source
     for seed in range(3):
         assert kernelcheck.kernel_outcome(dia, kernel, _document_inputs(n, seed)).failure is None
 
@@ -164,6 +168,16 @@ def test_versions_under_the_wrong_table_value_are_caught():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(unswitch, "_assuming", flipped)
         kernel = nc.lower(dia, tiles={"q": 8, "x": 4}, threads=16, verify=False)
+    assert any(kernelcheck.kernel_outcome(dia, kernel, _document_inputs(16, s)).failure is not None for s in range(3))
+
+
+def test_versions_taken_for_skipped_chunks_are_caught():
+    """Planted: every version taken for one the loop skips (no code for any table value)."""
+    dia = _documents(16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(unswitch, "_skipped", lambda em, masks, values: bool(values))
+        kernel = nc.lower(dia, tiles={"q": 8, "x": 4}, threads=16, verify=False)
+    assert not _versions(kernel.source)
     assert any(kernelcheck.kernel_outcome(dia, kernel, _document_inputs(16, s)).failure is not None for s in range(3))
 
 

@@ -379,6 +379,7 @@ class Loads(TableReads):
                 flags[(*over, pred)] = name
             if (tiled, pred, transposed) in skipping and empty is not False and any(read):
                 empties.append(empty)   # the bounds alone are the loop's (relabel.skipping)
+                flags[(*over, pred, ("skips",))] = (r0, r1, c0, c1)   # the chunk's extent (.unswitch)
         if not empties:
             return None
         name = self.names.fresh(f"{a.name}_empty")

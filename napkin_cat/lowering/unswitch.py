@@ -65,7 +65,7 @@ def atom_flags(em, v: int, stop: frozenset = frozenset()) -> tuple[tuple[BlockAt
     out: list = []
     for key in _chain_masks(em, v, stop):
         for k, flag in em.full_flags.items():
-            if len(k) == 4 and k[:3] == key and (k[3][0], flag) not in out:
+            if len(k) == 4 and k[:3] == key and isinstance(k[3][0], BlockAtom) and (k[3][0], flag) not in out:
                 out.append((k[3][0], flag))
     return tuple(out)
 
@@ -101,34 +101,68 @@ def unswitched(em, t, src, body: Callable[[], None]) -> None:
     flags = chunk_flags(em, t.var, frozenset({t.source})) if UNSWITCH else ()
     atoms = atom_flags(em, t.var, frozenset({t.source})) if UNSWITCH else ()
     atoms = atoms if len(atoms) <= ATOM_VERSIONS else ()
+    masks = _chain_masks(em, t.var, frozenset({t.source})) if atoms else []
     if not flags:
-        _by_value(em, src, atoms, body)
+        _by_value(em, src, atoms, body, masks)
         return
     with src.block(f"if {' and '.join(flags)}:  # the masks keep the whole chunk: its elements without them"):
         with _assuming(em, flags):
             body()
     with src.block("else:"):    # one flag: known false here
         with _assuming(em, (("not", flags[0]),) if len(flags) == 1 else ()):
-            _by_value(em, src, atoms, body)
+            _by_value(em, src, atoms, body, masks)
 
 
-def _by_value(em, src, atoms, body: Callable[[], None], values: tuple = ()) -> None:
+def _by_value(em, src, atoms, body: Callable[[], None], masks: list, values: tuple = ()) -> None:
     """``body()`` once for each value of the block-table comparisons ``atoms`` (``(comparison,
     flag)``) that some table entry gives, under tests of their flags; inside, each comparison is
-    assumed (``values``: ``(comparison, flag, value)``; :func:`assumed`)."""
+    assumed (``values``: ``(comparison, flag, value)``; :func:`assumed`).  Values under which one
+    of ``masks`` (the chain's) masks the whole chunk, which the stream loop then skips, get no
+    code (:func:`_skipped`)."""
     if not atoms:
+        if _skipped(em, masks, values):
+            src("pass  # the block table masks such a chunk whole: the loop skips it")
+            return
         with _assuming(em, tuple(flag if value else ("not", flag) for _, flag, value in values)):
             body()
         return
     (at, flag), rest = atoms[0], atoms[1:]
     reached = [value for value in (True, False) if _reachable(values + ((at, flag, value),))]
     if len(reached) == 1:
-        _by_value(em, src, rest, body, values + ((at, flag, reached[0]),))
+        _by_value(em, src, rest, body, masks, values + ((at, flag, reached[0]),))
         return
     with src.block(f"if {flag}:  # the block table's {_describe(at)} holds over the whole chunk"):
-        _by_value(em, src, rest, body, values + ((at, flag, True),))
+        _by_value(em, src, rest, body, masks, values + ((at, flag, True),))
     with src.block("else:"):
-        _by_value(em, src, rest, body, values + ((at, flag, False),))
+        _by_value(em, src, rest, body, masks, values + ((at, flag, False),))
+
+
+class _Unknown:
+    """:func:`~napkin_cat.ops.index_support.chunk_state`'s logic where only constants matter:
+    a condition on the bounds is not known here (the chunk's own test decides it)."""
+
+    le = and_ = or_ = staticmethod(lambda a, b: "?")
+
+
+def _skipped(em, masks: list, values: tuple) -> bool:
+    """Whether the assumed block-table values (``(comparison, flag, value)``) alone make one of
+    ``masks`` mask the whole chunk, where the stream loop skips such chunks (the chunk's extent
+    recorded by :meth:`.emit_loads.Loads._chunk_flags`): code written for them never runs."""
+    from .source import CodeAlgebra
+    known = {(at, _lead(at)): value for at, _, value in values}
+
+    def atom(at):
+        value = known.get((at, _lead(at)))
+        return (False, False) if value is None else (value, not value)
+    for key in masks:
+        extent = em.full_flags.get((*key, ("skips",)))
+        if extent is not None and key[2].chunk_state(*extent, CodeAlgebra, _Unknown, atom)[1] is True:
+            return True
+    return False
+
+
+def _lead(at: BlockAtom) -> tuple:
+    return tuple(k.key() for k in at.lead)
 
 
 @contextmanager
