@@ -371,6 +371,8 @@ def _features(kernel) -> set[str]:
         out.add("unswitched")
     if "holds over the whole chunk" in body:   # unswitch._by_value: a partial chunk by its table entry's value
         out.add("table-versions")
+    if "the block table masks such a chunk whole: the loop skips it" in body:   # ... none for a skipped one
+        out.add("table-version-skipped")
     if len(re.findall(r"# stream \w+ in chunks of", body)) >= 2:   # loopnest._updates_per_chunk: GQA's dK
         out.add("nested-streams")
         if "chunks are masked for every" in body:   # skipping.chunk_skips: a sum over both streams' axes

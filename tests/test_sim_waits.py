@@ -70,6 +70,16 @@ def test_an_mbarrier_phase_nobody_completes_is_a_deadlock():
         _launch(body, threads=32)
 
 
+def test_a_warp_exchange_half_the_warp_never_reaches_is_a_deadlock():
+    """The tensor-core twins' exchanges within a warp are the same barriers (tensorcore._group_barrier)."""
+    def body(tid, out):
+        if tid < 16:
+            tensorcore._warp_sync(tensorcore._context())
+
+    with pytest.raises(sim_waits.Deadlock, match=r": 16 at the warp exchange 0 of 32 \(phase 0, 16 arrived\)$"):
+        _launch(body, threads=32)
+
+
 def test_a_slow_thread_is_not_a_deadlock():
     """One thread computes (here: sleeps) for three stall times before it arrives; the others wait."""
     def body(tid, out):

@@ -4,6 +4,7 @@ the chunk flags."""
 import re
 
 import numpy as np
+from hypothesis import given, settings
 import pytest
 
 import napkin_cat as nc
@@ -202,3 +203,30 @@ def test_only_table_values_an_entry_can_take_are_written():
     assert not ok((two, True), (one, False))
     eq = BlockAtom(bt, 8, 4, "eq", 1)
     assert ok((eq, True), (one, True)) and not ok((eq, True), (two, True))
+
+
+def _bool_trees():
+    """Random boolean index expressions: comparisons of i and j with constants and each other,
+    the constants True and False, under & | ~ and where, repeated subterms likely."""
+    from hypothesis import strategies as st
+    from napkin_cat.ops.index_expr import Ix
+    i, j = Ix("idx", (), "i"), Ix("idx", (), "j")
+    atoms = st.sampled_from([j <= i, i - j <= 2, j >= 3, i == j, Ix("const", (), True), Ix("const", (), False)])
+
+    def grow(kids):
+        return st.one_of(st.tuples(kids, kids).map(lambda ab: ab[0] & ab[1]),
+                         st.tuples(kids, kids).map(lambda ab: ab[0] | ab[1]),
+                         kids.map(lambda a: ~a),
+                         st.tuples(kids, kids, kids).map(lambda abc: Ix("where", abc)))
+    return st.recursive(atoms, grow, max_leaves=12)
+
+
+@settings(deadline=None)
+@given(e=_bool_trees())
+def test_fold_keeps_the_value_of_every_expression(e):
+    """Property: ``fold`` changes no value, over a grid of (i, j); constants, flattened chains and
+    repeated terms folded."""
+    i, j = np.meshgrid(np.arange(8), np.arange(8), indexing="ij")
+    want = np.broadcast_to(e.evaluate(np, {"i": i, "j": j}), i.shape)
+    got = np.broadcast_to(unswitch.fold(e).evaluate(np, {"i": i, "j": j}), i.shape)
+    assert np.array_equal(want, got), (str(e), str(unswitch.fold(e)))

@@ -1,11 +1,11 @@
 """The simulator's waits fail fast on a deadlock, naming what each thread waits for.
 
-The simulated twins of named barriers (:class:`.tensorcore._NamedBarrier`), ``mbarrier`` waits
-(:class:`.tma._MBarrier`) and the warp and warpgroup exchanges (:func:`.tensorcore._group_barrier`)
-block a simulator thread until other threads arrive.  A kernel whose protocol is wrong (an arrival
-missing, a barrier of the wrong count, a wait for a phase nobody completes) used to hang there
-until a timeout of 300 or 600 seconds; a fuzzing run or a user's ``nc.lower`` stalled that long
-before saying anything.
+The simulated twins of named barriers (:class:`.tensorcore._NamedBarrier`, which the warp and
+warpgroup exchanges of :func:`.tensorcore._group_barrier` use too) and of ``mbarrier`` waits
+(:class:`.tma._MBarrier`) block a simulator thread until other threads arrive.  A kernel whose
+protocol is wrong (an arrival missing, a barrier of the wrong count, a wait for a phase nobody
+completes) used to hang there until a timeout of 300 or 600 seconds; a fuzzing run or a user's
+``nc.lower`` stalled that long before saying anything.
 
 Here a wait is taken in slices (:data:`SLICE_S`).  Between them the waiting thread looks at the
 other threads of its block: when every live one is blocked (in one of these waits, or at the
@@ -115,13 +115,3 @@ def _report(me, threads, waits: Counter) -> str:
     block = tuple(int(v) for v in me.blockIdx)
     return (f"deadlock in block {block}: every thread waits or has ended, and none can arrive "
             f"(no arrival for {STALL_S:g} s): {parts}")
-
-
-def blocked_at(what: str, wait: Callable[[], object]) -> object:
-    """``wait()`` (a barrier's own wait) with the calling thread marked as blocked at ``what``."""
-    me = threading.current_thread()
-    me.napkin_waits = what
-    try:
-        return wait()
-    finally:
-        me.napkin_waits = None

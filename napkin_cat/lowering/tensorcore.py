@@ -189,14 +189,14 @@ def _per_launch(table, ctx, key, make):
 def _group_barrier(ctx, key, parties: int):
     """The simulator's barrier over ``parties`` threads of this block named by ``key``: the
     threads of one warp for the twins below (what they exchange stays within the warp), a
-    warpgroup for ``wgmma`` (``bar_named`` is :class:`_NamedBarrier`).  Not numba's block
-    barrier, so a kernel whose copying warpgroup passes only the block's own barriers runs in step
-    (:mod:`.producer`).  Barriers
+    warpgroup for ``wgmma``: a :class:`_NamedBarrier` (as ``bar_named``), so a deadlock through it
+    is reported (:mod:`.sim_waits`).  Not numba's block barrier, so a kernel whose copying
+    warpgroup passes only the block's own barriers runs in step (:mod:`.producer`).  Barriers
     belong to one launch (its block manager), so threads a failed launch left waiting never meet
     a later launch's."""
-    barrier = _per_launch(_BARRIERS, ctx, (key, parties), lambda: threading.Barrier(parties))
-    sim_waits.progress()
-    sim_waits.blocked_at(f"the {key[0]} exchange {key[1]} ({parties} threads)", lambda: barrier.wait(timeout=600))
+    barrier = _per_launch(_BARRIERS, ctx, (key, parties),
+                          lambda: _NamedBarrier(parties, f"the {key[0]} exchange {key[1]}"))
+    barrier.arrive(int(ctx.threadIdx.x), True)
 
 
 _EXCHANGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # launch -> {(block, name): array}
