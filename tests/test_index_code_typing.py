@@ -53,6 +53,7 @@ class _Em:
         # cap 1: no i // B is read at a block's start (emit_kinds.block_quotients)
         self.ax = {a: SimpleNamespace(name=a, role="grid", start=f"{a}0", cap=1, ragged=False)
                    for a in ("q", "x")} if axes else {}
+        self.full_flags, self.assumed_full = {}, frozenset()   # no chunk flags (lowering/unswitch.py)
 
     def gidx(self, axis, env):
         return f"({axis}0 + {axis}1)"
