@@ -70,7 +70,7 @@ def atom_flags(em, v: int, stop: frozenset = frozenset()) -> tuple[tuple[BlockAt
     return tuple(out)
 
 
-def _chain_masks(em, v: int, stop: frozenset) -> list[tuple]:
+def _chain_masks(em, v: int, stop: frozenset) -> tuple[tuple, ...]:
     """``(row, col, predicate)`` of each mask in the chain that computes ``v`` in registers."""
     out: list[tuple] = []
     seen: set[int] = set()
@@ -97,11 +97,12 @@ def _chain_masks(em, v: int, stop: frozenset) -> list[tuple]:
 def unswitched(em, t, src, body: Callable[[], None]) -> None:
     """``body()``, which writes the element loop of target ``t`` (its value from ``t.source`` in
     registers), under ``if flags: (masks left out) else: (as before)`` with the chunk flags of
-    its masks (:func:`chunk_flags`); once, as before, where there are none or ``UNSWITCH`` is off."""
+    its masks (:func:`chunk_flags`), the ``else`` once per value of their block-table comparisons
+    (:func:`_by_value`); once, as before, where there are none or ``UNSWITCH`` is off."""
     flags = chunk_flags(em, t.var, frozenset({t.source})) if UNSWITCH else ()
     atoms = atom_flags(em, t.var, frozenset({t.source})) if UNSWITCH else ()
     atoms = atoms if len(atoms) <= ATOM_VERSIONS else ()
-    masks = _chain_masks(em, t.var, frozenset({t.source})) if atoms else []
+    masks = _chain_masks(em, t.var, frozenset({t.source})) if atoms else ()
     if not flags:
         _by_value(em, src, atoms, body, masks)
         return
@@ -113,7 +114,7 @@ def unswitched(em, t, src, body: Callable[[], None]) -> None:
             _by_value(em, src, atoms, body, masks)
 
 
-def _by_value(em, src, atoms, body: Callable[[], None], masks: list, values: tuple = ()) -> None:
+def _by_value(em, src, atoms, body: Callable[[], None], masks: tuple, values: tuple = ()) -> None:
     """``body()`` once for each value of the block-table comparisons ``atoms`` (``(comparison,
     flag)``) that some table entry gives, under tests of their flags; inside, each comparison is
     assumed (``values``: ``(comparison, flag, value)``; :func:`assumed`).  Values under which one
@@ -144,7 +145,7 @@ class _Unknown:
     le = and_ = or_ = staticmethod(lambda a, b: "?")
 
 
-def _skipped(em, masks: list, values: tuple) -> bool:
+def _skipped(em, masks: tuple, values: tuple) -> bool:
     """Whether the assumed block-table values (``(comparison, flag, value)``) alone make one of
     ``masks`` mask the whole chunk, where the stream loop skips such chunks (the chunk's extent
     recorded by :meth:`.emit_loads.Loads._chunk_flags`): code written for them never runs."""
