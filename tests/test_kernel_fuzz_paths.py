@@ -21,8 +21,9 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
 * ``sixteen_bit``: f16 / bf16 FlashAttention-2 backward parts and MLPs on simulated tensor
   cores, whose dS or hidden layer is a ``16-bit-operand`` shared buffer read by ldmatrix
   (:mod:`napkin_cat.lowering.sixteen_bit`); backward inputs are residuals the forward produced;
-  a document mask with its block table, whose ``i // B`` lookups are read once per block where
-  the block lies inside one table block (``block-quotient``, :func:`napkin_cat.lowering.emit_kinds.block_quotients`);
+  a document mask with its block table, whose partial chunks are written once per value of the
+  table entry they read where the block lies inside one table block (``table-versions``,
+  :func:`napkin_cat.lowering.unswitch._by_value`);
   the backward's ``dP`` (and ``P``) read by dS's epilogue from registers (``register-copy``,
   :mod:`napkin_cat.lowering.register_copies`); ``P`` and ``dS`` read by the dV, dK and dQ updates
   as tensor-core A fragments from the registers that computed them (``frag-operand``,
@@ -644,7 +645,8 @@ def index_mask_family(draw):
     """Masks whose block sparsity is derived from comparisons of the block quotients ``i // b``,
     ``j // b`` (``index_support._quotients``): block-causal, NATTEN on an image ``b`` wide with a
     radius of 0 to 2, a band of blocks, and each joined with a comparison of ``i`` and ``j``
-    (``&`` causal, ``|`` a window); fp32 (tiles and chunks of 1 to 9, threads, micro-tiles) or
+    (``&`` causal, ``|`` a window), read once per block where a tile lies inside one block
+    (``block-quotient``, :func:`napkin_cat.lowering.emit_kinds.block_quotients`); fp32 (tiles and chunks of 1 to 9, threads, micro-tiles) or
     f16 / bf16 on tensor cores (16), ragged sizes of up to 40 tokens, so chunks are skipped,
     kept whole and partial at block edges that fall inside chunks; half of them with a bias whose
     row term ``nc.lower`` drops (``row-terms``), checked against the bias as written."""
@@ -776,11 +778,11 @@ FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family
 # what each family must reach across its examples (named by test_kernel_fuzz._features)
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
                      "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
-                     "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "block-quotient",
+                     "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "table-versions",
                                      "register-copy", "frag-operand", "wgmma", "cp.async-f32", "paired-atomic",
                                      "column-values", "paired-store"},
                      "aux_in_place": {"aux-in-place", "aux-in-place-table", "fragments", "batch-table"},
-                     "index_masks": {"quotient-bound", "skipped-arithmetic", "unswitched", "fragments", "ragged-chunk",
+                     "index_masks": {"quotient-bound", "block-quotient", "skipped-arithmetic", "unswitched", "fragments", "ragged-chunk",
                                      "row-terms"},
                      "gqa_backward": {"nested-streams", "nested-skip", "atomic", "fragments", "ragged-chunk"},
                      "grouped_table": {"grouped-table", "fragments", "ragged-chunk"},

@@ -93,7 +93,7 @@ def wait_for(cv: threading.Condition, ready: Callable[[], bool], what: str, time
                 return False
             threads = _block_threads(me)
             waits = None if threads is None else _waits(threads)
-            if waits is None or mark != _ARRIVALS[0]:
+            if waits is None or mark != _ARRIVALS[0] or stuck_since is None:
                 stuck_since, mark = (now if waits is not None else None), _ARRIVALS[0]
                 continue
             if now - stuck_since >= STALL_S:
