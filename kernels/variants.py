@@ -266,7 +266,7 @@ def flex_variant(name, spec, gen, tiles=None, dt="f32", threads=None, prefetch=N
     kernel = chooser.chosen(*inputs)[0] if hasattr(chooser, "forms") else chooser
     tiles = {r.axis: r.size for r in kernel.diagram.schedule if r.op in ("tile", "stream") and r.axis in ("q", "x")}
     inner = getattr(kernel, "inner", kernel)   # a TabledKernel's options say the user's threads (None: its own)
-    threads = kernel.options.get("threads") or inner.options.get("threads")   # the blocks and threads it runs
+    threads = kernel.options.get("threads") or inner.options.get("threads") or kernel.launch.block[0]   # what it runs
     O = torch.full_like(Q, float("nan"))
     out = O.view(B, H // G, G, N, D) if G > 1 else O
     run = chooser.prepare(*inputs, out=out)

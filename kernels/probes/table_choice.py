@@ -10,9 +10,12 @@ the same run, and prints each form's kept share (its derived tables, by the cost
 ratio of the two shares and of the two kernel times.  Every kernel is checked against float64
 first (``kernels/variants.py``'s ``flex_variant``).  GPU only; N = 4096, B * H = 32, f16; d = 64, or
 ``--d 128`` with that width's two forms (64 rows on ``mma.sync``, three warpgroups of 64 rows);
-``--forms`` gives others (``name=rows,chunk,threads``, the first the one the ratios divide by).
+``--forms`` gives others (``name=rows,chunk,threads``, the first the one the ratios divide by);
+``--user``: the same masks reading the user's table of ``TABLE_BLOCK`` x ``TABLE_BLOCK`` blocks
+(``nc.blocked``), as ``TableChoice`` chooses for them from the chunks each form visits
+(``relabel/chunk_area.py``), and a last column with ``nc.lower``'s own choice (both forms).
 
-    NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/table_choice.py [--widths 32,96,256] [--cuts 3,12,40] [--d 128]
+    NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/table_choice.py [--widths 32,96,256] [--cuts 3,12,40] [--d 128] [--user]
 """
 from __future__ import annotations
 
@@ -57,7 +60,18 @@ def doc_ids(n: int, cuts: int, gen) -> torch.Tensor:
     return torch.cumsum(ids, 0)
 
 
-def cases(widths, cuts):
+def _users(spec, H=None):
+    """The mask of a case reading the user's table (``nc.blocked``), the table among its tensors."""
+    kw, score, mask, aux, *flex = spec
+    N, blk = V.FLEX_N, V.TABLE_BLOCK
+    nb = -(-N // blk)
+    lead = (nc.Axis("nh", H),) if H else ()
+    bt = nc.aux("bt", *lead, nc.Axis("rb", nb), nc.Axis("cb", nb))
+    table = nc.block_table(kw["mask"], N, N, blk, blk, aux, **({"heads": H} if H else {}))
+    return (dict(mask=nc.blocked(kw["mask"], bt, blk, blk)), score, mask, {**aux, "bt": table}, *flex)
+
+
+def cases(widths, cuts, user=False):
     N, H = V.FLEX_N, V.FLEX_H
     nh, n_ax = nc.Axis("nh", H), nc.Axis("n", N)
     cpu = torch.Generator().manual_seed(0)
@@ -74,6 +88,8 @@ def cases(widths, cuts):
         m = nc.mask_mod(lambda b, h, i, j, dd=dd: (dd[i] == dd[j]) & (j <= i))
         out[f"documents, {c + 1}"] = (dict(mask=m), None, lambda b, h, i, j, doc=doc: (doc[i] == doc[j]) & (j <= i),
                                       {"doc": doc.float()})
+    if user:
+        return {f"{k}, user's table": _users(v, H if "head" in k else None) for k, v in out.items()}
     return out
 
 
@@ -83,13 +99,14 @@ def main(argv=None):
     ap.add_argument("--cuts", default="3,12,40")
     ap.add_argument("--d", type=int, default=64, choices=(64, 128))
     ap.add_argument("--forms", nargs="*", default=[], help="name=rows,chunk,threads ... (default: the width's two)")
+    ap.add_argument("--user", action="store_true", help="the masks read the user's block table (nc.blocked)")
     args = ap.parse_args(argv)
     V.FLEX_D = args.d
     forms = forms_of(args.forms, args.d)
     gen = torch.Generator(device=V.DEV).manual_seed(0)
     print(torch.cuda.get_device_name(0), torch.__version__, f"d={args.d}", flush=True)
     rows = []
-    specs = cases([int(w) for w in args.widths.split(",") if w], [int(c) for c in args.cuts.split(",") if c])
+    specs = cases([int(w) for w in args.widths.split(",") if w], [int(c) for c in args.cuts.split(",") if c], args.user)
     for name, spec in specs.items():
         got = {}
         for form, (tiles, threads) in forms.items():
@@ -97,8 +114,12 @@ def main(argv=None):
             got[form] = r
             print(name, form, {k: r[k] for k in ("kept_share", "kernel_ms", "flex_kernel_ms", "rel_err", "threads")},
                   flush=True)
+        if args.user:   # nc.lower's own: both forms, the one these tables visit less on chosen at the call
+            r = V.flex_variant(name, spec, gen, dt="f16")
+            got["nc.lower's choice"] = r
+            print(name, "choice", {k: r[k] for k in ("forms", "tiles", "kernel_ms", "rel_err", "ms")}, flush=True)
         rows.append((name, got))
-    a, *others = forms
+    a, *others = [f for f in forms] + (["nc.lower's choice"] if args.user else [])
     head = " | ".join(f"kept, ratio, ms, time ratio ({b})" for b in others)
     print(f"\n| mask | kept ({a}) | kernel ms ({a}) | {head} | Flex kernel ms | err |")
     print("|---|---|---|" + "---|" * len(others) + "---|---|")

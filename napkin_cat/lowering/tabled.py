@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from ..core.diagram import Diagram
 from ..core.errors import LoweringError, RelabelError, ShapeError, TypingError
@@ -186,23 +187,30 @@ keep less than ``TALLER`` times the area the 128-row blocks' tables keep, else o
 
 
 class TableChoice:
-    """A mask that reads data lowered twice (:func:`lower_with_tables`): ``forms``, two
-    :class:`TabledKernel` on different blocks, the one to launch chosen at each call from the
-    tables each would read: the taller blocks where they keep less than :data:`TALLER` times the
-    area the others keep (a wide window), else the others (short documents, narrow bands: tall
-    tiles would keep many partial chunks).  The choice reads two counts back to the host; for torch
-    tensors it is kept with their tables (:func:`fill`).  ``nc.lower`` verifies both forms."""
+    """A mask that reads data lowered twice (:func:`lower_with_tables`): ``forms``, two kernels on
+    different blocks, the one to launch chosen at each call from the block tables each would read:
+    the taller blocks where they keep less than :data:`TALLER` times the area the others keep (a
+    wide window), else the others (short documents, narrow bands: tall tiles would keep many partial
+    chunks).  The forms are :class:`TabledKernel` (tables derived from the data, their kept blocks
+    counted) or, where the user passes the tables (``nc.blocked``, an explicit block mask), plain
+    kernels whose ``blocks`` (:class:`UserBlocks`) count the area of the chunks each visits under
+    the user's tables.  The choice reads the counts (or the user's tables) back to the host once;
+    for torch tensors it is kept with their identity and version.  ``nc.lower`` verifies both forms."""
 
-    def __init__(self, forms: tuple[TabledKernel, ...]):
-        self.forms = forms
+    def __init__(self, forms: tuple, blocks: tuple | None = None):
+        self.forms, self.blocks = forms, blocks
         first = forms[0]
         self.diagram, self.name = first.diagram, first.name
         self.in_shapes, self.out_shapes, self.in_io, self.out_io = first.in_shapes, first.out_shapes, first.in_io, first.out_io
         self.options = first.options
-        blocks = " and ".join(f"{t.rows} x {t.cols}" for t in (f.tables[0] for f in forms))
+        if blocks is None:
+            said = "their block tables; blocks of " + " and ".join(f"{t.rows} x {t.cols}" for t in (f.tables[0] for f in forms))
+        else:
+            said = ("the chunks each visits under the given block tables (relabel/chunk_area.py); blocks of "
+                    + " and ".join(f"{b.steps[-1]} x {b.s}" for b in blocks))
         self.notes: tuple[str, ...] = (
-            f"Two forms, chosen at each launch from their block tables (lowering/tabled.py, TableChoice): blocks "
-            f"of {blocks}; the second where its tables keep less than {TALLER} times the first's area.",)
+            f"Two forms, chosen at each launch from {said} (lowering/tabled.py, TableChoice); the second "
+            f"where its tables keep less than {TALLER} times the first's area.",)
         self.verified = False
         self._chosen: OrderedDict = OrderedDict()
 
@@ -222,17 +230,30 @@ class TableChoice:
             out.append(sum(next(counts) * spec.rows * spec.cols for spec, _ in zip(form.tables, tables)))
         return out
 
-    def chosen(self, *arrays) -> tuple[TabledKernel, tuple]:
-        """The form these arrays run on, and its tables."""
+    def _read(self, arrays) -> list:
+        """The arrays the choice reads: the derived tables' data, or the user's tables."""
+        if self.blocks is not None:
+            return [arrays[k] for _, k in self.blocks[0].tables]
+        return [arrays[k] for t in self.forms[0].tables for _, k in t.aux]
+
+    def chosen(self, *arrays) -> tuple:
+        """The form these arrays run on, and its derived tables (none for the user's)."""
         first = self.forms[0]
-        first._check_call(arrays)
-        key = _identity([arrays[k] for t in first.tables for _, k in t.aux])
+        if self.blocks is None:
+            first._check_call(arrays)
+        else:
+            first._check_call(arrays, None)
+        key = _identity(self._read(arrays))
         if key is not None and key in self._chosen:
             self._chosen.move_to_end(key)
             form = self.forms[self._chosen[key]]
-            return form, form.derive(*arrays)
-        derived = [f.derive(*arrays) for f in self.forms]
-        area = self.kept(self.forms, derived)
+            return form, (form.derive(*arrays) if self.blocks is None else ())
+        if self.blocks is None:
+            derived = [f.derive(*arrays) for f in self.forms]
+            area = self.kept(self.forms, derived)
+        else:
+            derived = [()] * len(self.forms)
+            area = [b.area(arrays) for b in self.blocks]
         pick = 1 if area[1] < TALLER * area[0] else 0
         if key is not None:
             self._chosen[key] = pick
@@ -240,23 +261,78 @@ class TableChoice:
                 self._chosen.popitem(last=False)
         return self.forms[pick], derived[pick]
 
+    def _launch(self, form):
+        return form.inner if self.blocks is None else form
+
     def __call__(self, *arrays, out=None, stream=None):
         form, tables = self.chosen(*arrays)
-        return form.inner(*arrays, *tables, out=out, stream=stream)
+        return self._launch(form)(*arrays, *tables, out=out, stream=stream)
 
     def prepare(self, *arrays, out=None, stream=None):
         """As :meth:`TabledKernel.prepare`, on the form chosen for these arrays."""
         form, tables = self.chosen(*arrays)
-        return form.inner.prepare(*arrays, *tables, out=out, stream=stream)
+        return self._launch(form).prepare(*arrays, *tables, out=out, stream=stream)
+
+
+@dataclass(frozen=True)
+class UserBlocks:
+    """What one form of a diagram whose masks read the user's block tables visits: its stream
+    loop's skips (:func:`~napkin_cat.relabel.skipping.chunk_skips`), the rows ``N`` tiled by
+    ``steps``, the columns ``n`` in chunks of ``s``; ``tables``: each table's name and position
+    among the diagram's inputs."""
+
+    skips: tuple
+    N: int
+    steps: tuple[int, ...]
+    n: int
+    s: int
+    tables: tuple[tuple[str, int], ...]
+
+    def area(self, arrays) -> float:
+        """The entries of the chunks this form visits under the tables in ``arrays``."""
+        from ..relabel.chunk_area import visited_area
+        return visited_area(self.skips, self.N, list(self.steps), self.n, self.s,
+                            {name: arrays[k] for name, k in self.tables})
+
+
+def user_blocks(kernel) -> UserBlocks | None:
+    """:class:`UserBlocks` of a kernel's one stream loop whose masks read block tables that are
+    the diagram's inputs, or None (no such loop, several, a stream over the mask's rows, or
+    sizes that are not ints)."""
+    from ..relabel.loopnest import Loop, final_form
+    from ..relabel.skipping import chunk_skips
+    sched = getattr(kernel, "schedule", None)
+    if sched is None:
+        return None
+    ff = sched.final_form or final_form(kernel.diagram)
+    found = []
+    for node, loops in ff.walk():
+        if isinstance(node, Loop) and node.kind == "stream":
+            skips = chunk_skips(ff, node)
+            if any(sk.pred.block_atoms() for sk in skips):
+                found.append((node, loops, skips))
+    if len(found) != 1:
+        return None
+    loop, outer, skips = found[0]
+    if any(sk.transposed or sk.row != skips[0].row for sk in skips):
+        return None
+    positions = {a.name: k for k, a in enumerate(kernel.diagram.dom)}
+    names = dict.fromkeys(a.table.name for sk in skips for a in sk.pred.block_atoms())
+    steps = tuple(lp.step for lp in outer if lp.axis == skips[0].row)
+    sizes = (ff.diagram.axis(skips[0].row).size, ff.extent(loop.axis, outer), loop.step, *steps)
+    if any(n not in positions for n in names) or not steps or not all(getattr(v, "is_Integer", isinstance(v, int)) for v in sizes):
+        return None
+    N, n, s = (int(v) for v in sizes[:3])
+    return UserBlocks(tuple(skips), N, tuple(int(v) for v in steps), n, s, tuple((m, positions[m]) for m in names))
 
 
 def lower_with_tables(d: Diagram, opts: dict, lower_any, on_gpu):
     """``lower_any(d, opts)``, or where ``d`` has masks that read data: their tables derived
     (module docstring), the kernel that reads them wrapped in a :class:`TabledKernel`;
     ``on_gpu()``: whether kernels run on a GPU (the schedule's choice depends on it)."""
-    if not derivable(d):
-        return lower_any(d, opts)
     from .schedule import choose
+    if not derivable(d):
+        return _user_choice(d, opts, lower_any, on_gpu) if reads_tables(d) else lower_any(d, opts)
     simulate = not on_gpu()
     try:   # one kernel's blocks; where there is none (a split into kernels), no table
         sched = choose(d, opts.get("tiles"), opts.get("threads"), simulate=simulate, hw=opts.get("hw"))
@@ -289,3 +365,36 @@ def _tabled(sched, opts: dict, lower_any) -> TabledKernel | None:
     kernel = TabledKernel(sched.diagram, inner, tables)
     kernel.options = {**inner.options, "threads": opts.get("threads")}
     return kernel
+
+
+def reads_tables(d: Diagram) -> bool:
+    """Whether a mask of ``d`` reads a block table that is one of its inputs (``nc.blocked``, an
+    explicit block mask)."""
+    names = {a.name for a in d.dom}
+    return any(e.box.kind == "mask" and any(a.table.name in names for a in e.box.param("pred").block_atoms())
+               for e in d.eqns)
+
+
+def _user_choice(d: Diagram, opts: dict, lower_any, on_gpu):
+    """``lower_any(d, opts)``, or on a GPU with warpgroup MMAs, where the blocks are ``nc.lower``'s
+    own and the warpgroups' form is another: both forms in a :class:`TableChoice` that runs, at each
+    call, the one visiting less under the user's tables (:class:`UserBlocks`)."""
+    from .schedule import choose
+    from .wgmma_plan import data_masks
+    if not on_gpu() or opts.get("tiles") is not None or opts.get("threads") is not None:
+        return lower_any(d, opts)
+    try:
+        sched = choose(d, None, None, simulate=False, hw=opts.get("hw"))
+        with data_masks():
+            taller = choose(d, None, None, simulate=False, hw=opts.get("hw"))
+    except (LoweringError, RelabelError):
+        return lower_any(d, opts)
+    if taller.threads == sched.threads:
+        return lower_any(d, opts)
+    forms = tuple(lower_any(s.diagram, {**opts, "tiles": None, "threads": s.threads}) for s in (sched, taller))
+    blocks = tuple(user_blocks(k) for k in forms)
+    if any(b is None for b in blocks) or {b.tables for b in blocks} != {blocks[0].tables}:
+        return lower_any(d, opts)
+    for k in forms:
+        k.options = {**k.options, "threads": None}
+    return TableChoice(forms, blocks)
