@@ -11,11 +11,10 @@ ratio of the two shares and of the two kernel times.  Every kernel is checked ag
 first (``kernels/variants.py``'s ``flex_variant``).  GPU only; N = 4096, B * H = 32, f16; d = 64, or
 ``--d 128`` with that width's two forms (64 rows on ``mma.sync``, three warpgroups of 64 rows);
 ``--forms`` gives others (``name=rows,chunk,threads``, the first the one the ratios divide by);
-``--user``: the same masks reading the user's table of ``TABLE_BLOCK`` x ``TABLE_BLOCK`` blocks
-(``nc.blocked``), as ``TableChoice`` chooses for them from the chunks each form visits
+``--user R,C``: the same masks reading the user's table of ``R x C`` blocks (``nc.blocked``), as ``TableChoice`` chooses for them from the chunks each form visits
 (``relabel/chunk_area.py``), and a last column with ``nc.lower``'s own choice (both forms).
 
-    NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/table_choice.py [--widths 32,96,256] [--cuts 3,12,40] [--d 128] [--user]
+    NUMBA_ENABLE_CUDASIM=0 python3 kernels/probes/table_choice.py [--widths 32,96,256] [--cuts 3,12,40] [--d 128] [--user 256,128]
 """
 from __future__ import annotations
 
@@ -60,18 +59,18 @@ def doc_ids(n: int, cuts: int, gen) -> torch.Tensor:
     return torch.cumsum(ids, 0)
 
 
-def _users(spec, H=None):
-    """The mask of a case reading the user's table (``nc.blocked``), the table among its tensors."""
+def _users(spec, rows, cols, H=None):
+    """The mask of a case reading the user's table of ``rows x cols`` blocks (``nc.blocked``),
+    the table among its tensors."""
     kw, score, mask, aux, *flex = spec
-    N, blk = V.FLEX_N, V.TABLE_BLOCK
-    nb = -(-N // blk)
+    N = V.FLEX_N
     lead = (nc.Axis("nh", H),) if H else ()
-    bt = nc.aux("bt", *lead, nc.Axis("rb", nb), nc.Axis("cb", nb))
-    table = nc.block_table(kw["mask"], N, N, blk, blk, aux, **({"heads": H} if H else {}))
-    return (dict(mask=nc.blocked(kw["mask"], bt, blk, blk)), score, mask, {**aux, "bt": table}, *flex)
+    bt = nc.aux("bt", *lead, nc.Axis("rb", -(-N // rows)), nc.Axis("cb", -(-N // cols)))
+    table = nc.block_table(kw["mask"], N, N, rows, cols, aux, **({"heads": H} if H else {}))
+    return (dict(mask=nc.blocked(kw["mask"], bt, rows, cols)), score, mask, {**aux, "bt": table}, *flex)
 
 
-def cases(widths, cuts, user=False):
+def cases(widths, cuts, user=None):
     N, H = V.FLEX_N, V.FLEX_H
     nh, n_ax = nc.Axis("nh", H), nc.Axis("n", N)
     cpu = torch.Generator().manual_seed(0)
@@ -89,7 +88,8 @@ def cases(widths, cuts, user=False):
         out[f"documents, {c + 1}"] = (dict(mask=m), None, lambda b, h, i, j, doc=doc: (doc[i] == doc[j]) & (j <= i),
                                       {"doc": doc.float()})
     if user:
-        return {f"{k}, user's table": _users(v, H if "head" in k else None) for k, v in out.items()}
+        r, c = user
+        return {f"{k}, user's table {r} x {c}": _users(v, r, c, H if "head" in k else None) for k, v in out.items()}
     return out
 
 
@@ -99,14 +99,15 @@ def main(argv=None):
     ap.add_argument("--cuts", default="3,12,40")
     ap.add_argument("--d", type=int, default=64, choices=(64, 128))
     ap.add_argument("--forms", nargs="*", default=[], help="name=rows,chunk,threads ... (default: the width's two)")
-    ap.add_argument("--user", action="store_true", help="the masks read the user's block table (nc.blocked)")
+    ap.add_argument("--user", default="", help="R,C: the masks read the user's table of R x C blocks (nc.blocked)")
     args = ap.parse_args(argv)
     V.FLEX_D = args.d
     forms = forms_of(args.forms, args.d)
     gen = torch.Generator(device=V.DEV).manual_seed(0)
     print(torch.cuda.get_device_name(0), torch.__version__, f"d={args.d}", flush=True)
     rows = []
-    specs = cases([int(w) for w in args.widths.split(",") if w], [int(c) for c in args.cuts.split(",") if c], args.user)
+    specs = cases([int(w) for w in args.widths.split(",") if w], [int(c) for c in args.cuts.split(",") if c],
+                  tuple(int(v) for v in args.user.split(",")) if args.user else None)
     for name, spec in specs.items():
         got = {}
         for form, (tiles, threads) in forms.items():

@@ -295,16 +295,16 @@ class UserBlocks:
                             {name: arrays[k] for name, k in self.tables})
 
 
-def user_blocks(kernel) -> UserBlocks | None:
-    """:class:`UserBlocks` of a kernel's one stream loop whose masks read block tables that are
-    the diagram's inputs, or None (no such loop, several, a stream over the mask's rows, or
-    sizes that are not ints)."""
+def user_blocks(sched) -> UserBlocks | None:
+    """:class:`UserBlocks` of a schedule's (or a kernel's) one stream loop whose masks read block
+    tables that are the diagram's inputs, or None (no such loop, several, a stream over the
+    mask's rows, or sizes that are not ints)."""
     from ..relabel.loopnest import Loop, final_form
     from ..relabel.skipping import chunk_skips
-    sched = getattr(kernel, "schedule", None)
+    sched = getattr(sched, "schedule", sched)
     if sched is None:
         return None
-    ff = sched.final_form or final_form(kernel.diagram)
+    ff = sched.final_form or final_form(sched.diagram)
     found = []
     for node, loops in ff.walk():
         if isinstance(node, Loop) and node.kind == "stream":
@@ -316,7 +316,7 @@ def user_blocks(kernel) -> UserBlocks | None:
     loop, outer, skips = found[0]
     if any(sk.transposed or sk.row != skips[0].row for sk in skips):
         return None
-    positions = {a.name: k for k, a in enumerate(kernel.diagram.dom)}
+    positions = {a.name: k for k, a in enumerate(sched.diagram.dom)}
     names = dict.fromkeys(a.table.name for sk in skips for a in sk.pred.block_atoms())
     steps = tuple(lp.step for lp in outer if lp.axis == skips[0].row)
     sizes = (ff.diagram.axis(skips[0].row).size, ff.extent(loop.axis, outer), loop.step, *steps)
@@ -324,6 +324,14 @@ def user_blocks(kernel) -> UserBlocks | None:
         return None
     N, n, s = (int(v) for v in sizes[:3])
     return UserBlocks(tuple(skips), N, tuple(int(v) for v in steps), n, s, tuple((m, positions[m]) for m in names))
+
+
+def _one_entry(blocks: UserBlocks) -> bool:
+    """Whether each row tile and chunk of a form lies inside one block of every table it reads
+    (the kernel then reads one entry a chunk and writes its partial chunks once per value,
+    ``unswitch.py``; else each element of a partial chunk reads the table)."""
+    atoms = {a for sk in blocks.skips for a in sk.pred.block_atoms()}
+    return all(a.rows % blocks.steps[-1] == 0 and a.cols % blocks.s == 0 for a in atoms)
 
 
 def lower_with_tables(d: Diagram, opts: dict, lower_any, on_gpu):
@@ -378,7 +386,12 @@ def reads_tables(d: Diagram) -> bool:
 def _user_choice(d: Diagram, opts: dict, lower_any, on_gpu):
     """``lower_any(d, opts)``, or on a GPU with warpgroup MMAs, where the blocks are ``nc.lower``'s
     own and the warpgroups' form is another: both forms in a :class:`TableChoice` that runs, at each
-    call, the one visiting less under the user's tables (:class:`UserBlocks`)."""
+    call, the one visiting less under the user's tables (:class:`UserBlocks`).  Not where the
+    warpgroups' 256-row tiles span several rows of a table whose blocks hold the other form's
+    tiles (:func:`_one_entry`): measured on the H200 under a table of 128 x 128 blocks (windows of
+    each head, N = 4096, d = 64, f16), the taller form visited 1.06 times the area and took 0.409
+    ms against 0.208, every element of its partial chunks reading the table (kernels/BENCHMARKS.md,
+    "First session of 2026-12-02")."""
     from .schedule import choose
     from .wgmma_plan import data_masks
     if not on_gpu() or opts.get("tiles") is not None or opts.get("threads") is not None:
@@ -389,12 +402,11 @@ def _user_choice(d: Diagram, opts: dict, lower_any, on_gpu):
             taller = choose(d, None, None, simulate=False, hw=opts.get("hw"))
     except (LoweringError, RelabelError):
         return lower_any(d, opts)
-    if taller.threads == sched.threads:
+    blocks = tuple(user_blocks(s) for s in (sched, taller))
+    if (taller.threads == sched.threads or any(b is None for b in blocks) or blocks[0].tables != blocks[1].tables
+            or _one_entry(blocks[0]) and not _one_entry(blocks[1])):
         return lower_any(d, opts)
     forms = tuple(lower_any(s.diagram, {**opts, "tiles": None, "threads": s.threads}) for s in (sched, taller))
-    blocks = tuple(user_blocks(k) for k in forms)
-    if any(b is None for b in blocks) or {b.tables for b in blocks} != {blocks[0].tables}:
-        return lower_any(d, opts)
     for k in forms:
         k.options = {**k.options, "threads": None}
     return TableChoice(forms, blocks)
