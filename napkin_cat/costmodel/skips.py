@@ -69,6 +69,7 @@ import sympy as sp
 from ..core.hierarchy import DEVICES
 from ..ops.index import IntAlgebra
 from ..ops.index_support import BoolLogic
+from ..relabel.chunk_area import row_tiles as _tiles
 from ..relabel.loopnest import FinalForm, Loop
 from ..relabel.skipping import Skip, chunk_skips, visited
 from ..relabel.symbols import size_expr
@@ -199,15 +200,6 @@ def mean_counts(counts: list) -> tuple:
     r = sum(c[1] for c in counts) / k
     partial = tuple((pred, sum(c[2][m][1] for c in counts) / k) for m, (pred, _) in enumerate(counts[0][2]))
     return e, r, partial
-
-
-def _tiles(r0: int, r1: int, steps: list[int]):
-    """The row ranges of the innermost tiles of ``[r0, r1)`` tiled by ``steps`` (outer first)."""
-    if not steps:
-        yield r0, r1
-        return
-    for a in range(r0, r1, steps[0]):
-        yield from _tiles(a, min(a + steps[0], r1), steps[1:])
 
 
 def _table_atom(data: dict, held: dict, r0, r1, c0, c1):

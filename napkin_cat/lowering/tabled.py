@@ -391,7 +391,7 @@ def _user_choice(d: Diagram, opts: dict, lower_any, on_gpu):
     tiles (:func:`_one_entry`): measured on the H200 under a table of 128 x 128 blocks (windows of
     each head, N = 4096, d = 64, f16), the taller form visited 1.06 times the area and took 0.409
     ms against 0.208, every element of its partial chunks reading the table (kernels/BENCHMARKS.md,
-    "First session of 2026-12-02")."""
+    "Fourth session of 2026-12-01")."""
     from .schedule import choose
     from .wgmma_plan import data_masks
     if not on_gpu() or opts.get("tiles") is not None or opts.get("threads") is not None:

@@ -59,7 +59,7 @@ def visited_area(skips, N: int, steps: list[int], n: int, s: int, data: dict) ->
     sliced = len(leads) == 1          # one lead shape: slice by slice, else masked only where all slices mask
     total = np.zeros(leads.pop() if sliced else ())
     last = -(-n // s)
-    for r0, r1 in _tiles(0, N, steps):
+    for r0, r1 in row_tiles(0, N, steps):
         lo, hi = _visited(skips, r0, r1, n)
         k = np.arange(lo // s, min(-(-hi // s), last))
         if not k.size:
@@ -80,13 +80,13 @@ def _visited(skips, r0, r1, n):
     return visited(skips, {skips[0].row: (r0, r1)}, n, IntAlgebra)
 
 
-def _tiles(r0: int, r1: int, steps: list[int]):
+def row_tiles(r0: int, r1: int, steps: list[int]):
     """The row ranges of the innermost tiles of ``[r0, r1)`` tiled by ``steps`` (outer first)."""
     if not steps:
         yield r0, r1
         return
     for a in range(r0, r1, steps[0]):
-        yield from _tiles(a, min(a + steps[0], r1), steps[1:])
+        yield from row_tiles(a, min(a + steps[0], r1), steps[1:])
 
 
 def _host(v) -> np.ndarray:
