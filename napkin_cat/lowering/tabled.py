@@ -390,8 +390,10 @@ def _user_choice(d: Diagram, opts: dict, lower_any, on_gpu):
     warpgroups' 256-row tiles span several rows of a table whose blocks hold the other form's
     tiles (:func:`_one_entry`): measured on the H200 under a table of 128 x 128 blocks (windows of
     each head, N = 4096, d = 64, f16), the taller form visited 1.06 times the area and took 0.409
-    ms against 0.208, every element of its partial chunks reading the table (kernels/BENCHMARKS.md,
-    "Fourth session of 2026-12-01")."""
+    ms against 0.208: with no single entry per chunk it writes no versions by value (``unswitch.py``),
+    its partial chunks test the whole mask in each element, and its computing threads spilled 88
+    bytes to local memory (the derived table's form: none; kernels/BENCHMARKS.md, "Fourth session
+    of 2026-12-01")."""
     from .schedule import choose
     from .wgmma_plan import data_masks
     if not on_gpu() or opts.get("tiles") is not None or opts.get("threads") is not None:
