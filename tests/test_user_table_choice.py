@@ -238,3 +238,18 @@ def test_a_choice_refuses_what_its_forms_cannot_read_and_keeps_nothing(gpu):
     with pytest.raises(ShapeError, match=r"takes 5 arrays \(Q, K, V, bt, wq\), got 4"):
         k(*ins[:-1])
     assert issubclass(ShapeError, NapkinError) and not k._chosen
+
+
+def test_one_form_with_a_note_where_the_warpgroups_do_not_lower(gpu, monkeypatch):
+    """The taller form's lowering refused: the first form alone, the refusal in its notes."""
+    _, dia = _user_windows()
+    real = lw._lower_any
+
+    def refuse_tall(d, opts):
+        if opts.get("threads") == 512:
+            raise LoweringError("four warpgroups refused here (test)")
+        return real(d, opts)
+    monkeypatch.setattr(lw, "_lower_any", refuse_tall)
+    k = nc.lower(dia, verify=False, prefetch="auto")
+    assert isinstance(k, lw.Kernel) and k.launch.block[0] == 128
+    assert any("did not lower: four warpgroups refused here (test)" in n for n in k.notes)

@@ -181,9 +181,10 @@ class TabledKernel:
 
 
 TALLER = 1.13
-"""A mask that reads data runs on four warpgroups of 64 rows (256-row blocks) where their tables
-keep less than ``TALLER`` times the area the 128-row blocks' tables keep, else on the 128-row
-``mma.sync`` blocks (:class:`TableChoice`; measured: ``kernels/probes/table_choice.py``)."""
+"""A mask that reads data (or the user's block tables) runs on four warpgroups of 64 rows (256-row
+blocks) where their tables keep less than ``TALLER`` times the area the 128-row blocks' tables
+keep, else on the 128-row ``mma.sync`` blocks (:class:`TableChoice`; measured:
+``kernels/probes/table_choice.py``, with ``--user`` for the user's tables)."""
 
 
 class TableChoice:
@@ -329,7 +330,7 @@ def user_blocks(sched) -> UserBlocks | None:
 def _one_entry(blocks: UserBlocks) -> bool:
     """Whether each row tile and chunk of a form lies inside one block of every table it reads
     (the kernel then reads one entry a chunk and writes its partial chunks once per value,
-    ``unswitch.py``; else each element of a partial chunk reads the table)."""
+    ``unswitch.py``; else each element of a partial chunk tests the whole mask)."""
     atoms = {a for sk in blocks.skips for a in sk.pred.block_atoms()}
     return all(a.rows % blocks.steps[-1] == 0 and a.cols % blocks.s == 0 for a in atoms)
 
@@ -408,7 +409,12 @@ def _user_choice(d: Diagram, opts: dict, lower_any, on_gpu):
     if (taller.threads == sched.threads or any(b is None for b in blocks) or blocks[0].tables != blocks[1].tables
             or _one_entry(blocks[0]) and not _one_entry(blocks[1])):
         return lower_any(d, opts)
-    forms = tuple(lower_any(s.diagram, {**opts, "tiles": None, "threads": s.threads}) for s in (sched, taller))
-    for k in forms:
-        k.options = {**k.options, "threads": None}
-    return TableChoice(forms, blocks)
+    first = lower_any(sched.diagram, {**opts, "tiles": None, "threads": sched.threads})
+    first.options = {**first.options, "threads": None}
+    try:
+        other = lower_any(taller.diagram, {**opts, "tiles": None, "threads": taller.threads})
+    except (LoweringError, RelabelError) as e:
+        first.notes += (f"One form: the warpgroups' blocks did not lower: {e}",)
+        return first
+    other.options = {**other.options, "threads": None}
+    return TableChoice((first, other), blocks)
