@@ -97,6 +97,14 @@ def test_one_form_where_there_is_no_other(gpu, why, make, options):
     assert isinstance(k, lw.Kernel), why
 
 
+def test_a_table_whose_blocks_the_tall_tiles_span_says_what_would_get_both_forms(gpu):
+    _, dia = _user_windows(blk=128)
+    k = nc.lower(dia, verify=False, prefetch="auto")
+    assert isinstance(k, lw.Kernel) and k.launch.block[0] == 128
+    assert any("256 x 64 tiles span several blocks of bt (128 x 128 blocks)" in n and "nc.block_table(mask, ..., 256, ...)" in n
+               for n in k.notes)
+
+
 def test_one_form_in_the_simulator():
     _, dia = _user_windows(n=64, heads=2, blk=8, width=16)
     assert isinstance(nc.lower(dia, verify=False), lw.Kernel)

@@ -335,6 +335,16 @@ def _one_entry(blocks: UserBlocks) -> bool:
     return all(a.rows % blocks.steps[-1] == 0 and a.cols % blocks.s == 0 for a in atoms)
 
 
+def _spanned(tall: UserBlocks) -> str:
+    """The note of a user's table whose blocks the warpgroups' tiles span."""
+    atoms = {a for sk in tall.skips for a in sk.pred.block_atoms()}
+    said = ", ".join(sorted({f"{a.table.name} ({a.rows} x {a.cols} blocks)" for a in atoms}))
+    return (f"One form: the four warpgroups' {tall.steps[-1]} x {tall.s} tiles span several blocks of {said}, "
+            f"so their partial chunks would test the whole mask in each element (measured 2x slower on an H200: "
+            f"lowering/tabled.py, _user_choice); a table whose blocks are multiples of {tall.steps[-1]} x {tall.s} "
+            f"(nc.block_table(mask, ..., {tall.steps[-1]}, ...)) gets both forms, chosen at each call.")
+
+
 def lower_with_tables(d: Diagram, opts: dict, lower_any, on_gpu):
     """``lower_any(d, opts)``, or where ``d`` has masks that read data: their tables derived
     (module docstring), the kernel that reads them wrapped in a :class:`TabledKernel`;
@@ -406,9 +416,12 @@ def _user_choice(d: Diagram, opts: dict, lower_any, on_gpu):
     except (LoweringError, RelabelError):
         return lower_any(d, opts)
     blocks = tuple(user_blocks(s) for s in (sched, taller))
-    if (taller.threads == sched.threads or any(b is None for b in blocks) or blocks[0].tables != blocks[1].tables
-            or _one_entry(blocks[0]) and not _one_entry(blocks[1])):
+    if taller.threads == sched.threads or any(b is None for b in blocks) or blocks[0].tables != blocks[1].tables:
         return lower_any(d, opts)
+    if _one_entry(blocks[0]) and not _one_entry(blocks[1]):
+        kernel = lower_any(d, opts)
+        kernel.notes += (_spanned(blocks[1]),)
+        return kernel
     first = lower_any(sched.diagram, {**opts, "tiles": None, "threads": sched.threads})
     first.options = {**first.options, "threads": None}
     try:
