@@ -69,7 +69,7 @@ import sympy as sp
 from ..core.hierarchy import DEVICES
 from ..ops.index import IntAlgebra
 from ..ops.index_support import BoolLogic
-from ..relabel.chunk_area import row_tiles as _tiles
+from ..relabel.chunk_area import host_values as _host, row_tiles as _tiles
 from ..relabel.loopnest import FinalForm, Loop
 from ..relabel.skipping import Skip, chunk_skips, visited
 from ..relabel.symbols import size_expr
@@ -185,11 +185,6 @@ def lead_slices(data: dict, skips) -> list[dict]:
     if len(shapes) != 1:
         return [data]
     return [{**data, **{k: v[at] for k, v in led.items()}} for at in np.ndindex(*shapes.pop())]
-
-
-def _host(v):
-    """A table's values as a float NumPy array (a torch tensor copied off its device)."""
-    return np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=float)
 
 
 def mean_counts(counts: list) -> tuple:

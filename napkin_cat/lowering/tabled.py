@@ -289,6 +289,11 @@ class UserBlocks:
     s: int
     tables: tuple[tuple[str, int], ...]
 
+    @property
+    def atoms(self) -> set:
+        """The block-table comparisons its masks read."""
+        return {a for sk in self.skips for a in sk.pred.block_atoms()}
+
     def area(self, arrays) -> float:
         """The entries of the chunks this form visits under the tables in ``arrays``."""
         from ..relabel.chunk_area import visited_area
@@ -331,14 +336,12 @@ def _one_entry(blocks: UserBlocks) -> bool:
     """Whether each row tile and chunk of a form lies inside one block of every table it reads
     (the kernel then reads one entry a chunk and writes its partial chunks once per value,
     ``unswitch.py``; else each element of a partial chunk tests the whole mask)."""
-    atoms = {a for sk in blocks.skips for a in sk.pred.block_atoms()}
-    return all(a.rows % blocks.steps[-1] == 0 and a.cols % blocks.s == 0 for a in atoms)
+    return all(a.rows % blocks.steps[-1] == 0 and a.cols % blocks.s == 0 for a in blocks.atoms)
 
 
 def _spanned(tall: UserBlocks) -> str:
     """The note of a user's table whose blocks the warpgroups' tiles span."""
-    atoms = {a for sk in tall.skips for a in sk.pred.block_atoms()}
-    said = ", ".join(sorted({f"{a.table.name} ({a.rows} x {a.cols} blocks)" for a in atoms}))
+    said = ", ".join(sorted({f"{a.table.name} ({a.rows} x {a.cols} blocks)" for a in tall.atoms}))
     return (f"One form: the four warpgroups' {tall.steps[-1]} x {tall.s} tiles span several blocks of {said}, "
             f"so their partial chunks would test the whole mask in each element (measured 2x slower on an H200: "
             f"lowering/tabled.py, _user_choice); a table whose blocks are multiples of {tall.steps[-1]} x {tall.s} "
@@ -362,10 +365,8 @@ def lower_with_tables(d: Diagram, opts: dict, lower_any, on_gpu):
         return lower_any(d, opts)
     if simulate or opts.get("tiles") is not None or opts.get("threads") is not None:
         return kernel   # blocks the user chose, or the simulator's
-    from .wgmma_plan import data_masks
     try:
-        with data_masks():   # the warpgroups' blocks, where they are another form
-            taller = choose(d, None, None, simulate=False, hw=opts.get("hw"))
+        taller = _warpgroups(d, opts)
         if taller.threads == sched.threads:
             return kernel
         other = _tabled(taller, opts, lower_any)
@@ -373,6 +374,15 @@ def lower_with_tables(d: Diagram, opts: dict, lower_any, on_gpu):
         kernel.notes += (f"One form: the warpgroups' blocks did not lower: {e}",)
         return kernel
     return TableChoice((kernel, other)) if other is not None else kernel
+
+
+def _warpgroups(d: Diagram, opts: dict):
+    """``nc.lower``'s schedule of ``d`` on a GPU with the warpgroups' blocks for masks that read
+    data or tables (:func:`~.wgmma_plan.data_masks`): the taller form, where it is another."""
+    from .schedule import choose
+    from .wgmma_plan import data_masks
+    with data_masks():
+        return choose(d, None, None, simulate=False, hw=opts.get("hw"))
 
 
 def _tabled(sched, opts: dict, lower_any) -> TabledKernel | None:
@@ -406,13 +416,11 @@ def _user_choice(d: Diagram, opts: dict, lower_any, on_gpu):
     bytes to local memory (the derived table's form: none; kernels/BENCHMARKS.md, "Fourth session
     of 2026-12-01")."""
     from .schedule import choose
-    from .wgmma_plan import data_masks
     if not on_gpu() or opts.get("tiles") is not None or opts.get("threads") is not None:
         return lower_any(d, opts)
     try:
         sched = choose(d, None, None, simulate=False, hw=opts.get("hw"))
-        with data_masks():
-            taller = choose(d, None, None, simulate=False, hw=opts.get("hw"))
+        taller = _warpgroups(d, opts)
     except (LoweringError, RelabelError):
         return lower_any(d, opts)
     blocks = tuple(user_blocks(s) for s in (sched, taller))

@@ -54,7 +54,7 @@ def visited_area(skips, N: int, steps: list[int], n: int, s: int, data: dict) ->
     missing = sorted({a.table.name for a in atoms} - set(data))
     if missing:
         raise LoweringError(f"visited_area: no values for block table(s) {', '.join(missing)}")
-    sums = {a: _prefix(a, _host(data[a.table.name])) for a in atoms}
+    sums = {a: _prefix(a, host_values(data[a.table.name])) for a in atoms}
     leads = {v.shape[:-2] for v in sums.values() if v.ndim > 2}
     sliced = len(leads) == 1          # one lead shape: slice by slice, else masked only where all slices mask
     total = np.zeros(leads.pop() if sliced else ())
@@ -89,7 +89,8 @@ def row_tiles(r0: int, r1: int, steps: list[int]):
         yield from row_tiles(a, min(a + steps[0], r1), steps[1:])
 
 
-def _host(v) -> np.ndarray:
+def host_values(v) -> np.ndarray:
+    """A table's values as a float NumPy array (a torch tensor copied off its device)."""
     return np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=float)
 
 
