@@ -371,6 +371,12 @@ def _features(kernel) -> set[str]:
         out.add("unswitched")
     if "holds over the whole chunk" in body:   # unswitch._by_value: a partial chunk by its table entry's value
         out.add("table-versions")
+    if "entries of the table over the tile and chunk" in body:   # emit_tables._spanned_entries
+        out.add("table-entries")
+    if "this warp's rows lie inside one block" in body:   # unswitch._warp_entries: an entry per warp
+        out.add("warp-entries")
+    if "static count: read in loops" in body:   # emit_tables._block_atom: the blocks in loops
+        out.add("table-loops")
     if "the block table masks such a chunk whole: the loop skips it" in body:   # ... none for a skipped one
         out.add("table-version-skipped")
     if len(re.findall(r"# stream \w+ in chunks of", body)) >= 2:   # loopnest._updates_per_chunk: GQA's dK

@@ -39,6 +39,10 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   atomics among them (``tf32x3-atomic``), with or without ``prefetch="auto"``'s double buffers
   (``double-buffered``: staged through registers where an fp32 input's rows are not whole 16-byte
   groups, else by ``cp.async``, ``cp.async-f32``); ``column-values`` as above.
+* ``table_reads``: a document mask reading the user's block table, whose tiles and chunks lie
+  inside one table block, span a few read one by one (``table-entries``), span blocks that each
+  warp's rows or columns lie inside (``warp-entries``, :func:`napkin_cat.lowering.unswitch._warp_entries`)
+  or span blocks read in loops (``table-loops``), :mod:`napkin_cat.lowering.emit_tables`;
 * ``derived_table``: masks that read data with no table of the user's, their block tables derived
   from the inputs at each launch (``derived-table``, :mod:`napkin_cat.lowering.tabled`), a table
   of each sequence read where a block holds one (``batch-table``);
@@ -673,6 +677,46 @@ def index_mask_family(draw):
                 {q: n, x: n, d: 16}, att, options, None, SMALL_DATA)
 
 
+TABLE_READS = {   # (table block, query tile, key chunk, threads): what the tile x chunk reads
+    "one entry": ((16,), 16, 16, 32),        # inside one block
+    "entries": ((8,), 16, 16, 32),           # over 2 x 2 blocks, read one by one
+    "warp rows": ((16,), 32, 16, 64),        # over 2 blocks; each of 2 warps' 16 rows inside one
+    "warp columns": ((16,), 16, 32, 64),     # ... each of 2 warps' 16 columns inside one
+    "loops": ((4, 12), 16, 16, 32),          # over 16 blocks, or a count that varies: loops
+}
+
+
+@st.composite
+def table_reads_family(draw):
+    """A causal document mask reading the user's block table of random entries (``nc.blocked``;
+    entries 0, 1, 2 drawn, not derived: a kept block of other documents shows in the output), f16
+    or bf16 on simulated tensor cores, ragged sizes of several chunks: the tile x chunk inside one
+    table block (``table-versions``), over a few blocks read one by one (``table-entries``,
+    ``emit_tables.SPANNED_ENTRIES``), over blocks that each warp's rows or columns lie inside
+    (``warp-entries``: ``unswitch._warp_entries``, the partial chunks written per value of each
+    warp's entry) or over blocks read in loops (``table-loops``; a block of 12, not a power of two)."""
+    dt = draw(st.sampled_from((nc.f16, nc.bf16)), label="dtype")
+    what = draw(st.sampled_from(sorted(TABLE_READS)), label="table reads")
+    blocks, tq, tx, threads = TABLE_READS[what]
+    blk = draw(st.sampled_from(blocks), label="table block")
+    n = draw(st.integers(1, 3 * max(tq, tx) + 5), label="n")
+    shape = (-(-n // blk), -(-n // blk))
+    table = np.array(draw(st.lists(st.sampled_from((0.0, 1.0, 1.0, 2.0)), min_size=shape[0] * shape[1],
+                                   max_size=shape[0] * shape[1]), label="table"), np.float32).reshape(shape)
+    doc = nc.aux("doc", nc.Axis("n", n))
+    bt = nc.aux("bt", nc.Axis("rb", shape[0]), nc.Axis("cb", shape[1]))
+    m = nc.mask_mod(lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i))
+    att = L.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, blk, blk), dtype=dt)
+
+    def inputs(rng, regime):
+        named = {"doc": np.cumsum(rng.random(n) < 0.2).astype(np.float32), "bt": table} \
+            | {k: REGIMES[regime][0](rng, (n, 16)) for k in "QKV"}
+        return [named[a.name] for a in att.dom]
+    return Case(f"{dt.name} document mask, the user's table of {blk} x {blk} blocks ({what})", att,
+                (("stream", "x", tx), ("tile", "q", tq), ("place", "O", "registers")), {q: n, x: n, d: 16}, att,
+                {"threads": threads}, inputs, SMALL_DATA)
+
+
 @st.composite
 def grouped_table_family(draw):
     """Grouped-query heads with a block table of each query head (``h * G + g``: a window of
@@ -773,7 +817,7 @@ FAMILIES = {"reindex": reindex_family, "split_reduction": split_reduction_family
             "copying": copying_family, "copying_forward": copying_forward_family, "copying_tma": copying_tma_family,
             "aux_in_place": aux_in_place_family, "index_masks": index_mask_family,
             "gqa_backward": gqa_backward_family, "grouped_table": grouped_table_family,
-            "derived_table": derived_table_family}
+            "derived_table": derived_table_family, "table_reads": table_reads_family}
 
 # what each family must reach across its examples (named by test_kernel_fuzz._features)
 EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"},
@@ -786,6 +830,8 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                                      "row-terms"},
                      "gqa_backward": {"nested-streams", "nested-skip", "atomic", "fragments", "ragged-chunk"},
                      "grouped_table": {"grouped-table", "fragments", "ragged-chunk"},
+                     "table_reads": {"table-versions", "table-entries", "warp-entries", "table-loops", "fragments",
+                                     "ragged-chunk"},
                      "derived_table": {"derived-table", "batch-table", "fragments", "ragged-chunk",
                                        "skipped-arithmetic", "unswitched", "table-versions",
                                        "table-version-skipped", "table-kernel", "table-kernel-static",

@@ -4,7 +4,7 @@ the chunk flags."""
 import re
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import given, settings, strategies as st
 import pytest
 
 import napkin_cat as nc
@@ -56,7 +56,7 @@ def test_without_the_switch_each_element_tests_the_flag():
 
 def test_a_loop_written_for_whole_chunks_in_every_chunk_is_caught():
     """Planted: the masks left out in every chunk, the flags never tested."""
-    def untested(em, t, src, body):
+    def untested(em, t, src, body, m=None):
         before = em.assumed_full
         em.assumed_full = before | frozenset(unswitch.chunk_flags(em, t.var, frozenset({t.source})))
         try:
@@ -230,3 +230,59 @@ def test_fold_keeps_the_value_of_every_expression(e):
     want = np.broadcast_to(e.evaluate(np, {"i": i, "j": j}), i.shape)
     got = np.broadcast_to(unswitch.fold(e).evaluate(np, {"i": i, "j": j}), i.shape)
     assert np.array_equal(want, got), (str(e), str(unswitch.fold(e)))
+
+
+# ---- one table entry per warp (unswitch._warp_entries): a tile over several table blocks whose
+# warps' rows (or columns) each lie inside one
+
+def _user_documents(n: int, blk: int, table):
+    doc = nc.aux("doc", nc.Axis("n", n))
+    bt = nc.aux("bt", nc.Axis("rb", table.shape[0]), nc.Axis("cb", table.shape[1]))
+    m = nc.mask_mod(lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i))
+    return L.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, blk, blk), dtype=nc.f16).bind({q: n, x: n, d: 16})
+
+
+def _user_inputs(dia, table, seed: int):
+    rng = np.random.default_rng(seed)
+    named = {"doc": np.cumsum(rng.random(dia.dom[0].axes[0].size) < 0.2).astype(np.float64), "bt": table}
+    return [named.get(a.name, rng.standard_normal(tuple(ax.size for ax in a.axes)) * 4) for a in dia.dom]
+
+
+WARP_FORMS = {"rows": ({"q": 32, "x": 16}, 64), "columns": ({"q": 16, "x": 32}, 64)}
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(st.sampled_from(sorted(WARP_FORMS)), st.integers(33, 56), st.data())
+def test_each_warp_reads_its_own_entry_and_writes_its_part_once_per_value(form, n, data):
+    """Tiles of 32 rows on two warps (or chunks of 32 columns) over a table of 16 x 16 blocks:
+    each warp's 16 rows (columns) read one entry, and its part of a partial chunk is written once
+    per value of it: kept whole (the bounds alone), partial (the data's comparison too) and masked
+    (every score; the other warp's entry may keep the chunk, so the loop visits it)."""
+    tiles, threads = WARP_FORMS[form]
+    shape = (-(-n // 16),) * 2
+    table = np.array(data.draw(st.lists(st.sampled_from((0.0, 1.0, 2.0)), min_size=shape[0] ** 2,
+                                        max_size=shape[0] ** 2)), np.float32).reshape(shape)
+    dia = _user_documents(n, 16, table)
+    kernel = nc.lower(dia, tiles=tiles, threads=threads, verify=False)
+    src = kernel.source
+    assert "lie inside one block of bt: its entry" in src and "over this warp's part of the chunk" in src
+    assert "if False else NEG_INF" in src     # the warp's entry masks its part: every score masked
+    assert kernelcheck.kernel_outcome(dia, kernel, _user_inputs(dia, table, n)).failure is None
+
+
+def test_every_warp_reading_the_first_warps_entry_is_caught():
+    """Planted: the warp's offset left out of its entry's index, so every warp reads the first's."""
+    from napkin_cat.lowering.unswitch import WarpEntry
+    real = WarpEntry.indices
+
+    def first_warps(self, em, m):
+        out = real(self, em, m)
+        return None if out is None else tuple(re.sub(r" \+ t[xy] // U\d+ \* U\d+", "", c) for c in out)
+    table = np.array([[2, 0, 0], [0, 2, 0], [2, 2, 1]], np.float32)     # the warps of a tile differ
+    dia = _user_documents(40, 16, table)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WarpEntry, "indices", first_warps)
+        kernel = nc.lower(dia, tiles={"q": 32, "x": 16}, threads=64, verify=False)
+    assert "lie inside one block of bt: its entry" in kernel.source
+    assert any(kernelcheck.kernel_outcome(dia, kernel, _user_inputs(dia, table, s)).failure is not None
+               for s in range(3))

@@ -89,7 +89,7 @@ def test_a_users_table_of_256_row_blocks_lowers_to_two_forms_on_a_gpu(gpu):
     ("threads given", _user_windows, {"threads": 128}),
     ("d = 128: three warpgroups are not measured under such masks", lambda: _user_windows(width=128), {}),
     ("fp32", lambda: _user_windows(dtype=nc.f32), {}),
-    ("128-row table blocks: the 256-row tiles would read the table in each element", lambda: _user_windows(blk=128), {}),
+    ("8-row table blocks: each warp's 16 rows would read the table in each element", lambda: _user_windows(blk=8), {}),
 ])
 def test_one_form_where_there_is_no_other(gpu, why, make, options):
     _, dia = make()
@@ -97,12 +97,25 @@ def test_one_form_where_there_is_no_other(gpu, why, make, options):
     assert isinstance(k, lw.Kernel), why
 
 
-def test_a_table_whose_blocks_the_tall_tiles_span_says_what_would_get_both_forms(gpu):
-    _, dia = _user_windows(blk=128)
+def test_a_table_whose_blocks_the_warps_span_says_what_would_get_both_forms(gpu):
+    _, dia = _user_windows(blk=8)
     k = nc.lower(dia, verify=False, prefetch="auto")
     assert isinstance(k, lw.Kernel) and k.launch.block[0] == 128
-    assert any("256 x 64 tiles span several blocks of bt (128 x 128 blocks)" in n and "nc.block_table(mask, ..., 256, ...)" in n
+    assert any("16 rows a warp, span several blocks of bt (8 x 8 blocks)" in n and "multiples of 16 x 64" in n
                for n in k.notes)
+
+
+def test_a_table_whose_blocks_the_tall_tiles_span_gets_both_forms_with_an_entry_per_warp(gpu):
+    """The gallery's table of 128 x 128 blocks: the warpgroups' 256-row tiles span two table rows,
+    each warp's 16 rows one: its partial chunks are written once per value of the warp's entry
+    (``unswitch._warp_entries``), the chunk's flags from the tile's two entries read one by one."""
+    _, dia = _user_windows(blk=128)
+    k = nc.lower(dia, verify=False, prefetch="auto")
+    assert isinstance(k, TableChoice) and [f.launch.block[0] for f in k.forms] == [128, 512 + 128]
+    tall = k.forms[1].source
+    assert "this warp's rows lie inside one block of bt" in tall and "over this warp's part of the chunk" in tall
+    assert "the 2 entries of the table over the tile and chunk" in tall and "read in loops" not in tall
+    assert "this warp's rows" not in k.forms[0].source     # 128-row tiles inside one block: an entry a chunk
 
 
 def test_one_form_in_the_simulator():

@@ -337,9 +337,12 @@ def test_block_table_masks_equal_the_mask_and_skip_by_data():
     # tiles and chunks of 4 inside table blocks of 4: one entry per chunk, read once for both
     # comparisons (>= 2 keeps all, >= 1 keeps some), no loop over entries
     assert len(re.findall(r"bt_entry\d* = smem\[", src)) == 1 and "for i_rb" not in src
-    # chunks of 2 (a table block is two chunks; tiles of 8 span two blocks): the loop over entries
+    # chunks of 2 (a table block is two chunks; tiles of 8 span two blocks): both entries read in turn
     halves = _sim(dia.stream("x", 2).tile("q", 8), (Q, K, V, table, ids), ref)
-    assert "for i_rb" in halves and "bt_entry" not in halves
+    assert "the 2 entries of the table over the tile and chunk" in halves and "for i_rb" not in halves
+    # tiles of 6 over blocks of 4: one or two blocks, by the tile: the loop over entries
+    sixes = _sim(dia.stream("x", 2).tile("q", 6), (Q, K, V, table, ids), ref)
+    assert "for i_rb" in sixes and "bt_entry" not in sixes
 
 
 @pytest.mark.parametrize("grouped", [False, True])

@@ -110,7 +110,7 @@ class Emitter(Loads, Phases):
         self.core_dirty = False                 # a descriptor-read buffer written, not yet fenced
         self.columns_slot = None                # (mapping, slot before a wait): the next epilogue's column values
         self.full_flags: dict = {}              # (row, col, predicate) -> its chunk's 'keeps all' flag
-        self.assumed_full: frozenset = frozenset()   # flags true (('not', flag): false) where the code is written (.unswitch)
+        self.assumed_full = self.warp_flags = frozenset()   # flags assumed, of a warp's entry (.unswitch)
         self.arg_names, self.out_args = {}, []
         self.added = check_added_outputs(self.ff)   # outputs summed across blocks: atomics (.atomics)
 

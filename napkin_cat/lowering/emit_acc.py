@@ -391,12 +391,12 @@ def _fused_update(em, p: AccPlan, src: Source, softmax: bool):
         def rows():
             for env in em.micro_element_rows(ms, src):
                 epilogue(env)
-        unswitched(em, t, src, rows)
+        unswitched(em, t, src, rows, ms)
     else:
         def elements():
             with em.micro_elements(ms, src) as env:
                 epilogue(env)
-        unswitched(em, t, src, elements)
+        unswitched(em, t, src, elements, ms)
     src.comment(f"row statistics: {ms.TX} lanes per row "
                 f"({'warp shuffles' if ms.TX > 1 else 'one lane'}; shared memory in the simulator); "
                 + (f"weights -> warp-private {em.bufs[p.p_buf].name}" if p.p_buf is not None

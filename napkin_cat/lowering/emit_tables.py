@@ -7,8 +7,16 @@ arithmetic (:meth:`.emit_loads.Loads._chunk_flags`).
 
 from __future__ import annotations
 
+from itertools import product
+
 from .emit_kinds import aux_read
 from .source import CodeAlgebra, Source, render_code
+from .unswitch import WarpEntry
+
+SPANNED_ENTRIES = 4
+"""A tile x chunk over at most this many blocks of a table, a static count of them (the tile's
+extent a multiple of the block's), reads its entries one by one; more, or a count that varies:
+loops over the blocks."""
 
 _CMP_CODE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 
@@ -41,7 +49,21 @@ class TableReads:
             # the comparison's value at every entry (.unswitch); its slice's indices in the key too
             self.full_flags[(*over, pred, (at, tuple(k.key() for k in at.lead)))] = full
             return full, empty
-        src(f"{full} = True")
+        self._warp_entry(v, (*lead_axes, *axes), lead, at, pred, over, (r0, c0))
+        spans = self._spanned_entries(axes, at, over, (r0, c0))
+        if spans is not None:   # a static few entries (the tile over several blocks): read them in turn
+            tests = []
+            for one in spans:
+                one = (*lead, *one)
+                if (v, one) not in self._chunk_entries:
+                    self._chunk_entries[v, one] = self.names.fresh(stem + "entry")
+                    src(f"{self._chunk_entries[v, one]} = {aux_read(self, v, dict(zip(lead_axes + axes, one)))}")
+                tests.append(f"{self._chunk_entries[v, one]} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}")
+            src(f"{full} = {' and '.join(tests)}  # the {len(tests)} entries of the table over the tile and chunk")
+            src(f"{empty} = not ({' or '.join(tests)})")
+            return full, empty
+        src(f"{full} = True  # the table's blocks over the tile and chunk, past SPANNED_ENTRIES or not a "
+            f"static count: read in loops")
         src(f"{empty} = True")
         env = dict(zip(lead_axes, lead))
         loops = []
@@ -91,3 +113,39 @@ class TableReads:
                 return None
             out.append(f"uint32(min({render_code(lo // blk, k.u)}, {k.u(self.sizes[ax_] - 1)}))")
         return tuple(out)
+
+    def _spanned_entries(self, axes, at, over, starts):
+        """The table indices of each entry a tile x chunk reads, where each extent is a multiple
+        of the table's block or divides it and there are at most :data:`SPANNED_ENTRIES` of them
+        (the tile starts at a multiple of its extent, so at one of the block), else None; clamped
+        into the table (a ragged end reads its last entry again, which changes neither test)."""
+        k = self.consts
+        per_axis = []
+        for ax_, blk, axis, lo in zip(axes, (at.rows, at.cols), over, starts):
+            cap = self.ax[axis].cap
+            if self.ax[axis].role not in ("grid", "stream") or (cap % blk and blk % cap):
+                return None
+            first, last = render_code(lo // blk, k.u), k.u(self.sizes[ax_] - 1)
+            per_axis.append([f"uint32(min({first}{f' + {k.u(m)}' if m else ''}, {last}))"
+                             for m in range(max(1, cap // blk))])
+        out = list(product(*per_axis))
+        return out if len(out) <= SPANNED_ENTRIES else None
+
+    def _warp_entry(self, v, axes, lead, at, pred, over, starts):
+        """Where the tile spans several blocks of the table: what :func:`.unswitch.unswitched`
+        needs to read the one entry of each warp's rows, where a fragment's warps' rows (or
+        columns) lie inside one block (:class:`WarpEntry`; kept in :attr:`full_flags` until the
+        chunk ends)."""
+        self.full_flags[(*over, pred, ("warp", at, tuple(k.key() for k in at.lead)))] = \
+            WarpEntry(v, tuple(axes), tuple(lead), at, over, tuple(starts))
+
+    def entry_test(self, v: int, axes, idx, at, reads: dict, src: Source) -> str:
+        """A flag: comparison ``at`` of table ``v``'s entry at ``idx`` (code, over ``axes``), the
+        entry read once into ``reads`` (``{(v, idx): identifier}``)."""
+        if (v, idx) not in reads:
+            reads[v, idx] = self.names.fresh(f"{at.table.name}_warp")
+            src(f"{reads[v, idx]} = {aux_read(self, v, dict(zip(axes, idx)))}  # this warp's rows lie inside one "
+                f"block of {at.table.name}: its entry")
+        flag = self.names.fresh(f"{at.table.name}_holds")
+        src(f"{flag} = {reads[v, idx]} {_CMP_CODE[at.cmp]} {self.consts.f(float(at.c))}")
+        return flag

@@ -376,7 +376,7 @@ class Phases:
                         val = self.value(t.var, env, src, {}, regs, define=t.var)
                         self.write_target(t, env, val, src)
                         keep_copy(self, t, env, val, src)
-                unswitched(self, t, src, elements)
+                unswitched(self, t, src, elements, m)
         elif isinstance(m, Flat):
             acc = self.names.fresh("acc")
             src(f"{acc} = cuda.local.array({m.per_thread}, float32)")

@@ -332,20 +332,25 @@ def user_blocks(sched) -> UserBlocks | None:
     return UserBlocks(tuple(skips), N, tuple(int(v) for v in steps), n, s, tuple((m, positions[m]) for m in names))
 
 
-def _one_entry(blocks: UserBlocks) -> bool:
-    """Whether each row tile and chunk of a form lies inside one block of every table it reads
-    (the kernel then reads one entry a chunk and writes its partial chunks once per value,
-    ``unswitch.py``; else each element of a partial chunk tests the whole mask)."""
-    return all(a.rows % blocks.steps[-1] == 0 and a.cols % blocks.s == 0 for a in blocks.atoms)
+WARP_ROWS = 16
+"""The rows of each warp of the four warpgroups' fragments (``wgmma.m64``: 16 rows a warp)."""
+
+
+def _one_entry(blocks: UserBlocks, rows: int) -> bool:
+    """Whether each ``rows`` rows of a form's tiles (a tile's, or a warp's) and each chunk lie
+    inside one block of every table it reads (the kernel then reads one entry a chunk, or a warp,
+    and writes its partial chunks once per value, ``unswitch.py``; else each element of a partial
+    chunk tests the whole mask)."""
+    return all(a.rows % rows == 0 and a.cols % blocks.s == 0 for a in blocks.atoms)
 
 
 def _spanned(tall: UserBlocks) -> str:
-    """The note of a user's table whose blocks the warpgroups' tiles span."""
+    """The note of a user's table whose blocks the warpgroups' warps span."""
     said = ", ".join(sorted({f"{a.table.name} ({a.rows} x {a.cols} blocks)" for a in tall.atoms}))
-    return (f"One form: the four warpgroups' {tall.steps[-1]} x {tall.s} tiles span several blocks of {said}, "
-            f"so their partial chunks would test the whole mask in each element (measured 2x slower on an H200: "
-            f"lowering/tabled.py, _user_choice); a table whose blocks are multiples of {tall.steps[-1]} x {tall.s} "
-            f"(nc.block_table(mask, ..., {tall.steps[-1]}, ...)) gets both forms, chosen at each call.")
+    return (f"One form: the four warpgroups' {tall.steps[-1]} x {tall.s} tiles, {WARP_ROWS} rows a warp, span "
+            f"several blocks of {said} in each warp, so their partial chunks would test the whole mask in each "
+            f"element (measured 2x slower on an H200: lowering/tabled.py, _user_choice); a table whose blocks are "
+            f"multiples of {WARP_ROWS} x {tall.s} gets both forms, chosen at each call.")
 
 
 def lower_with_tables(d: Diagram, opts: dict, lower_any, on_gpu):
@@ -407,14 +412,14 @@ def reads_tables(d: Diagram) -> bool:
 def _user_choice(d: Diagram, opts: dict, lower_any, on_gpu):
     """``lower_any(d, opts)``, or on a GPU with warpgroup MMAs, where the blocks are ``nc.lower``'s
     own and the warpgroups' form is another: both forms in a :class:`TableChoice` that runs, at each
-    call, the one visiting less under the user's tables (:class:`UserBlocks`).  Not where the
-    warpgroups' 256-row tiles span several rows of a table whose blocks hold the other form's
-    tiles (:func:`_one_entry`): measured on the H200 under a table of 128 x 128 blocks (windows of
-    each head, N = 4096, d = 64, f16), the taller form visited 1.06 times the area and took 0.409
-    ms against 0.208: with no single entry per chunk it writes no versions by value (``unswitch.py``),
-    its partial chunks test the whole mask in each element, and its computing threads spilled 88
-    bytes to local memory (the derived table's form: none; kernels/BENCHMARKS.md, "Fourth session
-    of 2026-12-01")."""
+    call, the one visiting less under the user's tables (:class:`UserBlocks`).  Not where each warp's
+    16 rows of the warpgroups' tiles (:data:`WARP_ROWS`) and 64 columns span several blocks of a
+    table (:func:`_one_entry`): the kernel then reads no single entry per chunk or per warp and its
+    partial chunks test the whole mask in each element.  Measured on the H200 that way (before the
+    entries of each warp, ``unswitch._warp_entries``), under a table of 128 x 128 blocks (windows of
+    each head, N = 4096, d = 64, f16): 0.409 ms against 0.208 for the 128-row blocks, its computing
+    threads spilling 88 bytes; with an entry per warp 0.187 ms, no spills (kernels/BENCHMARKS.md,
+    "Session of 2026-12-02")."""
     from .schedule import choose
     if not on_gpu() or opts.get("tiles") is not None or opts.get("threads") is not None:
         return lower_any(d, opts)
@@ -426,7 +431,7 @@ def _user_choice(d: Diagram, opts: dict, lower_any, on_gpu):
     blocks = tuple(user_blocks(s) for s in (sched, taller))
     if taller.threads == sched.threads or any(b is None for b in blocks) or blocks[0].tables != blocks[1].tables:
         return lower_any(d, opts)
-    if _one_entry(blocks[0]) and not _one_entry(blocks[1]):
+    if not _one_entry(blocks[1], WARP_ROWS):
         kernel = lower_any(d, opts)
         kernel.notes += (_spanned(blocks[1]),)
         return kernel

@@ -36,10 +36,12 @@ kernel ms with and without (``ATOM_VERSIONS = 0``, the form before, in the same 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable
 
 from ..ops.index_expr import COMPARISONS, Ix
 from ..ops.index_support import BlockAtom, block_atom
+from .source import render_code
 
 UNSWITCH = True
 
@@ -94,24 +96,61 @@ def _chain_masks(em, v: int, stop: frozenset) -> tuple[tuple, ...]:
     return tuple(out)
 
 
-def unswitched(em, t, src, body: Callable[[], None]) -> None:
+def unswitched(em, t, src, body: Callable[[], None], m=None) -> None:
     """``body()``, which writes the element loop of target ``t`` (its value from ``t.source`` in
-    registers), under ``if flags: (masks left out) else: (as before)`` with the chunk flags of
-    its masks (:func:`chunk_flags`), the ``else`` once per value of their block-table comparisons
-    (:func:`_by_value`); once, as before, where there are none or ``UNSWITCH`` is off."""
-    flags = chunk_flags(em, t.var, frozenset({t.source})) if UNSWITCH else ()
-    atoms = atom_flags(em, t.var, frozenset({t.source})) if UNSWITCH else ()
-    atoms = atoms if len(atoms) <= ATOM_VERSIONS else ()
-    masks = _chain_masks(em, t.var, frozenset({t.source})) if atoms else ()
+    registers, on micro-tile ``m``), under ``if flags: (masks left out) else: (as before)`` with the
+    chunk flags of its masks (:func:`chunk_flags`), the ``else`` once per value of their
+    block-table comparisons (:func:`_by_value`), those of one entry per chunk or per warp
+    (:func:`_warp_entries`); once, as before, where there are none or ``UNSWITCH`` is off."""
+    stop = frozenset({t.source})
+    flags = chunk_flags(em, t.var, stop) if UNSWITCH else ()
+
+    def partial():
+        with _warp_entries(em, src, _chain_masks(em, t.var, stop) if UNSWITCH else (), m,
+                           len(atom_flags(em, t.var, stop))):
+            atoms = atom_flags(em, t.var, stop) if UNSWITCH else ()
+            atoms = atoms if len(atoms) <= ATOM_VERSIONS else ()
+            _by_value(em, src, atoms, body, _chain_masks(em, t.var, stop) if atoms else ())
     if not flags:
-        _by_value(em, src, atoms, body, masks)
+        partial()
         return
     with src.block(f"if {' and '.join(flags)}:  # the masks keep the whole chunk: its elements without them"):
         with _assuming(em, flags):
             body()
     with src.block("else:"):    # one flag: known false here
         with _assuming(em, (("not", flags[0]),) if len(flags) == 1 else ()):
-            _by_value(em, src, atoms, body, masks)
+            partial()
+
+
+@contextmanager
+def _warp_entries(em, src, masks: tuple, m, chunk_atoms: int):
+    """Within: the block-table comparisons of ``masks`` whose tile spans several table blocks
+    (:class:`WarpEntry`) but whose warps' rows each lie inside one, on fragment ``m``:
+    each warp's entry read and compared, the flags in :attr:`em.full_flags` as a chunk's one entry
+    (:func:`atom_flags`) and in :attr:`em.warp_flags` (they do not say the stream loop skips the
+    chunk: :func:`_skipped`).  The flags are the same in every lane of a warp, so the versions by
+    value never diverge within one (they have no barrier of the block).  Nothing where the versions
+    would be past :data:`ATOM_VERSIONS` with the ``chunk_atoms`` of one entry per chunk."""
+    from .plan import Frag
+    found = [(key, k, w) for key in masks for k, w in em.full_flags.items()
+             if isinstance(w, WarpEntry) and k[:3] == key] if isinstance(m, Frag) else []
+    found = [(key, k, w, w.indices(em, m)) for key, k, w in found]
+    found = [f for f in found if f[3] is not None]
+    if not found or chunk_atoms + len(found) > ATOM_VERSIONS:
+        yield
+        return
+    reads: dict = {}
+    added = [((*key, k[3][1:]), em.entry_test(w.v, w.axes, idx, w.at, reads, src)) for key, k, w, idx in found]
+    before = em.warp_flags
+    for k, flag in added:
+        em.full_flags[k] = flag
+    em.warp_flags = before | {flag for _, flag in added}
+    try:
+        yield
+    finally:
+        for k, _ in added:
+            del em.full_flags[k]
+        em.warp_flags = before
 
 
 def _by_value(em, src, atoms, body: Callable[[], None], masks: tuple, values: tuple = ()) -> None:
@@ -132,7 +171,8 @@ def _by_value(em, src, atoms, body: Callable[[], None], masks: tuple, values: tu
     if len(reached) == 1:
         _by_value(em, src, rest, body, masks, values + ((at, flag, reached[0]),))
         return
-    with src.block(f"if {flag}:  # the block table's {_describe(at)} holds over the whole chunk"):
+    where = "this warp's part of the chunk" if flag in em.warp_flags else "the whole chunk"
+    with src.block(f"if {flag}:  # the block table's {_describe(at)} holds over {where}"):
         _by_value(em, src, rest, body, masks, values + ((at, flag, True),))
     with src.block("else:"):
         _by_value(em, src, rest, body, masks, values + ((at, flag, False),))
@@ -150,7 +190,7 @@ def _skipped(em, masks: tuple, values: tuple) -> bool:
     ``masks`` mask the whole chunk, where the stream loop skips such chunks (the chunk's extent
     recorded by :meth:`.emit_loads.Loads._chunk_flags`): code written for them never runs."""
     from .source import CodeAlgebra
-    known = {(at, _lead(at)): value for at, _, value in values}
+    known = {(at, _lead(at)): value for at, flag, value in values if flag not in em.warp_flags}
 
     def atom(at):
         value = known.get((at, _lead(at)))
@@ -262,3 +302,40 @@ def _terms(e: Ix, op: str) -> list[Ix]:
     if e.op == op and e.dtype == "bool":
         return [t for a in e.args for t in _terms(a, op)]
     return [e]
+
+
+@dataclass(frozen=True)
+class WarpEntry:
+    """A block-table comparison of a mask over a tile x chunk that spans several of the table's
+    blocks: the table (variable ``v``, its ``axes``), the slice's indices ``lead`` (code), the
+    comparison ``at``, the tile's and the chunk's axes ``over`` and their first indices
+    ``starts`` (:class:`~.source.Code`), in the mask's (row, column) order; recorded by
+    :meth:`.emit_tables.TableReads._block_atom`."""
+    v: int
+    axes: tuple
+    lead: tuple
+    at: object
+    over: tuple
+    starts: tuple
+
+    def indices(self, em, m) -> tuple | None:
+        """The code of the one table entry that each warp of fragment ``m`` (:class:`~.plan.Frag`)
+        reads, where the rows (columns) of each warp lie inside one table block: ``m``'s warps
+        ``16 * MT`` rows (``8 * NT`` columns) apart, their extent dividing the block and the tile's;
+        else None."""
+        k = em.consts
+        out = []
+        narrowed = False
+        for ax_, blk, axis, lo in zip(self.axes[len(self.lead):], (self.at.rows, self.at.cols), self.over, self.starts):
+            cap = em.ax[axis].cap
+            base, extent = "", cap
+            if axis == m.row and m.Wm > 1:
+                base, extent = f" + ty // {k.u(8)} * {k.u(16 * m.MT)}", 16 * m.MT
+            elif axis == m.col and m.Wn > 1:
+                base, extent = f" + tx // {k.u(4)} * {k.u(8 * m.NT)}", 8 * m.NT
+            if em.ax[axis].role not in ("grid", "stream") or blk % extent or cap % extent:
+                return None
+            narrowed |= extent < cap
+            last = k.u(em.sizes[ax_] - 1)
+            out.append(f"uint32(min(({render_code(lo, k.u)}{base}) // {k.u(blk)}, {last}))")
+        return (*self.lead, *out) if narrowed else None
