@@ -95,7 +95,7 @@ Data-dependent sparsity: a mask that reads data (`doc[i] == doc[j]`) lowers to a
 derives its block table from the data at each launch, over its own tiles, and skips the chunks it
 masks whole (`napkin_cat/lowering/tabled.py`; tables of torch tensors are kept by the tensors'
 identity and version; on a GPU with warpgroup MMAs, the 16-bit forward is lowered on two blocks and
-each call runs the one whose tables keep less area, `TableChoice`, as for a user's table whose blocks hold the taller tiles; on a GPU a generated kernel makes a table in one launch,
+each call runs the one whose tables keep less area, `TableChoice`, as for a user's table whose blocks hold each warp's 16 rows (each warp then reads its own entry); on a GPU a generated kernel makes a table in one launch,
 `napkin_cat/lowering/table_kernel.py`); `nc.block_table` with `nc.blocked` makes one table for
 many calls, as FlexAttention's `create_block_mask` does.  The values a mask compares (the ids) are
 an f32 input whatever the attention's dtype, exact for integers up to 2**24 (`nc.aux`'s `dtype`);

@@ -336,12 +336,12 @@ WARP_ROWS = 16
 """The rows of each warp of the four warpgroups' fragments (``wgmma.m64``: 16 rows a warp)."""
 
 
-def _one_entry(blocks: UserBlocks, rows: int) -> bool:
-    """Whether each ``rows`` rows of a form's tiles (a tile's, or a warp's) and each chunk lie
-    inside one block of every table it reads (the kernel then reads one entry a chunk, or a warp,
-    and writes its partial chunks once per value, ``unswitch.py``; else each element of a partial
-    chunk tests the whole mask)."""
-    return all(a.rows % rows == 0 and a.cols % blocks.s == 0 for a in blocks.atoms)
+def _one_entry(blocks: UserBlocks) -> bool:
+    """Whether each warp's :data:`WARP_ROWS` rows of the warpgroups' tiles and each chunk lie
+    inside one block of every table the form reads (the kernel then reads one entry a warp and
+    writes its part of a partial chunk once per value, ``unswitch._warp_entries``; else each
+    element of a partial chunk tests the whole mask)."""
+    return all(a.rows % WARP_ROWS == 0 and a.cols % blocks.s == 0 for a in blocks.atoms)
 
 
 def _spanned(tall: UserBlocks) -> str:
@@ -431,7 +431,7 @@ def _user_choice(d: Diagram, opts: dict, lower_any, on_gpu):
     blocks = tuple(user_blocks(s) for s in (sched, taller))
     if taller.threads == sched.threads or any(b is None for b in blocks) or blocks[0].tables != blocks[1].tables:
         return lower_any(d, opts)
-    if not _one_entry(blocks[1], WARP_ROWS):
+    if not _one_entry(blocks[1]):
         kernel = lower_any(d, opts)
         kernel.notes += (_spanned(blocks[1]),)
         return kernel
