@@ -108,8 +108,9 @@ def lower(d: Diagram, target: str = "numba.cuda", tiles: dict | None = None, thr
     if runs:
         from ..verify.kernelcheck import self_check
         forms = getattr(kernel, "forms", ())   # a choice made at each launch (.tabled): each form
+        memo: dict = {}                        # ... on the same oracle answers
         for n, k in enumerate(forms):
-            k.notes += (self_check(k, runs, check_inputs),)
+            k.notes += (self_check(k, runs, check_inputs, memo),)
             k.verified = True
             kernel.notes += (f"Form {n + 1}: {k.notes[-1]}",)
         if not forms:

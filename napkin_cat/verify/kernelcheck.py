@@ -309,12 +309,21 @@ def norm_failure(i: int, arr, r, lo, k, plains) -> dict | None:
 
 
 def kernel_outcome(oracle: Diagram, kernel, inputs, sizes: dict | None = None, rtol: float | None = None,
-                   atol: float | None = None) -> KernelDiff:
-    """Run ``kernel`` on ``inputs`` (rounded to its input dtypes) and compare with ``oracle``."""
+                   atol: float | None = None, memo: dict | None = None, key=None) -> KernelDiff:
+    """Run ``kernel`` on ``inputs`` (rounded to its input dtypes) and compare with ``oracle``.
+    ``memo``: the oracle's answers kept under ``key`` (and the kernel's dtypes) for the next kernel
+    compared on the same oracle and inputs (the forms of one diagram, :func:`self_check`)."""
     rtol, atol = kernel_tolerances(kernel, rtol, atol)
     x32 = as_kernel_inputs(inputs, kernel.diagram.dom)
-    exact, low = oracle_outputs(oracle, x32, sizes or {}, kernel_dtype(kernel))
-    packed = packed_operand_outputs(oracle, x32, sizes or {}) if kernel_dtype(kernel) != "f32" else None
+    key = None if memo is None else (key, oracle.short(), kernel_dtype(kernel),
+                                     tuple((a.dtype.name, tuple(ax.size for ax in a.axes)) for a in kernel.diagram.dom))
+    if key is not None and key in memo:
+        exact, low, packed = memo[key]
+    else:
+        exact, low = oracle_outputs(oracle, x32, sizes or {}, kernel_dtype(kernel))
+        packed = packed_operand_outputs(oracle, x32, sizes or {}) if kernel_dtype(kernel) != "f32" else None
+        if key is not None:
+            memo[key] = exact, low, packed
     try:
         got = run_kernel(kernel, x32)
     except NapkinError:   # the call itself refused (shapes, dtypes): a misuse, not a kernel difference
@@ -342,12 +351,15 @@ def check_self_check_inputs(make_inputs, verify, runs: int) -> None:
                             f"so it would be ignored; drop it or verify")
 
 
-def self_check(kernel, examples: int, make_inputs=None) -> str:
+def self_check(kernel, examples: int, make_inputs=None, memo: dict | None = None) -> str:
     """Compare a freshly generated kernel with the oracle on ``examples`` inputs (regimes
     :data:`SELF_CHECK_REGIMES` in turn, seeds 0, 1, ...); raise :class:`EquivalenceError`
     with reproducing code on a difference, else return the note that says what was checked.
     ``make_inputs(rng, draw)``: the inputs of each run made from the regime's ``draw(rng, shape)``
-    by the caller (related inputs, ``lower(check_inputs=...)``), instead of each drawn alone."""
+    by the caller (related inputs, ``lower(check_inputs=...)``), instead of each drawn alone.
+    ``memo``: a dict shared by the kernels of one diagram (the forms ``nc.lower`` chooses among at
+    each launch): the oracle's answers on each run's inputs are computed for the first and kept
+    for the others (the same oracle, the same seeds and shapes)."""
     from .data import REGIMES
     from .reproduce import reproducer_for_kernel
     oracle = kernel.diagram.unrelabelled()
@@ -365,7 +377,7 @@ def self_check(kernel, examples: int, make_inputs=None) -> str:
             if [v.shape for v in inputs] != shapes:
                 raise EquivalenceError(f"lower: check_inputs gave arrays of shapes {[v.shape for v in inputs]}, "
                                        f"the kernel {kernel.name} takes {shapes}")
-        diff = kernel_outcome(oracle, kernel, inputs)
+        diff = kernel_outcome(oracle, kernel, inputs, memo=memo, key=k)
         if diff.failure is not None:
             code = (reproducer_for_kernel(oracle, kernel, regime, k, diff.failure) if make_inputs is None else
                     f"# inputs made by lower(check_inputs=...) from regime {regime!r}, "
