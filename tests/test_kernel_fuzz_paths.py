@@ -42,7 +42,8 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
 * ``table_reads``: a document mask reading the user's block table, whose tiles and chunks lie
   inside one table block, span a few read one by one (``table-entries``), span blocks that each
   warp's rows or columns lie inside (``warp-entries``, :func:`napkin_cat.lowering.unswitch._warp_entries`)
-  or span blocks read in loops (``table-loops``), :mod:`napkin_cat.lowering.emit_tables`;
+  or span blocks read in loops (``table-loops``), :mod:`napkin_cat.lowering.emit_tables`; the
+  forward, or the backward's dK, dV part (the fragments' rows the mask's columns);
 * ``derived_table``: masks that read data with no table of the user's, their block tables derived
   from the inputs at each launch (``derived-table``, :mod:`napkin_cat.lowering.tabled`), a table
   of each sequence read where a block holds one (``batch-table``);
@@ -684,6 +685,9 @@ TABLE_READS = {   # (table block, query tile, key chunk, threads): what the tile
     "warp columns": ((16,), 16, 32, 64),     # ... each of 2 warps' 16 columns inside one
     "loops": ((4, 12), 16, 16, 32),          # over 16 blocks, or a count that varies: loops
 }
+BACKWARD_READS = {"warp rows": ((16,), 32, 16, 64), "warp columns": ((16,), 32, 32, 128)}
+"""The backward's dK, dV part instead, where the warps' entries are drawn: key tiles (the fragments'
+rows, the mask's columns) by query chunks, on 2 x 1 warps or 2 x 2."""
 
 
 @st.composite
@@ -694,10 +698,14 @@ def table_reads_family(draw):
     table block (``table-versions``), over a few blocks read one by one (``table-entries``,
     ``emit_tables.SPANNED_ENTRIES``), over blocks that each warp's rows or columns lie inside
     (``warp-entries``: ``unswitch._warp_entries``, the partial chunks written per value of each
-    warp's entry) or over blocks read in loops (``table-loops``; a block of 12, not a power of two)."""
+    warp's entry) or over blocks read in loops (``table-loops``; a block of 12, not a power of two);
+    or the backward's dK, dV part over such a table, whose fragments' rows are the mask's columns."""
     dt = draw(st.sampled_from((nc.f16, nc.bf16)), label="dtype")
     what = draw(st.sampled_from(sorted(TABLE_READS)), label="table reads")
     blocks, tq, tx, threads = TABLE_READS[what]
+    if what in BACKWARD_READS and draw(st.booleans(), label="backward"):
+        what = "backward, " + what
+        blocks, tq, tx, threads = BACKWARD_READS[what[len("backward, "):]]
     blk = draw(st.sampled_from(blocks), label="table block")
     n = draw(st.integers(1, 3 * max(tq, tx) + 5), label="n")
     shape = (-(-n // blk), -(-n // blk))
@@ -708,10 +716,28 @@ def table_reads_family(draw):
     m = nc.mask_mod(lambda b_, h_, i, j: (doc[i] == doc[j]) & (j <= i))
     att = L.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, blk, blk), dtype=dt)
 
-    def inputs(rng, regime):
-        named = {"doc": np.cumsum(rng.random(n) < 0.2).astype(np.float32), "bt": table} \
+    def named(rng, regime):
+        return {"doc": np.cumsum(rng.random(n) < 0.2).astype(np.float32), "bt": table} \
             | {k: REGIMES[regime][0](rng, (n, 16)) for k in "QKV"}
-        return [named[a.name] for a in att.dom]
+    if what.startswith("backward"):
+        from napkin_cat.lowering.torch_op import backward_plan
+        part = next(p for p in backward_plan(att.stream(x, "s_x").tile(q, "g_q")).at(dt).parts
+                    if "dK" in {a.name for a in p.cod})
+        fwd = L.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, blk, blk), logsumexp=True).bind({q: n, x: n, d: 16})
+
+        def residuals(rng, regime):
+            got = named(rng, regime)
+            got["O"], got["L"] = nc.evaluate(fwd, *[got[a.name] for a in fwd.dom])
+            got["dO"] = REGIMES[regime][0](rng, got["O"].shape)
+            got["D"] = (got["dO"] * got["O"]).sum(-1)
+            return [got[a.name] for a in part.dom]
+        return Case(f"{dt.name} attention backward (dK, dV), the user's table of {blk} x {blk} blocks ({what})",
+                    part, (), {q: n, x: n, d: 16}, part.unrelabelled(),
+                    {"threads": threads, "tiles": {"g_x": tq, "s_q": tx}}, residuals, SMALL_DATA)
+
+    def inputs(rng, regime):
+        got = named(rng, regime)
+        return [got[a.name] for a in att.dom]
     return Case(f"{dt.name} document mask, the user's table of {blk} x {blk} blocks ({what})", att,
                 (("stream", "x", tx), ("tile", "q", tq), ("place", "O", "registers")), {q: n, x: n, d: 16}, att,
                 {"threads": threads}, inputs, SMALL_DATA)
