@@ -333,7 +333,7 @@ def test_lower_s_self_check_names_the_known_gap_on_huge_data_on_a_gpu(monkeypatc
     qq, xx, dd = nc.axes("q x d")
     half = nc.lower(nc.library.attention(q=qq, x=xx, d=dd, dtype=nc.f16).bind({qq: 16, xx: 16, dd: 16}), verify=False)
     bad = {"kind": "error", "side": "kernel", "error": "planted"}
-    monkeypatch.setattr(kernelcheck, "kernel_outcome", lambda o, k, ins: kernelcheck.KernelDiff(failure=bad))
+    monkeypatch.setattr(kernelcheck, "kernel_outcome", lambda o, k, ins, **kw: kernelcheck.KernelDiff(failure=bad))
     monkeypatch.setattr(kernelcheck, "SELF_CHECK_REGIMES", ("huge_one_sign",))
     with pytest.raises(EquivalenceError, match="code generation bug"):
         kernelcheck.self_check(half, 1)

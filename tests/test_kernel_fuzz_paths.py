@@ -517,15 +517,22 @@ def _copying_table_case(draw, dt, what, options, width: int = 16):
     fl = att.stream(x, "s_x").tile(q, "g_q")
     part = next(p for p in backward_plan(fl, form="one kernel").at(dt).parts if "dK" in {a.name for a in p.cod})
     fwd = L.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, rows, cols), logsumexp=True).bind(sizes)
+    return Case(f"{dt.name} one-kernel attention backward, block table, copying warpgroup", part, (), sizes,
+                part.unrelabelled(), {**options, "tiles": {"g_x": 128, "s_q": 32}}, _table_residuals(named, fwd, part),
+                SMALL_DATA)
 
+
+def _table_residuals(named, fwd, part):
+    """The inputs of backward ``part`` of ``fwd`` (attention with its logsumexp, under a mask that
+    reads data): ``named(rng, regime)`` its inputs by name, ``O`` and ``L`` from the forward, ``dO``
+    drawn, ``D = rowsum(dO O)``."""
     def residuals(rng, regime):
         got = named(rng, regime)
         got["O"], got["L"] = nc.evaluate(fwd, *[got[a.name] for a in fwd.dom])
         got["dO"] = REGIMES[regime][0](rng, got["O"].shape)
         got["D"] = (got["dO"] * got["O"]).sum(-1)
         return [got[a.name] for a in part.dom]
-    return Case(f"{dt.name} one-kernel attention backward, block table, copying warpgroup", part, (), sizes,
-                part.unrelabelled(), {**options, "tiles": {"g_x": 128, "s_q": 32}}, residuals, SMALL_DATA)
+    return residuals
 
 
 def _document_case(draw, dt, options):
@@ -724,16 +731,10 @@ def table_reads_family(draw):
         part = next(p for p in backward_plan(att.stream(x, "s_x").tile(q, "g_q")).at(dt).parts
                     if "dK" in {a.name for a in p.cod})
         fwd = L.attention(q=q, x=x, d=d, mask=nc.blocked(m, bt, blk, blk), logsumexp=True).bind({q: n, x: n, d: 16})
-
-        def residuals(rng, regime):
-            got = named(rng, regime)
-            got["O"], got["L"] = nc.evaluate(fwd, *[got[a.name] for a in fwd.dom])
-            got["dO"] = REGIMES[regime][0](rng, got["O"].shape)
-            got["D"] = (got["dO"] * got["O"]).sum(-1)
-            return [got[a.name] for a in part.dom]
         return Case(f"{dt.name} attention backward (dK, dV), the user's table of {blk} x {blk} blocks ({what})",
                     part, (), {q: n, x: n, d: 16}, part.unrelabelled(),
-                    {"threads": threads, "tiles": {"g_x": tq, "s_q": tx}}, residuals, SMALL_DATA)
+                    {"threads": threads, "tiles": {"g_x": tq, "s_q": tx}}, _table_residuals(named, fwd, part),
+                    SMALL_DATA)
 
     def inputs(rng, regime):
         got = named(rng, regime)
