@@ -37,30 +37,27 @@ class TableReads:
             return False, False
         stem = f"{at.table.name}_"
         full, empty = self.names.fresh(stem + "full"), self.names.fresh(stem + "empty")
-        one = self._one_entry(axes, at, over, (r0, c0))
-        if one is not None:    # the tile and the chunk each inside one table block: one entry
-            entries = self._chunk_entries     # read once per chunk, whichever comparisons use it
-            one = (*lead, *one)
-            if (v, one) not in entries:
-                entries[v, one] = self.names.fresh(stem + "entry")
-                src(f"{entries[v, one]} = {aux_read(self, v, dict(zip(lead_axes + axes, one)))}")
-            src(f"{full} = {entries[v, one]} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}")
-            src(f"{empty} = not {full}")
-            # the comparison's value at every entry (.unswitch); its slice's indices in the key too
-            self.full_flags[(*over, pred, (at, tuple(k.key() for k in at.lead)))] = full
-            return full, empty
-        self._warp_entry(v, (*lead_axes, *axes), lead, at, pred, over, (r0, c0))
         spans = self._spanned_entries(axes, at, over, (r0, c0))
-        if spans is not None:   # a static few entries (the tile over several blocks): read them in turn
-            tests = []
+        if spans is not None:   # a static few entries: each read once per chunk, whichever comparisons use it
+            entries, tests = self._chunk_entries, []
             for one in spans:
                 one = (*lead, *one)
-                if (v, one) not in self._chunk_entries:
-                    self._chunk_entries[v, one] = self.names.fresh(stem + "entry")
-                    src(f"{self._chunk_entries[v, one]} = {aux_read(self, v, dict(zip(lead_axes + axes, one)))}")
-                tests.append(f"{self._chunk_entries[v, one]} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}")
+                if (v, one) not in entries:
+                    entries[v, one] = self.names.fresh(stem + "entry")
+                    src(f"{entries[v, one]} = {aux_read(self, v, dict(zip(lead_axes + axes, one)))}")
+                tests.append(f"{entries[v, one]} {_CMP_CODE[at.cmp]} {k.f(float(at.c))}")
+            if len(tests) == 1:    # the tile and the chunk each inside one table block
+                src(f"{full} = {tests[0]}")
+                src(f"{empty} = not {full}")
+                # the comparison's value at every entry (.unswitch); its slice's indices in the key too
+                self.full_flags[(*over, pred, (at, tuple(k.key() for k in at.lead)))] = full
+                return full, empty
             src(f"{full} = {' and '.join(tests)}  # the {len(tests)} entries of the table over the tile and chunk")
             src(f"{empty} = not ({' or '.join(tests)})")
+        # the tile over several blocks: each warp's entry where its rows lie inside one (.unswitch)
+        self.full_flags[(*over, pred, ("warp", at, tuple(k.key() for k in at.lead)))] = \
+            WarpEntry(v, (*lead_axes, *axes), tuple(lead), at, over, (r0, c0))
+        if spans is not None:
             return full, empty
         src(f"{full} = True  # the table's blocks over the tile and chunk, past SPANNED_ENTRIES or not a "
             f"static count: read in loops")
@@ -102,18 +99,6 @@ class TableReads:
             out.append(f"uint32(min({code}, {k.u(self.sizes[ax_] - 1)}))")
         return tuple(out)
 
-    def _one_entry(self, axes, at, over, starts):
-        """The table indices of the one entry a tile x chunk reads (``over``: the tile's and the
-        chunk's axes, ``starts``: their first indices), when each lies inside one table block
-        (its extent divides the block; it starts at a multiple of its extent), else None."""
-        k = self.consts
-        out = []
-        for ax_, blk, axis, lo in zip(axes, (at.rows, at.cols), over, starts):
-            if self.ax[axis].role not in ("grid", "stream") or blk % self.ax[axis].cap:
-                return None
-            out.append(f"uint32(min({render_code(lo // blk, k.u)}, {k.u(self.sizes[ax_] - 1)}))")
-        return tuple(out)
-
     def _spanned_entries(self, axes, at, over, starts):
         """The table indices of each entry a tile x chunk reads, where each extent is a multiple
         of the table's block or divides it and there are at most :data:`SPANNED_ENTRIES` of them
@@ -130,14 +115,6 @@ class TableReads:
                              for m in range(max(1, cap // blk))])
         out = list(product(*per_axis))
         return out if len(out) <= SPANNED_ENTRIES else None
-
-    def _warp_entry(self, v, axes, lead, at, pred, over, starts):
-        """Where the tile spans several blocks of the table: what :func:`.unswitch.unswitched`
-        needs to read the one entry of each warp's rows, where a fragment's warps' rows (or
-        columns) lie inside one block (:class:`WarpEntry`; kept in :attr:`full_flags` until the
-        chunk ends)."""
-        self.full_flags[(*over, pred, ("warp", at, tuple(k.key() for k in at.lead)))] = \
-            WarpEntry(v, tuple(axes), tuple(lead), at, over, tuple(starts))
 
     def entry_test(self, v: int, axes, idx, at, reads: dict, src: Source) -> str:
         """A flag: comparison ``at`` of table ``v``'s entry at ``idx`` (code, over ``axes``), the

@@ -104,13 +104,13 @@ def unswitched(em, t, src, body: Callable[[], None], m=None) -> None:
     (:func:`_warp_entries`); once, as before, where there are none or ``UNSWITCH`` is off."""
     stop = frozenset({t.source})
     flags = chunk_flags(em, t.var, stop) if UNSWITCH else ()
+    masks = _chain_masks(em, t.var, stop) if UNSWITCH else ()
 
     def partial():
-        with _warp_entries(em, src, _chain_masks(em, t.var, stop) if UNSWITCH else (), m,
-                           len(atom_flags(em, t.var, stop))):
+        with _warp_entries(em, src, masks, m, len(atom_flags(em, t.var, stop))):
             atoms = atom_flags(em, t.var, stop) if UNSWITCH else ()
             atoms = atoms if len(atoms) <= ATOM_VERSIONS else ()
-            _by_value(em, src, atoms, body, _chain_masks(em, t.var, stop) if atoms else ())
+            _by_value(em, src, atoms, body, masks if atoms else ())
     if not flags:
         partial()
         return
