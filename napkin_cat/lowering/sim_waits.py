@@ -7,14 +7,17 @@ protocol is wrong (an arrival missing, a barrier of the wrong count, a wait for 
 completes) used to hang there until a timeout of 300 or 600 seconds; a fuzzing run or a user's
 ``nc.lower`` stalled that long before saying anything.
 
-Here a wait is taken in slices (:data:`SLICE_S`).  Between them the waiting thread looks at the
-other threads of its block: when every live one is blocked (in one of these waits, or at the
-simulator's ``cuda.syncthreads``, which releases only when all are there) and no thread has
-arrived anywhere for :data:`STALL_S` seconds, nobody can release anyone: :class:`Deadlock` is
-raised, with a count of the threads at each wait.  A thread that computes, or sleeps, is not
-blocked, so a slow block is never taken for a deadlock; arrivals bump a counter
-(:func:`progress`), so the moment between a release and the released threads' waking is not
-either.
+Here a wait is taken in slices (:data:`SLICE_S`).  Once no thread has arrived anywhere for
+:data:`STALL_S` seconds, a waiting thread looks at the other threads of its block: when every live
+one is blocked (in one of these waits, its wait not yet over, or at the simulator's
+``cuda.syncthreads``, which releases only when all are there), nobody can release anyone:
+:class:`Deadlock` is raised, with a count of the threads at each wait.  A thread that computes, or
+sleeps, is not blocked, so a slow block is never taken for a deadlock; nor is a thread whose wait
+is over (its barrier completed) and that has not yet woken: with hundreds of simulator threads on
+a loaded machine that wake can take longer than :data:`STALL_S` (two slow-tier runs of CI reported
+such a block, 511 of 512 arrived, as a deadlock), so each wait says, changing nothing, whether it
+is over (``released``) and the look asks it.  Arrivals bump a counter (:func:`progress`): a look
+during which one arrives reports nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ STALL_S = 5.0
 the wait reports a deadlock."""
 
 _ARRIVALS = [0]
+_LAST_ARRIVAL = [time.monotonic()]
 _BLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # launch -> {block: {threads that waited}}
 
 
@@ -43,6 +47,7 @@ class Deadlock(RuntimeError):
 def progress() -> None:
     """Count an arrival (at a barrier, an ``mbarrier``, an exchange): a deadlock needs none."""
     _ARRIVALS[0] += 1
+    _LAST_ARRIVAL[0] = time.monotonic()
 
 
 def _block_threads(me) -> list | None:
@@ -59,8 +64,8 @@ def _block_threads(me) -> list | None:
 
 
 def _waits(threads) -> Counter | None:
-    """What each live thread of ``threads`` waits for, counted, where every one waits and one of
-    them in these waits; None where one is running."""
+    """What each live thread of ``threads`` waits for, counted, where every one waits, none of
+    them released yet, and one of them in these waits; None where one is running or released."""
     seen = Counter()
     for t in threads:
         what = getattr(t, "napkin_waits", None)
@@ -70,38 +75,42 @@ def _waits(threads) -> Counter | None:
             continue
         if what is None and not getattr(t, "syncthreads_blocked", False):
             return None
+        released = getattr(t, "napkin_released", None)
+        if what is not None and released is not None and released():
+            return None
         seen[what or "cuda.syncthreads()"] += 1
     return seen if any(k != "cuda.syncthreads()" for k in seen) else None
 
 
 def wait_for(cv: threading.Condition, ready: Callable[[], bool], what: str, timeout: float,
-             state: Callable[[], str] | None = None) -> bool:
+             state: Callable[[], str] | None = None, released: Callable[[], bool] | None = None) -> bool:
     """``cv.wait_for(ready, timeout)`` (``cv`` held), raising :class:`Deadlock` when the calling
     simulator thread's whole block is stuck (module docstring); ``what`` names this wait, ``state()``
-    says how far it got (read when the deadlock is reported)."""
+    says how far it got (read when the deadlock is reported), ``released()`` whether the wait is
+    over, read by other threads without ``cv`` and so changing nothing (``ready`` where it changes
+    nothing itself)."""
     me = threading.current_thread()
-    me.napkin_waits, me.napkin_state = what, state
+    me.napkin_waits, me.napkin_state, me.napkin_released = what, state, released or ready
     stuck = False
     try:
         start = time.monotonic()
-        stuck_since, mark = None, None
         while True:
             if cv.wait_for(ready, timeout=SLICE_S):
                 return True
             now = time.monotonic()
             if now - start >= timeout:
                 return False
+            if now - _LAST_ARRIVAL[0] < STALL_S:
+                continue
+            mark = _ARRIVALS[0]
             threads = _block_threads(me)
             waits = None if threads is None else _waits(threads)
-            if waits is None or mark != _ARRIVALS[0] or stuck_since is None:
-                stuck_since, mark = (now if waits is not None else None), _ARRIVALS[0]
-                continue
-            if now - stuck_since >= STALL_S:
+            if waits is not None and mark == _ARRIVALS[0]:
                 stuck = True
                 raise Deadlock(_report(me, threads, waits))
     finally:
         if not stuck:    # a thread this deadlock ends stays counted as waiting (_waits)
-            me.napkin_waits = me.napkin_state = None
+            me.napkin_waits = me.napkin_state = me.napkin_released = None
 
 
 def _report(me, threads, waits: Counter) -> str:

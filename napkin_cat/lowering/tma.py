@@ -351,7 +351,8 @@ class _MBarrier:
     def wait(self, parity: int) -> None:
         with self.cv:
             if not sim_waits.wait_for(self.cv, lambda: self._landed(parity), f"{self.name}, parity {parity}", 600,
-                                      lambda: f"phase {self.phase}, {self.arrivals} of {self.count} arrivals"):
+                                      lambda: f"phase {self.phase}, {self.arrivals} of {self.count} arrivals",
+                                      lambda: self.phase % 2 != parity or bool(self.pending)):   # copies: landed at its next look
                 raise RuntimeError(f"mbarrier: phase of parity {parity} never completed")
 
 
