@@ -56,7 +56,7 @@ from .atomics import add_store_records, zero_fill_moves
 from .links import link_moves
 from .records import ZERO, Move, Op, Resident, frozen
 from .report import Cost
-from .rules import UNITS, box_work
+from .rules import UNITS, box_work, mask_work
 from .skips import SkipCounter
 
 
@@ -160,10 +160,17 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None, data: dict | None = Non
                         f"without its values (cost(..., data={{{name!r}: table}})) they are counted as visited")
                 if note not in notes:
                     notes.append(note)
-            if box.kind == "mask" and skip.mask_execs(box.param("pred")) is not skip.execs:
-                # the mask's arithmetic runs only on the chunks it does not keep whole
-                n = n / skip.execs * skip.mask_execs(box.param("pred")) if skip.execs != 0 else n
-        for w in box_work(box, vol, phase):
+            versions = skip.mask_versions(box.param("pred")) if box.kind == "mask" else None
+            if versions is not None and skip.execs != 0:
+                # the mask's arithmetic runs only on the chunks it does not keep whole, each
+                # with the block-table comparisons that the chunk's entries fix folded away
+                for known, e in versions or (((), 0),):
+                    record(mask_work(box, vol, known), n / skip.execs * e, loops, label)
+                return
+        record(box_work(box, vol, phase), n, loops, label)
+
+    def record(works, n, loops, label):
+        for w in works:
             prec = tuple((a.name, a.dtype) for a in w.precision)
             ops.append(Op(w.unit, w.count, n, w.what, label, prec, tuple(lp.axis for lp in loops)))
 

@@ -27,6 +27,7 @@ import sympy as sp
 from ..core.diagram import Array, Box
 from ..core.errors import UnknownKindError
 from ..ops.functions import FUNCTIONS
+from ..ops.index_support import with_atoms
 from ..ops.kinds import axis_of
 
 UNITS = ("tensor", "fma", "exp")
@@ -113,17 +114,26 @@ def rule_normalize(box, vol, phase):
             + (Work("fma", x, "divide", box.cod),))
 
 
-def _expr_work(fn, v, what: str, cod) -> tuple:
+def _expr_work(expr, v, what: str, cod) -> tuple:
     """An index expression's operations per element, by unit (counted from its tree)."""
     return tuple(Work(unit, k * v, f"{what} ({k} {unit} per element)", cod)
-                 for unit, k in sorted(fn.expr.work().items()))
+                 for unit, k in sorted(expr.work().items()))
 
 
 def rule_mask(box, vol, phase):
+    return mask_work(box, vol)
+
+
+def mask_work(box, vol, known: tuple = ()) -> tuple:
+    """The mask's work; ``known``: ``(block-table comparison, value)`` pairs that hold over the
+    elements counted, which are then counted with those comparisons folded away, as the kernels
+    write them (:func:`~napkin_cat.ops.index_support.with_atoms`; ``costmodel/skips.py``)."""
     v = vol(box.cod[0].axis_names)
     pred = box.param("pred")
     if pred.kind == "expr":
-        return _expr_work(pred, v, "mask condition", box.cod) + (Work("fma", v, "select", box.cod),)
+        e, i, j = pred.index_form()
+        expr = with_atoms(e, dict(known).get, i, j) if known else e
+        return _expr_work(expr, v, "mask condition", box.cod) + (Work("fma", v, "select", box.cod),)
     return (Work("fma", v, "mask", box.cod),)
 
 
@@ -131,12 +141,12 @@ def rule_index_bias(box, vol, phase):
     v = vol(box.cod[0].axis_names)
     bias = box.param("bias")
     if bias.kind == "expr":
-        return _expr_work(bias, v, "bias", box.cod) + (Work("fma", v, "add", box.cod),)
+        return _expr_work(bias.expr, v, "bias", box.cod) + (Work("fma", v, "add", box.cod),)
     return (Work("fma", 2 * v, "bias and add", box.cod),)
 
 
 def rule_index_map(box, vol, phase):
-    return _expr_work(box.param("fn"), vol(box.cod[0].axis_names), "index map", box.cod)
+    return _expr_work(box.param("fn").expr, vol(box.cod[0].axis_names), "index map", box.cod)
 
 
 def rule_scatter_aux(box, vol, phase):

@@ -93,8 +93,10 @@ class SkippedTrips:
     """For a node inside a stream loop that a mask bounds: the positions (in the node's loops)
     of the row loops and the stream loop, and what replaces the product of their trips;
     ``partial``: for each mask (its predicate), the executions of its arithmetic (the chunks
-    it does not keep whole), at bound sizes; ``unknown``: the block tables whose data the
-    count lacked (their chunks are counted as visited: an upper bound)."""
+    it does not keep whole), at bound sizes, as ``((known, executions), ...)``: ``known`` the
+    ``(block-table comparison, value)`` pairs that hold over those chunks (one entry of a
+    table, or entries that agree), with which the kernels write them; ``unknown``: the block
+    tables whose data the count lacked (their chunks are counted as visited: an upper bound)."""
 
     loops: frozenset[int]
     execs: sp.Expr
@@ -102,9 +104,15 @@ class SkippedTrips:
     partial: tuple = ()
     unknown: tuple = ()
 
+    def mask_versions(self, pred) -> tuple | None:
+        """``((known, executions), ...)`` of ``pred``'s arithmetic, or None where it is not
+        counted apart (every execution, nothing known)."""
+        return dict(self.partial).get(pred)
+
     def mask_execs(self, pred):
         """Executions of ``pred``'s arithmetic (``execs`` when it is not counted apart)."""
-        return dict(self.partial).get(pred, self.execs)
+        versions = self.mask_versions(pred)
+        return self.execs if versions is None else sp.Add(*(e for _, e in versions))
 
 
 class SkipCounter:
@@ -193,8 +201,14 @@ def mean_counts(counts: list) -> tuple:
     k = len(counts)
     e = sum(c[0] for c in counts) / k
     r = sum(c[1] for c in counts) / k
-    partial = tuple((pred, sum(c[2][m][1] for c in counts) / k) for m, (pred, _) in enumerate(counts[0][2]))
-    return e, r, partial
+    partial = []
+    for m, (pred, _) in enumerate(counts[0][2]):
+        merged: dict = {}
+        for c in counts:
+            for known, n in c[2][m][1]:
+                merged[known] = merged.get(known, 0) + n
+        partial.append((pred, tuple((known, n / k) for known, n in merged.items())))
+    return e, r, tuple(partial)
 
 
 def _table_atom(data: dict, held: dict, r0, r1, c0, c1):
@@ -220,9 +234,12 @@ def _table_atom(data: dict, held: dict, r0, r1, c0, c1):
 
 def chunk_states(skips, N: int, steps: list[int], n: int, s: int, data: dict | None = None,
                  memo: dict | None = None) -> list:
-    """Every (row tile, visited chunk) as ``(rows, cols, empty, full by mask)``: the tile's
-    rows, the chunk's columns, whether a mask masks it whole (its block table's data says so),
-    and for each mask whether it keeps it whole (:meth:`~napkin_cat.ops.index.Predicate.chunk_state`).
+    """Every (row tile, visited chunk) as ``(rows, cols, empty, full by mask, known)``: the
+    tile's rows, the chunk's columns, whether a mask masks it whole (its block table's data says
+    so), for each mask whether it keeps it whole (:meth:`~napkin_cat.ops.index.Predicate.chunk_state`),
+    and the ``(block-table comparison, value)`` pairs the tables' data fix over the chunk where
+    it reads one entry of the table (as the kernels write it: ``lowering/unswitch.py``; a tile
+    whose warps each read their own entry is counted with the comparisons, an upper bound).
     ``memo``: the masks' states by chunk and by what the tables say of it, shared by the calls
     for the slices of one table (:func:`lead_slices`)."""
     memo = {} if memo is None else memo
@@ -240,16 +257,21 @@ def chunk_states(skips, N: int, steps: list[int], n: int, s: int, data: dict | N
             if key not in memo:
                 memo[key] = [sk.chunk_state(r0, r1, c0, c1, IntAlgebra, BoolLogic, atom) for sk in skips]
             states = memo[key]
-            out.append((r1 - r0, c1 - c0, any(e for _, e in states), tuple(f for f, _ in states)))
+            # a comparison the data fix over the chunk, read from one entry (as the kernels fold it)
+            known = tuple((a, full) for a, (full, empty) in zip(atoms, key[4])
+                          if (full or empty) and r0 // a.rows == (r1 - 1) // a.rows and c0 // a.cols == (c1 - 1) // a.cols)
+            out.append((r1 - r0, c1 - c0, any(e for _, e in states), tuple(f for f, _ in states), known))
     return out
 
 
 def exact_counts(chunks: list, skips, g: int, s: int, row_in: bool = True, col_in: bool = True):
     """``(E, ragged E, partial)`` from :func:`chunk_states` (``g``, ``s``: the tile and the
-    chunk); ``partial``: ``(predicate, E over the chunks it does not keep whole)`` per mask."""
+    chunk); ``partial``: ``(predicate, ((known, E), ...))`` per mask, ``E`` over the chunks it
+    does not keep whole where the values ``known`` of its block-table comparisons hold."""
     e = r = Fraction(0)
-    part = [Fraction(0)] * len(skips)
-    for rows, cols, empty, full in chunks:
+    part: list[dict] = [{} for _ in skips]
+    own = [frozenset(sk.pred.block_atoms()) for sk in skips]
+    for rows, cols, empty, full, known in chunks:
         if empty:
             continue
         w, c = Fraction(rows, g), Fraction(cols, s)
@@ -257,9 +279,11 @@ def exact_counts(chunks: list, skips, g: int, s: int, row_in: bool = True, col_i
         r += (w if row_in else 1) * (c if col_in else 1)
         for k, f in enumerate(full):
             if not f:
-                part[k] += w * c
+                mine = tuple(kv for kv in known if kv[0] in own[k])
+                part[k][mine] = part[k].get(mine, Fraction(0)) + w * c
     q = lambda f: sp.Rational(f.numerator, f.denominator)
-    return q(e), q(r), tuple((sk.pred, q(p)) for sk, p in zip(skips, part))
+    return q(e), q(r), tuple((sk.pred, tuple((known, q(p)) for known, p in versions.items()))
+                             for sk, versions in zip(skips, part))
 
 
 def exact_visits(skips, N: int, steps: list[int], n: int, s: int, row_in: bool = True,

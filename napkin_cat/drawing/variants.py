@@ -86,7 +86,7 @@ rows are derived from the expression (`napkin_cat/ops/index_support.py`), so the
 the cost model and the kernel skip them alike.  `tests/test_variants.py` checks each against an
 independent NumPy reference (`napkin_cat/library/variant_gallery.py`), tiled, and (slow tier)
 its kernel under the CUDA simulator.  On a GPU, `kernels/variants.py --only flex` checks the
-kernels of fourteen variants like these and of dense attention (fp32 and, on tensor cores, fp16) against float64
+kernels of sixteen variants like these and of dense attention (fp32 and, on tensor cores, fp16) against float64
 references computed from FlexAttention's own functions, then times them against FlexAttention:
 the H100 and H200 tables are in `kernels/BENCHMARKS.md`.  Regenerate with
 `python -m napkin_cat.drawing.variants`.
@@ -99,7 +99,12 @@ each call runs the one whose tables keep less area, `TableChoice`, as for a user
 `napkin_cat/lowering/table_kernel.py`); `nc.block_table` with `nc.blocked` makes one table for
 many calls, as FlexAttention's `create_block_mask` does.  The values a mask compares (the ids) are
 an f32 input whatever the attention's dtype, exact for integers up to 2**24 (`nc.aux`'s `dtype`);
-`nc.torch_op` takes them as a float or integer tensor.
+`nc.torch_op` takes them as a float or integer tensor.  Given the table's values
+(`nc.cost(d, data={"bt": table})`), the cost model counts a kept chunk's mask arithmetic as the
+kernel writes it: in a chunk that reads one table entry, the table's comparisons take that entry's
+value and fold away (`ops/index_support.py`, `with_atoms`, which the kernel's versions are written
+with), so a derived document table's partial chunk costs 3 operations an element (the ids and
+the bound) where it counted 13 (`tests/test_table_mask_cost.py`).
 
 Semantics worth knowing: `window_size=0` keeps only the diagonal `j == i` (`None` is no window);
 gathers from `nc.aux` tensors clamp their indices into the tensor; a fully masked row gives 0;

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..ops.index_expr import COMPARISONS, Ix
-from ..ops.index_support import BlockAtom, block_atom
+from ..ops.index_support import BlockAtom, fold, with_atoms  # noqa: F401 (fold: read as unswitch.fold)
 from .source import render_code
 
 UNSWITCH = True
@@ -251,57 +251,8 @@ def assumed(em, box, pred, expr: Ix) -> Ix:
                 known[k[3]] = False
     if not known:
         return expr
-    row, col = box.param("row"), box.param("col")
-
-    def sub(e: Ix) -> Ix:
-        if e.op in COMPARISONS:
-            at = block_atom(e.op, e.args[0], e.args[1], row, col)
-            at = None if at is None else (at, tuple(k.key() for k in at.lead))
-            if at is not None and at in known:
-                return Ix("const", (), known[at])
-        if not e.args:
-            return e
-        return Ix(e.op, tuple(sub(a) for a in e.args), e.value)
-    return fold(sub(expr))
-
-
-def fold(e: Ix) -> Ix:
-    """``e`` with boolean constants folded: ``True | x`` is ``True``, ``False & x`` is ``False``,
-    ``True & x`` is ``x``, ``~True`` is ``False``, ``where(True, x, y)`` is ``x``, and a
-    conjunction or disjunction that names one operand twice keeps it once."""
-    if not e.args:
-        return e
-    args = tuple(fold(a) for a in e.args)
-    const = lambda a: a.op == "const" and isinstance(a.value, bool)
-    if e.op == "invert" and const(args[0]):
-        return Ix("const", (), not args[0].value)
-    if e.op == "where" and const(args[0]):
-        return args[1] if args[0].value else args[2]
-    if e.op in ("and", "or") and all(a.dtype == "bool" for a in args):
-        absorbing = e.op == "or"       # True absorbs a disjunction, False a conjunction
-        terms: list[Ix] = []
-        for a in args:
-            for t in _terms(a, e.op):
-                if const(t):
-                    if t.value == absorbing:
-                        return Ix("const", (), absorbing)
-                    continue
-                if not any(t.same(u) for u in terms):
-                    terms.append(t)
-        if not terms:
-            return Ix("const", (), not absorbing)
-        out = terms[0]
-        for t in terms[1:]:
-            out = Ix(e.op, (out, t))
-        return out
-    return Ix(e.op, args, e.value)
-
-
-def _terms(e: Ix, op: str) -> list[Ix]:
-    """The operands of a chain of ``op`` (``and`` / ``or``) rooted at ``e``."""
-    if e.op == op and e.dtype == "bool":
-        return [t for a in e.args for t in _terms(a, op)]
-    return [e]
+    return with_atoms(expr, lambda at: known.get((at, tuple(k.key() for k in at.lead))),
+                      box.param("row"), box.param("col"))
 
 
 @dataclass(frozen=True)

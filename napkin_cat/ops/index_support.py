@@ -265,6 +265,63 @@ def block_atoms(e: Ix, i: str = "i", j: str = "j") -> tuple[BlockAtom, ...]:
     return tuple(out)
 
 
+def with_atoms(e: Ix, value, i: str = "i", j: str = "j") -> Ix:
+    """``e`` with each block-table comparison (:func:`block_atom`) whose value ``value(atom)``
+    gives (True or False; None where it is not known) replaced by that value, and folded
+    (:func:`fold`): what is left of a mask over rows and columns whose table entries are known.
+    The kernels write a chunk's elements so (``lowering/unswitch.py``) and the cost model counts
+    their operations so (``costmodel/skips.py``)."""
+    def sub(n: Ix) -> Ix:
+        if n.op in COMPARISONS:
+            at = block_atom(n.op, n.args[0], n.args[1], i, j)
+            v = None if at is None else value(at)
+            if v is not None:
+                return Ix("const", (), bool(v))
+        if not n.args:
+            return n
+        return Ix(n.op, tuple(sub(a) for a in n.args), n.value)
+    return fold(sub(e))
+
+
+def fold(e: Ix) -> Ix:
+    """``e`` with boolean constants folded: ``True | x`` is ``True``, ``False & x`` is ``False``,
+    ``True & x`` is ``x``, ``~True`` is ``False``, ``where(True, x, y)`` is ``x``, and a
+    conjunction or disjunction that names one operand twice keeps it once."""
+    if not e.args:
+        return e
+    args = tuple(fold(a) for a in e.args)
+    const = lambda a: a.op == "const" and isinstance(a.value, bool)
+    if e.op == "invert" and const(args[0]):
+        return Ix("const", (), not args[0].value)
+    if e.op == "where" and const(args[0]):
+        return args[1] if args[0].value else args[2]
+    if e.op in ("and", "or") and all(a.dtype == "bool" for a in args):
+        absorbing = e.op == "or"       # True absorbs a disjunction, False a conjunction
+        terms: list[Ix] = []
+        for a in args:
+            for t in _terms(a, e.op):
+                if const(t):
+                    if t.value == absorbing:
+                        return Ix("const", (), absorbing)
+                    continue
+                if not any(t.same(u) for u in terms):
+                    terms.append(t)
+        if not terms:
+            return Ix("const", (), not absorbing)
+        out = terms[0]
+        for t in terms[1:]:
+            out = Ix(e.op, (out, t))
+        return out
+    return Ix(e.op, args, e.value)
+
+
+def _terms(e: Ix, op: str) -> list[Ix]:
+    """The operands of a chain of ``op`` (``and`` / ``or``) rooted at ``e``."""
+    if e.op == op and e.dtype == "bool":
+        return [t for a in e.args for t in _terms(a, op)]
+    return [e]
+
+
 class BoolLogic:
     """:func:`chunk_state` on Python values: bounds over :class:`~.index.IntAlgebra`."""
 
