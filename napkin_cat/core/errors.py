@@ -17,6 +17,10 @@ class TypingError(NapkinError, TypeError):
     """Types do not fit: composition, weaving, box construction."""
 
 
+class TraceError(TypingError):
+    """A Python function an index expression cannot be traced from (the reason and the fix)."""
+
+
 class ShapeError(NapkinError, ValueError):
     """An array passed to ``evaluate`` (or a kernel) does not match its wire."""
 

@@ -111,7 +111,12 @@ gathers from `nc.aux` tensors clamp their indices into the tensor; a fully maske
 the roles are `i` query, `j` key, `b` batch, `h` query head (`kv_head * G + group` under GQA).
 Torch's spellings trace too (`.clamp(min, max)`, `.abs()`, shifts by a constant: `x >> k` is
 `x // 2**k`), so FlexAttention's examples (NATTEN clamped to the canvas, tiled or in Morton order,
-sliding tile attention, sink tokens) are traced unchanged: `tests/test_flex_examples.py`.
+sliding tile attention, sink tokens) are traced unchanged: `tests/test_flex_examples.py`.  So are
+torch's functions on the traced indices and score, as FlexAttention's documentation writes them
+(`torch.where(q_idx >= kv_idx, score, -float("inf"))`, `softcap * torch.tanh(score / softcap)`,
+`torch.clamp`, `torch.logical_and`, `torch.remainder`...: `ops/index_torch.py`); a captured tensor
+indexed by a traced index (`alibi[h]`) is refused with the fix, `nc.aux`
+(`tests/test_torch_spellings.py`).
 
 """
 

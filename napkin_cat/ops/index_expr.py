@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from ..core.errors import TypingError
+from ..core.errors import TraceError, TypingError
 from .functions import FUNCTIONS
 
 ROLES = ("score", "b", "h", "i", "j")
@@ -39,10 +39,6 @@ _BIN = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "m
         "ne": "!="}
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 """The comparison operators (``bool`` results)."""
-
-
-class TraceError(TypingError):
-    """A Python function an index expression cannot be traced from (the reason and the fix)."""
 
 
 def _refuse(what: str):
@@ -230,6 +226,13 @@ class Ix:
     __rpow__ = __pow__
 
     # torch's spellings, as FlexAttention's mask_mod / score_mod examples write them
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """``torch.where``, ``torch.tanh``, ``torch.clamp``... on a traced expression (torch hands
+        it calls as to a tensor-like object): :mod:`.index_torch`."""
+        from .index_torch import torch_call
+        return torch_call(func, args, kwargs or {}, lift, ix)
+
     def abs(self) -> "Ix":
         return Ix("abs", (self,))
 
