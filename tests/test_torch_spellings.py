@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.ops.index_expr import TraceError  # noqa: E402
+from torch.nn.attention.flex_attention import and_masks, or_masks  # noqa: E402
 
 q, x, d = nc.axes("q x d")
 N, D, SOFTCAP = 21, 4, 2.0
@@ -49,8 +50,24 @@ def strided_by_bits(b, h, q_idx, kv_idx):
         & (kv_idx <= q_idx)
 
 
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _window(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx <= 6
+
+
+def _sink(b, h, q_idx, kv_idx):
+    return kv_idx < 2
+
+
+composed_window = and_masks(_causal, _window)           # FlexAttention's helpers, unchanged
+sink_window = or_masks(and_masks(_causal, _window), and_masks(_causal, _sink))
+
 SCORE_MODS = {f.__name__: f for f in (causal_by_score, tanh_softcap, clamped_relative, gated_distance)}
-MASK_MODS = {f.__name__: f for f in (window_by_logic, strided_by_bits)}
+MASK_MODS = {"window_by_logic": window_by_logic, "strided_by_bits": strided_by_bits,
+             "composed_window": composed_window, "sink_window": sink_window}
 
 
 def _grids():
@@ -100,6 +117,21 @@ def test_the_torch_spellings_trace_to_the_vocabularys_trees():
     assert by_torch.same(by_ix)
     assert nc.score_mod(tanh_softcap).expr.same(
         nc.score_mod(lambda s, b, h, i, j: SOFTCAP * nc.ix.tanh(s / SOFTCAP)).expr)
+
+
+def test_flexattentions_and_masks_and_or_masks_trace_to_the_plain_mask_and_skip_alike():
+    """``and_masks`` starts from ``b.new_ones((), dtype=torch.bool)`` and ``or_masks`` from
+    ``new_zeros``: constants that fold away, so the composed mask is the mask written with ``&`` and
+    ``|`` (the same tree), and its chunks are skipped as that one's are."""
+    plain = nc.mask_mod(lambda b, h, i, j: (i >= j) & (i - j <= 6))
+    assert nc.mask_mod(composed_window).expr.same(plain.expr)
+    assert str(nc.mask_mod(sink_window).expr) == "((i >= j) & ((i - j) <= 6)) | ((i >= j) & (j < 2))"
+    cost = lambda m: nc.cost(nc.library.attention(q=q, x=x, d=d, mask=m).bind({q: 64, x: 64, d: D})
+                             .stream("x", 8).tile("q", 8)).flops["tensor"]
+    dense = nc.cost(nc.library.attention(q=q, x=x, d=d).bind({q: 64, x: 64, d: D}).stream("x", 8).tile("q", 8))
+    assert cost(nc.mask_mod(composed_window)) == cost(plain) < dense.flops["tensor"]
+    with pytest.raises(TraceError, match="a traced value is a scalar"):
+        nc.mask_mod(lambda b, h, i, j: b.new_ones((2,), dtype=torch.bool) & (i >= j))
 
 
 @pytest.mark.parametrize("name", ["causal_by_score", "tanh_softcap"])

@@ -184,6 +184,9 @@ class Ix:
             if {a.dtype, b.dtype} - {"bool"} and {a.dtype, b.dtype} - {"int"}:
                 raise TraceError(f"{_BIN[op]} needs two conditions or two integers, got {a} ({a.dtype}) "
                                  f"and {b} ({b.dtype})")
+            for c, e in ((a, b), (b, a)):   # True & x is x, True | x is True (masks composed from a constant)
+                if op != "xor" and c.op == "const" and c.dtype == e.dtype == "bool":
+                    return e if c.value == (op == "and") else c
         return Ix(op, (a, b))
 
     def __add__(self, o): return self._bin("add", o)
@@ -235,6 +238,15 @@ class Ix:
 
     def abs(self) -> "Ix":
         return Ix("abs", (self,))
+
+    def new_ones(self, size=(), dtype=None, **kw) -> "Ix":
+        """``b.new_ones((), dtype=torch.bool)``, as FlexAttention's ``and_masks`` starts: a constant."""
+        from .index_torch import new_constant
+        return new_constant(self, 1, size, dtype, kw, lift)
+
+    def new_zeros(self, size=(), dtype=None, **kw) -> "Ix":
+        from .index_torch import new_constant
+        return new_constant(self, 0, size, dtype, kw, lift)
 
     def clamp(self, min=None, max=None) -> "Ix":   # noqa: A002 (torch.Tensor.clamp's names)
         """``min(max(self, min), max)``; either bound may be omitted (not both), as in torch."""

@@ -137,6 +137,19 @@ vocabulary ``V`` (``V.lift``, ``V.ix``); ``Tensor`` methods and operators meetin
 are a captured tensor (:func:`_captured`)."""
 
 
+def new_constant(like, value, size, dtype, kw: dict, lift):
+    """``like.new_ones(size, dtype=...)`` / ``new_zeros``: a scalar constant, a condition where
+    ``dtype`` is ``torch.bool``, else of ``like``'s kind (``dtype`` a floating type: a float)."""
+    if kw or tuple(size) != ():
+        _refused(f"new_ones / new_zeros of size {tuple(size)} {sorted(kw) or ''}: a traced value is a scalar "
+                 f"(size ()), its device and layout the kernel's")
+    if dtype is not None and str(dtype) == "torch.bool":
+        return lift(bool(value))
+    if dtype is not None and getattr(dtype, "is_floating_point", False) or lift(like).dtype == "float":
+        return lift(float(value))
+    return lift(int(value)) if lift(like).dtype == "int" else lift(bool(value))
+
+
 class _Vocabulary:
     def __init__(self, lift, ix):
         self.lift, self.ix = lift, ix
