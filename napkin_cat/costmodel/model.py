@@ -164,7 +164,7 @@ def cost(d: Diagram, hierarchy: Hierarchy | None = None, data: dict | None = Non
             if versions is not None and skip.execs != 0:
                 # the mask's arithmetic runs only on the chunks it does not keep whole, each
                 # with the block-table comparisons that the chunk's entries fix folded away
-                for known, e in versions or (((), 0),):
+                for known, e in versions or (((), 0),):   # no such chunk: listed, run 0 times
                     record(mask_work(box, vol, known), n / skip.execs * e, loops, label)
                 return
         record(box_work(box, vol, phase), n, loops, label)

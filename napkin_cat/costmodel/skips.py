@@ -94,8 +94,8 @@ class SkippedTrips:
     of the row loops and the stream loop, and what replaces the product of their trips;
     ``partial``: for each mask (its predicate), the executions of its arithmetic (the chunks
     it does not keep whole), at bound sizes, as ``((known, executions), ...)``: ``known`` the
-    ``(block-table comparison, value)`` pairs that hold over those chunks (one entry of a
-    table, or entries that agree), with which the kernels write them; ``unknown``: the block
+    ``(block-table comparison, value)`` pairs that hold over those chunks (each chunk inside one
+    entry of the table), with which the kernels write them; ``unknown``: the block
     tables whose data the count lacked (their chunks are counted as visited: an upper bound)."""
 
     loops: frozenset[int]

@@ -39,8 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-from ..ops.index_expr import COMPARISONS, Ix
-from ..ops.index_support import BlockAtom, fold, with_atoms  # noqa: F401 (fold: read as unswitch.fold)
+from ..ops.index_expr import Ix
+from ..ops.index_support import BlockAtom, with_atoms
 from .source import render_code
 
 UNSWITCH = True
@@ -240,7 +240,7 @@ def _reachable(values: tuple) -> bool:
 def assumed(em, box, pred, expr: Ix) -> Ix:
     """``expr``, the mask ``box``'s index expression over its rows and columns, with each block-table
     comparison whose value the code being written assumes (:func:`_by_value`) replaced by that
-    value, and folded (:func:`fold`); ``expr`` itself where there is none."""
+    value, and folded (:func:`~napkin_cat.ops.index_support.fold`); ``expr`` itself where there is none."""
     key = (box.param("row"), box.param("col"), pred)
     known = {}     # (comparison, its slice's indices) -> value
     for k, flag in em.full_flags.items():
