@@ -41,6 +41,10 @@ def gated_distance(score, b, h, q_idx, kv_idx):
     return score * torch.sigmoid(torch.abs(q_idx - kv_idx) * 0.5) - torch.maximum(kv_idx - q_idx, torch.zeros_like(kv_idx))
 
 
+def by_methods(score, b, h, q_idx, kv_idx):
+    return score.tanh().where(q_idx >= kv_idx, -float("inf")) + (q_idx - kv_idx).remainder(3) * 0.5
+
+
 def window_by_logic(b, h, q_idx, kv_idx):
     return torch.logical_and(torch.ge(q_idx, kv_idx), torch.le(q_idx - kv_idx, 5))
 
@@ -65,7 +69,7 @@ def _sink(b, h, q_idx, kv_idx):
 composed_window = and_masks(_causal, _window)           # FlexAttention's helpers, unchanged
 sink_window = or_masks(and_masks(_causal, _window), and_masks(_causal, _sink))
 
-SCORE_MODS = {f.__name__: f for f in (causal_by_score, tanh_softcap, clamped_relative, gated_distance)}
+SCORE_MODS = {f.__name__: f for f in (causal_by_score, tanh_softcap, clamped_relative, gated_distance, by_methods)}
 MASK_MODS = {"window_by_logic": window_by_logic, "strided_by_bits": strided_by_bits,
              "composed_window": composed_window, "sink_window": sink_window}
 
@@ -151,6 +155,7 @@ ALIBI = torch.tensor([0.5, 0.25])
     (lambda s, b, h, i, j: s + torch.div(i - j, 2, rounding_mode="trunc"), "rounds toward zero"),
     (lambda s, b, h, i, j: s + torch.fmod(i - j, 3), "dividend's sign"),
     (lambda s, b, h, i, j: torch.where(i >= j), "gives indices"),
+    (lambda s, b, h, i, j: s.softmax(0), "has no method 'softmax'"),
 ])
 def test_what_the_tracer_cannot_follow_in_torch_is_refused_with_the_reason(fn, why):
     with pytest.raises(TraceError) as info:

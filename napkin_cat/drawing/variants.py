@@ -114,7 +114,8 @@ Torch's spellings trace too (`.clamp(min, max)`, `.abs()`, shifts by a constant:
 sliding tile attention, sink tokens) are traced unchanged: `tests/test_flex_examples.py`.  So are
 torch's functions on the traced indices and score, as FlexAttention's documentation writes them
 (`torch.where(q_idx >= kv_idx, score, -float("inf"))`, `softcap * torch.tanh(score / softcap)`,
-`torch.clamp`, `torch.logical_and`, `torch.remainder`...: `ops/index_torch.py`), and masks composed
+`torch.clamp`, `torch.logical_and`, `torch.remainder`..., and the same as methods, `score.tanh()`:
+`ops/index_torch.py`), and masks composed
 with FlexAttention's `and_masks` / `or_masks` (the same tree as `&` / `|`, skipped alike); a captured tensor
 indexed by a traced index (`alibi[h]`) is refused with the fix, `nc.aux`
 (`tests/test_torch_spellings.py`).

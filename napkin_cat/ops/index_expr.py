@@ -239,6 +239,12 @@ class Ix:
     def abs(self) -> "Ix":
         return Ix("abs", (self,))
 
+    def __getattr__(self, name: str):
+        """torch.Tensor's methods of the vocabulary (``score.tanh()``, ``x.remainder(4)``):
+        :func:`.index_torch.tensor_method`."""
+        from .index_torch import tensor_method
+        return tensor_method(self, name, lift, ix)
+
     def new_ones(self, size=(), dtype=None, **kw) -> "Ix":
         """``b.new_ones((), dtype=torch.bool)``, as FlexAttention's ``and_masks`` starts: a constant."""
         from .index_torch import new_constant

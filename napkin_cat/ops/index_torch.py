@@ -19,6 +19,8 @@ where(i >= j, score, -inf)
 20.0 * tanh(score / 20.0)
 >>> print(torch.clamp(i - j, -4, 4))
 min(max(i - j, -4), 4)
+>>> print(s.tanh() + (i - j).remainder(4))
+tanh(score) + ((i - j) % 4)
 """
 
 from __future__ import annotations
@@ -148,6 +150,24 @@ def new_constant(like, value, size, dtype, kw: dict, lift):
     if dtype is not None and getattr(dtype, "is_floating_point", False) or lift(like).dtype == "float":
         return lift(float(value))
     return lift(int(value)) if lift(like).dtype == "int" else lift(bool(value))
+
+
+def tensor_method(self, name: str, lift, ix):
+    """``self.<name>``, a ``torch.Tensor`` method of the vocabulary (``score.tanh()``,
+    ``(q_idx - kv_idx).remainder(4)``, ``score.where(cond, other)``), as a bound function; an
+    ``AttributeError`` for any other name."""
+    rule = None if name.startswith("_") or name in _NOT_METHODS else _RULES.get(name)
+    if name == "where":
+        return lambda condition, other: ix.where(condition, self, other)
+    if rule is None:
+        raise AttributeError(name if name.startswith("_") else
+                             f"a traced index expression has no method {name!r}; torch's methods it follows: "
+                             f"{', '.join(sorted(n for n in _RULES if not n.startswith('_') and n not in _NOT_METHODS))}"
+                             f", where, clamp, new_ones, new_zeros")
+    return lambda *args, **kwargs: rule(_Vocabulary(lift, ix), self, *args, **kwargs)
+
+
+_NOT_METHODS = frozenset({"zeros_like", "ones_like", "full_like", "fmod"})
 
 
 class _Vocabulary:
