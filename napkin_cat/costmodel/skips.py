@@ -109,11 +109,6 @@ class SkippedTrips:
         counted apart (every execution, nothing known)."""
         return dict(self.partial).get(pred)
 
-    def mask_execs(self, pred):
-        """Executions of ``pred``'s arithmetic (``execs`` when it is not counted apart)."""
-        versions = self.mask_versions(pred)
-        return self.execs if versions is None else sp.Add(*(e for _, e in versions))
-
 
 class SkipCounter:
     """Counts visited chunks for the nodes of one final form (cached per loop chain);

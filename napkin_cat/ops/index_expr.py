@@ -240,19 +240,10 @@ class Ix:
         return Ix("abs", (self,))
 
     def __getattr__(self, name: str):
-        """torch.Tensor's methods of the vocabulary (``score.tanh()``, ``x.remainder(4)``):
-        :func:`.index_torch.tensor_method`."""
+        """torch.Tensor's methods of the vocabulary (``score.tanh()``, ``x.remainder(4)``,
+        ``b.new_ones((), dtype=torch.bool)``): :func:`.index_torch.tensor_method`."""
         from .index_torch import tensor_method
         return tensor_method(self, name, lift, ix)
-
-    def new_ones(self, size=(), dtype=None, **kw) -> "Ix":
-        """``b.new_ones((), dtype=torch.bool)``, as FlexAttention's ``and_masks`` starts: a constant."""
-        from .index_torch import new_constant
-        return new_constant(self, 1, size, dtype, kw, lift)
-
-    def new_zeros(self, size=(), dtype=None, **kw) -> "Ix":
-        from .index_torch import new_constant
-        return new_constant(self, 0, size, dtype, kw, lift)
 
     def clamp(self, min=None, max=None) -> "Ix":   # noqa: A002 (torch.Tensor.clamp's names)
         """``min(max(self, min), max)``; either bound may be omitted (not both), as in torch."""

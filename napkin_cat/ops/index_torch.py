@@ -25,6 +25,8 @@ tanh(score) + ((i - j) % 4)
 
 from __future__ import annotations
 
+import operator
+
 from ..core.errors import TraceError
 
 _UNARY = {"exp": "exp", "log": "log", "relu": "relu", "rsqrt": "rsqrt", "sigmoid": "sigmoid", "sign": "sign",
@@ -102,38 +104,43 @@ def _binary(fn):
     return lambda V, input, other: fn(V.lift(input), other)  # noqa: A002
 
 
+def _new(value):
+    """``b.new_ones((), dtype=torch.bool)`` / ``new_zeros``, as FlexAttention's ``and_masks`` /
+    ``or_masks`` start: a scalar constant (:func:`new_constant`)."""
+    return lambda V, like, size=(), dtype=None, **kw: new_constant(like, value, size, dtype, kw, V.lift)
+
+
 _RULES = {
     **{t: (lambda f: lambda V, input: getattr(V.ix, f)(input))(f) for t, f in _UNARY.items()},  # noqa: A002
-    "abs": lambda V, input: abs(V.lift(input)), "absolute": lambda V, input: abs(V.lift(input)),  # noqa: A002
-    "neg": lambda V, input: -V.lift(input), "negative": lambda V, input: -V.lift(input),  # noqa: A002
+    "abs": lambda V, input: abs(V.lift(input)), "neg": lambda V, input: -V.lift(input),  # noqa: A002
     "exp2": lambda V, input: V.ix.exp2(input), "log2": lambda V, input: V.ix.log2(input),  # noqa: A002
     "where": _where,
     "clamp": lambda V, input, min=None, max=None: V.lift(input).clamp(min, max),  # noqa: A002
-    "clip": lambda V, input, min=None, max=None: V.lift(input).clamp(min, max),  # noqa: A002
     "minimum": lambda V, input, other: V.ix.minimum(input, other),  # noqa: A002
     "maximum": lambda V, input, other: V.ix.maximum(input, other),  # noqa: A002
     "min": _two("min"), "max": _two("max"),
-    "add": _scaled(1), "sub": _scaled(-1), "subtract": _scaled(-1),
-    "mul": _binary(lambda a, b: a * b), "multiply": _binary(lambda a, b: a * b),
-    "div": _div, "divide": _div, "true_divide": _binary(lambda a, b: a / b),
-    "floor_divide": _binary(lambda a, b: a // b), "remainder": _binary(lambda a, b: a % b),
+    "add": _scaled(1), "sub": _scaled(-1), "div": _div,
+    **{name: _binary(fn) for name, fn in (
+        ("mul", operator.mul), ("true_divide", operator.truediv), ("floor_divide", operator.floordiv),
+        ("remainder", operator.mod), ("eq", operator.eq), ("ne", operator.ne), ("lt", operator.lt),
+        ("le", operator.le), ("gt", operator.gt), ("ge", operator.ge), ("bitwise_and", operator.and_),
+        ("bitwise_or", operator.or_), ("bitwise_xor", operator.xor))},
+    "bitwise_not": lambda V, input: ~V.lift(input),  # noqa: A002
     "fmod": lambda V, *a, **k: _refused("torch.fmod takes the dividend's sign, % (torch.remainder) the "
                                         "divisor's, as the index vocabulary does: write % or torch.remainder"),
-    "eq": _binary(lambda a, b: a == b), "ne": _binary(lambda a, b: a != b), "not_equal": _binary(lambda a, b: a != b),
-    "lt": _binary(lambda a, b: a < b), "less": _binary(lambda a, b: a < b),
-    "le": _binary(lambda a, b: a <= b), "less_equal": _binary(lambda a, b: a <= b),
-    "gt": _binary(lambda a, b: a > b), "greater": _binary(lambda a, b: a > b),
-    "ge": _binary(lambda a, b: a >= b), "greater_equal": _binary(lambda a, b: a >= b),
     "logical_and": _logical("and"), "logical_or": _logical("or"), "logical_xor": _logical("xor"),
     "logical_not": _logical("not"),
-    "bitwise_and": _binary(lambda a, b: a & b), "bitwise_or": _binary(lambda a, b: a | b),
-    "bitwise_xor": _binary(lambda a, b: a ^ b), "bitwise_not": lambda V, input: ~V.lift(input),  # noqa: A002
     "zeros_like": _like(0), "ones_like": _like(1), "full_like": _like(None),
+    "new_ones": _new(1), "new_zeros": _new(0),
     "__getitem__": _captured("indexing"),
     **{f"__{op}__": _captured(f"__{op}__") for op in (
         "add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv", "rfloordiv", "mod",
         "rmod", "and", "rand", "or", "ror", "xor", "rxor", "lt", "le", "gt", "ge", "eq", "ne", "pow", "rpow")},
 }
+_RULES.update({alias: _RULES[name] for alias, name in (
+    ("absolute", "abs"), ("negative", "neg"), ("clip", "clamp"), ("subtract", "sub"), ("multiply", "mul"),
+    ("divide", "div"), ("not_equal", "ne"), ("less", "lt"), ("less_equal", "le"), ("greater", "gt"),
+    ("greater_equal", "ge"))})
 """torch's function name -> ``rule(V, *args, **kwargs)``, the traced expression it builds from the
 vocabulary ``V`` (``V.lift``, ``V.ix``); ``Tensor`` methods and operators meeting a traced index
 are a captured tensor (:func:`_captured`)."""
@@ -162,8 +169,7 @@ def tensor_method(self, name: str, lift, ix):
     if rule is None:
         raise AttributeError(name if name.startswith("_") else
                              f"a traced index expression has no method {name!r}; torch's methods it follows: "
-                             f"{', '.join(sorted(n for n in _RULES if not n.startswith('_') and n not in _NOT_METHODS))}"
-                             f", where, clamp, new_ones, new_zeros")
+                             f"{', '.join(sorted(n for n in _RULES if not n.startswith('_') and n not in _NOT_METHODS))}")
     return lambda *args, **kwargs: rule(_Vocabulary(lift, ix), self, *args, **kwargs)
 
 
