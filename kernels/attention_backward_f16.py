@@ -57,7 +57,7 @@ from napkin_cat.lowering.runtime import simulator_active
 
 from numba import int16
 
-from napkin_cat.lowering.tensorcore import mma_f16, pack_f16, h2f, f2h, ldsm_x4, ldsm_x4_t, ldsm_x2, ldsm_x2_t, pin, cp_async16, cp_async16_f32, cp_async_wait_all, cp_async_commit, cp_async_wait1, cp_async_wait2, red_add2, wgmma_fence, wgmma_commit, fence_proxy_async, wgmma_desc16, wgmma_f16_n32, wgmma_f16_n32_ss, wgmma_f16_n32_ss_z, wgmma_f16_n32_z, wgmma_f16_n64, wgmma_f16_n64_ss, wgmma_f16_n64_ss_z, wgmma_f16_n64_z, wgmma_wait1_n32, wgmma_wait1_n64, wgmma_wait2_n32, wgmma_wait2_n64, wgmma_wait_n32, wgmma_wait_n64, mbar_init, mbar_fence_init, mbar_expect, mbar_wait, tma_load1, tma_load2, tma_load3, tma_load4, tma_load5, bar_named, bar_arrive, setmaxnreg_dec_24, setmaxnreg_inc_240  # noqa: F401
+from napkin_cat.lowering.tensorcore import mma_f16, pack_f16, h2f, f2h, ldsm_x4, ldsm_x4_t, ldsm_x2, ldsm_x2_t, pin, cp_async16, cp_async16_f32, cp_async_wait_all, cp_async_commit, cp_async_wait1, cp_async_wait2, red_add2, st_pair16, wgmma_fence, wgmma_commit, fence_proxy_async, wgmma_desc16, wgmma_f16_n32, wgmma_f16_n32_ss, wgmma_f16_n32_ss_z, wgmma_f16_n32_z, wgmma_f16_n64, wgmma_f16_n64_ss, wgmma_f16_n64_ss_z, wgmma_f16_n64_z, wgmma_wait1_n32, wgmma_wait1_n64, wgmma_wait2_n32, wgmma_wait2_n64, wgmma_wait_n32, wgmma_wait_n64, mbar_init, mbar_fence_init, mbar_expect, mbar_wait, tma_load1, tma_load2, tma_load3, tma_load4, tma_load5, bar_named, bar_arrive, setmaxnreg_dec_24, setmaxnreg_inc_240  # noqa: F401
 
 ZERO16 = int16(0)
 
@@ -479,14 +479,20 @@ def attention_backward_f16(Q, K, V, L, dO, D, dQ, dK, dV, Q_tmap, L_tmap, dO_tma
     tx = tid % U4
     for i in range(U2):
         i_x10 = ty // U8 * U16 + ty % U8 + i // U2 * U16 + i % U2 * U8
+        dV_pair = cuda.local.array(2, float32)  # a column pair of dV, stored as one word
         for j in range(U16):
             i_d7 = tx * U2 + j // U2 * U8 + j % U2
-            dV[(h0 * N_x + (x0 + i_x10)) * N_d + i_d7] = f2h(dV_o[i, j])
+            dV_pair[j % U2] = dV_o[i, j]
+            if j % U2 == U1:
+                st_pair16(dV, (h0 * N_x + (x0 + i_x10)) * N_d + i_d7 - U1, pack_f16(dV_pair[0], dV_pair[1]))
     # dK[h=16 x=4096 d=64] f16 = dK: finalise sum_contract  (tensor-core fragments over (x, d): 8x1 warps in 2 warpgroup(s), each warp 16x64: 1 wgmma.m64n64k16 per warpgroup and step (f16 in, A from registers or, an input's, by descriptor, B from shared memory, fp32 accumulators; requires x % 128, reduced extent % 16))
     ty = tid // U4
     tx = tid % U4
     for i in range(U2):
         i_x11 = ty // U8 * U16 + ty % U8 + i // U2 * U16 + i % U2 * U8
+        dK_pair = cuda.local.array(2, float32)  # a column pair of dK, stored as one word
         for j in range(U16):
             i_d8 = tx * U2 + j // U2 * U8 + j % U2
-            dK[(h0 * N_x + (x0 + i_x11)) * N_d + i_d8] = f2h(dK_o[i, j])
+            dK_pair[j % U2] = dK_o[i, j]
+            if j % U2 == U1:
+                st_pair16(dK, (h0 * N_x + (x0 + i_x11)) * N_d + i_d8 - U1, pack_f16(dK_pair[0], dK_pair[1]))

@@ -306,6 +306,7 @@ def _features(kernel) -> set[str]:
     for marker, feat in (("tensor-core fragments", "fragments"), ("weights stay in registers", "mma-registers"),
                          ("ldsm_x4(", "ldmatrix"), ("_t(smem16", "ldmatrix-trans"), ("cp_async16(", "cp.async"),
                          ("cp_async16_f32(", "cp.async-f32"), ("red_add2(", "paired-atomic"),
+                         ("st_pair16(", "paired-global"),
                          ("cp_async_wait1()", "cp.async-pipeline"), ("pack_f16(smem", "packed-operand"),
                          ("pack_f16((smem", "packed-operand"), ("pack_bf16(smem", "packed-operand"),
                          ("pack_bf16((smem", "packed-operand"), ("written out row by row", "fragment-rows"),

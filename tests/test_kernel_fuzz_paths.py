@@ -34,7 +34,8 @@ and asserted by name to reach its path (:func:`test_kernel_fuzz._features`):
   ``tensorcore.red_add2``); ``L`` and ``D`` read once per fragment column where queries are the
   columns (``column-values``, :func:`napkin_cat.lowering.column_values.column_value`); 16-bit
   intermediates stored a fragment column pair per word (``paired-store``,
-  :mod:`napkin_cat.lowering.paired_stores`);
+  :mod:`napkin_cat.lowering.paired_stores`), and 16-bit outputs to global memory alike
+  (``paired-global``, :func:`napkin_cat.lowering.paired_stores.global_pair`);
 * ``tf32x3``: fp32 backward parts on 3xTF32 fragments (``tf32x3``), the one kernel with its dQ
   atomics among them (``tf32x3-atomic``), with or without ``prefetch="auto"``'s double buffers
   (``double-buffered``: staged through registers where an fp32 input's rows are not whole 16-byte
@@ -851,10 +852,10 @@ EXPECTED_FEATURES = {"reindex": {"reindex", "reindex-predicate", "gather-kernel"
                      "split_reduction": {"atomic"}, "logsumexp": {"lse-from-stats"},
                      "sixteen_bit": {"16-bit-operand", "ldmatrix-trans", "fragment-rows", "table-versions",
                                      "register-copy", "frag-operand", "wgmma", "cp.async-f32", "paired-atomic",
-                                     "column-values", "paired-store"},
+                                     "column-values", "paired-store", "paired-global"},
                      "aux_in_place": {"aux-in-place", "aux-in-place-table", "fragments", "batch-table"},
                      "index_masks": {"quotient-bound", "block-quotient", "skipped-arithmetic", "unswitched", "fragments", "ragged-chunk",
-                                     "row-terms"},
+                                     "row-terms", "paired-global"},
                      "gqa_backward": {"nested-streams", "nested-skip", "atomic", "fragments", "ragged-chunk"},
                      "grouped_table": {"grouped-table", "fragments", "ragged-chunk"},
                      "table_reads": {"table-versions", "table-entries", "warp-entries", "table-loops", "fragments",

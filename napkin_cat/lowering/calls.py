@@ -256,8 +256,8 @@ class _TorchFastPath:
             if len(outs) != len(self.out_shapes) or pads:   # out= of padded rows: the general path copies
                 return None
             for o, shape, dtype in zip(outs, self.out_shapes, self.out_dtypes):
-                if not self._fits(o, shape, dtype) or o.requires_grad:
-                    return None
+                if not self._fits(o, shape, dtype) or o.requires_grad or o.data_ptr() % io.OUT_ALIGN:
+                    return None   # the general path refuses a 16-bit out= off a word (io.check_out)
             for i in self.zeroed:
                 outs[i].zero_()
         pointers += [o.data_ptr() for o in outs]

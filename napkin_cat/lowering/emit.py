@@ -17,7 +17,7 @@ from ..core.errors import LoweringError
 from ..relabel.loopnest import Compute, Finalise, Init, Load, Loop, Store, Update
 from .atomics import atomic_add, atomic_add_pair, check_added_outputs
 from .column_values import column_value
-from .paired_stores import adds_pairs, column_pair, stored_pair
+from .paired_stores import adds_pairs, column_pair, global_pair, stored_pair
 from .emit_acc import ACC_CODEGEN
 from .emit_kinds import CODEGEN_RULES, scaled_exponent
 from . import issue_ahead, producer, reindex, staged_add
@@ -565,7 +565,7 @@ class Emitter(Loads, Phases):
                                                 f"{pair}[0]", f"{pair}[1]"))
                     elif t.var in self.added:          # blocks add into it, a word at a time
                         src(atomic_add(out, self.gindex(arr, env), val))
-                    else:
+                    elif not global_pair(self, t, arr, env, val, out, src):   # 16-bit pairs: one word
                         src(f"{out}[{self.gindex(arr, env)}] = {self.gvalue(arr, val)}")
 
     def _emit_target(self, t: Target, src: Source):

@@ -99,3 +99,25 @@ def check_out(what: str, o, shape, io: str, kind: str) -> None:
     if tuple(o.shape) != tuple(shape) or str(o.dtype).replace("torch.", "") not in want:
         raise ShapeError(f"{what}: expected {want[0]} of shape {tuple(shape)}, got "
                          f"{o.dtype} of shape {tuple(o.shape)}")
+    address = _device_address(o, kind)
+    if io != "f32" and address is not None and address % OUT_ALIGN:
+        raise ShapeError(f"{what}: a {io} output must start on a {OUT_ALIGN}-byte boundary (the kernel stores "
+                         f"column pairs as one 32-bit word); this one starts at byte {address % OUT_ALIGN} "
+                         f"of a word (a view such as t[1:]): pass a tensor of its own")
+
+
+OUT_ALIGN = 4
+"""Bytes a 16-bit output on a GPU starts on: tensor-core fragments store a column pair as one word
+(:func:`.paired_stores.global_pair`)."""
+
+
+def _device_address(o, kind: str) -> int | None:
+    """The address of ``o``'s first element in device memory, where the kernel writes it in place."""
+    if kind == "torch_cuda":
+        return o.data_ptr()
+    if kind in ("device", "cai"):
+        ptr = getattr(getattr(o, "device_ctypes_pointer", None), "value", None)
+        if ptr is None and hasattr(o, "__cuda_array_interface__"):
+            ptr = o.__cuda_array_interface__["data"][0]
+        return ptr
+    return None

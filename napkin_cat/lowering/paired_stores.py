@@ -7,7 +7,9 @@ fragments' column axis last (:func:`prefer_columns`), so lane ``(g, t)``'s colum
 (:func:`stored_pair`) instead of two 16-bit stores and their byte permutes.  ``ldmatrix`` reads
 either orientation (``.trans`` where needed), so the readers are unchanged.  The same column pairs
 go as one reduction into an output blocks add into (:meth:`.emit.Emitter.write_target`,
-:func:`.atomics.atomic_add_pair`): both collect them by :func:`column_pair`.
+:func:`.atomics.atomic_add_pair`), and as one 32-bit store into a 16-bit output in global memory
+(:func:`global_pair`: a warp's store then fills 16 of a sector's 32 bytes, not 8): all collect
+them by :func:`column_pair`.
 """
 
 from __future__ import annotations
@@ -84,3 +86,19 @@ def adds_pairs(em, t, arr, env, paired: bool = True) -> bool:
         return False
     a = em.ax[t.mapping.col]
     return a.size % 2 == 0 and a.cap % 2 == 0
+
+
+def global_pair(em, t, arr, env, val: str, out: str, src) -> bool:
+    """Store 16-bit output ``arr``'s value ``val`` a fragment column pair per 32-bit word
+    (``st_pair16``; the output starts on a 4-byte boundary, :func:`.io.check_out`).  False (nothing
+    emitted) where that does not apply: not 16-bit, not fragments, the column axis not last or of
+    odd extent."""
+    dt = DTYPES.get(arr.dtype.name)
+    if not (PAIRED_STORES and dt and arr.axis_names and fragment_pairs(t.mapping, env, arr.axis_names[-1])):
+        return False
+    a = em.ax[t.mapping.col]
+    if a.size % 2 or a.cap % 2:
+        return False
+    with column_pair(em, arr.name, "stored as one word", val, env, src) as pair:
+        src(f"st_pair16({out}, {em.gindex(arr, env)} - {em.consts.u(1)}, {dt.pack}({pair}[0], {pair}[1]))")
+    return True

@@ -230,6 +230,14 @@ extern "C" __device__ int nc_red_add2(int* ret, unsigned long long p, float a, f
   return 0;
 }
 
+// Store a packed pair of 16-bit values (one 32-bit word, low half first) at p (4-byte aligned):
+// a fragment's column pair in one store.
+extern "C" __device__ int nc_st_pair16(int* ret, unsigned long long p, unsigned w) {
+  asm volatile("st.global.b32 [%0], %1;\n" :: "l"(p), "r"(w) : "memory");
+  *ret = 0;
+  return 0;
+}
+
 // Wait for every cp.async this thread issued (then a barrier makes them visible to the block).
 extern "C" __device__ int nc_cp_async_wait_all(int* ret) {
   asm volatile("cp.async.wait_all;\n" ::: "memory");

@@ -85,11 +85,12 @@ DTYPES = {
 
 SHARED_PRIMITIVES = ("ldsm_x4", "ldsm_x4_t", "ldsm_x2", "ldsm_x2_t", "pin",
                      "cp_async16", "cp_async16_f32", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1",
-                     "cp_async_wait2", "red_add2")
+                     "cp_async_wait2", "red_add2", "st_pair16")
 """The primitives every 16-bit kernel imports, whatever its dtype (beside its dtype's four);
 ``cp_async16_f32(smem, soff, src, goff, valid)`` copies 4 fp32 words (offsets in words), as
 ``cp_async16`` copies 8 16-bit elements; ``red_add2(out, idx, a, b)`` adds two adjacent fp32
-values atomically (``idx`` even: a tensor-core fragment's column pair, one reduction)."""
+values atomically (``idx`` even: a tensor-core fragment's column pair, one reduction), as
+``st_pair16(out, idx, word)`` stores a packed pair of 16-bit values (one word)."""
 
 FP32_COPIES = ("cp_async16_f32", "cp_async_wait_all", "cp_async_commit", "cp_async_wait1", "cp_async_wait2",
                "red_add2")
@@ -394,6 +395,10 @@ def _sim_primitives() -> dict:
         atomic.add(out, int(idx) + 1, b)
         return 0
 
+    def st_pair16(out, idx, word):
+        out[int(idx):int(idx) + 2] = np.array([word], dtype=np.uint32).view(np.int16)   # low half first
+        return 0
+
     def done():
         return 0
 
@@ -401,7 +406,7 @@ def _sim_primitives() -> dict:
                 h2f=h2f, bf2f=bf2f, f2h=f2h, f2bf=f2bf,
                 ldsm_x4=lambda a, o: _sim_ldsm(a, o, 4, False), ldsm_x4_t=lambda a, o: _sim_ldsm(a, o, 4, True),
                 ldsm_x2=lambda a, o: _sim_ldsm(a, o, 2, False), ldsm_x2_t=lambda a, o: _sim_ldsm(a, o, 2, True),
-                pin=lambda v: v, cp_async16=cp_async16, cp_async16_f32=cp_async16_f32, red_add2=red_add2, cp_async_wait_all=done, cp_async_commit=done, cp_async_wait1=done,
+                pin=lambda v: v, cp_async16=cp_async16, cp_async16_f32=cp_async16_f32, red_add2=red_add2, st_pair16=st_pair16, cp_async_wait_all=done, cp_async_commit=done, cp_async_wait1=done,
                 cp_async_wait2=done, bar_named=_sim_bar_named, bar_arrive=_sim_bar_arrive,
                 mma_tf32x3=_sim_mma_tf32x3,
                 mma_tf32x3s=_sim_mma_tf32x3, pack_tf32x3=_sim_pack_tf32x3)

@@ -28,7 +28,7 @@ SIGNATURES = {
     "ldsm_x4": "UniTuple(uint32, 4)(uint32)", "ldsm_x4_t": "UniTuple(uint32, 4)(uint32)",
     "ldsm_x2": "UniTuple(uint32, 2)(uint32)", "ldsm_x2_t": "UniTuple(uint32, 2)(uint32)",
     "pin": "uint32(uint32)", "cp_async16": "int32(uint32, uint64, int32)", "cp_async_wait_all": "int32()",
-    "red_add2": "int32(uint64, float32, float32)",
+    "red_add2": "int32(uint64, float32, float32)", "st_pair16": "int32(uint64, uint32)",
     "cp_async_commit": "int32()", "cp_async_wait1": "int32()", "cp_async_wait2": "int32()",
     "wgmma_fence": "int32()", "wgmma_commit": "int32()", "fence_proxy_async": "int32()",
     "bar_named": "int32(uint32, uint32)", "bar_arrive": "int32(uint32, uint32)",
@@ -89,7 +89,7 @@ pin = _linked["pin"]
 _cp16, cp_async_wait_all = _linked["cp_async16"], _linked["cp_async_wait_all"]
 cp_async_commit, cp_async_wait1 = _linked["cp_async_commit"], _linked["cp_async_wait1"]
 cp_async_wait2 = _linked["cp_async_wait2"]
-_red2 = _linked["red_add2"]
+_red2, _st2 = _linked["red_add2"], _linked["st_pair16"]
 bar_named, bar_arrive = _linked["bar_named"], _linked["bar_arrive"]
 _bulk_add = _linked["bulk_add"]
 mma_tf32x3, mma_tf32x3s, pack_tf32x3 = _linked["mma_tf32x3"], _linked["mma_tf32x3s"], _linked["pack_tf32x3"]
@@ -135,6 +135,13 @@ def red_add2(out, idx, a, b):
     """``out[idx] += a`` and ``out[idx + 1] += b`` (fp32, ``idx`` even), atomically, as one
     reduction of two words."""
     return _red2(addr_of(out) + uint64(idx) * uint64(4), a, b)
+
+
+@cuda.jit(device=True, inline=True)
+def st_pair16(out, idx, word):
+    """``out[idx]``, ``out[idx + 1]`` (16-bit, ``idx`` even) = ``word``'s low and high halves: one
+    32-bit store."""
+    return _st2(addr_of(out) + uint64(idx) * uint64(2), word)
 
 
 @cuda.jit(device=True, inline=True)
