@@ -112,11 +112,11 @@ def _check(diagram, sizes, threads, examples=1, **opts):
 def test_fp16_flash_attention_on_fragments_matches_the_oracle():
     """The FlashAttention-2 path: scores and output on fragments, the probabilities never leave
     the registers (their C fragments are the A fragments of P V), K and Q by cp.async and
-    ldmatrix, V by ldmatrix.trans; ragged keys and queries."""
+    ldmatrix, V by ldmatrix.trans, O stored a column pair per word; ragged keys and queries."""
     flash = L.attention(q=q, x=x, d=d, dtype=nc.f16).stream(x, 16).tile(q, 16).place("O", "registers")
     k = _check(flash, {q: 20, x: 23, d: 16}, threads=32)
     body = k.source.split("@cuda.jit(fastmath")[-1]
-    for marker in ("weights stay in registers", "ldsm_x4(", "ldsm_x4_t(", "cp_async16(", "f2h("):
+    for marker in ("weights stay in registers", "ldsm_x4(", "ldsm_x4_t(", "cp_async16(", "st_pair16(O"):
         assert marker in body, marker
     assert k.diagram.cod[0].dtype is nc.f16
 
